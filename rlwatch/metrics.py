@@ -1,0 +1,189 @@
+"""The catalogue of every metric rlwatch exports.
+
+One place names each signal. Exporters (Prometheus, OpenTelemetry), the run store, the alert
+rules and the dashboards all read their names from here, so a name cannot drift between them.
+Every family carries a ``run`` label in addition to the labels listed here.
+
+Kinds:
+- ``gauge``: the value at the latest step (a per-step summary such as a p99 or k3).
+- ``counter``: a running total across steps; per step, the signals produce the increment.
+- ``histogram``: classic Prometheus buckets, filled from vectorised counts.
+- ``info``: a constant 1 with descriptive labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "rlwatch_"
+
+#: Upper bounds (inclusive) of the version-lag histogram buckets, in policy updates; +Inf follows.
+LAG_BUCKETS: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+#: Sampler-probability bins for the per-bin mismatch: [0, 0.1), [0.1, 0.5), [0.5, 0.9), [0.9, 1].
+PROB_BIN_EDGES: tuple[float, ...] = (0.1, 0.5, 0.9)
+PROB_BIN_LABELS: tuple[str, ...] = ("0.0-0.1", "0.1-0.5", "0.5-0.9", "0.9-1.0")
+
+ZERO_VARIANCE_KINDS: tuple[str, ...] = ("all_pass", "all_fail", "constant")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family. ``name`` excludes the ``rlwatch_`` prefix."""
+
+    name: str
+    kind: str
+    help: str
+    labels: tuple[str, ...] = ()
+    group: str = "step"
+    unit: str = ""
+
+    @property
+    def full_name(self) -> str:
+        return PREFIX + self.name
+
+
+def _g(name: str, help: str, group: str, labels: tuple[str, ...] = (), unit: str = "") -> MetricSpec:
+    return MetricSpec(name, "gauge", help, labels, group, unit)
+
+
+def _c(name: str, help: str, group: str, labels: tuple[str, ...] = (), unit: str = "") -> MetricSpec:
+    assert name.endswith("_total"), name
+    return MetricSpec(name, "counter", help, labels, group, unit)
+
+
+CATALOGUE: tuple[MetricSpec, ...] = (
+    # --- step and hook ---------------------------------------------------------------------
+    _g("step", "Training step of the latest observed batch.", "step"),
+    _g("trainer_version", "Policy version held by the trainer at the latest step (updates).", "step"),
+    _g("tokens", "Response tokens the trainer trains on in the latest step (mask sum).", "step"),
+    _g("sequences", "Sequences (episodes) in the latest step.", "step"),
+    _g("entropy_mean", "Mean per-token policy entropy over response tokens (nats).", "step"),
+    _g("reward_mean", "Mean episode reward in the latest step, infrastructure failures excluded.", "step"),
+    _g("reward_std", "Standard deviation of episode rewards in the latest step, failures excluded.", "step"),
+    _g("step_interval_seconds", "Wall time between the two latest observed steps.", "step", unit="seconds"),
+    _g("last_step_timestamp_seconds", "Unix time at which the latest step was observed.", "step", unit="seconds"),
+    _g("hook_compute_seconds", "rlwatch's own compute time for the latest step (signals and host sync).",
+       "hook", unit="seconds"),
+    _c("steps_total", "Steps observed.", "step"),
+    _c("tokens_total", "Response tokens observed (mask sum).", "step"),
+    _c("sequences_total", "Sequences (episodes) observed.", "step"),
+    _c("hook_compute_seconds_total", "rlwatch's own compute time, summed over steps.", "hook", unit="seconds"),
+    _c("hook_errors_total", "Errors rlwatch caught in its own code or in the observed record, by stage and kind.",
+       "hook", ("stage", "kind")),
+    _g("store_queue_depth", "Steps waiting to be written to the run store.", "hook"),
+    _c("store_dropped_steps_total", "Steps the run store could not write (queue full or write error).", "hook"),
+    _g("staleness_bound", "Configured staleness bound (policy updates).", "config"),
+    _g("is_cap", "Configured truncated-IS cap C.", "config"),
+    _g("mis_low", "Configured lower edge of the masked-IS band.", "config"),
+    _g("mis_high", "Configured upper edge of the masked-IS band.", "config"),
+    _g("sampler_temperature", "Sampling temperature the sampler reported.", "sampler"),
+    _g("sampler_top_p", "Top-p the sampler reported.", "sampler"),
+    _g("sampler_top_k", "Top-k the sampler reported (-1 or 0 when disabled).", "sampler"),
+    MetricSpec("sampler_info", "info", "Sampler settings as labels (log-prob mode).", ("logprobs_mode",), "sampler"),
+    MetricSpec("run_info", "info", "Run metadata.", ("framework", "framework_version", "rlwatch_version"), "step"),
+    _g("framework_metric", "A scalar the training framework logged itself (grad norm, loss, ...), by name.",
+       "framework", ("name",)),
+    # --- version lag ------------------------------------------------------------------------
+    MetricSpec("token_version_lag", "histogram",
+               "Per-token policy-version lag (trainer version minus the version that generated the token).",
+               (), "lag"),
+    _g("version_lag_mean", "Mean per-token version lag (updates).", "lag"),
+    _g("version_lag_p99", "99th percentile of the per-token version lag (updates).", "lag"),
+    _g("version_lag_max", "Maximum per-token version lag (updates).", "lag"),
+    _g("version_lag_sequence_max_mean", "Mean over sequences of each sequence's maximum token lag (updates).",
+       "lag"),
+    _g("version_lag_over_bound_ratio", "Fraction of tokens whose lag exceeds the staleness bound.", "lag"),
+    _g("partial_rollout_ratio", "Fraction of sequences whose tokens span more than one policy version.", "lag"),
+    _c("tokens_over_staleness_bound_total", "Tokens whose lag exceeded the staleness bound.", "lag"),
+    _c("partial_rollout_sequences_total", "Sequences whose tokens span more than one policy version.", "lag"),
+    _c("negative_lag_tokens_total", "Tokens stamped with a version newer than the trainer's (invalid).", "lag"),
+    # --- sampler-learner mismatch -----------------------------------------------------------
+    _g("mismatch_tokens", "Tokens with finite sampler and trainer log-probs in the latest step.", "mismatch"),
+    _g("mismatch_log_ratio_mean", "Mean signed log-ratio r = trainer_logp - sampler_logp (nats).", "mismatch"),
+    _g("mismatch_abs_log_ratio_mean", "Mean |r| (nats).", "mismatch"),
+    _g("mismatch_abs_log_ratio_p50", "Median |r| (nats).", "mismatch"),
+    _g("mismatch_abs_log_ratio_p99", "99th percentile of |r| (nats).", "mismatch"),
+    _g("mismatch_abs_log_ratio_max", "Maximum |r| (nats).", "mismatch"),
+    _g("mismatch_kl_k1", "KL(mu||pi_old) estimator k1 = mean(-r) (verl rollout_corr/kl).", "mismatch"),
+    _g("mismatch_kl_k2", "KL(mu||pi_old) estimator k2 = mean(r^2/2).", "mismatch"),
+    _g("mismatch_kl_k3", "KL(mu||pi_old) estimator k3 = mean(exp(r) - 1 - r) (verl rollout_corr/k3_kl).",
+       "mismatch"),
+    _g("mismatch_chi2_token", "Token chi-square mean(w^2) - 1, w = exp(r) (verl rollout_corr/chi2_token).",
+       "mismatch"),
+    _g("mismatch_chi2_sequence", "Sequence chi-square mean(exp(2 sum r)) - 1 (verl rollout_corr/chi2_seq).",
+       "mismatch"),
+    _g("mismatch_seq_log_ratio_abs_mean", "Mean over sequences of |sum of r over the sequence| (nats).",
+       "mismatch"),
+    _g("mismatch_seq_log_ratio_abs_max", "Maximum over sequences of |sum of r over the sequence| (nats).",
+       "mismatch"),
+    _g("mismatch_abs_log_ratio_by_prob", "Mean |r| by sampler probability of the token (nats).", "mismatch",
+       ("prob_bin",)),
+    _g("mismatch_tokens_by_prob", "Tokens by sampler probability bin in the latest step.", "mismatch",
+       ("prob_bin",)),
+    _g("nonfinite_tokens", "Response tokens whose sampler or trainer log-prob is NaN or infinite.", "mismatch"),
+    _c("nonfinite_tokens_total", "Response tokens with a NaN or infinite log-prob, excluded from the mismatch.",
+       "mismatch"),
+    # --- importance sampling ----------------------------------------------------------------
+    _g("is_tis_high_ratio", "Fraction of tokens with w > C, which a TIS cap truncates "
+       "(verl rollout_is_ratio_fraction_high).", "is"),
+    _g("is_tis_low_ratio", "Fraction of tokens with w < 1/C (verl rollout_is_ratio_fraction_low).", "is"),
+    _g("is_mis_masked_ratio", "Fraction of tokens with w outside the MIS band [low, high], which MIS masks.",
+       "is"),
+    _g("is_seq_tis_high_ratio", "Fraction of sequences whose weight exp(sum r) exceeds C.", "is"),
+    _g("is_seq_tis_low_ratio", "Fraction of sequences whose weight exp(sum r) is below 1/C.", "is"),
+    _g("is_seq_mis_masked_ratio", "Fraction of sequences whose weight exp(sum r) is outside the MIS band.", "is"),
+    _g("is_ess_ratio", "Normalised effective sample size (sum w)^2 / (N sum w^2) of the TIS-truncated weights "
+       "min(w, C) (verl rollout_is_eff_sample_size).", "is"),
+    _g("is_ess_raw_ratio", "Normalised effective sample size of the raw weights w.", "is"),
+    _c("is_tis_truncated_tokens_total", "Tokens with w > C (a TIS cap truncates them).", "is"),
+    _c("is_mis_masked_tokens_total", "Tokens with w outside the MIS band (MIS masks them).", "is"),
+    _c("mismatch_tokens_total", "Tokens with finite sampler and trainer log-probs.", "is"),
+    # --- groups, truncation, rewards ---------------------------------------------------------
+    _g("groups", "GRPO groups (prompts) in the latest step.", "groups"),
+    _g("zero_variance_groups_ratio", "Fraction of groups whose rewards are all equal, by kind.", "groups",
+       ("kind",)),
+    _g("zero_gradient_episodes_ratio", "Fraction of episodes in zero-variance groups (no GRPO gradient).", "groups"),
+    _c("groups_total", "GRPO groups observed.", "groups"),
+    _c("zero_variance_groups_total", "Zero-variance groups observed, by kind.", "groups", ("kind",)),
+    _g("truncated_ratio", "Fraction of responses cut by the length limit or a timeout.", "length"),
+    _g("response_length_mean", "Mean response length (tokens).", "length"),
+    _g("response_length_p99", "99th percentile of response length (tokens).", "length"),
+    _g("response_length_max", "Maximum response length (tokens).", "length"),
+    # --- per environment ---------------------------------------------------------------------
+    _g("env_episodes", "Episodes per environment in the latest step.", "env", ("env",)),
+    _g("env_reward_mean", "Mean reward per environment in the latest step (failures excluded).", "env", ("env",)),
+    _g("env_truncated_ratio", "Truncated fraction per environment.", "env", ("env",)),
+    _g("env_zero_variance_groups_ratio", "Zero-variance group fraction per environment.", "env", ("env",)),
+    _g("env_hack_ratio", "Fraction of episodes a reward-hack detector flagged, per environment and detector.",
+       "env", ("env", "detector")),
+    _g("env_failure_ratio", "Fraction of episodes that failed for an infrastructure reason, per kind.", "env",
+       ("env", "kind")),
+    _c("episodes_total", "Episodes observed per environment.", "env", ("env",)),
+    _c("episodes_truncated_total", "Truncated episodes per environment.", "env", ("env",)),
+    _c("episodes_hacked_total", "Episodes flagged as reward hacks, per environment and detector.", "env",
+       ("env", "detector")),
+    _c("episodes_failed_total", "Episodes with an infrastructure failure, per environment and kind.", "env",
+       ("env", "kind")),
+)
+
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
+
+
+def spec(name: str) -> MetricSpec:
+    """The catalogue entry for ``name`` (without prefix); KeyError names the missing metric."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no rlwatch metric named {name!r}") from None
+
+
+def exported_names() -> set[str]:
+    """Every series name the Prometheus exposition can contain (histogram suffixes included)."""
+    names: set[str] = set()
+    for s in CATALOGUE:
+        if s.kind == "histogram":
+            names.update(s.full_name + suffix for suffix in ("_bucket", "_count", "_sum"))
+        else:
+            names.add(s.full_name)
+    return names

@@ -1,0 +1,341 @@
+"""The step record: one training step's data, normalised and validated without a host sync.
+
+``build_record`` turns the keyword fields of ``Watch.observe`` (tensors on any device, numpy
+arrays, lists) into a :class:`StepRecord` whose tensors share the mask's device. A field that
+cannot be used is reported to :class:`~rlwatch.errors.HookErrors` (which raises in strict mode)
+and dropped; the rest of the record is still used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from .errors import HookErrors
+
+if TYPE_CHECKING:
+    from .signals import Workspace
+
+#: Per-token fields, [B, T] like the mask.
+TOKEN_FIELDS = ("sampler_logp", "trainer_logp", "entropy")
+#: Every field ``observe`` accepts besides ``step``.
+FIELDS = frozenset({
+    "mask", "sampler_logp", "trainer_logp", "token_version", "seq_version", "trainer_version", "rewards",
+    "group_ids", "truncated", "env", "hacked", "failed", "entropy", "temperature", "top_p", "top_k",
+    "logprobs_mode",
+})
+
+MAX_LABEL_LENGTH = 120
+DEFAULT_LABEL = "default"
+OTHER_LABEL = "other"
+
+
+@dataclass
+class StepRecord:
+    """A validated step. Tensors live on ``mask.device``; ``mask`` is float 0/1 [B, T]."""
+
+    step: int
+    mask: torch.Tensor
+    sampler_logp: torch.Tensor | None = None
+    trainer_logp: torch.Tensor | None = None
+    version: torch.Tensor | None = None            # [B, T], [B] or [B, 2]
+    trainer_version: int | None = None
+    rewards: torch.Tensor | None = None            # [B] float
+    group_ids: torch.Tensor | None = None          # [B] int64
+    truncated: torch.Tensor | None = None          # [B] bool
+    env: list[str] | None = None                   # [B] capped labels
+    env_index: torch.Tensor | None = None          # [B] int64 into env_names
+    env_names: list[str] = field(default_factory=list)
+    hacked: dict[str, torch.Tensor] = field(default_factory=dict)   # detector -> [B] bool
+    failed: list[str | None] | None = None
+    entropy: torch.Tensor | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.mask.shape[0])
+
+
+class LabelRegistry:
+    """Caps the distinct values of one label across a run: the first ``cap`` values seen keep their
+    names, later ones become ``other``. Values are made strings and truncated."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.known: dict[str, str] = {}
+
+    def clean(self, value: Any) -> tuple[str, bool]:
+        """(label, was_bad): non-strings and over-long strings are converted and flagged."""
+        bad = not isinstance(value, str)
+        text = value if isinstance(value, str) else str(value)
+        if len(text) > MAX_LABEL_LENGTH:
+            text, bad = text[:MAX_LABEL_LENGTH], True
+        return (text if text else DEFAULT_LABEL), bad
+
+    def map(self, label: str) -> tuple[str, bool]:
+        """(capped label, overflowed)."""
+        if label in self.known:
+            return self.known[label], False
+        if len(self.known) < self.cap:
+            self.known[label] = label
+            return label, False
+        return OTHER_LABEL, True
+
+
+def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+    else:
+        t = torch.as_tensor(value)
+    if device is not None and t.device != device:
+        t = t.to(device, non_blocking=True)
+    return t
+
+
+class RecordBuilder:
+    """Builds :class:`StepRecord` objects for one run, keeping label caps across steps."""
+
+    def __init__(self, errors: HookErrors, env_cap: int = 64, detector_cap: int = 32, failure_kind_cap: int = 32,
+                 group_size: int | None = None) -> None:
+        self.errors = errors
+        self.envs = LabelRegistry(env_cap)
+        self.detectors = LabelRegistry(detector_cap)
+        self.failure_kinds = LabelRegistry(failure_kind_cap)
+        self.group_size = group_size
+
+    def _bad(self, field_name: str, kind: str, message: str) -> None:
+        self.errors.report("validate", kind, message, field=field_name)
+
+    def build(self, step: Any, fields: Mapping[str, Any], ws: "Workspace | None" = None) -> StepRecord | None:
+        """Normalise ``fields``; None when the record has no usable mask. The float mask is written
+        into ``ws`` when given (valid until the next step)."""
+        unknown = sorted(set(fields) - FIELDS)
+        for name in unknown:
+            self._bad(name, "unknown_field", f"unknown field (known: {', '.join(sorted(FIELDS))})")
+        try:
+            step = int(step)
+        except (TypeError, ValueError):
+            self._bad("step", "type", f"step must be an int, got {type(step).__name__}")
+            return None
+        mask = self._mask(fields.get("mask"), ws)
+        if mask is None:
+            return None
+        B, T = mask.shape
+        device = mask.device
+        rec = StepRecord(step=step, mask=mask)
+        for name in TOKEN_FIELDS:
+            if fields.get(name) is not None:
+                setattr(rec, name, self._token_tensor(name, fields[name], mask))
+        self._versions(rec, fields, B, T, device)
+        rec.rewards = self._episode_tensor("rewards", fields.get("rewards"), B, device, float_=True)
+        rec.group_ids = self._group_ids(fields.get("group_ids"), B, device)
+        rec.truncated = self._episode_tensor("truncated", fields.get("truncated"), B, device, bool_=True)
+        self._env(rec, fields.get("env"), B, device)
+        self._hacked(rec, fields.get("hacked"), B, device)
+        rec.failed = self._failed(fields.get("failed"), B)
+        for key in ("temperature", "top_p", "top_k"):
+            value = fields.get(key)
+            if value is not None:
+                try:
+                    rec.sampling[key] = float(value)
+                except (TypeError, ValueError):
+                    self._bad(key, "type", f"expected a number, got {type(value).__name__}")
+        if fields.get("logprobs_mode") is not None:
+            rec.sampling["logprobs_mode"], _ = self.failure_kinds.clean(fields["logprobs_mode"])
+        return rec
+
+    def _mask(self, value: Any, ws: "Workspace | None") -> torch.Tensor | None:
+        if value is None:
+            self._bad("mask", "missing", "mask [B, T] is required")
+            return None
+        try:
+            m = _as_tensor(value, None)
+        except Exception as exc:  # noqa: BLE001 - any conversion failure is a bad field
+            self._bad("mask", "type", f"cannot convert to a tensor: {exc}")
+            return None
+        if m.dim() != 2:
+            self._bad("mask", "shape", f"expected [B, T], got shape {tuple(m.shape)}")
+            return None
+        out = ws.get("mask", m.shape, torch.float32, m.device) if ws is not None else None
+        if m.dtype == torch.bool:
+            return out.copy_(m) if out is not None else m.to(torch.float32)
+        if not (m.dtype.is_floating_point or m.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
+                                                          torch.uint8)):
+            self._bad("mask", "dtype", f"expected bool or 0/1 numbers, got {m.dtype}")
+            return None
+        if m.dtype.is_floating_point:
+            m = m.nan_to_num(0.0)
+        nonzero = m != 0
+        return out.copy_(nonzero) if out is not None else nonzero.to(torch.float32)
+
+    def _token_tensor(self, name: str, value: Any, mask: torch.Tensor) -> torch.Tensor | None:
+        try:
+            t = _as_tensor(value, None)
+        except Exception as exc:  # noqa: BLE001
+            self._bad(name, "type", f"cannot convert to a tensor: {exc}")
+            return None
+        if tuple(t.shape) != tuple(mask.shape):
+            self._bad(name, "shape", f"shape {tuple(t.shape)} does not match mask {tuple(mask.shape)}")
+            return None
+        if t.device != mask.device:
+            self._bad(name, "device", f"on {t.device} while mask is on {mask.device}; moved", )
+            t = t.to(mask.device)
+        if not t.dtype.is_floating_point:
+            self._bad(name, "dtype", f"expected floating point log-probs, got {t.dtype}; cast")
+            t = t.to(torch.float32)
+        return t
+
+    def _episode_tensor(self, name: str, value: Any, B: int, device: torch.device, float_: bool = False,
+                        bool_: bool = False) -> torch.Tensor | None:
+        if value is None:
+            return None
+        try:
+            t = _as_tensor(value, device).reshape(-1)
+        except Exception as exc:  # noqa: BLE001
+            self._bad(name, "type", f"cannot convert to a tensor: {exc}")
+            return None
+        if t.numel() != B:
+            self._bad(name, "shape", f"{t.numel()} values for {B} sequences")
+            return None
+        if bool_:
+            return t.to(torch.bool) if t.dtype == torch.bool else t != 0
+        if float_:
+            return t.to(torch.float64).nan_to_num(0.0, 0.0, 0.0)
+        return t
+
+    def _versions(self, rec: StepRecord, fields: Mapping[str, Any], B: int, T: int, device: torch.device) -> None:
+        name = "token_version" if fields.get("token_version") is not None else "seq_version"
+        value = fields.get(name)
+        tv = fields.get("trainer_version")
+        if tv is not None:
+            try:
+                tv_f = float(tv.item() if isinstance(tv, torch.Tensor) else tv)
+                if not math.isfinite(tv_f):
+                    raise ValueError("not finite")
+                rec.trainer_version = int(tv_f)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                self._bad("trainer_version", "type", f"expected an int: {exc}")
+        if value is None:
+            return
+        if rec.trainer_version is None:
+            self._bad(name, "missing_trainer_version", "versions given without trainer_version; lag skipped")
+            return
+        try:
+            v = _as_tensor(value, device)
+        except Exception as exc:  # noqa: BLE001
+            self._bad(name, "type", f"cannot convert to a tensor: {exc}")
+            return
+        ok_shape = (tuple(v.shape) == (B, T)) or (tuple(v.shape) == (B,)) or (tuple(v.shape) == (B, 2))
+        if not ok_shape:
+            self._bad(name, "shape", f"shape {tuple(v.shape)}: expected [B, T]={B, T}, [B] or [B, 2]")
+            return
+        if v.dtype.is_floating_point:
+            v = v.nan_to_num(0.0, 0.0, 0.0).round()
+        elif v.dtype == torch.bool:
+            v = v.to(torch.int64)
+        rec.version = v
+
+    def _group_ids(self, value: Any, B: int, device: torch.device) -> torch.Tensor | None:
+        if value is None:
+            return None
+        if not isinstance(value, torch.Tensor):
+            try:
+                items = list(value)
+            except TypeError:
+                self._bad("group_ids", "type", f"expected [B] ids, got {type(value).__name__}")
+                return None
+            if items and not all(isinstance(x, (int, bool)) or hasattr(x, "__index__") for x in items):
+                # String (or other hashable) ids such as verl's uid: number them on the host.
+                numbering: dict[Any, int] = {}
+                try:
+                    items = [numbering.setdefault(x, len(numbering)) for x in items]
+                except TypeError:
+                    self._bad("group_ids", "type", "ids must be hashable")
+                    return None
+            value = items
+        t = self._episode_tensor("group_ids", value, B, device)
+        if t is None:
+            return None
+        if t.dtype.is_floating_point:
+            t = t.nan_to_num(0.0, 0.0, 0.0)
+        return t.to(torch.int64)
+
+    def _labels(self, name: str, value: Any, B: int) -> list[Any] | None:
+        if isinstance(value, str):
+            return [value] * B
+        try:
+            items = value.tolist() if hasattr(value, "tolist") else list(value)
+        except TypeError:
+            self._bad(name, "type", f"expected {B} labels or one string, got {type(value).__name__}")
+            return None
+        if len(items) != B:
+            self._bad(name, "shape", f"{len(items)} labels for {B} sequences")
+            return None
+        return items
+
+    def _env(self, rec: StepRecord, value: Any, B: int, device: torch.device) -> None:
+        items = self._labels("env", value if value is not None else DEFAULT_LABEL, B)
+        if items is None:
+            items = [DEFAULT_LABEL] * B
+        names: dict[str, int] = {}
+        index: list[int] = []
+        labels: list[str] = []
+        cache: dict[Any, str] = {}
+        bad_label = overflow = False
+        for item in items:                      # one pass over episodes (not tokens), host strings
+            try:
+                label = cache[item]
+            except (KeyError, TypeError):
+                text, bad = self.envs.clean(item)
+                label, over = self.envs.map(text)
+                bad_label |= bad
+                overflow |= over
+                try:
+                    cache[item] = label
+                except TypeError:
+                    pass
+            labels.append(label)
+            index.append(names.setdefault(label, len(names)))
+        if bad_label:
+            self._bad("env", "label", f"non-string or over-long ({MAX_LABEL_LENGTH}+ chars) labels converted")
+        if overflow:
+            self._bad("env", "label_cap", f"more than {self.envs.cap} distinct environments; the rest "
+                                          f"are counted as '{OTHER_LABEL}'")
+        rec.env = labels
+        rec.env_names = list(names)
+        rec.env_index = torch.tensor(index, dtype=torch.int64).to(device, non_blocking=True)
+
+    def _hacked(self, rec: StepRecord, value: Any, B: int, device: torch.device) -> None:
+        if value is None:
+            return
+        flags = value if isinstance(value, Mapping) else {DEFAULT_LABEL: value}
+        for name, v in flags.items():
+            text, bad = self.detectors.clean(name)
+            label, over = self.detectors.map(text)
+            if bad or over:
+                self._bad("hacked", "label", f"detector name {text[:40]!r} converted or over the cap")
+            t = self._episode_tensor(f"hacked[{label}]", v, B, device, bool_=True)
+            if t is not None:
+                rec.hacked[label] = t if label not in rec.hacked else (rec.hacked[label] | t)
+
+    def _failed(self, value: Any, B: int) -> list[str | None] | None:
+        if value is None:
+            return None
+        items = self._labels("failed", value, B)
+        if items is None:
+            return None
+        out: list[str | None] = []
+        for item in items:
+            if item is None or item is False or item == "":
+                out.append(None)
+                continue
+            text, bad = self.failure_kinds.clean(item if item is not True else "failed")
+            label, over = self.failure_kinds.map(text)
+            if bad or over:
+                self._bad("failed", "label", "failure kind converted or over the cap")
+            out.append(label)
+        return out
+
