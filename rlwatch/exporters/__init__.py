@@ -1,0 +1,1 @@
+"""Exporters: Prometheus (pull and push) and OpenTelemetry, each reading one run's snapshot."""

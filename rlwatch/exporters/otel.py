@@ -1,0 +1,107 @@
+"""OpenTelemetry export (extra ``otel``): the same families through a MeterProvider.
+
+Gauges become observable gauges and counters observable counters (named without ``_total``;
+OpenTelemetry's Prometheus translation appends it again), all carrying a ``run`` attribute.
+OpenTelemetry has no way to record a pre-aggregated histogram, and recording the lag of every
+token one by one is exactly what rlwatch avoids, so the version-lag histogram is exported as the
+cumulative counter ``rlwatch_token_version_lag_tokens{le=...}`` (tokens with lag <= le), which
+carries the same information as Prometheus' ``_bucket`` series.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+from ..metrics import CATALOGUE, LAG_BUCKETS, MetricSpec
+from ..state import MetricState, Snapshot
+
+
+class OTelExporter:
+    """Registers one observable instrument per catalogue family on ``provider``'s meter."""
+
+    def __init__(self, state: MetricState, provider: Any = True, refresh: Callable[[], None] | None = None,
+                 snapshot_ttl: float = 0.5) -> None:
+        from opentelemetry import metrics as otel_metrics
+        from opentelemetry.metrics import Observation
+
+        from .. import __version__
+
+        if provider is True or provider is None:
+            provider = otel_metrics.get_meter_provider()
+        self.provider = provider
+        self._state = state
+        self._refresh = refresh
+        self._ttl = snapshot_ttl
+        self._cached: tuple[float, Snapshot] | None = None
+        self._lock = threading.Lock()
+        self._Observation = Observation
+        meter = provider.get_meter("rlwatch", __version__)
+        self.instruments = []
+        for spec in CATALOGUE:
+            if spec.kind == "gauge":
+                self.instruments.append(meter.create_observable_gauge(
+                    spec.full_name, callbacks=[self._gauge_callback(spec)], unit=spec.unit, description=spec.help))
+            elif spec.kind == "info":
+                self.instruments.append(meter.create_observable_gauge(
+                    spec.full_name, callbacks=[self._info_callback(spec)], description=spec.help))
+            elif spec.kind == "counter":
+                self.instruments.append(meter.create_observable_counter(
+                    spec.full_name[: -len("_total")], callbacks=[self._counter_callback(spec)], unit=spec.unit,
+                    description=spec.help))
+            elif spec.kind == "histogram":
+                self.instruments.append(meter.create_observable_counter(
+                    spec.full_name + "_tokens", callbacks=[self._histogram_callback(spec)],
+                    description=spec.help + " Cumulative token counts by upper bound le."))
+
+    def _snapshot(self) -> Snapshot:
+        with self._lock:
+            now = time.monotonic()
+            if self._cached is None or now - self._cached[0] > self._ttl:
+                if self._refresh is not None:
+                    self._refresh()
+                self._cached = (now, self._state.snapshot())
+            return self._cached[1]
+
+    def _attributes(self, spec: MetricSpec, run: str, labels: tuple[str, ...]) -> dict[str, str]:
+        return {"run": run, **dict(zip(spec.labels, labels))}
+
+    def _gauge_callback(self, spec: MetricSpec) -> Callable:
+        def callback(options: Any) -> Iterable:
+            snap = self._snapshot()
+            for labels, value in snap.gauges.get(spec.name, {}).items():
+                yield self._Observation(value, self._attributes(spec, snap.run, labels))
+        return callback
+
+    def _info_callback(self, spec: MetricSpec) -> Callable:
+        def callback(options: Any) -> Iterable:
+            snap = self._snapshot()
+            for labels in snap.info.get(spec.name, {}):
+                yield self._Observation(1, self._attributes(spec, snap.run, labels))
+        return callback
+
+    def _counter_callback(self, spec: MetricSpec) -> Callable:
+        def callback(options: Any) -> Iterable:
+            snap = self._snapshot()
+            for labels, value in snap.counters.get(spec.name, {}).items():
+                yield self._Observation(value, self._attributes(spec, snap.run, labels))
+        return callback
+
+    def _histogram_callback(self, spec: MetricSpec) -> Callable:
+        def callback(options: Any) -> Iterable:
+            snap = self._snapshot()
+            hist = snap.histograms.get(spec.name)
+            if hist is None:
+                return
+            running = 0.0
+            for bound, count in zip([str(b) for b in LAG_BUCKETS] + ["+Inf"], hist[0]):
+                running += count
+                yield self._Observation(running, {"run": snap.run, "le": bound})
+        return callback
+
+    def close(self) -> None:
+        """Instruments live as long as the provider; a final collection is up to its readers."""
+        force_flush = getattr(self.provider, "force_flush", None)
+        if callable(force_flush):
+            force_flush()

@@ -1,0 +1,202 @@
+"""Prometheus export: a collector over the run's snapshot, an HTTP endpoint, and a push mode.
+
+The collector yields every family of :data:`rlwatch.metrics.CATALOGUE` from one
+:class:`~rlwatch.state.Snapshot`, so a scrape reads one consistent step and computes nothing.
+The endpoint binds 127.0.0.1 unless told otherwise, and can serve TLS and HTTP basic auth.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import hmac
+import socket
+import ssl
+import threading
+from socketserver import ThreadingMixIn
+from typing import Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric)
+
+from ..errors import PortInUseError
+from ..metrics import CATALOGUE, LAG_BUCKETS
+from ..state import MetricState
+
+
+class RLWatchCollector:
+    """A prometheus_client collector over a :class:`MetricState`."""
+
+    def __init__(self, state: MetricState, extra: Callable[[], None] | None = None) -> None:
+        self.state = state
+        self._refresh = extra  # called before each snapshot (folds in hook error totals)
+
+    def collect(self) -> Iterable[Metric]:
+        if self._refresh is not None:
+            self._refresh()
+        snap = self.state.snapshot()
+        run = snap.run
+        for spec in CATALOGUE:
+            labels = ["run", *spec.labels]
+            if spec.kind in ("gauge", "info"):
+                family = snap.gauges.get(spec.name) if spec.kind == "gauge" else snap.info.get(spec.name)
+                if not family:
+                    continue
+                metric = GaugeMetricFamily(spec.full_name, spec.help, labels=labels, unit="")
+                for label_values, value in sorted(family.items()):
+                    metric.add_metric([run, *label_values], value)
+                yield metric
+            elif spec.kind == "counter":
+                family = snap.counters.get(spec.name)
+                if not family:
+                    continue
+                metric = CounterMetricFamily(spec.full_name, spec.help, labels=labels)
+                for label_values, value in sorted(family.items()):
+                    metric.add_metric([run, *label_values], value)
+                yield metric
+            elif spec.kind == "histogram":
+                hist = snap.histograms.get(spec.name)
+                if hist is None:
+                    continue
+                counts, total = hist
+                cumulative, running = [], 0.0
+                for bound, count in zip([str(float(b)) for b in LAG_BUCKETS] + ["+Inf"], counts):
+                    running += count
+                    cumulative.append((bound, running))
+                metric = HistogramMetricFamily(spec.full_name, spec.help, labels=labels)
+                metric.add_metric([run], cumulative, sum_value=total)
+                yield metric
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = False   # a taken port must fail loudly, not be shared
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - wsgiref's signature
+        pass
+
+
+def _with_basic_auth(app: Callable, username: str, password: str) -> Callable:
+    expected = base64.b64encode(f"{username}:{password}".encode()).decode()
+
+    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        header = environ.get("HTTP_AUTHORIZATION", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "basic" or not hmac.compare_digest(token.strip(), expected):
+            start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="rlwatch"'),
+                                                ("Content-Type", "text/plain")])
+            return [b"unauthorized\n"]
+        return app(environ, start_response)
+
+    return guarded
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP(S) on its own daemon threads.
+
+    port=0 picks a free port; with ``port_fallback`` a taken port moves on to the next 32 ports.
+    Raises :class:`PortInUseError` when no port could be bound.
+    """
+
+    def __init__(self, registry: CollectorRegistry, addr: str = "127.0.0.1", port: int = 9400, *,
+                 port_fallback: bool = False, certfile: str | None = None, keyfile: str | None = None,
+                 basic_auth: tuple[str, str] | None = None) -> None:
+        app = make_wsgi_app(registry)
+        if basic_auth is not None:
+            app = _with_basic_auth(app, *basic_auth)
+        candidates = [port] if (port == 0 or not port_fallback) else list(range(port, port + 33))
+        last_error: OSError | None = None
+        self._server = None
+        for candidate in candidates:
+            try:
+                self._server = make_server(addr, candidate, app, _ThreadingServer, handler_class=_QuietHandler)
+                break
+            except OSError as exc:
+                last_error = exc
+                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    break
+        if self._server is None:
+            raise PortInUseError(
+                f"cannot serve /metrics on {addr}:{port}: {last_error}. Pass port=0 for any free port, "
+                f"port_fallback=True to try the next ports, or port=None to disable the endpoint.")
+        if certfile:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(certfile, keyfile)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        self.addr = addr
+        self.port = self._server.server_address[1]
+        self.scheme = "https" if certfile else "http"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="rlwatch-metrics",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"{self.scheme}://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=5)
+            self._server = None
+
+
+def port_is_free(addr: str, port: int) -> bool:
+    """True when nothing listens on addr:port (used by tests and `rlwatch up`)."""
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as sock:
+        try:
+            sock.bind((addr, port))
+            return True
+        except OSError:
+            return False
+
+
+class PushLoop:
+    """Pushes the registry to a Pushgateway every ``interval`` seconds on a daemon thread, and once
+    more on close, for jobs too short to be scraped. Failures are reported, never raised."""
+
+    def __init__(self, registry: CollectorRegistry, gateway: str, job: str, run: str, interval: float,
+                 on_error: Callable[[str, BaseException], None], timeout: float = 5.0) -> None:
+        self.registry = registry
+        self.gateway = gateway
+        self.job = job
+        self.grouping_key = {"run": run}
+        self.interval = interval
+        self.timeout = timeout
+        self._on_error = on_error
+        self.pushes = 0
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="rlwatch-push", daemon=True)
+        self._thread.start()
+
+    def push_now(self) -> bool:
+        from prometheus_client import push_to_gateway
+
+        try:
+            push_to_gateway(self.gateway, job=self.job, registry=self.registry,
+                            grouping_key=self.grouping_key, timeout=self.timeout)
+            self.pushes += 1
+            return True
+        except Exception as exc:  # noqa: BLE001 - a down gateway must never reach the trainer
+            self._on_error("push", exc)
+            return False
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop:
+                break
+            self.push_now()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=self.timeout + 1)
+        self.push_now()

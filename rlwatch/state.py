@@ -1,0 +1,108 @@
+"""The exported state of one run: latest gauges, running counters and histogram buckets.
+
+The training thread applies each step's values in one short critical section; exporters (a
+Prometheus scrape, an OpenTelemetry collection, a push) read an immutable snapshot on their own
+threads, so a scrape always sees one consistent step and never computes anything.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .metrics import BY_NAME, LAG_BUCKETS
+
+LabelValues = tuple[str, ...]
+Family = dict[LabelValues, float]
+
+#: Gauge groups whose values persist until overwritten (settings, framework scalars); every other
+#: gauge family is replaced by each step, so a signal that was not computed goes stale at once.
+STICKY_GROUPS = frozenset({"config", "sampler", "framework", "hook"})
+
+HISTOGRAM_LABELS: tuple[str, ...] = tuple(str(b) for b in LAG_BUCKETS) + ("+Inf",)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A consistent copy of the state. ``gauges``/``counters``: name -> {label values: value};
+    ``histograms``: name -> (per-bucket counts in bucket order, sum); ``step`` is the latest step."""
+
+    run: str
+    step: int | None
+    gauges: dict[str, Family]
+    counters: dict[str, Family]
+    histograms: dict[str, tuple[list[float], float]]
+    info: dict[str, Family] = field(default_factory=dict)
+
+
+class MetricState:
+    """Accumulates step values into gauges, counters and histograms. Thread-safe."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._gauges: dict[str, Family] = {}
+        self._counters: dict[str, Family] = {}
+        self._histograms: dict[str, tuple[list[float], float]] = {}
+        self._info: dict[str, Family] = {}
+
+    def apply(self, values: dict[str, dict[LabelValues, float | None]]) -> None:
+        """Fold one step's values in (names as in :mod:`rlwatch.metrics`; unknown names ignored)."""
+        gauges: dict[str, Family] = {}
+        increments: list[tuple[str, LabelValues, float]] = []
+        hist_updates: dict[str, tuple[list[float], float]] = {}
+        info: dict[str, Family] = {}
+        for name, family in values.items():
+            spec = BY_NAME.get(name)
+            if spec is None:
+                continue
+            if spec.kind == "gauge":
+                gauges[name] = {k: v for k, v in family.items() if v is not None}
+            elif spec.kind == "counter":
+                increments.extend((name, k, v) for k, v in family.items() if v)
+            elif spec.kind == "histogram":
+                counts = [float(family.get((label,)) or 0.0) for label in HISTOGRAM_LABELS]
+                total = values.get(name + "_sum", {}).get((), 0.0) or 0.0
+                hist_updates[name] = (counts, float(total))
+            elif spec.kind == "info":
+                info[name] = {k: 1.0 for k in family}
+        with self._lock:
+            step = values.get("step", {}).get(())
+            if step is not None:
+                self._step = int(step)
+            for name in list(self._gauges):
+                if name not in gauges and BY_NAME[name].group not in STICKY_GROUPS:
+                    del self._gauges[name]
+            self._gauges.update(gauges)
+            for name, labels, inc in increments:
+                fam = self._counters.setdefault(name, {})
+                fam[labels] = fam.get(labels, 0.0) + inc
+            for name, (counts, total) in hist_updates.items():
+                old_counts, old_total = self._histograms.get(name, ([0.0] * len(counts), 0.0))
+                self._histograms[name] = ([a + b for a, b in zip(old_counts, counts)], old_total + total)
+            self._info.update(info)
+
+    def set_gauge(self, name: str, value: float, labels: LabelValues = ()) -> None:
+        with self._lock:
+            self._gauges.setdefault(name, {})[labels] = float(value)
+
+    def set_info(self, name: str, labels: LabelValues) -> None:
+        with self._lock:
+            self._info[name] = {labels: 1.0}
+
+    def set_counter(self, name: str, family: Family) -> None:
+        """Replace a counter family with totals kept elsewhere (hook errors, store drops)."""
+        with self._lock:
+            self._counters[name] = dict(family)
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return Snapshot(
+                run=self.run,
+                step=self._step,
+                gauges={k: dict(v) for k, v in self._gauges.items()},
+                counters={k: dict(v) for k, v in self._counters.items()},
+                histograms={k: (list(c), s) for k, (c, s) in self._histograms.items()},
+                info={k: dict(v) for k, v in self._info.items()},
+            )

@@ -1,0 +1,360 @@
+"""``Watch``: the one object a trainer talks to.
+
+``watch.observe(step, **fields)`` validates a step record, computes every signal on the tensors'
+device with one host transfer, and hands the host values to the exporters, the run store and the
+in-process alert evaluator. Nothing raises into the trainer unless ``strict=True``: errors are
+counted in ``rlwatch_hook_errors_total{stage,kind}`` and logged once per kind.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any, Callable, Mapping, Protocol
+
+from . import __version__
+from .errors import HookErrors, RLWatchError
+from .record import LabelRegistry, RecordBuilder
+from .signals import SignalConfig, Values, Workspace, compute_step
+from .state import MetricState
+
+logger = logging.getLogger("rlwatch")
+
+DEFAULT_PORT = 9400
+
+
+class StepListener(Protocol):
+    """Something that follows the run step by step (alert evaluator, drift detectors).
+
+    ``on_step`` may return extra values to export with the step (e.g. drift scores)."""
+
+    def on_step(self, step: int, values: Values) -> Values | None: ...
+
+    def close(self) -> None: ...
+
+
+def default_run_name() -> str:
+    return os.environ.get("RLWATCH_RUN") or time.strftime("run-%Y%m%d-%H%M%S")
+
+
+def _rank() -> tuple[int, int, int]:
+    """(global rank, local rank, world size) from the usual launcher variables."""
+    def env_int(*names: str, default: int) -> int:
+        for name in names:
+            value = os.environ.get(name)
+            if value not in (None, ""):
+                try:
+                    return int(value)
+                except ValueError:
+                    pass
+        return default
+    rank = env_int("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", default=0)
+    local = env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", default=rank)
+    world = env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", default=1)
+    return rank, local, world
+
+
+class Watch:
+    """Monitor one RL training run.
+
+    Args:
+        run: run name, the ``run`` label of every series (default: $RLWATCH_RUN or a timestamp).
+        port: /metrics port on ``addr`` (default 9400; 0 = any free port; None = no endpoint).
+        addr: bind address, 127.0.0.1 unless you ask otherwise.
+        port_fallback: when the port is taken, try the next ones instead of failing.
+        store: SQLite run-store path; "auto" (default) = $RLWATCH_DIR (./rlwatch-runs)/<run>.db;
+            None disables it.
+        staleness_bound, is_cap, mis_band, reward_bounds, group_size: see :class:`SignalConfig`.
+        env_cap: distinct environment labels kept per run; the rest become "other".
+        strict: raise on any error (tests); default False counts and logs instead.
+        pushgateway: URL of a Pushgateway to push to every ``push_interval`` seconds and at close.
+        otel: an OpenTelemetry MeterProvider (or True for the global one) to export through.
+        alerts: evaluate the alert catalogue in-process (default: whenever a store is written).
+        notifiers: alert notifiers (webhook, Slack) for the in-process evaluator.
+        all_ranks: export from every rank (run label "<run>-rank<N>", port + local rank) instead
+            of rank 0 only.
+        tls_certfile, tls_keyfile, basic_auth: protect /metrics with TLS and/or (user, password).
+        framework, framework_version, metadata: recorded in the store and ``rlwatch_run_info``.
+    """
+
+    def __init__(self, run: str | None = None, *, port: int | None = DEFAULT_PORT, addr: str = "127.0.0.1",
+                 port_fallback: bool = False, store: str | None = "auto", staleness_bound: float = 4.0,
+                 is_cap: float = 2.0, mis_band: tuple[float, float] = (0.5, 5.0), env_cap: int = 64,
+                 reward_bounds: tuple[float, float] | None = None, group_size: int | None = None,
+                 strict: bool = False, pushgateway: str | None = None, push_interval: float = 10.0,
+                 otel: Any = None, alerts: bool | None = None, notifiers: tuple = (),
+                 all_ranks: bool = False, tls_certfile: str | None = None, tls_keyfile: str | None = None,
+                 basic_auth: tuple[str, str] | None = None, framework: str = "custom",
+                 framework_version: str = "", metadata: Mapping[str, Any] | None = None,
+                 alert_overrides: Mapping[str, float] | None = None,
+                 listeners: tuple[StepListener, ...] = ()) -> None:
+        self.errors = HookErrors(strict=strict)
+        self.strict = strict
+        rank, local_rank, world = _rank()
+        self.rank = rank
+        self.active = rank == 0 or all_ranks
+        base_run = run or default_run_name()
+        self.run = f"{base_run}-rank{rank}" if all_ranks and world > 1 else base_run
+        self.config = SignalConfig(staleness_bound=staleness_bound, is_cap=is_cap, mis_band=tuple(mis_band),
+                                   reward_bounds=reward_bounds, group_size=group_size)
+        self.state = MetricState(self.run)
+        self._lock = threading.Lock()
+        self._workspace = Workspace()
+        self._builder = RecordBuilder(self.errors, env_cap=env_cap, group_size=group_size)
+        self._scalar_names = LabelRegistry(256)
+        self._last_time: float | None = None
+        self._compute_total = 0.0
+        self._closed = False
+        self.server = None
+        self.store = None
+        self.push = None
+        self.otel = None
+        self.listeners: list[StepListener] = list(listeners)
+        self.metadata = dict(metadata or {})
+        self.metadata.update(framework=framework, framework_version=framework_version,
+                             rlwatch_version=__version__, config=self.config.__dict__, rank=rank,
+                             world_size=world)
+        if not self.active:
+            logger.info("rlwatch: rank %d is not rank 0; this process exports nothing (all_ranks=False)", rank)
+            return
+        self.state.set_info("run_info", (framework, framework_version, __version__))
+        for name, value in (("staleness_bound", staleness_bound), ("is_cap", is_cap), ("mis_low", mis_band[0]),
+                            ("mis_high", mis_band[1])):
+            self.state.set_gauge(name, value)
+        self._start_store(store)
+        self._start_server(port, addr, port_fallback, tls_certfile, tls_keyfile, basic_auth,
+                           local_rank if all_ranks else 0)
+        if pushgateway:
+            self._start_push(pushgateway, push_interval)
+        if otel:
+            self._start_otel(otel)
+        if alerts is None:
+            alerts = self.store is not None
+        if alerts:
+            self._start_alerts(notifiers, alert_overrides or {})
+
+    # --- start-up of the optional parts ---------------------------------------------------------
+
+    def _guard(self, stage: str, kind: str, func: Callable[[], Any]) -> Any:
+        try:
+            return func()
+        except RLWatchError as exc:
+            self.errors.report(stage, kind, str(exc), exc=exc)
+        except Exception as exc:  # noqa: BLE001 - never raise into the trainer
+            self.errors.report(stage, kind, f"{type(exc).__name__}: {exc}", exc=exc)
+        return None
+
+    def _start_store(self, store: str | None) -> None:
+        if not store:
+            return
+        path = os.path.join(os.environ.get("RLWATCH_DIR", "rlwatch-runs"), f"{_safe_filename(self.run)}.db") \
+            if store == "auto" else store
+        from .store import RunStore
+
+        def on_error(kind: str, exc: BaseException) -> None:
+            self.errors.report("store", kind, f"{type(exc).__name__}: {exc}", raise_in_strict=False)
+
+        self.store = self._guard("store", "open", lambda: RunStore(path, on_error=on_error))
+        if self.store is not None:
+            self.store.submit_run(self.run, self.metadata)
+
+    def _start_server(self, port: int | None, addr: str, fallback: bool, certfile: str | None,
+                      keyfile: str | None, basic_auth: tuple[str, str] | None, offset: int) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from .exporters.prometheus import RLWatchCollector
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(RLWatchCollector(self.state, self._refresh_health))
+        if port is None:
+            return
+        from .exporters.prometheus import MetricsServer
+
+        actual = port + offset if port else port
+        self.server = self._guard("export", "port", lambda: MetricsServer(
+            self.registry, addr, actual, port_fallback=fallback, certfile=certfile, keyfile=keyfile,
+            basic_auth=basic_auth))
+        if self.server is not None:
+            logger.info("rlwatch: serving %s (run %r)", self.server.url, self.run)
+
+    def _start_push(self, gateway: str, interval: float) -> None:
+        from .exporters.prometheus import PushLoop
+
+        def on_error(kind: str, exc: BaseException) -> None:
+            self.errors.report("export", kind, f"pushgateway {gateway}: {type(exc).__name__}: {exc}",
+                               raise_in_strict=False)
+
+        self.push = PushLoop(self.registry, gateway, "rlwatch", self.run, interval, on_error)
+
+    def _start_otel(self, provider: Any) -> None:
+        from .exporters.otel import OTelExporter
+
+        self.otel = self._guard("export", "otel", lambda: OTelExporter(self.state, provider, self._refresh_health))
+
+    def _start_alerts(self, notifiers: tuple, overrides: Mapping[str, float]) -> None:
+        try:
+            from .alerts.evaluator import AlertEvaluator
+        except ImportError:
+            return
+        evaluator = self._guard("alerts", "init", lambda: AlertEvaluator(
+            self.run, store=self.store, notifiers=notifiers, overrides=overrides, errors=self.errors))
+        if evaluator is not None:
+            self.listeners.append(evaluator)
+
+    # --- the hook ---------------------------------------------------------------------------------
+
+    def observe(self, step: int, **fields: Any) -> Values | None:
+        """Compute and export one step. Returns the step's values, or None if it could not be used."""
+        if not self.active or self._closed:
+            return None
+        with self._lock:
+            started = time.perf_counter()
+            record = self._stage("validate", "exception", lambda: self._builder.build(step, fields,
+                                                                                     self._workspace))
+            if record is None:
+                return None
+            values = self._stage("compute", "exception", lambda: compute_step(record, self.config,
+                                                                              self._workspace))
+            if values is None:
+                return None
+            elapsed = time.perf_counter() - started
+            self._after_compute(record.step, values, elapsed)
+            return values
+
+    def _stage(self, stage: str, kind: str, func: Callable[[], Any]) -> Any:
+        try:
+            return func()
+        except RLWatchError:
+            if self.strict:
+                raise
+            return None
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report(stage, type(exc).__name__, str(exc), exc=exc)
+            return None
+
+    def _after_compute(self, step: int, values: Values, elapsed: float) -> None:
+        now = time.time()
+        self._compute_total += elapsed
+        values["hook_compute_seconds"] = {(): elapsed}
+        values["hook_compute_seconds_total"] = {(): elapsed}
+        values["last_step_timestamp_seconds"] = {(): now}
+        if self._last_time is not None:
+            values["step_interval_seconds"] = {(): now - self._last_time}
+        self._last_time = now
+        self._check_values(values)
+        for listener in list(self.listeners):
+            extra = self._stage("alerts", "listener", lambda: listener.on_step(step, values))
+            if extra:
+                values.update(extra)
+        self._stage("export", "state", lambda: self.state.apply(values))
+        if self.store is not None:
+            self._stage("store", "submit", lambda: self.store.submit_step(self.run, step, values, now))
+
+    def _check_values(self, values: Values) -> None:
+        """Errors that only the computed values reveal (one host sync already happened)."""
+        negative = values.get("negative_lag_tokens_total", {}).get(())
+        if negative:
+            self.errors.report("validate", "negative_lag", f"{int(negative)} tokens carry a version newer "
+                               "than trainer_version; excluded from the lag signals", field="token_version")
+        nonfinite = values.get("nonfinite_tokens", {}).get(())
+        if nonfinite:
+            self.errors.report("validate", "nonfinite_logp", f"{int(nonfinite)} masked tokens have a NaN or "
+                               "infinite log-prob; excluded from the mismatch signals",
+                               field="sampler_logp/trainer_logp")
+        size = self.config.group_size
+        gmin, gmax = values.get("_group_size_min", {}).get(()), values.get("_group_size_max", {}).get(())
+        if size and gmin is not None and (gmin != size or gmax != size):
+            self.errors.report("validate", "group_size", f"groups have {gmin:g}..{gmax:g} episodes, expected "
+                               f"{size} (num_generations)", field="group_ids")
+
+    def _refresh_health(self) -> None:
+        """Fold rlwatch's own error and store counters into the exported state (on scrape)."""
+        self.state.set_counter("hook_errors_total", {k: float(v) for k, v in self.errors.snapshot().items()})
+        if self.store is not None:
+            self.state.set_counter("store_dropped_steps_total", {(): float(self.store.dropped)})
+            self.state.set_gauge("store_queue_depth", float(self.store.queue_depth))
+
+    def log_scalars(self, step: int, mapping: Mapping[str, Any]) -> None:
+        """Record a framework's own scalar metrics (grad norm, loss, ...) next to rlwatch's."""
+        if not self.active or self._closed:
+            return
+        try:
+            clean: dict[str, float] = {}
+            for key, value in mapping.items():
+                try:
+                    number = float(value.item() if hasattr(value, "item") else value)
+                except (TypeError, ValueError, RuntimeError):
+                    continue
+                if not math.isfinite(number):
+                    continue
+                name, _ = self._scalar_names.clean(key)
+                name, overflow = self._scalar_names.map(name)
+                if overflow:
+                    continue
+                clean[name] = number
+            for name, number in clean.items():
+                self.state.set_gauge("framework_metric", number, (name,))
+            if self.store is not None:
+                self.store.submit_scalars(self.run, int(step), clean)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report("export", "log_scalars", str(exc), exc=exc)
+
+    def record_checkpoint(self, step: int, path: str) -> None:
+        """Note that checkpoint directory ``path`` holds the weights after ``step``."""
+        if self.store is not None and self.active:
+            self._guard("store", "checkpoint", lambda: self.store.submit_checkpoint(self.run, step, path))
+
+    def note(self, kind: str, detail: str) -> None:
+        """Record an event about the run (shown by the post-mortem)."""
+        if self.store is not None and self.active:
+            self._guard("store", "event", lambda: self.store.submit_event(self.run, kind, detail))
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str | None:
+        return self.server.url if self.server is not None else None
+
+    @property
+    def port(self) -> int | None:
+        return self.server.port if self.server is not None else None
+
+    @property
+    def store_path(self) -> str | None:
+        return self.store.path if self.store is not None else None
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait for the store writer (tests and shutdown)."""
+        return self.store.flush(timeout) if self.store is not None else True
+
+    def close(self) -> None:
+        """Stop the endpoint, push a last time, and flush the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for listener in self.listeners:
+            self._guard("alerts", "close", listener.close)
+        if self.push is not None:
+            self._guard("export", "push", self.push.close)
+        if self.otel is not None:
+            self._guard("export", "otel", self.otel.close)
+        if self.server is not None:
+            self._guard("export", "server", self.server.close)
+        if self.store is not None:
+            lost = self.store.dropped
+            if lost:
+                self.store.submit_event(self.run, "data_loss", f"{lost} store rows dropped during the run")
+            self.store.close()
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _safe_filename(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:120] or "run"
