@@ -326,18 +326,23 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     seq_out = (seq_r < math.log(mis_low)) | (seq_r > math.log(mis_high))
     out.put("is_seq_mis_masked_ratio", _safe_div(_dot(seq_out.double(), has), n_seq))
 
-    # Mean |r| by sampler probability: sums over the indicators [log mu < log edge].
+    # Mean |r| by sampler probability: dot products with the 0/1 indicator of each probability band
+    # (computed per band rather than as differences of cumulative sums, which lose float32 precision).
     neg_s = torch.mul(sampler_logp, -_SCALE, out=em1).nan_to_num_(nan=0.0, posinf=math.inf,
-                                                                        neginf=-math.inf)
-    below_sum, below_count = [], []
-    for edge in PROB_BIN_EDGES:
-        below = torch.add(neg_s, math.log(edge) * _SCALE, out=tmp).clamp_(0.0, 1.0)
-        below_sum.append(_dot(below, a))
-        below_count.append(_dot(below, valid))
-    cum_sum = torch.stack(below_sum + [sum_a]).double()
-    cum_count = torch.stack(below_count + [n]).double()
-    bin_sums = torch.cat([cum_sum[:1], cum_sum[1:] - cum_sum[:-1]])
-    bin_count = torch.cat([cum_count[:1], cum_count[1:] - cum_count[:-1]])
+                                                                   neginf=-math.inf)
+    below, previous, band = tmp, r, buf("band")            # r is no longer needed from here on
+    bin_sums, bin_count = [], []
+    for i, edge in enumerate((*PROB_BIN_EDGES, None)):
+        if edge is not None:
+            torch.add(neg_s, math.log(edge) * _SCALE, out=below).clamp_(0.0, 1.0)   # [log mu < log edge]
+            indicator = below if i == 0 else torch.sub(below, previous, out=band)
+        else:
+            indicator = previous.neg_().add_(1.0)                              # [log mu >= last edge]
+        bin_sums.append(_dot(indicator, a))
+        bin_count.append(_dot(indicator, valid))
+        below, previous = previous, below
+    bin_sums = torch.stack(bin_sums).double()
+    bin_count = torch.stack(bin_count).double()
     rows = [(label,) for label in PROB_BIN_LABELS]
     out.put_vector("mismatch_abs_log_ratio_by_prob",
                    torch.where(bin_count > 0, bin_sums / bin_count.clamp_min(1), torch.nan), rows)
@@ -345,7 +350,8 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
 
     # |r| quantiles from the bit-pattern histogram (bin 0 holds the zeros off the valid set).
     a32 = a if work == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).to(torch.float32)
-    bins = torch.bitwise_right_shift(a32.view(torch.int32), _ABS_SHIFT, out=em1.view(torch.int32))
+    bins_out = em1.view(torch.int32) if work == torch.float32 else buf("bins", torch.int32)
+    bins = torch.bitwise_right_shift(a32.view(torch.int32), _ABS_SHIFT, out=bins_out)
     hist = bin_counts(bins, _ABS_NBINS)
     hist[0] -= n_all - n.double()
     values, cum = _abs_bin_values(device), hist.cumsum(0)

@@ -1,0 +1,111 @@
+"""Shared fixtures: free loopback ports, real server processes stopped by PID, step records."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# .ci/run sets this so that a missing server binary fails the suite instead of skipping it.
+REQUIRE_SERVERS = os.environ.get("RLWATCH_REQUIRE_SERVERS") == "1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def need_binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        if REQUIRE_SERVERS:
+            pytest.fail(f"{name} is not installed (apt-get install prometheus prometheus-alertmanager "
+                        f"prometheus-pushgateway)")
+        pytest.skip(f"{name} not installed")
+    return path
+
+
+def wait_http(url: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except Exception as exc:  # noqa: BLE001
+            last = exc
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready: {last}")
+
+
+@dataclass
+class ServerProcess:
+    """A real server binary on 127.0.0.1, stopped by its PID."""
+
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def start_process(args: list[str], port: int, log: Path, ready_path: str = "/-/ready") -> ServerProcess:
+    handle = open(log, "wb")
+    proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT)
+    server = ServerProcess(proc, port, log)
+    try:
+        wait_http(server.url + ready_path)
+    except Exception:
+        server.stop()
+        raise RuntimeError(f"{args[0]} did not start:\n{server.output()}")
+    return server
+
+
+@pytest.fixture
+def pushgateway(tmp_path: Path):
+    binary = need_binary("prometheus-pushgateway")
+    port = free_port()
+    server = start_process([binary, f"--web.listen-address=127.0.0.1:{port}"], port, tmp_path / "pushgateway.log")
+    yield server
+    server.stop()
+
+
+def make_step(B: int = 16, T: int = 32, seed: int = 0, lag_max: int = 4, noise: float = 0.1,
+              envs: tuple[str, ...] = ("math", "code"), group: int = 4) -> dict:
+    """A random but well-formed step record (right-padded responses)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    sampler = -torch.rand(B, T, generator=g) * 3
+    trainer = sampler + noise * torch.randn(B, T, generator=g)
+    version = 10 - torch.randint(0, lag_max + 1, (B, 1), generator=g).expand(B, T).clone()
+    rewards = torch.randint(0, 2, (B,), generator=g).float()
+    return dict(mask=mask, sampler_logp=sampler, trainer_logp=trainer, token_version=version, trainer_version=10,
+                rewards=rewards, group_ids=torch.arange(B) // group, truncated=lengths == T,
+                env=[envs[i % len(envs)] for i in range(B)])
