@@ -1,0 +1,336 @@
+"""Watch end to end: the real HTTP endpoint, the store, errors, ranks, push and OpenTelemetry."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import rlwatch
+from rlwatch import InvalidFieldError, PortInUseError
+from rlwatch.store import StoreReader
+
+from .conftest import ROOT, free_port, make_step, need_binary
+
+
+def scrape(url: str, **kwargs) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(url, timeout=5, **kwargs) as resp:
+        text = resp.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def sample(samples, name, **labels):
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_scraped_values_match_the_observed_record(tmp_path):
+    step = make_step(B=16, T=32, seed=5)
+    with rlwatch.Watch(run="e2e", port=0, store=str(tmp_path / "s.db"), strict=True) as watch:
+        values = watch.observe(3, **step)
+        samples = scrape(watch.url)
+        assert watch.url.startswith("http://127.0.0.1:")
+        r = (step["trainer_logp"] - step["sampler_logp"])[step["mask"]].double()
+        k3 = float((torch.expm1(r) - r).mean())
+        assert sample(samples, "rlwatch_mismatch_kl_k3", run="e2e") == pytest.approx(k3, rel=1e-5)
+        assert sample(samples, "rlwatch_step", run="e2e") == 3
+        assert sample(samples, "rlwatch_tokens_total", run="e2e") == int(step["mask"].sum())
+        lag = (10 - step["token_version"])[step["mask"]]
+        assert sample(samples, "rlwatch_token_version_lag_bucket", run="e2e", le="2.0") == int((lag <= 2).sum())
+        assert sample(samples, "rlwatch_token_version_lag_count", run="e2e") == lag.numel()
+        assert sample(samples, "rlwatch_token_version_lag_sum", run="e2e") == int(lag.sum())
+        rewards = step["rewards"]
+        math_reward = float(rewards[0::2].mean())
+        assert sample(samples, "rlwatch_env_reward_mean", run="e2e", env="math") == pytest.approx(math_reward)
+        # Every exported value equals the value observe() returned.
+        for name, family in values.items():
+            spec = rlwatch.metrics.BY_NAME.get(name)
+            if spec is None or spec.kind != "gauge":
+                continue
+            for labels, value in family.items():
+                if value is not None:
+                    key = dict(zip(("run", *spec.labels), ("e2e", *labels)))
+                    assert sample(samples, spec.full_name, **key) == pytest.approx(value), name
+        watch.flush()
+    with StoreReader(str(tmp_path / "s.db")) as store:
+        row = store.steps("e2e")[0]
+        assert row.step == 3
+        assert row.get("mismatch_kl_k3") == pytest.approx(k3, rel=1e-5)
+        assert store.meta("e2e")["framework"] == "custom"
+
+
+def test_counters_accumulate_and_gauges_go_stale(tmp_path):
+    with rlwatch.Watch(run="acc", port=0, store=None, strict=True) as watch:
+        a, b = make_step(seed=1), make_step(seed=2)
+        watch.observe(0, **a)
+        watch.observe(1, mask=b["mask"])    # no log-probs this step
+        samples = scrape(watch.url)
+        assert sample(samples, "rlwatch_tokens_total", run="acc") == int(a["mask"].sum() + b["mask"].sum())
+        assert sample(samples, "rlwatch_steps_total", run="acc") == 2
+        assert ("rlwatch_mismatch_kl_k3", (("run", "acc"),)) not in samples   # not computed at step 1
+        assert sample(samples, "rlwatch_is_cap", run="acc") == 2.0             # settings persist
+
+
+def test_exposition_passes_promtool(tmp_path):
+    promtool = need_binary("promtool")
+    with rlwatch.Watch(run='quote"run', port=0, store=None) as watch:
+        step = make_step(seed=4)
+        step.update(env=['a"b', "new\nline"] * 8, hacked={"verifier": torch.ones(16, dtype=torch.bool)},
+                    failed=[None] * 15 + ["timeout"], entropy=torch.rand(16, 32), temperature=0.6,
+                    logprobs_mode="processed_logprobs")
+        watch.observe(0, **step)
+        watch.log_scalars(0, {"actor/grad_norm": 2.0, "weird name {x}": 1.0})
+        text = urllib.request.urlopen(watch.url).read()
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_busy_port_is_a_clear_error_or_falls_back():
+    with rlwatch.Watch(run="a", port=0, store=None) as first:
+        with pytest.raises(PortInUseError, match="port_fallback"):
+            rlwatch.Watch(run="b", port=first.port, store=None, strict=True)
+        second = rlwatch.Watch(run="b", port=first.port, store=None)       # default: counted, no endpoint
+        assert second.url is None
+        assert second.errors.counts[("export", "port")] == 1
+        second.close()
+        third = rlwatch.Watch(run="c", port=first.port, port_fallback=True, store=None)
+        assert third.port not in (None, first.port)
+        assert scrape(third.url) is not None
+        third.close()
+
+
+def test_bad_input_never_raises_by_default(caplog):
+    caplog.set_level(logging.WARNING, logger="rlwatch")
+    with rlwatch.Watch(run="bad", port=None, store=None) as watch:
+        step = make_step()
+        step["sampler_logp"] = torch.zeros(3, 3)       # wrong shape: dropped, rest still computed
+        step["rewards"] = "not numbers"
+        values = watch.observe(0, **step)
+        assert values is not None and "version_lag_mean" in values and "mismatch_kl_k3" not in values
+        assert watch.observe(1, mask=None) is None
+        watch.observe(2, **step)
+        counts = watch.errors.counts
+        assert counts[("validate", "shape")] == 2 and counts[("validate", "missing")] == 1
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("(shape)" in m for m in messages) == 1          # logged once per kind
+        assert any("sampler_logp" in m for m in messages)
+    with rlwatch.Watch(run="strict", port=None, store=None, strict=True) as watch:
+        with pytest.raises(InvalidFieldError) as info:
+            watch.observe(0, **step)
+        assert info.value.field == "sampler_logp"
+
+
+def test_hook_errors_are_exported(tmp_path):
+    with rlwatch.Watch(run="err", port=0, store=None) as watch:
+        watch.observe(0, mask=torch.ones(2, 2), sampler_logp=torch.zeros(2, 3), trainer_logp=torch.zeros(2, 2))
+        samples = scrape(watch.url)
+        assert sample(samples, "rlwatch_hook_errors_total", run="err", stage="validate", kind="shape") == 1
+
+
+def test_store_is_readable_while_the_run_writes(tmp_path):
+    path = str(tmp_path / "live.db")
+    with rlwatch.Watch(run="live", port=None, store=path) as watch:
+        for i in range(5):
+            watch.observe(i, **make_step(seed=i))
+        watch.flush()
+        with StoreReader(path) as reader:
+            assert [r.step for r in reader.steps("live")] == [0, 1, 2, 3, 4]
+        watch.record_checkpoint(4, "/ckpt/checkpoint-4")
+        watch.log_scalars(4, {"loss": 0.5})
+        watch.flush()
+        with StoreReader(path) as reader:
+            assert reader.checkpoints("live") == [(4, "/ckpt/checkpoint-4")]
+            assert reader.scalars("live") == {"loss": [(4, 0.5)]}
+
+
+KILL_CHILD = textwrap.dedent("""
+    import sys, time, torch, rlwatch
+    sys.path.insert(0, {root!r})
+    from tests.conftest import make_step
+    watch = rlwatch.Watch(run="killed", port=None, store={path!r})
+    for step in range(100000):
+        watch.observe(step, **make_step(B=8, T=16, seed=step))
+        watch.flush()
+        print(step, flush=True)
+        time.sleep(0.01)
+""")
+
+
+def test_sigkill_mid_run_leaves_every_completed_step(tmp_path):
+    path = str(tmp_path / "killed.db")
+    child = subprocess.Popen([sys.executable, "-c", KILL_CHILD.format(root=str(ROOT), path=path)],
+                             stdout=subprocess.PIPE, text=True)
+    last = -1
+    try:
+        for line in child.stdout:
+            last = int(line)
+            if last >= 30:
+                break
+    finally:
+        os.kill(child.pid, 9)
+        child.wait(timeout=10)
+    with StoreReader(path) as reader:
+        steps = [r.step for r in reader.steps("killed")]
+    assert steps[: last + 1] == list(range(last + 1))
+    assert steps == list(range(len(steps)))          # contiguous: nothing half-written
+
+
+def test_pushgateway_receives_the_run(pushgateway):
+    with rlwatch.Watch(run="pushed", port=None, store=None, pushgateway=pushgateway.url, push_interval=0.2) as w:
+        w.observe(0, **make_step())
+    samples = scrape(pushgateway.url + "/metrics")
+    keys = [k for k in samples if k[0] == "rlwatch_steps_total" and ("run", "pushed") in k[1]]
+    assert keys and samples[keys[0]] == 1
+
+
+def test_pushgateway_down_never_blocks_or_raises():
+    port = free_port()
+    with rlwatch.Watch(run="nopush", port=None, store=None, pushgateway=f"http://127.0.0.1:{port}",
+                       push_interval=0.05) as watch:
+        watch.observe(0, **make_step())
+    assert watch.errors.counts[("export", "push")] >= 1
+
+
+RANK_CHILD = textwrap.dedent("""
+    import os, sys, json, urllib.request, rlwatch, torch
+    sys.path.insert(0, {root!r})
+    from tests.conftest import make_step
+    w = rlwatch.Watch(run="ddp", port={port}, store=None, all_ranks={all_ranks})
+    w.observe(0, **make_step())
+    body = urllib.request.urlopen(w.url).read().decode() if w.url else ""
+    print(json.dumps(dict(rank=w.rank, active=w.active, run=w.run, url=w.url, has=("rlwatch_steps_total" in body))))
+    w.close()
+""")
+
+
+@pytest.mark.parametrize("all_ranks", [False, True])
+def test_several_ranks_on_one_node(all_ranks):
+    port = free_port()
+    results = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+        out = subprocess.run([sys.executable, "-c", RANK_CHILD.format(root=str(ROOT), port=port,
+                                                                      all_ranks=all_ranks)],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert results[0]["active"] and results[0]["has"]
+    if all_ranks:
+        assert results[1]["active"] and results[1]["has"]
+        assert results[1]["run"] == "ddp-rank1" and results[1]["url"].endswith(f":{port + 1}/metrics")
+    else:
+        assert not results[1]["active"] and results[1]["url"] is None
+
+
+def test_opentelemetry_in_memory_reader():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    step = make_step()
+    with rlwatch.Watch(run="otel", port=None, store=None, otel=provider) as watch:
+        values = watch.observe(0, **step)
+        data = reader.get_metrics_data()
+    points = {}
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                for point in metric.data.data_points:
+                    points[(metric.name, tuple(sorted(point.attributes.items())))] = point.value
+    assert points[("rlwatch_mismatch_kl_k3", (("run", "otel"),))] == pytest.approx(values["mismatch_kl_k3"][()])
+    assert points[("rlwatch_tokens", (("run", "otel"),))] == int(step["mask"].sum())
+    assert points[("rlwatch_env_episodes", (("env", "math"), ("run", "otel")))] == 8
+    assert points[("rlwatch_token_version_lag_tokens", (("le", "+Inf"), ("run", "otel")))] == int(step["mask"].sum())
+    provider.shutdown()
+
+
+class _OTLPReceiver(BaseHTTPRequestHandler):
+    received: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        request = ExportMetricsServiceRequest()
+        request.ParseFromString(body)
+        _OTLPReceiver.received.append((self.path, request))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_opentelemetry_otlp_http_to_a_local_receiver():
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    server = HTTPServer(("127.0.0.1", 0), _OTLPReceiver)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _OTLPReceiver.received = []
+    try:
+        exporter = OTLPMetricExporter(endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/metrics")
+        reader = PeriodicExportingMetricReader(exporter, export_interval_millis=60_000)
+        provider = MeterProvider(metric_readers=[reader])
+        with rlwatch.Watch(run="otlp", port=None, store=None, otel=provider) as watch:
+            values = watch.observe(0, **make_step())
+            provider.force_flush()
+        provider.shutdown()
+    finally:
+        server.shutdown()
+    assert _OTLPReceiver.received, "no OTLP export arrived"
+    path, request = _OTLPReceiver.received[0]
+    assert path == "/v1/metrics"
+    found = {}
+    for rm in request.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                if metric.name == "rlwatch_mismatch_kl_k3":
+                    found["k3"] = metric.gauge.data_points[0].as_double
+    assert found["k3"] == pytest.approx(values["mismatch_kl_k3"][()])
+
+
+def _self_signed(tmp_path: Path) -> tuple[str, str]:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+def test_tls_and_basic_auth(tmp_path):
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    with rlwatch.Watch(run="tls", port=0, store=None, tls_certfile=cert, tls_keyfile=key,
+                       basic_auth=("prom", "s3cret")) as watch:
+        watch.observe(0, **make_step())
+        assert watch.url.startswith("https://127.0.0.1:")
+        context = ssl.create_default_context(cafile=cert)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(watch.url, context=context, timeout=5)
+        assert info.value.code == 401
+        request = urllib.request.Request(watch.url, headers={"Authorization": "Basic cHJvbTpzM2NyZXQ="})
+        body = urllib.request.urlopen(request, context=context, timeout=5).read().decode()
+        assert 'rlwatch_steps_total{run="tls"} 1.0' in body
+        with pytest.raises((urllib.error.URLError, ConnectionError)):   # plain HTTP is refused
+            urllib.request.urlopen(watch.url.replace("https", "http"), timeout=5)
