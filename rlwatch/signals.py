@@ -283,12 +283,13 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     out.put("mismatch_chi2_token", _safe_div(sq_em1 + 2 * sum_em1, n))        # mean(w^2 - 1)
     n64 = n.double()
     sum_w, sum_w2 = n64 + sum_em1, n64 + sq_em1 + 2 * sum_em1
-    out.put("is_ess_raw_ratio", _safe_div(sum_w * sum_w, n64 * sum_w2))
+    # (sum w)^2 <= N sum w^2 (Cauchy-Schwarz); the clamp only removes float rounding above 1.
+    out.put("is_ess_raw_ratio", _safe_div(sum_w * sum_w, n64 * sum_w2).clamp(max=1.0))
     cap = config.is_cap
     em1_t = torch.clamp(em1, max=cap - 1.0, out=tmp)                          # min(w, C) - 1
     st, st2 = em1_t.sum().double(), _dot(em1_t, em1_t).double()
     sum_wt, sum_wt2 = n64 + st, n64 + st2 + 2 * st
-    out.put("is_ess_ratio", _safe_div(sum_wt * sum_wt, n64 * sum_wt2))
+    out.put("is_ess_ratio", _safe_div(sum_wt * sum_wt, n64 * sum_wt2).clamp(max=1.0))
 
     # Threshold counts on w, exact and strict (see _SCALE): w > C, w < 1/C, w outside the MIS band.
     scaled = torch.mul(em1, _SCALE, out=em1)
@@ -377,13 +378,8 @@ def lag_signals(out: Pending, version: torch.Tensor, trainer_version: int, mask:
     n_mask = tokens_per_seq.sum().double()
     size = _LAG_EXACT_MAX + 2                                                 # bin k holds lag k - 1
     if version.dim() == 2 and version.shape == mask.shape:
-        # lag + 1 on masked tokens, 0 off the mask: bin 0 collects off-mask and negative-lag tokens.
-        lag1 = torch.mul(mask, float(trainer_version) + 1.0, out=ws.get("lag", mask.shape, torch.float32, device))
-        lag1.addcmul_(version, mask, value=-1)
-        bins = ws.get("lag_bins", mask.shape, torch.int32, device)
+        counts, lag1 = token_lag_counts(version, trainer_version, mask, ws)
         tmp = ws.get("lag_tmp", mask.shape, torch.float32, device)
-        bins.copy_(torch.clamp(lag1, 0.0, float(size - 1), out=tmp))
-        counts = bin_counts(bins, size)
         negative = counts[0] - (lag1.numel() - n_mask)
         seq_max = lag1.amax(-1) - 1.0 if T else torch.full((B,), -1.0, device=device)
         big = float(size) * 4.0
@@ -422,11 +418,27 @@ def lag_signals(out: Pending, version: torch.Tensor, trainer_version: int, mask:
     out.put("version_lag_sequence_max_mean", _safe_div(_dot(seq_max.double().clamp_min(0), has_seq), n_seq))
     out.put("partial_rollout_ratio", _safe_div(spans.sum(), n_seq))
     out.put("partial_rollout_sequences_total", spans.sum())
-    # Histogram buckets (non-cumulative per bucket, +Inf last), plus the sum for _sum.
-    edges = [b + 1 for b in LAG_BUCKETS]
-    cum = hist.cumsum(0)
-    at = torch.tensor([e - 1 for e in edges], device=hist.device)
-    cum_at = cum[at]
+    put_lag_histogram(out, hist, n_ok, lag_sum)
+
+
+def token_lag_counts(version: torch.Tensor, trainer_version: int, mask: torch.Tensor,
+                     ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Histogram of per-token lag: counts [_LAG_EXACT_MAX + 2] where bin k holds lag k - 1 and bin 0
+    holds off-mask and negative-lag tokens; also returns lag + 1 per token ([B, T], 0 off the mask)."""
+    size = _LAG_EXACT_MAX + 2
+    lag1 = torch.mul(mask, float(trainer_version) + 1.0, out=ws.get("lag", mask.shape, torch.float32, mask.device))
+    lag1.addcmul_(version, mask, value=-1)
+    bins = ws.get("lag_bins", mask.shape, torch.int32, mask.device)
+    bins.copy_(torch.clamp(lag1, 0.0, float(size - 1), out=ws.get("lag_tmp", mask.shape, torch.float32,
+                                                                   mask.device)))
+    return bin_counts(bins, size), lag1
+
+
+def put_lag_histogram(out: Pending, hist: torch.Tensor, n_ok: torch.Tensor, lag_sum: torch.Tensor) -> None:
+    """Classic histogram buckets from exact lag counts (``hist[k]`` = tokens with lag k): per-bucket
+    (non-cumulative) counts in LAG_BUCKETS order then +Inf, and the sum for ``_sum``."""
+    at = torch.tensor(LAG_BUCKETS, device=hist.device)
+    cum_at = hist.cumsum(0)[at]
     per_bucket = torch.cat([cum_at[:1], cum_at[1:] - cum_at[:-1], (n_ok - cum_at[-1:])])
     out.put_vector("token_version_lag", per_bucket, [(str(b),) for b in LAG_BUCKETS] + [("+Inf",)])
     out.put("token_version_lag_sum", lag_sum)

@@ -109,3 +109,18 @@ def make_step(B: int = 16, T: int = 32, seed: int = 0, lag_max: int = 4, noise: 
     return dict(mask=mask, sampler_logp=sampler, trainer_logp=trainer, token_version=version, trainer_version=10,
                 rewards=rewards, group_ids=torch.arange(B) // group, truncated=lengths == T,
                 env=[envs[i % len(envs)] for i in range(B)])
+
+
+REQUIRE_FRAMEWORKS = os.environ.get("RLWATCH_REQUIRE_FRAMEWORKS") == "1"
+
+
+def need_module(name: str):
+    """Import a framework package; fail (under .ci/run) or skip (elsewhere) when it is missing."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        if REQUIRE_FRAMEWORKS:
+            pytest.fail(f"{name} is required here: {exc}")
+        pytest.skip(f"{name} not installed: {exc}")
