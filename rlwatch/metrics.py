@@ -77,6 +77,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("is_cap", "Configured truncated-IS cap C.", "config"),
     _g("mis_low", "Configured lower edge of the masked-IS band.", "config"),
     _g("mis_high", "Configured upper edge of the masked-IS band.", "config"),
+    _g("alert_threshold", "Alert threshold in force for this run (catalogue default or the run's override), "
+       "by parameter.", "config", ("param",)),
+    _g("drift_score", "Baseline-relative drift score of a signal (one-sided CUSUM of robust z-scores; 0 = "
+       "no drift), by signal and, for per-environment signals, environment.", "drift", ("signal", "env")),
+    MetricSpec("diagnosis_info", "info", "Most likely cause of the sampler-learner mismatch at the latest "
+               "diagnosis, with its confidence label.", ("cause", "confidence"), "diagnosis"),
     _g("sampler_temperature", "Sampling temperature the sampler reported.", "sampler"),
     _g("sampler_top_p", "Top-p the sampler reported.", "sampler"),
     _g("sampler_top_k", "Top-k the sampler reported (-1 or 0 when disabled).", "sampler"),

@@ -17,7 +17,7 @@ Family = dict[LabelValues, float]
 
 #: Gauge groups whose values persist until overwritten (settings, framework scalars); every other
 #: gauge family is replaced by each step, so a signal that was not computed goes stale at once.
-STICKY_GROUPS = frozenset({"config", "sampler", "framework", "hook"})
+STICKY_GROUPS = frozenset({"config", "sampler", "framework", "hook", "diagnosis"})
 
 HISTOGRAM_LABELS: tuple[str, ...] = tuple(str(b) for b in LAG_BUCKETS) + ("+Inf",)
 

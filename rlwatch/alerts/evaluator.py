@@ -1,0 +1,168 @@
+"""The embedded alert evaluator: the catalogue's step-window conditions, inside the training process.
+
+It follows the run step by step (a ``Watch`` listener), keeps the last steps' values, and turns
+each alert's condition into firing and resolved events after ``for_steps`` consecutive steps.
+Events go to the run store, the console and the notifiers. A watchdog thread raises
+RLWatchTrainerStalled when no step arrives for ``stall_seconds``. Optional guard actions
+(checkpoint, stop, a callback) run on critical alerts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Iterable, Mapping
+
+from ..errors import HookErrors
+from .catalogue import ALERTS, BY_NAME, PARAMS, Alert, History, defaults, evaluate, stalled
+from .notify import AlertEvent, Dispatcher, log_event
+
+LabelKey = tuple[tuple[str, str], ...]
+
+
+def render(template: str, labels: Mapping[str, str], value: float | None) -> str:
+    """Fill the catalogue's annotation templates ({{ $labels.x }}, {{ $value | ... }})."""
+    import re
+
+    def value_text(fmt: str) -> str:
+        if value is None:
+            return "n/a"
+        if "humanizePercentage" in fmt:
+            return f"{value * 100:.4g}%"
+        if "humanizeDuration" in fmt:
+            return f"{value:.0f}s"
+        return f"{value:.4g}"
+
+    out = re.sub(r"\{\{\s*\$labels\.(\w+)\s*\}\}", lambda m: str(labels.get(m.group(1), "")), template)
+    return re.sub(r"\{\{\s*\$value([^}]*)\}\}", lambda m: value_text(m.group(1)), out)
+
+
+class AlertEvaluator:
+    """Evaluates the alert catalogue per step.
+
+    overrides: threshold values for this run ({param: value}); unknown names are reported.
+    guard: callables ``guard(event)`` run (on the training thread) when a critical alert fires.
+    """
+
+    def __init__(self, run: str, store: Any = None, notifiers: Iterable = (), overrides: Mapping[str, float] = (),
+                 errors: HookErrors | None = None, history: int = 256, watchdog_interval: float = 5.0,
+                 guard: Iterable[Callable[[AlertEvent], None]] = (), alerts: Iterable[Alert] = ALERTS,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.run = run
+        self.store = store
+        self.errors = errors or HookErrors()
+        self.params = defaults()
+        for name, value in dict(overrides).items():
+            if name not in PARAMS:
+                self.errors.report("alerts", "unknown_param", f"no alert parameter {name!r}",
+                                   raise_in_strict=False)
+                continue
+            self.params[name] = float(value)
+        self.alerts = [a for a in alerts if a.condition is not None]
+        self.guard = list(guard)
+        self.clock = clock
+        self._steps: deque = deque(maxlen=history)
+        self._pending: dict[tuple[str, LabelKey], int] = {}
+        self._firing: dict[tuple[str, LabelKey], AlertEvent] = {}
+        self.events: list[AlertEvent] = []
+        self._lock = threading.Lock()
+        notifiers = list(notifiers)
+        self.dispatcher = Dispatcher(notifiers, self._notify_error) if notifiers else None
+        self._stop = threading.Event()
+        self._watchdog = None
+        if watchdog_interval and watchdog_interval > 0:
+            self._watchdog = threading.Thread(target=self._watch, args=(watchdog_interval,),
+                                              name="rlwatch-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _notify_error(self, kind: str, message: str) -> None:
+        self.errors.report("notify", kind, message, raise_in_strict=False)
+
+    # --- per step ---------------------------------------------------------------------------
+
+    def on_step(self, step: int, values: dict) -> dict:
+        with self._lock:
+            self._steps.append((step, values))
+            history = History(list(self._steps), self.params)
+            for alert in self.alerts:
+                self._apply(alert, evaluate(alert, history), step)
+        return {"alert_threshold": {(name,): value for name, value in self.params.items()}}
+
+    def _apply(self, alert: Alert, firing: list, step: int | None) -> None:
+        now_true: set[tuple[str, LabelKey]] = set()
+        for labels, value in firing:
+            labels = {k: v for k, v in labels.items() if v != ""}
+            key = (alert.name, tuple(sorted(labels.items())))
+            now_true.add(key)
+            self._pending[key] = self._pending.get(key, 0) + 1
+            if key not in self._firing and self._pending[key] >= alert.for_steps:
+                self._emit(alert, "firing", step, labels, value)
+            elif key in self._firing:
+                self._firing[key] = self._with_value(self._firing[key], value, step)
+        for key in [k for k in self._pending if k[0] == alert.name and k not in now_true]:
+            del self._pending[key]
+            if key in self._firing:
+                previous = self._firing[key]
+                self._emit(alert, "resolved", step, previous.labels, previous.value)
+
+    @staticmethod
+    def _with_value(event: AlertEvent, value: float, step: int | None) -> AlertEvent:
+        return AlertEvent(event.name, event.severity, event.state, event.run, step, event.labels, value,
+                          event.summary, event.description, event.runbook_url, event.time)
+
+    def _emit(self, alert: Alert, state: str, step: int | None, labels: dict, value: float | None) -> None:
+        full = {"run": self.run, **labels}
+        event = AlertEvent(name=alert.name, severity=alert.severity, state=state, run=self.run, step=step,
+                           labels=dict(labels), value=value, summary=alert.summary,
+                           description=render(alert.description, full, value), runbook_url=alert.runbook_url,
+                           time=self.clock())
+        key = (alert.name, tuple(sorted(labels.items())))
+        if state == "firing":
+            self._firing[key] = event
+        else:
+            self._firing.pop(key, None)
+        self.events.append(event)
+        log_event(event)
+        if self.store is not None:
+            self.store.submit_alert(self.run, step, alert.name, alert.severity, state, labels, value,
+                                    {"summary": alert.summary, "description": event.description,
+                                     "runbook_url": alert.runbook_url})
+        if self.dispatcher is not None:
+            self.dispatcher.submit(event)
+        if state == "firing" and alert.severity == "critical":
+            for action in self.guard:
+                try:
+                    action(event)
+                except Exception as exc:  # noqa: BLE001
+                    self.errors.report("alerts", "guard", f"guard action failed: {exc}", raise_in_strict=False)
+
+    # --- watchdog -------------------------------------------------------------------------------
+
+    def check_stalled(self, now: float | None = None) -> None:
+        """Evaluate RLWatchTrainerStalled against the wall clock (the watchdog calls this)."""
+        with self._lock:
+            history = History(list(self._steps)[-1:], self.params)
+            step = history.step
+            self._apply(BY_NAME["RLWatchTrainerStalled"], stalled(history, self.clock() if now is None else now),
+                        step)
+
+    def _watch(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.check_stalled()
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report("alerts", "watchdog", str(exc), raise_in_strict=False)
+
+    # --- state -----------------------------------------------------------------------------------
+
+    def firing(self) -> list[AlertEvent]:
+        with self._lock:
+            return list(self._firing.values())
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
+        if self.dispatcher is not None:
+            self.dispatcher.close()

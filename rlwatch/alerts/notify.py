@@ -1,0 +1,225 @@
+"""Alert notifiers for the embedded evaluator: a generic JSON webhook and a Slack-compatible one.
+
+Notifications leave the training thread through a bounded queue to one sender thread, with a
+timeout per request, de-duplication (the same alert in the same state is not re-sent within
+``repeat_seconds``) and a rate limit per notifier. URLs and tokens never appear in logs, errors
+or the run store: only the scheme and host are ever shown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+from urllib.parse import urlsplit
+
+logger = logging.getLogger("rlwatch")
+
+
+@dataclass(frozen=True)
+class AlertEvent:
+    """A firing or resolved alert of one run."""
+
+    name: str
+    severity: str
+    state: str                     # "firing" | "resolved"
+    run: str
+    step: int | None
+    labels: dict[str, str]
+    value: float | None
+    summary: str
+    description: str
+    runbook_url: str
+    time: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> tuple:
+        return (self.name, tuple(sorted(self.labels.items())))
+
+
+def redact(url: str) -> str:
+    """scheme://host[:port]/… with path, query and credentials removed (paths carry tokens)."""
+    parts = urlsplit(url)
+    host = parts.hostname or "?"
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}/…"
+
+
+class Notifier(Protocol):
+    name: str
+
+    def send(self, events: list[AlertEvent]) -> None: ...
+
+
+class WebhookNotifier:
+    """POSTs an Alertmanager-style JSON payload (``version``, ``status``, ``alerts`` [...])."""
+
+    name = "webhook"
+
+    def __init__(self, url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> None:
+        self._url = url
+        self.timeout = timeout
+        self._headers = dict(headers or {})
+
+    def __repr__(self) -> str:
+        return f"WebhookNotifier({redact(self._url)})"
+
+    def payload(self, events: list[AlertEvent]) -> dict[str, Any]:
+        firing = any(e.state == "firing" for e in events)
+        return {
+            "version": "4", "receiver": "rlwatch", "status": "firing" if firing else "resolved",
+            "alerts": [{
+                "status": e.state,
+                "labels": {"alertname": e.name, "severity": e.severity, "run": e.run, **e.labels},
+                "annotations": {"summary": e.summary, "description": e.description, "runbook_url": e.runbook_url},
+                "startsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(e.time)),
+                "values": {"value": e.value, "step": e.step},
+            } for e in events],
+        }
+
+    def send(self, events: list[AlertEvent]) -> None:
+        _post_json(self._url, self.payload(events), self.timeout, self._headers)
+
+
+class SlackNotifier:
+    """Posts a text message to a Slack-compatible incoming webhook."""
+
+    name = "slack"
+
+    def __init__(self, url: str, timeout: float = 5.0) -> None:
+        self._url = url
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"SlackNotifier({redact(self._url)})"
+
+    @staticmethod
+    def text(events: list[AlertEvent]) -> str:
+        lines = []
+        for e in events:
+            icon = ":rotating_light:" if e.state == "firing" and e.severity == "critical" else (
+                ":warning:" if e.state == "firing" else ":white_check_mark:")
+            value = "" if e.value is None else f" (value {e.value:.4g}, step {e.step})"
+            lines.append(f"{icon} [{e.state.upper()}] {e.name} - {e.description}{value} <{e.runbook_url}|runbook>")
+        return "\n".join(lines)
+
+    def send(self, events: list[AlertEvent]) -> None:
+        _post_json(self._url, {"text": self.text(events)}, self.timeout, {})
+
+
+def _post_json(url: str, body: dict[str, Any], timeout: float, headers: dict[str, str]) -> None:
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            if resp.status >= 300:
+                raise NotifyError(f"{redact(url)} answered HTTP {resp.status}")
+    except NotifyError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - rewrap without the URL (it may carry a token)
+        reason = getattr(exc, "code", None) or type(exc).__name__
+        raise NotifyError(f"POST to {redact(url)} failed: {reason}") from None
+
+
+class NotifyError(Exception):
+    """A notification could not be delivered (message never contains the full URL)."""
+
+
+class Dispatcher:
+    """Sends alert events to notifiers off the training thread; bounded, de-duplicated, rate-limited."""
+
+    def __init__(self, notifiers: list[Notifier], on_error: Callable[[str, str], None], max_queue: int = 256,
+                 repeat_seconds: float = 3600.0, max_per_minute: int = 20) -> None:
+        self.notifiers = list(notifiers)
+        self._on_error = on_error
+        self.repeat_seconds = repeat_seconds
+        self.max_per_minute = max_per_minute
+        self.dropped = 0
+        self.sent = 0
+        self._last_sent: dict[tuple, tuple[str, float]] = {}
+        self._window: dict[str, list[float]] = {}
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._run, name="rlwatch-notify", daemon=True)
+        self._thread.start()
+
+    def submit(self, event: AlertEvent) -> None:
+        last = self._last_sent.get(event.key)
+        if last is not None and last[0] == event.state and event.time - last[1] < self.repeat_seconds:
+            return                                               # duplicate within the repeat interval
+        self._last_sent[event.key] = (event.state, event.time)
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1
+            self._on_error("queue_full", "notification queue full; event dropped")
+
+    def _allowed(self, notifier: Notifier, now: float) -> bool:
+        window = [t for t in self._window.get(notifier.name, []) if now - t < 60.0]
+        if len(window) >= self.max_per_minute:
+            self._window[notifier.name] = window
+            return False
+        window.append(now)
+        self._window[notifier.name] = window
+        return True
+
+    def _run(self) -> None:
+        while True:
+            event = self._queue.get()
+            if event is None:
+                self._queue.task_done()
+                return
+            batch = [event]
+            while True:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put_nowait(None)
+                    self._queue.task_done()
+                    break
+                batch.append(more)
+            for notifier in self.notifiers:
+                if not self._allowed(notifier, time.time()):
+                    self.dropped += len(batch)
+                    self._on_error("rate_limited", f"{notifier.name}: over {self.max_per_minute}/min; dropped")
+                    continue
+                try:
+                    notifier.send(batch)
+                    self.sent += len(batch)
+                except Exception as exc:  # noqa: BLE001 - a down receiver never reaches the trainer
+                    self._on_error("send", f"{notifier.name}: {exc}")
+            for _ in batch:
+                self._queue.task_done()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.flush(timeout)
+        try:
+            self._queue.put(None, timeout=1)
+        except queue.Full:
+            pass
+        self._thread.join(timeout=timeout)
+
+
+def log_event(event: AlertEvent) -> None:
+    """The console side of an event: one log line."""
+    level = logging.WARNING if event.state == "firing" else logging.INFO
+    labels = ", ".join(f"{k}={v}" for k, v in sorted(event.labels.items()))
+    value = "" if event.value is None else f" value={event.value:.4g}"
+    logger.log(level, "rlwatch alert %s %s [%s] run=%s step=%s%s%s - %s (%s)", event.state.upper(), event.name,
+               event.severity, event.run, event.step, f" {labels}" if labels else "", value, event.summary,
+               event.runbook_url)

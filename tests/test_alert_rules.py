@@ -1,0 +1,243 @@
+"""The alert catalogue: generated files up to date, promtool-valid, and the embedded evaluator
+firing on the same series at the same step as the rules."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+from rlwatch import metrics
+from rlwatch.alerts import render
+from rlwatch.alerts.catalogue import ALERTS, BY_NAME, History, evaluate, stalled
+from rlwatch.alerts.evaluator import AlertEvaluator
+from rlwatch.alerts.notify import AlertEvent, Dispatcher, SlackNotifier, WebhookNotifier, redact
+
+from .conftest import ROOT, need_binary
+
+ALERTS_DIR = ROOT / "alerts"
+
+
+def test_checked_in_files_match_the_catalogue():
+    assert render.check(ALERTS_DIR) == [], "run: python -m rlwatch.alerts.render"
+
+
+def test_promtool_checks_and_unit_tests_pass():
+    promtool = need_binary("promtool")
+    check = subprocess.run([promtool, "check", "rules", str(ALERTS_DIR / render.RULES_FILE)], capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    test = subprocess.run([promtool, "test", "rules", render.TESTS_FILE], cwd=ALERTS_DIR, capture_output=True,
+                          text=True)
+    assert test.returncode == 0, test.stdout + test.stderr
+    assert "SUCCESS" in test.stdout
+
+
+def test_alertmanager_example_is_valid():
+    amtool = need_binary("amtool")
+    result = subprocess.run([amtool, "check-config", str(ALERTS_DIR / render.ALERTMANAGER_FILE)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_has_an_example_a_runbook_section_and_known_metrics():
+    runbook = (ALERTS_DIR / render.RUNBOOK_FILE).read_text()
+    exported = metrics.exported_names()
+    recorded = {name for name, _ in render.RECORDING_RULES}
+    for alert in ALERTS:
+        assert alert.example is not None, alert.name
+        assert f"## {alert.name}" in runbook
+        assert alert.severity in ("critical", "warning", "none")
+        for name in re.findall(r"\b(rlwatch_[a-z0-9_]+|[a-z_]+:rlwatch_[a-z0-9_]+:[a-z0-9_]+)\b", alert.expr):
+            assert name in exported or name in recorded, (alert.name, name)
+    for _, expr in render.RECORDING_RULES:
+        for name in re.findall(r"\brlwatch_[a-z0-9_]+\b", expr):
+            assert name in exported, name
+
+
+def _parse_series(text: str) -> tuple[str, dict[str, str]]:
+    name, _, rest = text.partition("{")
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+    return name, labels
+
+
+def example_steps(alert) -> list[tuple[int, dict]]:
+    """The example's series as one step per minute of rlwatch values (counters as increments)."""
+    example = alert.example
+    length = max(len(v) for v in example.series.values())
+    steps = [(minute, {}) for minute in range(length)]
+    for text, values in example.series.items():
+        name, labels = _parse_series(text)
+        if not name.startswith("rlwatch_"):
+            continue
+        spec = metrics.BY_NAME[name[len("rlwatch_"):]]
+        key = tuple(labels.get(label, "") for label in spec.labels)
+        previous = 0.0
+        for minute, value in enumerate(values):
+            if value is None:
+                continue
+            stored = value - previous if spec.kind == "counter" else value
+            previous = value
+            steps[minute][1].setdefault(spec.name, {})[key] = stored
+    return steps
+
+
+@pytest.mark.parametrize("alert", [a for a in ALERTS if a.condition is not None], ids=lambda a: a.name)
+def test_embedded_evaluator_fires_at_the_same_step_as_the_rules(alert):
+    example = alert.example
+    evaluator = AlertEvaluator("r1", alerts=[alert], watchdog_interval=0)
+    fired_at = None
+    for minute, values in example_steps(alert):
+        evaluator.on_step(minute, values)
+        if evaluator.firing() and fired_at is None:
+            fired_at = minute
+            event = evaluator.firing()[0]
+            expected = {k: v for k, v in example.labels.items() if k != "run"}
+            assert event.labels == expected
+            assert event.value == pytest.approx(example.value, rel=1e-3)
+            assert "{{" not in event.description and "r1" in event.description
+    evaluator.close()
+    assert fired_at == example.fires_at, f"{alert.name}: embedded fired at {fired_at}, rules at {example.fires_at}"
+
+
+def test_stalled_watchdog_matches_the_rule():
+    alert = BY_NAME["RLWatchTrainerStalled"]
+    steps = example_steps(alert)
+    history = History(steps[:1], {})
+    # The rule's example: last step at t=0, no new step; it fires when time() passes 900 s.
+    assert stalled(history, now=15 * 60) == []
+    assert stalled(history, now=16 * 60) == [({}, 960.0)]
+    evaluator = AlertEvaluator("r1", watchdog_interval=0, clock=lambda: 16 * 60.0)
+    evaluator.on_step(0, steps[0][1])
+    evaluator.check_stalled()
+    assert [e.name for e in evaluator.firing()] == ["RLWatchTrainerStalled"]
+    evaluator.close()
+
+
+def test_threshold_overrides_apply_and_are_exported():
+    alert = BY_NAME["RLWatchKLSpike"]
+    evaluator = AlertEvaluator("r1", overrides={"kl_k3_max": 0.001, "nope": 1.0}, watchdog_interval=0)
+    extra = evaluator.on_step(0, {"mismatch_kl_k3": {(): 0.002}, "step": {(): 0.0}})
+    assert extra["alert_threshold"][("kl_k3_max",)] == 0.001
+    assert [e.name for e in evaluator.firing()] == [alert.name]
+    assert evaluator.errors.counts[("alerts", "unknown_param")] == 1
+    evaluator.close()
+
+
+def test_events_resolve_and_guard_runs_on_critical():
+    seen = []
+    evaluator = AlertEvaluator("r1", guard=[seen.append], watchdog_interval=0)
+    evaluator.on_step(0, {"mismatch_kl_k3": {(): 0.5}})
+    evaluator.on_step(1, {"mismatch_kl_k3": {(): 0.5}})
+    evaluator.on_step(2, {"mismatch_kl_k3": {(): 0.001}})
+    states = [(e.name, e.state, e.step) for e in evaluator.events]
+    assert states == [("RLWatchKLSpike", "firing", 0), ("RLWatchKLSpike", "resolved", 2)]
+    assert [e.name for e in seen] == ["RLWatchKLSpike"]      # once, on firing
+    evaluator.close()
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    bodies: list = []
+    delay = 0.0
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(self.delay)
+        type(self).bodies.append((self.path, json.loads(body)))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def receiver():
+    class Handler(_Receiver):
+        bodies = []
+        delay = 0.0
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, Handler
+    server.shutdown()
+
+
+def _event(state="firing", value=0.3, name="RLWatchKLSpike", when=None):
+    alert = BY_NAME[name]
+    return AlertEvent(name, alert.severity, state, "r1", 7, {}, value, alert.summary, "desc", alert.runbook_url,
+                      time=when or time.time())
+
+
+def test_webhook_and_slack_notifiers_deliver_deduplicated(receiver):
+    server, handler = receiver
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    errors = []
+    dispatcher = Dispatcher([WebhookNotifier(base + "/hook/SECRET-TOKEN"), SlackNotifier(base + "/slack/T000/B000")],
+                            lambda kind, msg: errors.append((kind, msg)))
+    dispatcher.submit(_event())
+    dispatcher.submit(_event())                 # duplicate: same alert, same state
+    dispatcher.submit(_event(state="resolved"))
+    dispatcher.flush()
+    dispatcher.close()
+    paths = [p for p, _ in handler.bodies]
+    assert paths.count("/hook/SECRET-TOKEN") >= 1 and paths.count("/slack/T000/B000") >= 1
+    alerts = [a for p, b in handler.bodies if p.startswith("/hook") for a in b["alerts"]]
+    assert [a["status"] for a in alerts] == ["firing", "resolved"]
+    assert alerts[0]["annotations"]["runbook_url"].endswith("#rlwatchklspike")
+    assert alerts[0]["values"]["value"] == 0.3 and alerts[0]["labels"]["severity"] == "critical"
+    slack = [b for p, b in handler.bodies if p.startswith("/slack")]
+    assert "RLWatchKLSpike" in slack[0]["text"] and "runbook" in slack[0]["text"]
+    assert not errors
+
+
+def test_a_hanging_or_down_receiver_never_blocks_and_never_leaks_the_url(receiver, caplog, tmp_path):
+    caplog.set_level(logging.DEBUG, logger="rlwatch")
+    server, handler = receiver
+    handler.delay = 3.0
+    url = f"http://127.0.0.1:{server.server_address[1]}/services/T0/B0/xoxb-SECRET"
+    from rlwatch import Watch
+    from rlwatch.store import StoreReader
+
+    with Watch(run="slow", port=None, store=str(tmp_path / "s.db"), alerts=True,
+               notifiers=(WebhookNotifier(url, timeout=0.5), WebhookNotifier("http://127.0.0.1:1/x/SECRET2"))) as w:
+        start = time.perf_counter()
+        for step in range(3):
+            w.observe(step, mask=[[1, 1]], sampler_logp=[[-1.0, -1.0]], trainer_logp=[[0.5, 0.5]])
+        assert time.perf_counter() - start < 1.0      # the training thread never waits for the receivers
+        evaluator = w.listeners[0]
+        evaluator.dispatcher.flush(timeout=10)
+        w.flush()
+    assert w.errors.counts[("notify", "send")] >= 2
+    text = caplog.text + "".join(str(r) for r in caplog.records)
+    with StoreReader(str(tmp_path / "s.db")) as store:
+        dump = json.dumps([store.alerts("slow"), store.events("slow"), store.meta("slow")])
+    for secret in ("SECRET", "xoxb"):
+        assert secret not in text and secret not in dump
+    assert redact(url) == f"http://127.0.0.1:{server.server_address[1]}/…"
+    assert "RLWatchKLSpike" in [a["name"] for a in json.loads(dump)[0]]
+
+
+def test_rate_limit_drops_and_counts():
+    sent = []
+
+    class Fake:
+        name = "fake"
+
+        def send(self, events):
+            sent.extend(events)
+
+    errors = []
+    dispatcher = Dispatcher([Fake()], lambda kind, msg: errors.append(kind), max_per_minute=2)
+    for i in range(5):
+        dispatcher.submit(_event(name="RLWatchKLSpike", value=i, state="firing" if i % 2 == 0 else "resolved"))
+        dispatcher.flush()
+    dispatcher.close()
+    assert len(sent) == 2 and errors.count("rate_limited") == 3
