@@ -74,6 +74,8 @@ class Watch:
         otel: an OpenTelemetry MeterProvider (or True for the global one) to export through.
         alerts: evaluate the alert catalogue in-process (default: whenever a store is written).
         notifiers: alert notifiers (webhook, Slack) for the in-process evaluator.
+        alert_overrides: per-run alert thresholds ({param: value}, see rlwatch.alerts.catalogue.PARAMS).
+        guard: callables run with the event when a critical alert fires (checkpoint, stop, ...).
         all_ranks: export from every rank (run label "<run>-rank<N>", port + local rank) instead
             of rank 0 only.
         tls_certfile, tls_keyfile, basic_auth: protect /metrics with TLS and/or (user, password).
@@ -89,7 +91,7 @@ class Watch:
                  all_ranks: bool = False, tls_certfile: str | None = None, tls_keyfile: str | None = None,
                  basic_auth: tuple[str, str] | None = None, framework: str = "custom",
                  framework_version: str = "", metadata: Mapping[str, Any] | None = None,
-                 alert_overrides: Mapping[str, float] | None = None,
+                 alert_overrides: Mapping[str, float] | None = None, guard: tuple[Callable, ...] = (),
                  listeners: tuple[StepListener, ...] = ()) -> None:
         self.errors = HookErrors(strict=strict)
         self.strict = strict
@@ -124,6 +126,7 @@ class Watch:
         for name, value in (("staleness_bound", staleness_bound), ("is_cap", is_cap), ("mis_low", mis_band[0]),
                             ("mis_high", mis_band[1])):
             self.state.set_gauge(name, value)
+        alert_overrides = self._alert_thresholds(alert_overrides or {})
         self._start_store(store)
         self._start_server(port, addr, port_fallback, tls_certfile, tls_keyfile, basic_auth,
                            local_rank if all_ranks else 0)
@@ -134,9 +137,27 @@ class Watch:
         if alerts is None:
             alerts = self.store is not None
         if alerts:
-            self._start_alerts(notifiers, alert_overrides or {})
+            self._start_alerts(notifiers, alert_overrides, guard)
 
     # --- start-up of the optional parts ---------------------------------------------------------
+
+    def _alert_thresholds(self, overrides: Mapping[str, float]) -> dict[str, float]:
+        """Validate the run's alert overrides and export every threshold in force, so that the
+        Prometheus rules read this run's values (``rlwatch_alert_threshold{param}``)."""
+        from .alerts.catalogue import PARAMS
+
+        clean = {}
+        for name, value in overrides.items():
+            try:
+                if name not in PARAMS:
+                    raise KeyError(name)
+                clean[name] = float(value)
+            except (KeyError, TypeError, ValueError):
+                self.errors.report("alerts", "unknown_param", f"ignored alert override {name!r}={value!r} (known: "
+                                   f"{', '.join(PARAMS)})", raise_in_strict=False)
+        for name, param in PARAMS.items():
+            self.state.set_gauge("alert_threshold", clean.get(name, param.default), (name,))
+        return clean
 
     def _guard(self, stage: str, kind: str, func: Callable[[], Any]) -> Any:
         try:
@@ -194,13 +215,11 @@ class Watch:
 
         self.otel = self._guard("export", "otel", lambda: OTelExporter(self.state, provider, self._refresh_health))
 
-    def _start_alerts(self, notifiers: tuple, overrides: Mapping[str, float]) -> None:
-        try:
-            from .alerts.evaluator import AlertEvaluator
-        except ImportError:
-            return
+    def _start_alerts(self, notifiers: tuple, overrides: Mapping[str, float], guard: tuple[Callable, ...]) -> None:
+        from .alerts.evaluator import AlertEvaluator
+
         evaluator = self._guard("alerts", "init", lambda: AlertEvaluator(
-            self.run, store=self.store, notifiers=notifiers, overrides=overrides, errors=self.errors))
+            self.run, store=self.store, notifiers=notifiers, overrides=overrides, errors=self.errors, guard=guard))
         if evaluator is not None:
             self.listeners.append(evaluator)
 

@@ -124,11 +124,17 @@ def test_stalled_watchdog_matches_the_rule():
 def test_threshold_overrides_apply_and_are_exported():
     alert = BY_NAME["RLWatchKLSpike"]
     evaluator = AlertEvaluator("r1", overrides={"kl_k3_max": 0.001, "nope": 1.0}, watchdog_interval=0)
-    extra = evaluator.on_step(0, {"mismatch_kl_k3": {(): 0.002}, "step": {(): 0.0}})
-    assert extra["alert_threshold"][("kl_k3_max",)] == 0.001
+    evaluator.on_step(0, {"mismatch_kl_k3": {(): 0.002}, "step": {(): 0.0}})
     assert [e.name for e in evaluator.firing()] == [alert.name]
     assert evaluator.errors.counts[("alerts", "unknown_param")] == 1
     evaluator.close()
+    from rlwatch import Watch
+
+    with Watch(run="o", port=None, store=None, alerts=False, alert_overrides={"kl_k3_max": 0.5, "bad": 1}) as w:
+        snap = w.state.snapshot()
+    assert snap.gauges["alert_threshold"][("kl_k3_max",)] == 0.5
+    assert snap.gauges["alert_threshold"][("ess_min",)] == 0.3
+    assert w.errors.counts[("alerts", "unknown_param")] == 1
 
 
 def test_events_resolve_and_guard_runs_on_critical():

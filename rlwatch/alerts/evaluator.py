@@ -81,13 +81,12 @@ class AlertEvaluator:
 
     # --- per step ---------------------------------------------------------------------------
 
-    def on_step(self, step: int, values: dict) -> dict:
+    def on_step(self, step: int, values: dict) -> None:
         with self._lock:
             self._steps.append((step, values))
             history = History(list(self._steps), self.params)
             for alert in self.alerts:
                 self._apply(alert, evaluate(alert, history), step)
-        return {"alert_threshold": {(name,): value for name, value in self.params.items()}}
 
     def _apply(self, alert: Alert, firing: list, step: int | None) -> None:
         now_true: set[tuple[str, LabelKey]] = set()
