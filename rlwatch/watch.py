@@ -79,6 +79,8 @@ class Watch:
         all_ranks: export from every rank (run label "<run>-rank<N>", port + local rank) instead
             of rank 0 only.
         tls_certfile, tls_keyfile, basic_auth: protect /metrics with TLS and/or (user, password).
+        sd_dir: register the endpoint in a Prometheus file_sd directory (default $RLWATCH_SD_DIR), so
+            Prometheus finds exporters that Ray placed on any node (see rlwatch.discovery).
         framework, framework_version, metadata: recorded in the store and ``rlwatch_run_info``.
     """
 
@@ -92,7 +94,7 @@ class Watch:
                  basic_auth: tuple[str, str] | None = None, framework: str = "custom",
                  framework_version: str = "", metadata: Mapping[str, Any] | None = None,
                  alert_overrides: Mapping[str, float] | None = None, guard: tuple[Callable, ...] = (),
-                 listeners: tuple[StepListener, ...] = ()) -> None:
+                 sd_dir: str | None = None, listeners: tuple[StepListener, ...] = ()) -> None:
         self.errors = HookErrors(strict=strict)
         self.strict = strict
         rank, local_rank, world = _rank()
@@ -111,6 +113,7 @@ class Watch:
         self._compute_total = 0.0
         self._closed = False
         self.server = None
+        self.registration = None
         self.store = None
         self.push = None
         self.otel = None
@@ -129,7 +132,7 @@ class Watch:
         alert_overrides = self._alert_thresholds(alert_overrides or {})
         self._start_store(store)
         self._start_server(port, addr, port_fallback, tls_certfile, tls_keyfile, basic_auth,
-                           local_rank if all_ranks else 0)
+                           local_rank if all_ranks else 0, sd_dir, framework)
         if pushgateway:
             self._start_push(pushgateway, push_interval)
         if otel:
@@ -183,7 +186,8 @@ class Watch:
             self.store.submit_run(self.run, self.metadata)
 
     def _start_server(self, port: int | None, addr: str, fallback: bool, certfile: str | None,
-                      keyfile: str | None, basic_auth: tuple[str, str] | None, offset: int) -> None:
+                      keyfile: str | None, basic_auth: tuple[str, str] | None, offset: int,
+                      sd_dir: str | None, framework: str) -> None:
         from prometheus_client import CollectorRegistry
 
         from .exporters.prometheus import RLWatchCollector
@@ -200,6 +204,12 @@ class Watch:
             basic_auth=basic_auth))
         if self.server is not None:
             logger.info("rlwatch: serving %s (run %r)", self.server.url, self.run)
+            sd_dir = sd_dir if sd_dir is not None else os.environ.get("RLWATCH_SD_DIR")
+            if sd_dir:
+                from .discovery import Registration, node_address
+
+                self.registration = self._guard("export", "discovery", lambda: Registration(
+                    sd_dir, self.run, node_address(addr), self.server.port, {"framework": framework}))
 
     def _start_push(self, gateway: str, interval: float) -> None:
         from .exporters.prometheus import PushLoop
@@ -360,6 +370,8 @@ class Watch:
             self._guard("export", "push", self.push.close)
         if self.otel is not None:
             self._guard("export", "otel", self.otel.close)
+        if self.registration is not None:
+            self._guard("export", "discovery", self.registration.remove)
         if self.server is not None:
             self._guard("export", "server", self.server.close)
         if self.store is not None:

@@ -1,0 +1,219 @@
+"""``rlwatch up`` / ``rlwatch down``: a local Prometheus + Alertmanager (+ Grafana) for rlwatch runs.
+
+``up`` writes everything into one directory (Prometheus config with a static scrape of the usual
+ports and a file_sd job for registered exporters, the rlwatch rules, an Alertmanager config, and
+Grafana provisioning when a Grafana binary exists), starts the binaries bound to 127.0.0.1 unless
+told otherwise, and records their PIDs; ``down`` stops exactly those PIDs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .alerts import render
+
+class StackError(RuntimeError):
+    """A binary is missing or a server did not start."""
+
+
+def find_binary(*names: str) -> str | None:
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@dataclass
+class StackConfig:
+    directory: Path
+    addr: str = "127.0.0.1"
+    prometheus_port: int = 9090
+    alertmanager_port: int = 9093
+    grafana_port: int = 3000
+    targets: list[str] = field(default_factory=lambda: [f"127.0.0.1:{p}" for p in range(9400, 9408)])
+    scrape_interval: str = "5s"
+    webhook: str | None = None
+
+    @property
+    def sd_dir(self) -> Path:
+        return self.directory / "targets"
+
+
+def prometheus_config(cfg: StackConfig) -> dict:
+    return {
+        "global": {"scrape_interval": cfg.scrape_interval, "evaluation_interval": cfg.scrape_interval},
+        "rule_files": [str(cfg.directory / render.RULES_FILE)],
+        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"{cfg.addr}:{cfg.alertmanager_port}"]}]}]},
+        "scrape_configs": [
+            {"job_name": "rlwatch", "honor_labels": True, "static_configs": [{"targets": cfg.targets}]},
+            # Exporters registered by Watch(sd_dir=...) anywhere Ray placed them.
+            {"job_name": "rlwatch-sd", "honor_labels": True,
+             "file_sd_configs": [{"files": [str(cfg.sd_dir / "*.json")], "refresh_interval": "5s"}]},
+        ],
+    }
+
+
+def alertmanager_config(cfg: StackConfig) -> dict:
+    config = render.alertmanager_example()
+    if cfg.webhook:
+        receivers = [{"name": n, "webhook_configs": [{"url": cfg.webhook, "send_resolved": True}]}
+                     for n in ("pager", "chat", "heartbeat")]
+    else:   # nothing to deliver to yet: alerts stay visible in the Alertmanager UI
+        receivers = [{"name": n} for n in ("pager", "chat", "heartbeat")]
+    config["receivers"] = receivers
+    return config
+
+
+def _grafana_provisioning(cfg: StackConfig) -> Path:
+    prov = cfg.directory / "grafana" / "provisioning"
+    (prov / "datasources").mkdir(parents=True, exist_ok=True)
+    (prov / "dashboards").mkdir(parents=True, exist_ok=True)
+    dash_dir = cfg.directory / "grafana" / "dashboards"
+    dash_dir.mkdir(parents=True, exist_ok=True)
+    source = Path(__file__).resolve().parents[1] / "dashboards"
+    for path in sorted(source.glob("*.json")):
+        shutil.copy(path, dash_dir / path.name)
+    (prov / "datasources" / "rlwatch.yaml").write_text(render.to_yaml({
+        "apiVersion": 1,
+        "datasources": [{"name": "Prometheus", "uid": "prometheus", "type": "prometheus", "access": "proxy",
+                         "url": f"http://{cfg.addr}:{cfg.prometheus_port}", "isDefault": True}]}))
+    (prov / "dashboards" / "rlwatch.yaml").write_text(render.to_yaml({
+        "apiVersion": 1,
+        "providers": [{"name": "rlwatch", "folder": "rlwatch", "type": "file",
+                       "options": {"path": str(dash_dir)}}]}))
+    return prov
+
+
+def write_configs(cfg: StackConfig) -> None:
+    cfg.directory.mkdir(parents=True, exist_ok=True)
+    cfg.sd_dir.mkdir(exist_ok=True)
+    (cfg.directory / render.RULES_FILE).write_text(render.rules_yaml())
+    (cfg.directory / "prometheus.yml").write_text(render.to_yaml(prometheus_config(cfg)))
+    (cfg.directory / "alertmanager.yml").write_text(render.to_yaml(alertmanager_config(cfg)))
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise StackError(f"{proc.args[0]} exited with {proc.returncode}:\n{log.read_text(errors='replace')[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except Exception:  # noqa: BLE001
+            time.sleep(0.2)
+    raise StackError(f"{url} not ready after {timeout:.0f}s; see {log}")
+
+
+def _start(args: list[str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
+    handle = open(log, "ab")
+    # A new session: the servers outlive the `rlwatch up` command, and `down` stops them by PID.
+    return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+
+
+def up(cfg: StackConfig) -> dict[str, dict]:
+    """Start the stack; returns {name: {"pid": ..., "url": ...}} (also written to <dir>/pids.json)."""
+    prometheus = find_binary("prometheus")
+    alertmanager = find_binary("prometheus-alertmanager", "alertmanager")
+    missing = [package for package, path in (("prometheus", prometheus), ("prometheus-alertmanager", alertmanager))
+               if path is None]
+    if missing:
+        raise StackError(f"missing {', '.join(missing)}: install the Debian packages with "
+                         f"`sudo apt-get install -y --no-install-recommends {' '.join(missing)}` "
+                         f"(or put the binaries on PATH)")
+    if (cfg.directory / "pids.json").exists() and running(cfg.directory):
+        raise StackError(f"a stack is already running from {cfg.directory}; run `rlwatch down --dir {cfg.directory}`")
+    write_configs(cfg)
+    started: dict[str, dict] = {}
+    try:
+        am = _start([alertmanager, f"--config.file={cfg.directory / 'alertmanager.yml'}",
+                     f"--storage.path={cfg.directory / 'alertmanager-data'}",
+                     f"--web.listen-address={cfg.addr}:{cfg.alertmanager_port}", "--cluster.listen-address="],
+                    cfg.directory / "alertmanager.log")
+        started["alertmanager"] = {"pid": am.pid, "url": f"http://{cfg.addr}:{cfg.alertmanager_port}"}
+        _save(cfg.directory, started)
+        _wait_ready(started["alertmanager"]["url"] + "/-/ready", am, cfg.directory / "alertmanager.log")
+        prom = _start([prometheus, f"--config.file={cfg.directory / 'prometheus.yml'}",
+                       f"--storage.tsdb.path={cfg.directory / 'prometheus-data'}",
+                       f"--web.listen-address={cfg.addr}:{cfg.prometheus_port}", "--web.enable-lifecycle",
+                       "--rules.alert.resend-delay=5s"], cfg.directory / "prometheus.log")
+        started["prometheus"] = {"pid": prom.pid, "url": f"http://{cfg.addr}:{cfg.prometheus_port}"}
+        _save(cfg.directory, started)
+        _wait_ready(started["prometheus"]["url"] + "/-/ready", prom, cfg.directory / "prometheus.log")
+        grafana = find_binary("grafana-server", "grafana")
+        if grafana:
+            prov = _grafana_provisioning(cfg)
+            args = [grafana] + (["server"] if grafana.endswith("/grafana") else [])
+            home = next((p for p in ("/usr/share/grafana", "/usr/local/share/grafana") if os.path.isdir(p)), None)
+            args += [f"--homepath={home}"] if home else []
+            env_cfg = cfg.directory / "grafana" / "grafana.ini"
+            env_cfg.write_text(f"[server]\nhttp_addr = {cfg.addr}\nhttp_port = {cfg.grafana_port}\n"
+                               f"[paths]\nprovisioning = {prov}\ndata = {cfg.directory / 'grafana' / 'data'}\n")
+            proc = _start(args + [f"--config={env_cfg}"], cfg.directory / "grafana.log")
+            started["grafana"] = {"pid": proc.pid, "url": f"http://{cfg.addr}:{cfg.grafana_port}"}
+            _save(cfg.directory, started)
+    except Exception:
+        down(cfg.directory)
+        raise
+    return started
+
+
+def _save(directory: Path, started: dict) -> None:
+    (directory / "pids.json").write_text(json.dumps(started, indent=2))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def running(directory: Path) -> dict[str, dict]:
+    path = Path(directory) / "pids.json"
+    if not path.exists():
+        return {}
+    return {name: info for name, info in json.loads(path.read_text()).items() if _alive(info["pid"])}
+
+
+def down(directory: Path, timeout: float = 10.0) -> list[str]:
+    """Stop the processes ``up`` started from ``directory`` (by PID); returns their names."""
+    path = Path(directory) / "pids.json"
+    if not path.exists():
+        return []
+    stopped = []
+    for name, info in json.loads(path.read_text()).items():
+        pid = info["pid"]
+        if not _alive(pid):
+            continue
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _alive(pid) and time.monotonic() < deadline:
+            _reap(pid)
+            time.sleep(0.1)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            _reap(pid)
+        stopped.append(name)
+    path.unlink()
+    return stopped
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)          # when `up` ran in this same process (tests)
+    except ChildProcessError:
+        pass
