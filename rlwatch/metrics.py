@@ -80,7 +80,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("alert_threshold", "Alert threshold in force for this run (catalogue default or the run's override), "
        "by parameter.", "config", ("param",)),
     _g("drift_score", "Baseline-relative drift score of a signal (one-sided CUSUM of robust z-scores; 0 = "
-       "no drift), by signal and, for per-environment signals, environment.", "drift", ("signal", "env")),
+       "no drift), by signal and, for per-environment signals, environment and detector.", "drift",
+       ("signal", "env", "detector")),
     MetricSpec("diagnosis_info", "info", "Most likely cause of the sampler-learner mismatch at the latest "
                "diagnosis, with its confidence label.", ("cause", "confidence"), "diagnosis"),
     _g("sampler_temperature", "Sampling temperature the sampler reported.", "sampler"),
@@ -119,6 +120,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "mismatch"),
     _g("mismatch_chi2_sequence", "Sequence chi-square mean(exp(2 sum r)) - 1 (verl rollout_corr/chi2_seq).",
        "mismatch"),
+    _g("mismatch_log_ratio_slope", "Least-squares slope of r against the sampler log-prob log mu. A sampler "
+       "temperature T_s against the trainer's T_t makes r linear in log mu (slope near T_s/T_t - 1); numeric "
+       "noise and staleness give a slope near 0.", "mismatch"),
     _g("mismatch_seq_log_ratio_abs_mean", "Mean over sequences of |sum of r over the sequence| (nats).",
        "mismatch"),
     _g("mismatch_seq_log_ratio_abs_max", "Maximum over sequences of |sum of r over the sequence| (nats).",

@@ -311,6 +311,14 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     out.put("is_tis_truncated_tokens_total", high)
     out.put("is_mis_masked_tokens_total", mis)
 
+    # Slope of r against log mu over valid tokens (a temperature mismatch makes r linear in log mu).
+    s_valid = torch.mul(sampler_logp, valid, out=tmp).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    s_sum, s_sq, rs = s_valid.sum().double(), _dot(s_valid, s_valid).double(), _dot(s_valid, r).double()
+    var_s = n64 * s_sq - s_sum * s_sum
+    slope = torch.where(var_s > 1e-9 * n64 * n64, (n64 * rs - s_sum * sum_r.double()) / var_s.clamp_min(1e-300),
+                        torch.full_like(var_s, float("nan")))
+    out.put("mismatch_log_ratio_slope", slope)
+
     # Sequence level: s_b = sum_t r, weight exp(s_b), over sequences with at least one valid token.
     seq_r = r.sum(-1).double()                                                # [B]
     has = (valid.sum(-1) > 0).to(torch.float64)                               # [B]

@@ -113,11 +113,16 @@ class Watch:
         self._compute_total = 0.0
         self._closed = False
         self.server = None
+        self.evaluator = None
         self.registration = None
         self.store = None
         self.push = None
         self.otel = None
-        self.listeners: list[StepListener] = list(listeners)
+        from .diagnosis import Diagnoser
+        from .drift import DriftDetector
+
+        self.listeners: list[StepListener] = [DriftDetector(), Diagnoser(staleness_bound=staleness_bound),
+                                              *listeners]
         self.metadata = dict(metadata or {})
         self.metadata.update(framework=framework, framework_version=framework_version,
                              rlwatch_version=__version__, config=self.config.__dict__, rank=rank,
@@ -231,6 +236,7 @@ class Watch:
         evaluator = self._guard("alerts", "init", lambda: AlertEvaluator(
             self.run, store=self.store, notifiers=notifiers, overrides=overrides, errors=self.errors, guard=guard))
         if evaluator is not None:
+            self.evaluator = evaluator
             self.listeners.append(evaluator)
 
     # --- the hook ---------------------------------------------------------------------------------

@@ -218,7 +218,7 @@ def test_a_hanging_or_down_receiver_never_blocks_and_never_leaks_the_url(receive
         for step in range(3):
             w.observe(step, mask=[[1, 1]], sampler_logp=[[-1.0, -1.0]], trainer_logp=[[0.5, 0.5]])
         assert time.perf_counter() - start < 1.0      # the training thread never waits for the receivers
-        evaluator = w.listeners[0]
+        evaluator = w.evaluator
         evaluator.dispatcher.flush(timeout=10)
         w.flush()
     assert w.errors.counts[("notify", "send")] >= 2

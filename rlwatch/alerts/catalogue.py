@@ -200,9 +200,9 @@ def _mismatch_drift(h: History) -> Firing:
     if k3 is not None and k3 > h.p("kl_k3_max"):
         return []                                   # the spike alert owns this case
     out = []
-    for (signal, env), score in h.family("drift_score").items():
+    for (signal, env, detector), score in h.family("drift_score").items():
         if signal in DRIFT_SIGNALS and score > h.p("drift_score_max"):
-            out.append(({"signal": signal, "env": env} if env else {"signal": signal}, score))
+            out.append(({"signal": signal, "env": env, "detector": detector}, score))
     return out
 
 
@@ -354,7 +354,7 @@ ALERTS: tuple[Alert, ...] = (
               f"{threshold('drift_score_max')}\n"
               f"unless on(run) (rlwatch_mismatch_kl_k3 > on(run) group_left() {threshold('kl_k3_max')})"),
         params=("drift_score_max", "kl_k3_max"),
-        labels=("run", "signal", "env"),
+        labels=("run", "signal"),
         summary="Sampler-learner mismatch is drifting up.",
         description=("Run {{ $labels.run }}: {{ $labels.signal }} has drifted above its own baseline (drift score "
                      "{{ $value | printf \"%.4g\" }}) although no step crossed the spike bound yet."),
@@ -373,7 +373,7 @@ ALERTS: tuple[Alert, ...] = (
                   "vLLM's preemption counter next to the mismatch (rollout-engine row)."],
             do=["Watch for a KL spike; consider lowering the learning rate or tightening the staleness bound.",
                 "Make sure a behaviour correction (TIS/MIS) is on before the drift turns into a spike."]),
-        example=Example(series={f'rlwatch_drift_score{{{_R},signal="mismatch_abs_log_ratio_p99",env=""}}':
+        example=Example(series={f'rlwatch_drift_score{{{_R},signal="mismatch_abs_log_ratio_p99"}}':
                                 _const(0.0, 10) + [3.0, 9.5],
                                 f"rlwatch_mismatch_kl_k3{{{_R}}}": _const(0.01, 12),
                                 f"rlwatch_step{{{_R}}}": _steps(12)},

@@ -21,6 +21,7 @@ TESTS_FILE = "rlwatch-rules.test.yaml"
 RUNBOOK_FILE = "runbook.md"
 ALERTMANAGER_FILE = "alertmanager.example.yml"
 OVERRIDES_FILE = "overrides.example.yaml"
+PROMETHEUS_RULE_FILE = "kubernetes-prometheusrule.yaml"
 
 
 # --- a small YAML emitter (the files are plain maps, lists and strings) -------------------------
@@ -252,12 +253,22 @@ def overrides_yaml() -> str:
             + to_yaml(example))
 
 
+def prometheus_rule_yaml() -> str:
+    """The same rules as a prometheus-operator PrometheusRule."""
+    manifest = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+                "metadata": {"name": "rlwatch", "labels": {"app.kubernetes.io/name": "rlwatch",
+                                                           "release": "prometheus"}},
+                "spec": rules()}
+    return HEADER + to_yaml(manifest)
+
+
 FILES = {
     RULES_FILE: rules_yaml,
     TESTS_FILE: promtool_tests_yaml,
     RUNBOOK_FILE: runbook_md,
     ALERTMANAGER_FILE: alertmanager_yaml,
     OVERRIDES_FILE: overrides_yaml,
+    PROMETHEUS_RULE_FILE: prometheus_rule_yaml,
 }
 
 
