@@ -60,7 +60,7 @@ class MetricState:
             if spec.kind == "gauge":
                 gauges[name] = {k: v for k, v in family.items() if v is not None}
             elif spec.kind == "counter":
-                increments.extend((name, k, v) for k, v in family.items() if v)
+                increments.extend((name, k, v) for k, v in family.items() if v is not None)
             elif spec.kind == "histogram":
                 counts = [float(family.get((label,)) or 0.0) for label in HISTOGRAM_LABELS]
                 total = values.get(name + "_sum", {}).get((), 0.0) or 0.0
