@@ -1,0 +1,129 @@
+"""The life cycle every integration shares, after OpenTelemetry's ``BaseInstrumentor``.
+
+An integration declares the framework package and the version range it was written against.
+``instrument()`` checks the installed version and refuses with one clear log line (nothing
+patched) outside that range; a second call warns and does nothing; ``uninstrument()`` restores
+every original attribute. Patches never change the trainer's numbers: wrappers call the original
+and only read its inputs and outputs, and anything rlwatch does in between is guarded so that an
+error is counted and logged, never raised into the trainer (unless the Watch is strict).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import re
+from typing import Any, Callable
+
+logger = logging.getLogger("rlwatch")
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """Leading numeric release of a version string: '0.9.1.dev0' -> (0, 9, 1)."""
+    numbers = re.match(r"\d+(?:\.\d+)*", text)
+    return tuple(int(x) for x in numbers.group(0).split(".")) if numbers else ()
+
+
+def installed_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_in_range(version: str, minimum: tuple[int, ...], below: tuple[int, ...]) -> bool:
+    v = parse_version(version)
+    return minimum <= v < below
+
+
+class Instrumentor:
+    """Base class: subclasses set ``package``, ``minimum`` and ``below`` and implement
+    ``_instrument(**kwargs)`` / ``_uninstrument()`` (usually with :meth:`patch`)."""
+
+    package: str = ""
+    minimum: tuple[int, ...] = ()
+    below: tuple[int, ...] = ()
+
+    def __init__(self) -> None:
+        self._instrumented = False
+        self._originals: list[tuple[Any, str, Any, bool]] = []
+
+    @property
+    def supported(self) -> str:
+        return f">={'.'.join(map(str, self.minimum))},<{'.'.join(map(str, self.below))}"
+
+    @property
+    def is_instrumented(self) -> bool:
+        return self._instrumented
+
+    def instrument(self, **kwargs: Any) -> bool:
+        """Patch the framework; False (with one warning) when already done or unsupported."""
+        if self._instrumented:
+            logger.warning("rlwatch: %s is already instrumented; ignoring the second call", self.package)
+            return False
+        version = installed_version(self.package)
+        if version is None:
+            logger.warning("rlwatch: %s is not installed; nothing patched", self.package)
+            return False
+        if not version_in_range(version, self.minimum, self.below):
+            logger.warning("rlwatch: the %s integration supports %s %s, found %s; nothing patched",
+                           self.package, self.package, self.supported, version)
+            return False
+        try:
+            self._instrument(**kwargs)
+        except Exception:
+            self._restore()
+            raise
+        self._instrumented = True
+        logger.info("rlwatch: instrumented %s %s", self.package, version)
+        return True
+
+    def uninstrument(self) -> None:
+        if not self._instrumented:
+            return
+        self._uninstrument()
+        self._restore()
+        self._instrumented = False
+
+    def _instrument(self, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def _uninstrument(self) -> None:
+        pass
+
+    def patch(self, owner: Any, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+        """Replace ``owner.name`` with ``make_wrapper(original)``; restored by ``uninstrument``."""
+        had = name in vars(owner) if hasattr(owner, "__dict__") else True
+        original = getattr(owner, name)
+        wrapper = make_wrapper(original)
+        functools.update_wrapper(wrapper, original)
+        wrapper.__rlwatch_original__ = original
+        self._originals.append((owner, name, original if had else None, had))
+        setattr(owner, name, wrapper)
+
+    def _restore(self) -> None:
+        for owner, name, original, had in reversed(self._originals):
+            if had:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        self._originals.clear()
+
+
+def guarded(watch: Any, kind: str) -> Callable[[Callable], Callable]:
+    """Decorator: run rlwatch's side of a hook without ever raising into the trainer."""
+    def decorate(func: Callable) -> Callable:
+        @functools.wraps(func)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return func(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001
+                errors = getattr(watch, "errors", None)
+                if errors is None:
+                    logger.warning("rlwatch %s hook failed: %s", kind, exc)
+                    return None
+                errors.report("integration", kind, f"{type(exc).__name__}: {exc}", exc=exc)
+                return None
+        return inner
+    return decorate
