@@ -39,6 +39,36 @@ def _cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+
+    from .autoload import BOOTSTRAP_DIR
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("rlwatch run: give the command after --, e.g. rlwatch run -- python train.py", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                           if p and p != BOOTSTRAP_DIR])
+    for option, variable in (("run", "RLWATCH_RUN"), ("port", "RLWATCH_PORT"), ("addr", "RLWATCH_ADDR"),
+                             ("store", "RLWATCH_STORE"), ("sd_dir", "RLWATCH_SD_DIR"),
+                             ("frameworks", "RLWATCH_FRAMEWORKS")):
+        value = getattr(args, option)
+        if value is not None:
+            env[variable] = str(value)
+    if args.strict:
+        env["RLWATCH_STRICT"] = "1"
+    try:
+        return subprocess.call(command, env=env)
+    except FileNotFoundError:
+        print(f"rlwatch run: command not found: {command[0]}", file=sys.stderr)
+        return 127
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlwatch", description="Health signals for RL post-training of LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", action="append", help="host:port to scrape (repeatable; default 127.0.0.1:9400-9407)")
     p.add_argument("--webhook", help="deliver every alert to this webhook URL")
     p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("run", help="run a training command with rlwatch attached (no code change)",
+                       description="Run COMMAND with rlwatch installed in every Python process it starts "
+                                   "(and in its Ray workers): supported trainers get a Watch automatically.")
+    p.add_argument("--run", help="run name (RLWATCH_RUN)")
+    p.add_argument("--port", type=int, help="metrics port (RLWATCH_PORT, default 9400 with fallback)")
+    p.add_argument("--addr", help="bind address (RLWATCH_ADDR, default 127.0.0.1)")
+    p.add_argument("--store", help="run-store path (RLWATCH_STORE)")
+    p.add_argument("--sd-dir", dest="sd_dir", help="Prometheus file_sd directory to register in (RLWATCH_SD_DIR)")
+    p.add_argument("--frameworks", help="comma list of trl,verl,openrlhf to hook (default all)")
+    p.add_argument("--strict", action="store_true", help="raise on rlwatch errors (tests)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("down", help="stop what `rlwatch up` started")
     p.add_argument("--dir", default=".rlwatch-stack")

@@ -1,0 +1,57 @@
+"""`rlwatch run -- <command>`: the bootstrap reaches plain subprocesses and Ray workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from .conftest import need_module
+
+
+def rlwatch_run(*command: str, extra: tuple[str, ...] = (), timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlwatch.cli", "run", *extra, "--", *command],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_plain_subprocess_gets_the_bootstrap_and_config():
+    probe = textwrap.dedent("""
+        import json, os, sys
+        import rlwatch.autoload as a
+        print(json.dumps(dict(loaded="rlwatch.autoload" in sys.modules, initialized=a._initialized,
+                              hooks=sorted(a._hooks), options=a.watch_options_from_env())))
+    """)
+    result = rlwatch_run(sys.executable, "-c", probe, extra=("--run", "zero-code", "--port", "0"))
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout.strip().splitlines()[-1])
+    assert info["initialized"]
+    assert "ray" in info["hooks"] and "trl.trainer.grpo_trainer" in info["hooks"]
+    assert info["options"]["run"] == "zero-code" and info["options"]["port"] == 0
+
+
+def test_exit_code_and_missing_command():
+    assert rlwatch_run(sys.executable, "-c", "raise SystemExit(3)").returncode == 3
+    assert rlwatch_run("definitely-not-a-command-xyz").returncode == 127
+
+
+def test_ray_workers_load_the_bootstrap():
+    need_module("ray")
+    script = textwrap.dedent("""
+        import json, os, ray
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+        @ray.remote
+        def probe():
+            import sys
+            return dict(pid=os.getpid(), loaded="rlwatch.autoload" in sys.modules,
+                        run=os.environ.get("RLWATCH_RUN"))
+
+        print(json.dumps(dict(driver=os.getpid(), worker=ray.get(probe.remote()))))
+        ray.shutdown()
+    """)
+    result = rlwatch_run(sys.executable, "-c", script, extra=("--run", "ray-zero-code", "--port", "0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = json.loads(result.stdout.strip().splitlines()[-1])
+    assert info["worker"]["pid"] != info["driver"]
+    assert info["worker"]["loaded"] and info["worker"]["run"] == "ray-zero-code"
