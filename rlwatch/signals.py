@@ -36,10 +36,12 @@ if TYPE_CHECKING:
 SAFETY_BOUND = 20.0  # |r| clamp before exp, as verl's rollout_corr_helper.SAFETY_BOUND
 
 # |r| quantiles come from a histogram over the float32 bit pattern of |r|: for non-negative floats the
-# bits are monotone in the value, and bits >> 15 gives 256 equal-width bins per power of two (65536
-# bins cover every float32). A bin's midpoint is within 0.2% of any value in it.
+# bits are monotone in the value, and bits >> 15 gives 256 equal-width bins per power of two. A bin's
+# midpoint is within 0.2% of any value in it. The bins span [2^-40, 2^24) nats; smaller values count
+# as 0 and larger ones share the top bin, represented by the exact maximum.
 _ABS_SHIFT = 15
-_ABS_NBINS = 1 << (31 - _ABS_SHIFT)
+_ABS_FIRST = (127 - 40) << 8                 # bit-pattern bin of 2^-40
+_ABS_NBINS = ((127 + 24) << 8) - _ABS_FIRST + 2   # + the zero bin and the top bin
 
 # Lag percentiles and the lag mean are exact up to this many updates; larger lags count as this
 # many (the maximum stays exact).
@@ -105,8 +107,8 @@ class Pending:
         if not self._tensors:
             return {}
         devices = {t.device for t in self._tensors}
-        target = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
-        flat = torch.cat([t.to(device=target, dtype=torch.float64) for t in self._tensors])
+        tensors = self._tensors if len(devices) == 1 else [t.cpu() for t in self._tensors]
+        flat = torch.cat(tensors).to(torch.float64)       # cat promotes dtypes: one copy, one kernel
         host = flat.tolist()  # the one host synchronisation of the step
         out: dict[str, dict[tuple[str, ...], float | None]] = {}
         i = 0
@@ -114,7 +116,7 @@ class Pending:
             family = out.setdefault(name, {})
             for labels in rows:
                 v = host[i]
-                family[labels] = None if math.isnan(v) else v
+                family[labels] = v if math.isfinite(v) else None
                 i += 1
         return out
 
@@ -159,10 +161,9 @@ def quantile_from_counts(counts: torch.Tensor, values: torch.Tensor, n: torch.Te
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den, NaN (resolved to None) where den == 0."""
-    den = den.to(torch.float64) if isinstance(den, torch.Tensor) else torch.tensor(float(den), dtype=torch.float64)
-    num = num.to(torch.float64)
-    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.full_like(num, float("nan")))
+    """num / den in float64. Every denominator here counts the items its numerator sums over, so an
+    empty set gives 0/0 = NaN, which resolves to None."""
+    return num.double() / den
 
 
 def _sorted_quantile(values: torch.Tensor, q: float) -> torch.Tensor:
@@ -220,17 +221,15 @@ def bin_counts(index: torch.Tensor, size: int, weights: torch.Tensor | None = No
 _ABS_VALUES: dict[torch.device, torch.Tensor] = {}
 
 
-def _abs_bin_values(device: torch.device) -> torch.Tensor:
-    """Midpoint of each bit-pattern bin of a non-negative float32 (bin 0 is represented by 0)."""
-    values = _ABS_VALUES.get(device)
-    if values is None:
-        k = torch.arange(_ABS_NBINS + 1, dtype=torch.int64)
+def _abs_bin_values(device: torch.device, max_abs: torch.Tensor) -> torch.Tensor:
+    """Representative value of each |r| bin: 0, the midpoints of [2^-40, 2^24), then the exact max."""
+    mids = _ABS_VALUES.get(device)
+    if mids is None:
+        k = torch.arange(_ABS_FIRST, _ABS_FIRST + _ABS_NBINS - 1, dtype=torch.int64)
         edges = (k << _ABS_SHIFT).to(torch.int32).view(torch.float32).to(torch.float64)
-        fmax = float(torch.finfo(torch.float32).max)
-        values = ((edges[:-1] + edges[1:]) / 2).nan_to_num(nan=fmax, posinf=fmax, neginf=fmax)
-        values[0] = 0.0                                    # bins past +inf never hold a finite value
-        values = _ABS_VALUES[device] = values.to(device)
-    return values
+        mids = _ABS_VALUES[device] = ((edges[:-1] + edges[1:]) / 2).to(device)
+    zero = torch.zeros(1, dtype=torch.float64, device=device)
+    return torch.cat([zero, mids, max_abs.double().reshape(1)])
 
 
 def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
@@ -361,9 +360,10 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     a32 = a if work == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).to(torch.float32)
     bins_out = em1.view(torch.int32) if work == torch.float32 else buf("bins", torch.int32)
     bins = torch.bitwise_right_shift(a32.view(torch.int32), _ABS_SHIFT, out=bins_out)
+    bins.sub_(_ABS_FIRST - 1).clamp_(0, _ABS_NBINS - 1)
     hist = bin_counts(bins, _ABS_NBINS)
     hist[0] -= n_all - n.double()
-    values, cum = _abs_bin_values(device), hist.cumsum(0)
+    values, cum = _abs_bin_values(device, max_a), hist.cumsum(0)
     for q, name in ((0.5, "mismatch_abs_log_ratio_p50"), (0.99, "mismatch_abs_log_ratio_p99")):
         out.put(name, quantile_from_counts(hist, values, n.double(), q, cum).minimum(max_a.double()))
 
