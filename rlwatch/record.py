@@ -159,6 +159,8 @@ class RecordBuilder:
         if m.dim() != 2:
             self._bad("mask", "shape", f"expected [B, T], got shape {tuple(m.shape)}")
             return None
+        if m.numel() == 0:
+            self._bad("mask", "empty", f"empty batch (mask shape {tuple(m.shape)}); nothing to compute")
         out = ws.get("mask", m.shape, torch.float32, m.device) if ws is not None else None
         if m.dtype == torch.bool:
             return out.copy_(m) if out is not None else m.to(torch.float32)
@@ -181,8 +183,12 @@ class RecordBuilder:
             self._bad(name, "shape", f"shape {tuple(t.shape)} does not match mask {tuple(mask.shape)}")
             return None
         if t.device != mask.device:
-            self._bad(name, "device", f"on {t.device} while mask is on {mask.device}; moved", )
-            t = t.to(mask.device)
+            self._bad(name, "device", f"on {t.device} while mask is on {mask.device}; moved")
+            try:
+                t = t.to(mask.device)
+            except Exception as exc:  # noqa: BLE001 - e.g. a meta tensor holds no data to move
+                self._bad(name, "device", f"cannot move to {mask.device}: {exc}; field dropped")
+                return None
         if not t.dtype.is_floating_point:
             self._bad(name, "dtype", f"expected floating point log-probs, got {t.dtype}; cast")
             t = t.to(torch.float32)

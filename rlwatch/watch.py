@@ -299,6 +299,10 @@ class Watch:
             self.errors.report("validate", "nonfinite_logp", f"{int(nonfinite)} masked tokens have a NaN or "
                                "infinite log-prob; excluded from the mismatch signals",
                                field="sampler_logp/trainer_logp")
+        tokens, sequences = values.get("tokens", {}).get(()), values.get("sequences", {}).get(())
+        if tokens == 0 and sequences:
+            self.errors.report("validate", "all_masked", f"the mask selects no token in {int(sequences)} "
+                               "sequences; only per-episode signals are exported", field="mask")
         size = self.config.group_size
         gmin, gmax = values.get("_group_size_min", {}).get(()), values.get("_group_size_max", {}).get(())
         if size and gmin is not None and (gmin != size or gmax != size):
