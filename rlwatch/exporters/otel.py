@@ -101,7 +101,5 @@ class OTelExporter:
         return callback
 
     def close(self) -> None:
-        """Instruments live as long as the provider; a final collection is up to its readers."""
-        force_flush = getattr(self.provider, "force_flush", None)
-        if callable(force_flush):
-            force_flush()
+        """Nothing to flush here: the provider and its readers belong to the caller (flushing a
+        provider whose receiver hangs would block the trainer's shutdown for the export timeout)."""
