@@ -134,7 +134,12 @@ def _count_lt(x: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.dot(a.reshape(-1), b.reshape(-1))
+    a, b = a.reshape(-1), b.reshape(-1)
+    if a.numel() < 65536:
+        # BLAS dot wakes its thread pool even for a few thousand elements, which stalls for a whole
+        # scheduler time slice on a busy host; small products stay in one thread this way.
+        return (a * b).sum()
+    return torch.dot(a, b)
 
 
 def _nonfinite_indicator(x: torch.Tensor) -> torch.Tensor:
