@@ -25,6 +25,7 @@ SIGNALS: dict[str, tuple[str, float]] = {
     "is_ess_ratio": ("down", 0.02),
     "entropy_mean": ("down", 0.02),
     "env_hack_ratio": ("up", 0.05),
+    "env_reward_length_corr": ("up", 0.1),
 }
 
 
@@ -80,6 +81,8 @@ class DriftDetector:
                 if name == "env_hack_ratio":
                     env, detector = labels
                     out_labels = (name, env, detector)
+                elif name == "env_reward_length_corr":
+                    out_labels = (name, labels[0], "")
                 else:
                     out_labels = (name, "", "")
                 score = self._update((name, labels), x, direction, floor)

@@ -173,6 +173,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _c("episodes_truncated_total", "Truncated episodes per environment.", "env", ("env",)),
     _c("episodes_hacked_total", "Episodes flagged as reward hacks, per environment and detector.", "env",
        ("env", "detector")),
+    _c("episodes_judged_total", "Episodes a reward-hack detector judged (applicable and sampled), per "
+       "environment and detector: the denominator of the hack rate.", "env", ("env", "detector")),
+    _g("env_reward_length_corr", "Correlation of reward with response length within an environment in the "
+       "latest step (batch-level reward/length hack signal).", "env", ("env",)),
     _c("episodes_failed_total", "Episodes with an infrastructure failure, per environment and kind.", "env",
        ("env", "kind")),
 )

@@ -517,8 +517,9 @@ def group_signals(out: Pending, rewards: torch.Tensor, group_ids: torch.Tensor, 
     return episode_zero_var
 
 
-def length_signals(out: Pending, mask: torch.Tensor, truncated: torch.Tensor | None) -> None:
-    """Response lengths (tokens, from the mask) and the truncated fraction. mask [B, T] float."""
+def length_signals(out: Pending, mask: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
+    """Response lengths (tokens, from the mask) and the truncated fraction. mask [B, T] float.
+    Returns the lengths [B]."""
     lengths = mask.sum(-1).double()                                            # [B]
     B = lengths.numel()
     out.put("response_length_mean", lengths.mean() if B else torch.tensor(float("nan")))
@@ -526,6 +527,7 @@ def length_signals(out: Pending, mask: torch.Tensor, truncated: torch.Tensor | N
     out.put("response_length_p99", _sorted_quantile(lengths, 0.99))
     if truncated is not None:
         out.put("truncated_ratio", truncated.double().mean() if B else torch.tensor(float("nan")))
+    return lengths
 
 
 def reward_signals(out: Pending, rewards: torch.Tensor, ok: torch.Tensor) -> None:
@@ -548,7 +550,8 @@ def entropy_signal(out: Pending, entropy: torch.Tensor, mask: torch.Tensor) -> N
 
 def env_signals(out: Pending, env_index: torch.Tensor, env_names: Sequence[str], rewards: torch.Tensor | None,
                 ok: torch.Tensor, truncated: torch.Tensor | None, episode_zero_var: torch.Tensor | None,
-                group_ids: torch.Tensor | None, hacked: dict[str, torch.Tensor]) -> None:
+                group_ids: torch.Tensor | None, hacked: dict[str, torch.Tensor],
+                lengths: torch.Tensor | None = None) -> None:
     """Per-environment episodes, reward, truncation, zero-variance groups and hack rates.
 
     env_index: [B] int index into env_names. rewards [B], ok/truncated [B] bool, hacked: detector
@@ -565,6 +568,15 @@ def env_signals(out: Pending, env_index: torch.Tensor, env_names: Sequence[str],
         reward_sum = torch.bincount(env_index, weights=r, minlength=E)[:E]
         ok_count = torch.bincount(env_index, weights=okf, minlength=E)[:E]
         out.put_vector("env_reward_mean", torch.where(ok_count > 0, reward_sum / ok_count.clamp_min(1), torch.nan), rows)
+        if lengths is not None:
+            # Pearson correlation of reward with response length per environment (reward/length hack).
+            n = lengths.double() * okf
+            sums = [torch.bincount(env_index, weights=w, minlength=E)[:E] for w in (n, r * r, n * n, r * n)]
+            s_n, s_rr, s_nn, s_rn = sums
+            cov = ok_count * s_rn - reward_sum * s_n
+            var = (ok_count * s_rr - reward_sum ** 2) * (ok_count * s_nn - s_n ** 2)
+            corr = torch.where((ok_count >= 4) & (var > 0), cov / var.clamp_min(1e-300).sqrt(), torch.nan)
+            out.put_vector("env_reward_length_corr", corr, rows)
     if truncated is not None:
         trunc = torch.bincount(env_index, weights=truncated.double(), minlength=E)[:E]
         out.put_vector("env_truncated_ratio", torch.where(episodes > 0, trunc / episodes.clamp_min(1), torch.nan), rows)
@@ -583,6 +595,7 @@ def env_signals(out: Pending, env_index: torch.Tensor, env_names: Sequence[str],
         det_rows = [(name, detector) for name in env_names]
         out.put_vector("env_hack_ratio", torch.where(episodes > 0, count / episodes.clamp_min(1), torch.nan), det_rows)
         out.put_vector("episodes_hacked_total", count, det_rows)
+        out.put_vector("episodes_judged_total", episodes, det_rows)
 
 
 def failure_counts(env: Sequence[str], failed: Iterable[str | None]) -> dict[tuple[str, str], int]:
@@ -626,12 +639,12 @@ def compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | Non
         reward_signals(out, record.rewards, ok)
         if record.group_ids is not None:
             episode_zero_var = group_signals(out, record.rewards, record.group_ids, ok, config)
-    length_signals(out, mask, record.truncated)
+    lengths = length_signals(out, mask, record.truncated)
     if record.entropy is not None:
         entropy_signal(out, record.entropy, mask)
     if record.env_index is not None:
         env_signals(out, record.env_index, record.env_names, record.rewards, ok, record.truncated,
-                    episode_zero_var, record.group_ids, record.hacked)
+                    episode_zero_var, record.group_ids, record.hacked, lengths)
     values = out.resolve()
 
     values["step"] = {(): float(record.step)}

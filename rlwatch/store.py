@@ -9,6 +9,7 @@ Tables:
 - ``alerts``: alert events (firing / resolved) with labels, value and annotations.
 - ``checkpoints``: which checkpoint directory belongs to which step.
 - ``events``: notes about the run itself (data loss, errors), for the post-mortem.
+- ``hack_examples``: a few episodes a reward-hack detector flagged (text truncated).
 
 Writes go through a bounded queue to one writer thread, which commits after every batch; a
 process killed at any moment leaves a store that opens and holds every committed step. Readers
@@ -41,6 +42,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (run TEXT, step INTEGER, path TEXT, time 
                                         PRIMARY KEY (run, step, path));
 CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, run TEXT, time REAL, kind TEXT,
                                    detail TEXT);
+CREATE TABLE IF NOT EXISTS hack_examples (id INTEGER PRIMARY KEY AUTOINCREMENT, run TEXT, step INTEGER, env TEXT,
+                                          detector TEXT, reason TEXT, prompt TEXT, response TEXT, reward REAL);
 """
 
 _STOP = object()
@@ -121,6 +124,12 @@ class RunStore:
     def submit_checkpoint(self, run: str, step: int, path: str) -> None:
         self._put(("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)", (run, int(step), os.fspath(path),
                                                                             time.time())))
+
+    def submit_hack_examples(self, run: str, examples: list) -> None:
+        rows = [(run, e.step, e.env, e.detector, e.reason, e.prompt, e.response, e.reward) for e in examples]
+        if rows:
+            self._put(("INSERT INTO hack_examples (run, step, env, detector, reason, prompt, response, reward) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows, "many"))
 
     def submit_event(self, run: str, kind: str, detail: str) -> None:
         self._put(("INSERT INTO events (run, time, kind, detail) VALUES (?, ?, ?, ?)",
@@ -263,6 +272,11 @@ class StoreReader:
     def checkpoints(self, run: str) -> list[tuple[int, str]]:
         return [(r["step"], r["path"]) for r in
                 self._rows("SELECT step, path FROM checkpoints WHERE run = ? ORDER BY step", (run,))]
+
+    def hack_examples(self, run: str) -> list[dict[str, Any]]:
+        return [dict(step=r["step"], env=r["env"], detector=r["detector"], reason=r["reason"], prompt=r["prompt"],
+                     response=r["response"], reward=r["reward"])
+                for r in self._rows("SELECT * FROM hack_examples WHERE run = ? ORDER BY id", (run,))]
 
     def events(self, run: str) -> list[dict[str, Any]]:
         return [dict(time=r["time"], kind=r["kind"], detail=r["detail"])

@@ -81,6 +81,9 @@ class Watch:
         tls_certfile, tls_keyfile, basic_auth: protect /metrics with TLS and/or (user, password).
         sd_dir: register the endpoint in a Prometheus file_sd directory (default $RLWATCH_SD_DIR), so
             Prometheus finds exporters that Ray placed on any node (see rlwatch.discovery).
+        hack_detectors: reward-hack detectors (names or rlwatch.hacks.Detector) run on the ``episodes``
+            passed to observe, off the training thread; None = every registered detector (the
+            built-ins included), False = none.
         framework, framework_version, metadata: recorded in the store and ``rlwatch_run_info``.
     """
 
@@ -94,7 +97,8 @@ class Watch:
                  basic_auth: tuple[str, str] | None = None, framework: str = "custom",
                  framework_version: str = "", metadata: Mapping[str, Any] | None = None,
                  alert_overrides: Mapping[str, float] | None = None, guard: tuple[Callable, ...] = (),
-                 sd_dir: str | None = None, listeners: tuple[StepListener, ...] = ()) -> None:
+                 sd_dir: str | None = None, hack_detectors: Any = None,
+                 listeners: tuple[StepListener, ...] = ()) -> None:
         self.errors = HookErrors(strict=strict)
         self.strict = strict
         rank, local_rank, world = _rank()
@@ -113,6 +117,8 @@ class Watch:
         self._compute_total = 0.0
         self._closed = False
         self.server = None
+        self.hacks = None
+        self._hack_detectors = hack_detectors
         self.evaluator = None
         self.registration = None
         self.store = None
@@ -247,10 +253,13 @@ class Watch:
             return None
         with self._lock:
             started = time.perf_counter()
+            episodes = fields.pop("episodes", None)
             record = self._stage("validate", "exception", lambda: self._builder.build(step, fields,
                                                                                      self._workspace))
             if record is None:
                 return None
+            if episodes is not None:
+                self._stage("hacks", "submit", lambda: self._submit_episodes(record, episodes))
             values = self._stage("compute", "exception", lambda: compute_step(record, self.config,
                                                                               self._workspace))
             if values is None:
@@ -270,8 +279,31 @@ class Watch:
             self.errors.report(stage, type(exc).__name__, str(exc), exc=exc)
             return None
 
+    def _submit_episodes(self, record: Any, episodes: Any) -> None:
+        if self._hack_detectors is False:
+            return
+        if self.hacks is None:
+            from .hacks import HackMonitor
+
+            self.hacks = HackMonitor(self._hack_detectors, errors=self.errors)
+        self.hacks.submit(record.step, episodes, env=record.env)
+
+    def _merge_hacks(self, values: Values) -> None:
+        verdicts = self.hacks.collect()
+        if verdicts:
+            for name, family in verdicts.items():
+                merged = values.setdefault(name, {})
+                for labels, value in family.items():
+                    counter = name.endswith("_total")
+                    merged[labels] = (merged.get(labels) or 0.0) + value if counter else value
+        examples = self.hacks.take_examples()
+        if examples and self.store is not None:
+            self.store.submit_hack_examples(self.run, examples)
+
     def _after_compute(self, step: int, values: Values, elapsed: float) -> None:
         now = time.time()
+        if self.hacks is not None:
+            self._stage("hacks", "collect", lambda: self._merge_hacks(values))
         self._compute_total += elapsed
         values["hook_compute_seconds"] = {(): elapsed}
         values["hook_compute_seconds_total"] = {(): elapsed}
@@ -376,6 +408,8 @@ class Watch:
         self._closed = True
         for listener in self.listeners:
             self._guard("alerts", "close", listener.close)
+        if self.hacks is not None:
+            self._guard("hacks", "close", self.hacks.close)
         if self.push is not None:
             self._guard("export", "push", self.push.close)
         if self.otel is not None:

@@ -248,12 +248,12 @@ def _hack_rising(h: History) -> Firing:
     out = []
     for labels in {k for _, values in h.steps[-10:] for k in values.get("episodes_hacked_total", {})}:
         env, detector = labels
-        now = _ratio_series(h, "episodes_hacked_total", "episodes_total", 10, 0, labels, (env,))
+        now = _ratio_series(h, "episodes_hacked_total", "episodes_judged_total", 10, 0, labels, labels)
         if now is None or now <= h.p("hack_ratio_max"):
             continue
         # Trailing level: the 10-step ratio as recorded at each minute of [1h] offset 10m.
         past = [r for skip in range(10, 71) if len(h.steps) - skip >= 10
-                and (r := _ratio_series(h, "episodes_hacked_total", "episodes_total", 10, skip, labels, (env,)))
+                and (r := _ratio_series(h, "episodes_hacked_total", "episodes_judged_total", 10, skip, labels, labels))
                 is not None]
         if past and now <= h.p("hack_jump_factor") * (sum(past) / len(past)):
             continue
@@ -581,7 +581,8 @@ ALERTS: tuple[Alert, ...] = (
                 "Add the detector's check to the reward itself."]),
         example=Example(series={f'rlwatch_episodes_hacked_total{{{_R},env="buggy",detector="verifier"}}':
                                 _cumulative(_const(1.0, 20) + _const(30.0, 10)),
-                                f'rlwatch_episodes_total{{{_R},env="buggy"}}': _cumulative(_const(100.0, 30)),
+                                f'rlwatch_episodes_judged_total{{{_R},env="buggy",detector="verifier"}}':
+                                _cumulative(_const(100.0, 30)),
                                 f"rlwatch_step{{{_R}}}": _steps(30)},
                         fires_at=23, labels={"run": "r1", "env": "buggy", "detector": "verifier"}, value=0.126),
     ),
@@ -744,7 +745,7 @@ RECORDING_RULES: tuple[tuple[str, str], ...] = (
      "sum by (run) (rate(rlwatch_nonfinite_tokens_total[10m]))\n/ sum by (run) (rate(rlwatch_tokens_total[10m]))"),
     ("run_env_detector:rlwatch_episodes_hacked:ratio_rate10m",
      "sum by (run, env, detector) (rate(rlwatch_episodes_hacked_total[10m]))\n"
-     "/ on(run, env) group_left() sum by (run, env) (rate(rlwatch_episodes_total[10m]))"),
+     "/ sum by (run, env, detector) (rate(rlwatch_episodes_judged_total[10m]))"),
     ("run_env_kind:rlwatch_episodes_failed:ratio_rate10m",
      "sum by (run, env, kind) (rate(rlwatch_episodes_failed_total[10m]))\n"
      "/ on(run, env) group_left() sum by (run, env) (rate(rlwatch_episodes_total[10m]))"),

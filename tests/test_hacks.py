@@ -1,0 +1,143 @@
+"""Reward-hack detectors: the built-ins on crafted episodes, the interface, and the plumbing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import rlwatch
+from rlwatch import hacks
+from rlwatch.hacks.builtin import degenerate_output, format_gaming, repetition_ratio, tampering, \
+    verifier_disagreement
+from rlwatch.hacks.registry import Episode, as_verdict
+from rlwatch.store import StoreReader
+
+from .conftest import make_step
+
+
+def verdict(fn, **kw):
+    v = as_verdict(fn(Episode(**kw)))
+    return None if v is None else v.hacked
+
+
+def test_degenerate_output():
+    assert verdict(degenerate_output, reward=1.0, response="") is True
+    assert verdict(degenerate_output, reward=1.0, response="   ", truncated=True) is True
+    assert verdict(degenerate_output, reward=1.0, response="the answer " * 30) is True
+    assert verdict(degenerate_output, reward=1.0, response_ids=[7] * 40) is True
+    assert verdict(degenerate_output, reward=1.0, response="The sum of 12 and 30 is 42, so x = 42.") is False
+    assert verdict(degenerate_output, reward=0.0, response="") is False          # not rewarded: not a hack
+    assert verdict(degenerate_output, reward=1.0) is None                         # nothing to judge
+    assert repetition_ratio(list("abcabcabcabc"), 3) > 0.5 and repetition_ratio(list("abcdefgh"), 3) == 0
+
+
+def test_verifier_disagreement_with_a_named_checker():
+    assert verdict(verifier_disagreement, reward=1.0, extra={"true_pass": False}) is True
+    assert verdict(verifier_disagreement, reward=1.0, extra={"true_pass": True}) is False
+    assert verdict(verifier_disagreement, reward=0.0, extra={"true_pass": False}) is False
+    assert verdict(verifier_disagreement, reward=1.0) is None
+    hacks.use_checker("unit-env", lambda ep: "42" in (ep.response or ""))
+    assert verdict(verifier_disagreement, env="unit-env", reward=1.0, response="41") is True
+    assert verdict(verifier_disagreement, env="unit-env", reward=1.0, response="42") is False
+
+
+def test_format_gaming():
+    both = {"format_reward": 1.0, "accuracy_reward": 0.0}
+    assert verdict(format_gaming, reward=1.0, extra={"reward_components": both}) is True
+    honest = {"format_reward": 1.0, "accuracy_reward": 1.0}
+    assert verdict(format_gaming, reward=2.0, extra={"reward_components": honest}) is False
+    assert verdict(format_gaming, reward=1.0, extra={"reward_components": {"length": 1.0}}) is None
+
+
+@pytest.mark.parametrize("extra,hacked", [
+    ({"files_touched": ["src/app.py", "tests/test_app.py"]}, True),
+    ({"files_touched": ["conftest.py"]}, True),
+    ({"diff": "--- a/src/x.py\n+++ b/src/x.py\n@@\n+@pytest.mark.skip(reason='flaky')\n"}, True),
+    ({"diff": "--- a/t.py\n+++ b/src/t.py\n@@\n-    assert result == 3\n+    pass\n"}, True),
+    ({"commands": ["sed -i 's/assert/#/' tests/test_core.py"]}, True),
+    ({"commands": ["pytest -k 'not slow_test' -q"]}, True),
+    ({"tool_calls": [{"name": "bash", "args": "rm tests/test_core.py"}]}, True),
+    ({"files_touched": ["src/app.py"], "diff": "--- a/src/app.py\n+++ b/src/app.py\n@@\n-x = 1\n+x = 2\n",
+      "commands": ["pytest -q"]}, False),
+])
+def test_coding_agent_tampering(extra, hacked):
+    assert verdict(tampering, reward=1.0, extra=extra) is hacked
+    assert verdict(tampering, reward=0.0, extra=extra) is False
+
+
+def test_register_decorator_env_selection_and_sampling():
+    @hacks.detector("unit_short_answer", envs={"math"})
+    def short(ep):
+        return (len(ep.response or "") < 3, "too short")
+
+    det = hacks.REGISTRY["unit_short_answer"]
+    assert det.applies_to("math") and not det.applies_to("code")
+    sampled = hacks.register("unit_judge", lambda ep: True, sample_rate=0.05)
+    from rlwatch.hacks.monitor import sampled as is_sampled
+    picks = sum(is_sampled(sampled, Episode(step=s, index=i)) for s in range(40) for i in range(100))
+    assert 100 < picks < 300                                     # ~5% of 4000, deterministic
+    assert picks == sum(is_sampled(sampled, Episode(step=s, index=i)) for s in range(40) for i in range(100))
+    hacks.unregister("unit_short_answer")
+    hacks.unregister("unit_judge")
+    with pytest.raises(ValueError):
+        hacks.register("bad", lambda ep: True, sample_rate=0)
+
+
+def test_failing_or_slow_detectors_are_errors_never_honest_and_never_block(tmp_path):
+    def boom(ep):
+        raise RuntimeError("grader crashed")
+
+    def slow(ep):
+        time.sleep(1.0)
+        return True
+
+    detectors = [hacks.Detector("boom", boom), hacks.Detector("slow", slow, timeout=0.2),
+                 hacks.Detector("flag_all", lambda ep: (True, "always"))]
+    with rlwatch.Watch(run="h", port=None, store=str(tmp_path / "s.db"), hack_detectors=detectors) as w:
+        step = make_step(B=4, T=4)
+        episodes = [{"reward": 1.0, "response": f"r{i}", "prompt": "p"} for i in range(4)]
+        start = time.perf_counter()
+        w.observe(0, **step, episodes=episodes)
+        assert time.perf_counter() - start < 0.5                 # the slow detector runs off-thread
+        w.hacks.flush()
+        values = w.observe(1, **step)
+        w.flush()
+    counts = w.errors.counts
+    assert counts[("hacks", "detector_error")] == 4 and counts[("hacks", "detector_timeout")] == 4
+    assert ("math", "boom") not in values["episodes_judged_total"]        # unknown, not "not hacked"
+    assert values["episodes_judged_total"][("math", "flag_all")] == 2
+    assert values["env_hack_ratio"][("math", "flag_all")] == 1.0
+    with StoreReader(str(tmp_path / "s.db")) as store:
+        examples = store.hack_examples("h")
+        hacked_total = store.series("h", "episodes_hacked_total", ("code", "flag_all"))
+    assert examples and examples[0]["detector"] == "flag_all" and examples[0]["reason"] == "always"
+    assert hacked_total == [(1, 2.0)]
+
+
+def test_builtins_run_by_default_on_episodes_and_feed_metrics(tmp_path):
+    with rlwatch.Watch(run="d", port=0, store=None) as w:
+        step = make_step(B=4, T=4)
+        episodes = [{"reward": 1.0, "response": "", "true_pass": False},
+                    {"reward": 1.0, "response": "a real answer of several words", "true_pass": True},
+                    {"reward": 1.0, "response": "x x x x x x x x x x x x", "true_pass": False},
+                    {"reward": 0.0, "response": "wrong", "true_pass": False}]
+        w.observe(0, **step, episodes=episodes)
+        w.hacks.flush()
+        w.observe(1, **step)
+        import urllib.request
+        text = urllib.request.urlopen(w.url).read().decode()
+    assert 'rlwatch_episodes_hacked_total{detector="verifier_disagreement",env="math",run="d"} 2.0' in text
+    assert 'rlwatch_episodes_judged_total{detector="degenerate_output",env="math",run="d"} 2.0' in text
+    assert 'detector="format_gaming"' not in text                 # no reward components: not applicable
+
+
+def test_reward_length_correlation_signal():
+    B = 8
+    mask = torch.arange(10)[None, :] < torch.arange(1, B + 1)[:, None]     # lengths 1..8
+    rewards = torch.arange(1, B + 1).float()                                # reward grows with length
+    v = rlwatch.compute(mask=mask, rewards=rewards, env=["a"] * B)
+    assert v["env_reward_length_corr"][("a",)] == pytest.approx(1.0)
+    v = rlwatch.compute(mask=mask, rewards=torch.ones(B), env=["a"] * B)
+    assert v["env_reward_length_corr"][("a",)] is None                       # no variance: undefined
