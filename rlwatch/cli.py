@@ -69,6 +69,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 127
 
 
+def _cmd_postmortem(args: argparse.Namespace) -> int:
+    from .postmortem import run_postmortem
+
+    try:
+        run_postmortem(args.path, prometheus=args.prometheus, run=args.run, out_dir=args.out,
+                       as_json=args.json, probe_file=args.probe)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"rlwatch postmortem: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlwatch", description="Health signals for RL post-training of LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="raise on rlwatch errors (tests)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("postmortem", help="explain a run: collapse, first signals, alerts, cause, checkpoint")
+    p.add_argument("path", nargs="?", help="run store, TRL output directory or verl checkpoint directory")
+    p.add_argument("--prometheus", help="query a live Prometheus instead (needs --run)")
+    p.add_argument("--run", help="run name (stores with several runs, or --prometheus)")
+    p.add_argument("--out", help="write postmortem.md, postmortem.json and PNG plots here")
+    p.add_argument("--json", action="store_true", help="print the JSON document instead of the report")
+    p.add_argument("--probe", help="rollouts file (safetensors) to probe every checkpoint with")
+    p.set_defaults(func=_cmd_postmortem)
 
     p = sub.add_parser("down", help="stop what `rlwatch up` started")
     p.add_argument("--dir", default=".rlwatch-stack")

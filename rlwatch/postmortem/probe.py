@@ -1,0 +1,161 @@
+"""``--probe``: how far each update moved the policy, measured on a fixed set of stored rollouts.
+
+For every checkpoint, recompute the log-prob of each stored response token, and the exact
+per-token KL between consecutive checkpoints' next-token distributions on the same positions.
+
+Checkpoints are loaded without executing anything they contain: weights come from
+``model.safetensors`` (safetensors cannot carry code), or, when a directory has only a pickled
+``pytorch_model.bin``, through ``torch.load(weights_only=True)``, which refuses any object that
+is not a tensor; the model class comes from ``config.json`` through transformers' own registry
+(never ``trust_remote_code``). A checkpoint that cannot be loaded that way is refused and
+reported, never unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """The checkpoint's weights could only be read by unpickling arbitrary objects."""
+
+
+@dataclass
+class ProbeResult:
+    step: int
+    path: str
+    mean_logp: float | None = None
+    kl_to_next: float | None = None
+    error: str | None = None
+
+
+def save_rollouts(path: str | Path, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  response_mask: torch.Tensor) -> None:
+    """Store fixed rollouts for probing: ids/masks [N, L]; response_mask marks response tokens."""
+    from safetensors.torch import save_file
+
+    save_file({"input_ids": input_ids.long().contiguous(), "attention_mask": attention_mask.long().contiguous(),
+               "response_mask": response_mask.long().contiguous()}, str(path))
+
+
+def load_rollouts(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    data = load_file(str(path))
+    missing = {"input_ids", "attention_mask", "response_mask"} - set(data)
+    if missing:
+        raise ValueError(f"{path}: missing {', '.join(sorted(missing))}")
+    return data
+
+
+def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """Weights of a checkpoint directory, safely."""
+    from safetensors.torch import load_file
+
+    shards = sorted(directory.glob("*.safetensors"))
+    if shards:
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(str(shard)))
+        return state
+    pickles = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES and "model" in p.name)
+    if not pickles:
+        raise FileNotFoundError(f"{directory}: no model weights (model.safetensors)")
+    try:
+        state = {}
+        for path in pickles:
+            loaded = torch.load(str(path), map_location="cpu", weights_only=True)
+            if not isinstance(loaded, dict):
+                raise UnsafeCheckpointError(f"{path.name} does not hold a state dict")
+            state.update(loaded)
+        return state
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - weights_only refused something that is not a tensor
+        raise UnsafeCheckpointError(f"{directory}: refused to unpickle {pickles[0].name} "
+                                    f"({type(exc).__name__}); convert it to safetensors") from None
+
+
+LOADERS: list[Callable[[Path, dict], LogitsFn | None]] = []
+
+
+def _hf_loader(directory: Path, config: dict) -> LogitsFn | None:
+    if "model_type" not in config or config.get("model_type", "").startswith("rlwatch"):
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
+    model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
+    state = read_state_dict(directory)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    real_missing = [k for k in missing if "lm_head" not in k]     # tied embeddings are not stored twice
+    if real_missing:
+        raise ValueError(f"{directory}: weights missing for {real_missing[:3]}")
+    if "lm_head.weight" in missing and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    model.eval()
+
+    def logits(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=attn).logits.float()
+    return logits
+
+
+LOADERS.append(_hf_loader)
+
+
+def load_policy(directory: str | Path) -> LogitsFn:
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    for loader in LOADERS:
+        fn = loader(directory, config)
+        if fn is not None:
+            return fn
+    raise ValueError(f"{directory}: no loader for this checkpoint (config model_type {config.get('model_type')!r})")
+
+
+@torch.no_grad()
+def _token_stats(logits_fn: LogitsFn, rollouts: dict[str, torch.Tensor], chunk: int
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Per response token: log-prob of the stored token [M], and next-token log-distributions per chunk."""
+    ids, attn, resp = rollouts["input_ids"], rollouts["attention_mask"], rollouts["response_mask"].bool()
+    token_logps, dists = [], []
+    for start in range(0, ids.shape[0], chunk):
+        i, a, r = ids[start:start + chunk], attn[start:start + chunk], resp[start:start + chunk]
+        logp = torch.log_softmax(logits_fn(i, a)[:, :-1], -1)          # predicts positions 1..L-1
+        target = r[:, 1:]
+        token_logps.append(logp.gather(-1, i[:, 1:, None]).squeeze(-1)[target])
+        dists.append(logp[target])                                        # [m, V] for the chunk
+    return torch.cat(token_logps), dists
+
+
+def probe(checkpoints: list[tuple[int, str]], rollouts_path: str | Path, chunk: int = 8) -> list[ProbeResult]:
+    rollouts = load_rollouts(rollouts_path)
+    results: list[ProbeResult] = []
+    previous: list[torch.Tensor] | None = None
+    previous_result: ProbeResult | None = None
+    for step, path in sorted(checkpoints):
+        result = ProbeResult(step, path)
+        try:
+            token_logp, dists = _token_stats(load_policy(path), rollouts, chunk)
+            result.mean_logp = float(token_logp.mean()) if token_logp.numel() else None
+            if previous is not None and previous_result is not None:
+                kl_sum, count = 0.0, 0
+                for p_old, p_new in zip(previous, dists):
+                    kl_sum += float((p_old.exp() * (p_old - p_new)).sum())
+                    count += p_old.shape[0]
+                previous_result.kl_to_next = kl_sum / count if count else None
+            previous, previous_result = dists, result
+        except Exception as exc:  # noqa: BLE001 - one bad checkpoint must not hide the others
+            result.error = f"{type(exc).__name__}: {exc}"
+            previous, previous_result = None, None
+        results.append(result)
+    return results
