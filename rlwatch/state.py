@@ -46,6 +46,7 @@ class MetricState:
         self._counters: dict[str, Family] = {}
         self._histograms: dict[str, tuple[list[float], float]] = {}
         self._info: dict[str, Family] = {}
+        self.version = 0          # bumped on every change: lets exporters reuse a rendering
 
     def apply(self, values: dict[str, dict[LabelValues, float | None]]) -> None:
         """Fold one step's values in (names as in :mod:`rlwatch.metrics`; unknown names ignored)."""
@@ -82,19 +83,26 @@ class MetricState:
                 old_counts, old_total = self._histograms.get(name, ([0.0] * len(counts), 0.0))
                 self._histograms[name] = ([a + b for a, b in zip(old_counts, counts)], old_total + total)
             self._info.update(info)
+            self.version += 1
 
     def set_gauge(self, name: str, value: float, labels: LabelValues = ()) -> None:
         with self._lock:
-            self._gauges.setdefault(name, {})[labels] = float(value)
+            family = self._gauges.setdefault(name, {})
+            if family.get(labels) != float(value):
+                family[labels] = float(value)
+                self.version += 1
 
     def set_info(self, name: str, labels: LabelValues) -> None:
         with self._lock:
             self._info[name] = {labels: 1.0}
+            self.version += 1
 
     def set_counter(self, name: str, family: Family) -> None:
         """Replace a counter family with totals kept elsewhere (hook errors, store drops)."""
         with self._lock:
-            self._counters[name] = dict(family)
+            if self._counters.get(name) != family:
+                self._counters[name] = dict(family)
+                self.version += 1
 
     def snapshot(self) -> Snapshot:
         with self._lock:

@@ -201,10 +201,11 @@ class Watch:
                       sd_dir: str | None, framework: str) -> None:
         from prometheus_client import CollectorRegistry
 
-        from .exporters.prometheus import RLWatchCollector
+        from .exporters.prometheus import CachedExposition, RLWatchCollector
 
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(RLWatchCollector(self.state, self._refresh_health))
+        self.registry.register(RLWatchCollector(self.state))
+        self.exposition = CachedExposition(self.registry, self.state, self._refresh_health)
         if port is None:
             return
         from .exporters.prometheus import MetricsServer
@@ -212,7 +213,7 @@ class Watch:
         actual = port + offset if port else port
         self.server = self._guard("export", "port", lambda: MetricsServer(
             self.registry, addr, actual, port_fallback=fallback, certfile=certfile, keyfile=keyfile,
-            basic_auth=basic_auth))
+            basic_auth=basic_auth, app=self.exposition))
         if self.server is not None:
             logger.info("rlwatch: serving %s (run %r)", self.server.url, self.run)
             sd_dir = sd_dir if sd_dir is not None else os.environ.get("RLWATCH_SD_DIR")

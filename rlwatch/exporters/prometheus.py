@@ -79,6 +79,53 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+class CachedExposition:
+    """A WSGI app serving the registry in the Prometheus text format, re-rendered only when the
+    state changed since the last scrape (a scrape between two steps costs a copy, not a render)."""
+
+    def __init__(self, registry: CollectorRegistry, state: MetricState | None = None,
+                 refresh: Callable[[], None] | None = None) -> None:
+        self.registry = registry
+        self.state = state
+        self.refresh = refresh
+        self._lock = threading.Lock()
+        self._cached: tuple[int, bytes, bytes] | None = None     # (state version, text, gzip)
+
+    def render(self) -> tuple[bytes, bytes]:
+        import gzip
+
+        from prometheus_client import generate_latest
+
+        with self._lock:
+            if self.refresh is not None:
+                self.refresh()
+            version = self.state.version if self.state is not None else None
+            if version is None or self._cached is None or self._cached[0] != version:
+                text = generate_latest(self.registry)
+                self._cached = (version if version is not None else -1, text, gzip.compress(text, 5))
+            return self._cached[1], self._cached[2]
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        path = environ.get("PATH_INFO", "/")
+        if path == "/favicon.ico":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b""]
+        if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
+            return [b""]
+        text, compressed = self.render()
+        headers = [("Content-Type", CONTENT_TYPE_LATEST)]
+        body = text
+        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+            headers.append(("Content-Encoding", "gzip"))
+            body = compressed
+        headers.append(("Content-Length", str(len(body))))
+        start_response("200 OK", headers)
+        return [body]
+
+
 def _with_basic_auth(app: Callable, username: str, password: str) -> Callable:
     expected = base64.b64encode(f"{username}:{password}".encode()).decode()
 
@@ -103,8 +150,8 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, addr: str = "127.0.0.1", port: int = 9400, *,
                  port_fallback: bool = False, certfile: str | None = None, keyfile: str | None = None,
-                 basic_auth: tuple[str, str] | None = None) -> None:
-        app = make_wsgi_app(registry)
+                 basic_auth: tuple[str, str] | None = None, app: Callable | None = None) -> None:
+        app = app or make_wsgi_app(registry)
         if basic_auth is not None:
             app = _with_basic_auth(app, *basic_auth)
         candidates = [port] if (port == 0 or not port_fallback) else list(range(port, port + 33))
