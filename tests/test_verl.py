@@ -366,8 +366,21 @@ def put_v1_batch(tq, batch, partition: str = "train", padding_rows: int = 1):
     return KVBatchMeta(keys=keys, tags=tags, partition_id=partition)
 
 
+class RaisingQueue:
+    """TransferQueue as versions behave that raise ValueError on a field they do not hold."""
+
+    def __init__(self, tq, missing: str) -> None:
+        self.tq, self.missing = tq, missing
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        if self.missing in select_fields:
+            raise ValueError(f"field {self.missing} not found")
+        return self.tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=select_fields)
+
+
 def test_v1_compute_metrics_reads_transfer_queue(config, instrumented, transfer_queue):
     import verl.trainer.ppo.v1.trainer_sync as trainer_sync  # a concrete, registered v1 trainer
+    from rlwatch.integrations import verl as rv
 
     instr, watch = instrumented
     tq = transfer_queue
@@ -382,8 +395,15 @@ def test_v1_compute_metrics_reads_transfer_queue(config, instrumented, transfer_
     metrics = {}
     try:
         trainer._compute_metrics(meta, metrics, {"step": 2.0, "gen": 1.0}, global_steps=5, epoch=0)
+        # TransferQueue versions that raise on a field nobody stored (verl expects that for
+        # routed_experts): rlwatch then fetches field by field and gets the same record.
+        lenient = rv.fields_from_transfer_queue(tq, meta, config, trainer_version=4)
+        fallback = rv.fields_from_transfer_queue(RaisingQueue(tq, missing="entropy"), meta, config, trainer_version=4)
     finally:
         tq.kv_clear(keys=meta.keys, partition_id=meta.partition_id)
+    assert lenient.keys() == fallback.keys() and "entropy" not in lenient
+    for name, value in lenient.items():
+        assert torch.equal(value, fallback[name]) if isinstance(value, torch.Tensor) else value == fallback[name]
 
     # verl's own numbers, computed from its stripped batch (padded to the batch maximum, 12 tokens).
     assert metrics["response_length/max"] == 12
@@ -521,15 +541,16 @@ def test_watch_options_from_env(config):
 
 # --- delivery into Ray workers -------------------------------------------------------------------
 
-def ray_init_kwargs_from_main_ppo(env_vars: dict) -> dict:
+def ray_init_kwargs_from_main_ppo(env_vars: dict, config=None) -> dict:
     """The ray.init keyword arguments that verl's own ``run_ppo`` builds from the documented
     override (``ray.init`` is intercepted; nothing else of main_ppo runs)."""
     import verl.trainer.main_ppo as main_ppo
 
-    overrides = [f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}"]
-    # Quoted: Hydra would make RLWATCH_PORT=0 an int, and Ray accepts only string env_vars.
-    overrides += [f'+ray_kwargs.ray_init.runtime_env.env_vars.{k}="{v}"' for k, v in env_vars.items()]
-    config = compose_config(*overrides)
+    if config is None:
+        overrides = [f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}"]
+        # Quoted: Hydra would make RLWATCH_PORT=0 an int, and Ray accepts only string env_vars.
+        overrides += [f'+ray_kwargs.ray_init.runtime_env.env_vars.{k}="{v}"' for k, v in env_vars.items()]
+        config = compose_config(*overrides)
     captured: dict = {}
 
     class Captured(Exception):
@@ -546,6 +567,30 @@ def ray_init_kwargs_from_main_ppo(env_vars: dict) -> dict:
     finally:
         main_ppo.ray.init = real_init
     return captured
+
+
+def test_example_launch_line_composes_and_reaches_ray_init(tmp_path):
+    """examples/verl_launch.sh, run with a stand-in python3 that records its arguments: verl's
+    Hydra config accepts every override and run_ppo hands Ray the hook and string env_vars."""
+    need_module("hydra")
+    import subprocess
+
+    shim = tmp_path / "bin" / "python3"
+    shim.parent.mkdir()
+    shim.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$ARGS_OUT"\n')
+    shim.chmod(0o755)
+    out = tmp_path / "args"
+    subprocess.run(["bash", str(ROOT / "examples" / "verl_launch.sh")], check=True, timeout=60,
+                   env=dict(os.environ, PATH=f"{shim.parent}:{os.environ['PATH']}", ARGS_OUT=str(out), RUN="demo"))
+    args = out.read_text().splitlines()
+    assert args[:2] == ["-m", "verl.trainer.main_ppo"]
+    overrides = [a for a in args[2:] if not a.startswith(("data.max_prompt_length", "data.max_response_length",
+                                                          "actor_rollout_ref.rollout.n=", "trainer.experiment_name"))]
+    kwargs = ray_init_kwargs_from_main_ppo({}, compose_config(*overrides))
+    env = kwargs["runtime_env"]
+    assert env["worker_process_setup_hook"] == HOOK
+    assert env["env_vars"]["RLWATCH_RUN"] == "demo" and env["env_vars"]["RLWATCH_PORT"] == "9400"
+    assert all(isinstance(v, str) for v in env["env_vars"].values())
 
 
 class TrainerProcess:

@@ -396,12 +396,11 @@ def fields_from_transfer_queue(tq: Any, batch: Any, config: Any = None,
     if "response_mask" not in names:
         return None
     extra = {name: data.pop(name).tolist() for name in ("uid", "data_source") if name in names}
-    if "response_mask" in names and data["response_mask"].is_nested:
-        nested_length = data["response_mask"].offsets().diff()
-    else:
-        nested_length = data["response_mask"].sum(-1)
+    # Jagged per-sample tensors, unless every sample had the same length (then stacked).
+    mask = data["response_mask"]
+    stored_length = mask.offsets().diff() if mask.is_nested else mask.sum(-1)
     padded = data.to_padded_tensor() if any(data[n].is_nested for n in data.keys()) else data
-    response_length = torch.tensor([t.get("response_len", int(n)) for t, n in zip(tags, nested_length.tolist())])
+    response_length = torch.tensor([t.get("response_len", int(n)) for t, n in zip(tags, stored_length.tolist())])
     prompt_length = torch.tensor([t["prompt_len"] for t in tags]) if all("prompt_len" in t for t in tags) else None
     rollout = padded["rollout_log_probs"] if "rollout_log_probs" in names else None
     old = padded["old_log_probs"] if "old_log_probs" in names else None
