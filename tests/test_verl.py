@@ -16,10 +16,8 @@ import math
 import os
 import sqlite3
 import sys
-import time
 import urllib.request
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -286,6 +284,11 @@ def test_truncation_uses_true_lengths_not_the_padded_width(tmp_path):
     assert not rv.truncation_flags(torch.tensor(lengths), torch.tensor(prompts), MAX_RESPONSE, None).any()
     assert rv.truncation_flags(torch.tensor([16, 15, 0]), None, MAX_RESPONSE).tolist() == [True, False, False]
     assert not hasattr(metric_utils.compute_data_metrics, "__rlwatch_original__")
+    # A finish reason in the batch (a custom agent loop's extra_fields) wins over the lengths.
+    import numpy as np
+
+    batch.non_tensor_batch["finish_reason"] = np.array(["stop"] * 7 + ["length"], dtype=object)
+    assert rv.fields_from_dataproto(batch, config)["truncated"].tolist() == [False] * 7 + [True]
 
 
 def test_bypass_mode_reports_no_mismatch_and_bad_fields_are_counted_not_raised(config):
@@ -355,7 +358,8 @@ def put_v1_batch(tq, batch, partition: str = "train", padding_rows: int = 1):
         keys.append(f"{extra['uid'][i]}_{i}_{'pad' if padding else 0}")
         tags.append({"status": "success", "prompt_len": p, "response_len": n, "seq_len": p + n,
                      "min_global_steps": int(extra["min_global_steps"][i]),
-                     "max_global_steps": int(extra["max_global_steps"][i]), **({"is_padding": True} if padding else {})})
+                     "max_global_steps": int(extra["max_global_steps"][i]),
+                     **({"is_padding": True} if padding else {})})
     tq.kv_batch_put(keys=keys, fields=list_of_dict_to_tensordict(rows), tags=tags, partition_id=partition)
     nested_mask = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=["response_mask"])["response_mask"]
     trainer_side = {name: response_to_nested(b[name][index], nested_mask)
@@ -447,7 +451,8 @@ def test_tracking_log_is_mirrored_and_checkpoints_recorded(config, instrumented,
 
     class Overriding(RayPPOTrainer):                 # like FullyAsyncTrainer: its own _save_checkpoint
         def _save_checkpoint(self):
-            os.makedirs(os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.current_param_version}"))
+            root = self.config.trainer.default_local_dir
+            os.makedirs(os.path.join(root, f"global_step_{self.current_param_version}"))
 
         def log(self):
             tracking.log(data={"x": 1.0}, step=self.global_steps)
