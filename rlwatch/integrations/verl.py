@@ -1,0 +1,746 @@
+"""rlwatch for verl 0.9.x (``pip install rlwatch[verl]``).
+
+Every verl trainer loop runs inside a Ray actor (``TaskRunner``), never in the process that
+launches the job, so a patch made in the launcher does not reach it. Ray's
+``worker_process_setup_hook`` does: add one override to the verl launch line::
+
+    python -m verl.trainer.main_ppo ... \\
+        +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=rlwatch.integrations.verl.setup_hook \\
+        +ray_kwargs.ray_init.runtime_env.env_vars.RLWATCH_RUN=my-run \\
+        +ray_kwargs.ray_init.runtime_env.env_vars.RLWATCH_SD_DIR=/shared/rlwatch-targets
+
+(``main_ppo`` merges ``ray_kwargs.ray_init.runtime_env`` over its own defaults and passes it to
+``ray.init``; see ``examples/verl_launch.sh``.) When the trainer runs in your own process instead,
+call :func:`instrument` before building it.
+
+Which process exports
+    Ray runs the hook in *every* worker process: the TaskRunner, the FSDP/Megatron GPU workers, the
+    rollout servers, the reward and agent-loop workers. The hook itself only checks the verl version
+    and installs an import hook: it imports nothing from verl and starts nothing. When a process
+    later imports one of the verl modules below, the functions are wrapped; a wrapper creates the
+    :class:`~rlwatch.Watch` (its ``/metrics`` endpoint, run store and file_sd registration) the
+    first time a trainer *calls* it. Only the trainer process (the TaskRunner actor, which holds the
+    gathered batch and the ``Tracking`` logger) calls them, so exactly one process per job exports;
+    every other worker keeps an idle wrapper and no endpoint. Ray places that actor on any node, so
+    set ``RLWATCH_SD_DIR`` (a directory Prometheus reads through ``file_sd``) and, across hosts,
+    ``RLWATCH_ADDR=0.0.0.0``.
+
+What is wrapped (wrappers call the original first, pass its result through untouched, and only
+read its inputs; a failure on rlwatch's side is counted in ``rlwatch_hook_errors_total``)
+    * ``verl.trainer.ppo.metric_utils.compute_data_metrics(batch, use_critic)``: the gathered
+      ``DataProto`` of a training step in the v0 ``RayPPOTrainer.fit``, the separation trainer and
+      the fully-async and one-step-off recipes built on it. ``from ... import compute_data_metrics``
+      binds the name at import time, so the module attribute is wrapped as soon as ``metric_utils``
+      executes (before any trainer module binds it), and modules already holding the original are
+      rebound.
+    * ``verl.trainer.ppo.v1.trainer_base.PPOTrainer._compute_metrics`` (the default trainer since
+      0.9.1): its batch is a ``KVBatchMeta`` of keys; the per-token fields are read from
+      TransferQueue with ``tq.kv_batch_get`` before ``fit`` calls ``tq.kv_clear``.
+    * ``verl.utils.tracking.Tracking.log(data, step)``: every scalar verl logs is mirrored with
+      ``watch.log_scalars`` (``rlwatch_framework_metric{name}``). verl asserts on unknown backend
+      names, so rlwatch wraps the method instead of registering a backend.
+    * ``_save_checkpoint`` of ``RayPPOTrainer`` and the v1 ``PPOTrainer``: after it returns,
+      ``default_local_dir/global_step_N`` is recorded with ``watch.record_checkpoint``. A trainer
+      class that overrides it (``FullyAsyncTrainer``) is hooked on the instance the first time a
+      wrapper meets it: ``FullyAsyncTrainer`` is a Ray actor class, which Ray pickles by value, so
+      its class attributes are never patched.
+
+Field mapping (DataProto / TransferQueue -> ``Watch.observe``)
+    response_mask -> mask; rollout_log_probs -> sampler_logp; old_log_probs -> trainer_logp (left
+    out in rollout-correction bypass mode, where verl copies the sampler's log-probs there);
+    token_level_scores (v1: rm_scores) summed over tokens -> rewards; uid -> group_ids;
+    data_source -> env; entropys/entropy -> entropy; (min_global_steps, max_global_steps) ->
+    seq_version [B, 2] against trainer_version = the weights version the batch is trained from
+    (``global_steps - 1``, as verl's ``training/off_policy/trajectory_staleness``; the fully-async
+    trainer's ``current_param_version`` of the sync cycle); aborted samples (empty responses) ->
+    failed="aborted"; truncation from the finish reason when the batch carries one, else from the
+    true response length against the configured caps (see :func:`truncation_flags`). The step is
+    the trainer's ``global_steps``.
+
+Configuration (environment variables, passed through ``runtime_env.env_vars``)
+    RLWATCH_RUN (default: ``trainer.experiment_name``), RLWATCH_PORT (9400; ``none`` for no
+    endpoint), RLWATCH_ADDR (127.0.0.1), RLWATCH_PORT_FALLBACK (1: take the next free port, the
+    file_sd registration carries the real one), RLWATCH_DIR (run store directory), RLWATCH_STORE
+    (``none`` disables the store), RLWATCH_SD_DIR, RLWATCH_STALENESS_BOUND, RLWATCH_GROUP_SIZE
+    (default ``rollout.n``; 0 disables the group-size check), RLWATCH_STRICT, RLWATCH_DISABLE.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib.abc
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from types import FrameType, ModuleType
+from typing import Any, Callable, Iterable, Mapping
+
+from ._base import Instrumentor, guarded, installed_version
+
+logger = logging.getLogger("rlwatch")
+
+__all__ = ["VerlInstrumentor", "instrument", "uninstrument", "setup_hook", "truncation_flags",
+           "watch_options_from_env", "INSTRUMENTOR"]
+
+METRIC_UTILS = "verl.trainer.ppo.metric_utils"
+V1_TRAINER = "verl.trainer.ppo.v1.trainer_base"
+
+#: module -> [(class name or None for a module function, attribute, wrapper factory name)]
+PATCHES: dict[str, list[tuple[str | None, str, str]]] = {
+    METRIC_UTILS: [(None, "compute_data_metrics", "_wrap_compute_data_metrics")],
+    "verl.utils.tracking": [("Tracking", "log", "_wrap_tracking_log")],
+    "verl.trainer.ppo.ray_trainer": [("RayPPOTrainer", "_save_checkpoint", "_wrap_save_checkpoint")],
+    V1_TRAINER: [("PPOTrainer", "_compute_metrics", "_wrap_v1_compute_metrics"),
+                 ("PPOTrainer", "_save_checkpoint", "_wrap_save_checkpoint")],
+    # These only import compute_data_metrics by name; they are rebound if loaded before metric_utils
+    # was patched (e.g. instrument() called after the trainer modules were imported).
+    "verl.experimental.separation.ray_trainer": [],
+    "verl.experimental.one_step_off_policy.ray_trainer": [],
+}
+
+#: Fields read from TransferQueue for the v1 trainer (absent ones are skipped).
+V1_FIELDS = ("response_mask", "old_log_probs", "rollout_log_probs", "rm_scores", "entropy", "uid",
+             "data_source")
+
+#: Per-sample finish information, if a rollout puts it in the batch (verl 0.9.1 does not yet).
+FINISH_KEYS = ("truncated", "finish_reason", "stop_reason")
+
+# Set while the v1 _compute_metrics runs: the compute_data_metrics it calls sees a stripped batch
+# that the v1 wrapper already observed in full.
+_IN_V1_METRICS: contextvars.ContextVar[bool] = contextvars.ContextVar("rlwatch_verl_v1", default=False)
+
+
+def _in_v1_metrics() -> bool:
+    return _IN_V1_METRICS.get()
+
+
+def _enter_v1_metrics() -> contextvars.Token:
+    return _IN_V1_METRICS.set(True)
+
+
+def _exit_v1_metrics(token: contextvars.Token) -> None:
+    _IN_V1_METRICS.reset(token)
+
+
+# --- the lazy delivery: a post-import hook --------------------------------------------------------
+
+class _NotifyingLoader(importlib.abc.Loader):
+    """Runs the real loader, then ``callback(module)``; attributes fall through to the real loader."""
+
+    def __init__(self, loader: Any, callback: Callable[[ModuleType], None]) -> None:
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` entry that calls ``callback(module)`` right after one of ``names`` has
+    been executed, before the importing statement binds anything from it."""
+
+    def __init__(self, names: Iterable[str], callback: Callable[[ModuleType], None]) -> None:
+        self.names = frozenset(names)
+        self.callback = callback
+        self._busy = threading.local()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in self.names or getattr(self._busy, "name", None) == fullname:
+            return None
+        self._busy.name = fullname                      # find the real spec with the other finders
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.name = None
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _NotifyingLoader(spec.loader, self.callback)
+        return spec
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+def _config_get(config: Any, dotted: str, default: Any = None) -> Any:
+    """``config.a.b.c`` for DictConfig, dict or attribute objects; ``default`` when any part is missing."""
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        try:
+            node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
+        except Exception:  # noqa: BLE001 - a struct DictConfig raises on unknown keys
+            return default
+    return default if node is None else node
+
+
+def _env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    value = environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def watch_options_from_env(environ: Mapping[str, str] | None = None, config: Any = None) -> dict[str, Any]:
+    """``Watch`` keyword arguments from RLWATCH_* variables and the trainer's config (may be None)."""
+    env = os.environ if environ is None else environ
+    opts: dict[str, Any] = {"framework": "verl", "framework_version": installed_version("verl") or ""}
+    run = env.get("RLWATCH_RUN") or _config_get(config, "trainer.experiment_name")
+    if run:
+        opts["run"] = str(run)
+    port = env.get("RLWATCH_PORT")
+    if port is not None and port.strip() != "":
+        opts["port"] = None if port.strip().lower() in ("none", "off", "-1") else int(port)
+    if env.get("RLWATCH_ADDR"):
+        opts["addr"] = env["RLWATCH_ADDR"]
+    opts["port_fallback"] = _env_flag(env, "RLWATCH_PORT_FALLBACK", True)
+    store = env.get("RLWATCH_STORE")
+    if store:
+        opts["store"] = None if store.strip().lower() in ("none", "off", "0") else store
+    if env.get("RLWATCH_SD_DIR"):
+        opts["sd_dir"] = env["RLWATCH_SD_DIR"]
+    if env.get("RLWATCH_STALENESS_BOUND"):
+        opts["staleness_bound"] = float(env["RLWATCH_STALENESS_BOUND"])
+    group = env.get("RLWATCH_GROUP_SIZE")
+    n = int(group) if group else _config_get(config, "actor_rollout_ref.rollout.n")
+    if n and int(n) > 1:
+        opts["group_size"] = int(n)
+    opts["strict"] = _env_flag(env, "RLWATCH_STRICT", False)
+    return opts
+
+
+# --- reading verl's batch ------------------------------------------------------------------------
+
+def truncation_flags(response_length: Any, prompt_length: Any = None, max_response_length: int | None = None,
+                     max_model_len: int | None = None) -> Any:
+    """Which responses hit a length cap. Lengths are [B] token counts (tensors); returns [B] bool,
+    or None when no cap is known.
+
+    A response is cut when its true length reaches ``rollout.response_length`` or, when
+    ``rollout.max_model_len`` is set, ``max_model_len - prompt_length`` (the rollout servers clamp
+    ``max_tokens`` to both). verl's ``response_length/clip_ratio`` instead compares the length with
+    ``responses.shape[-1]``, the padded width of the batch tensor: the v0 agent loop pads to the
+    configured length, so there the two agree, but the v1 trainer pads jagged tensors to the batch
+    maximum, so the longest response of every batch counts as clipped even when nothing hit the cap
+    (verl#7817), and neither path sees the ``max_model_len`` cap (verl#7823).
+    """
+    import torch
+
+    length = torch.as_tensor(response_length).to(torch.float64)
+    cap = torch.full_like(length, float("inf"))
+    known = False
+    if max_response_length:
+        cap = cap.clamp(max=float(max_response_length))
+        known = True
+    if max_model_len and prompt_length is not None:
+        room = float(max_model_len) - torch.as_tensor(prompt_length, device=length.device).to(torch.float64)
+        cap = torch.minimum(cap, room)
+        known = True
+    return (length >= cap) & (length > 0) if known else None
+
+
+def _finish_flags(non_tensor: Mapping[str, Any], size: int) -> Any:
+    """[B] bool from a per-sample finish reason or truncation flag in the batch, else None."""
+    import torch
+
+    for key in FINISH_KEYS:
+        values = non_tensor.get(key) if hasattr(non_tensor, "get") else None
+        if values is None or len(values) != size:
+            continue
+        items = list(values.tolist() if hasattr(values, "tolist") else values)
+        if key == "truncated":
+            return torch.tensor([bool(v) for v in items], dtype=torch.bool)
+        return torch.tensor([str(v).lower() == "length" for v in items], dtype=torch.bool)
+    return None
+
+
+def _versions(first: Iterable[Any], last: Iterable[Any]) -> Any:
+    """[B, 2] int64 (first, last) policy versions, or None when any sample lacks one."""
+    import torch
+
+    first, last = list(first), list(last)
+    if not first or any(v is None for v in first) or any(v is None for v in last):
+        return None
+    return torch.tensor([[int(a), int(b)] for a, b in zip(first, last)], dtype=torch.int64)
+
+
+def _labels(values: Any) -> list[Any] | None:
+    if values is None:
+        return None
+    items = values.tolist() if hasattr(values, "tolist") else list(values)
+    return [str(v) if not isinstance(v, (str, int)) else v for v in items]
+
+
+def _sampling(config: Any) -> dict[str, Any]:
+    out = {}
+    for key in ("temperature", "top_p", "top_k"):
+        value = _config_get(config, f"actor_rollout_ref.rollout.{key}")
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _bypass_mode(config: Any) -> bool:
+    return bool(_config_get(config, "algorithm.rollout_correction.bypass_mode", False))
+
+
+def _trainer_logp(old: Any, rollout: Any, config: Any) -> Any:
+    """old_log_probs unless it is a copy of the sampler's (rollout-correction bypass mode), where
+    verl measures no trainer-side recompute and a zero mismatch would be a false reading."""
+    import torch
+
+    if old is None:
+        return None
+    if rollout is not None and (_bypass_mode(config) or old is rollout
+                                or (old.shape == rollout.shape and torch.equal(old, rollout))):
+        return None
+    return old
+
+
+def fields_from_dataproto(batch: Any, config: Any = None, trainer_version: int | None = None) -> dict[str, Any]:
+    """``Watch.observe`` fields from a verl ``DataProto`` as ``compute_data_metrics`` receives it.
+
+    Tensors: responses/response_mask/log-probs/scores [B, R]; attention_mask [B, P + R].
+    """
+    import torch
+
+    tensors, extra = batch.batch, batch.non_tensor_batch
+    mask = tensors["response_mask"]
+    B, R = mask.shape
+    if "response_length" in tensors.keys():
+        response_length = tensors["response_length"]
+        prompt_length = tensors["prompt_length"] if "prompt_length" in tensors.keys() else None
+    elif "attention_mask" in tensors.keys():
+        attention = tensors["attention_mask"]
+        response_length = attention[:, -R:].sum(-1)
+        prompt_length = attention[:, :-R].sum(-1)
+    else:
+        response_length, prompt_length = mask.sum(-1), None
+    rollout = tensors["rollout_log_probs"] if "rollout_log_probs" in tensors.keys() else None
+    old = tensors["old_log_probs"] if "old_log_probs" in tensors.keys() else None
+    fields: dict[str, Any] = dict(mask=mask, sampler_logp=rollout, trainer_logp=_trainer_logp(old, rollout, config))
+    for key in ("token_level_scores", "token_level_rewards", "rm_scores"):
+        if key in tensors.keys():
+            fields["rewards"] = tensors[key].sum(-1)
+            break
+    for key in ("entropys", "entropy"):
+        if key in tensors.keys() and tuple(tensors[key].shape) == (B, R):
+            fields["entropy"] = tensors[key]
+            break
+    fields["group_ids"] = _labels(extra.get("uid"))
+    fields["env"] = _labels(extra.get("data_source"))
+    fields["truncated"] = _truncated(extra, B, response_length, prompt_length, config)
+    fields["failed"] = ["aborted" if n == 0 else None for n in torch.as_tensor(response_length).tolist()]
+    if trainer_version is not None and "min_global_steps" in extra and "max_global_steps" in extra:
+        versions = _versions(extra["min_global_steps"], extra["max_global_steps"])
+        if versions is not None:
+            fields.update(seq_version=versions, trainer_version=trainer_version)
+    fields.update(_sampling(config))
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _truncated(extra: Mapping[str, Any], size: int, response_length: Any, prompt_length: Any, config: Any) -> Any:
+    flags = _finish_flags(extra, size)
+    if flags is not None:
+        return flags
+    return truncation_flags(response_length, prompt_length,
+                            _config_get(config, "actor_rollout_ref.rollout.response_length"),
+                            _config_get(config, "actor_rollout_ref.rollout.max_model_len"))
+
+
+def _tq_fetch(tq: Any, keys: list[str], partition_id: str, fields: Iterable[str]) -> Any:
+    """One ``kv_batch_get`` for all ``fields``; TransferQueue 0.1 leaves out fields it does not
+    hold, other versions raise, in which case each field is fetched on its own and missing ones
+    skipped."""
+    fields = list(fields)
+    try:
+        return tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=fields)
+    except ValueError:
+        from tensordict import TensorDict
+
+        parts = {}
+        for name in fields:
+            try:
+                got = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=[name])
+            except ValueError:
+                continue
+            if name in got.keys():
+                parts[name] = got[name]
+        return TensorDict(parts, batch_size=[len(keys)])
+
+
+def fields_from_transfer_queue(tq: Any, batch: Any, config: Any = None,
+                               trainer_version: int | None = None) -> dict[str, Any] | None:
+    """``Watch.observe`` fields for a v1 ``KVBatchMeta`` (keys, tags, partition_id), read from
+    TransferQueue. Padding rows (tag ``is_padding``) are left out; None when nothing is left."""
+    import torch
+
+    rows = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
+    if not rows:
+        return None
+    keys = [batch.keys[i] for i in rows]
+    tags = [batch.tags[i] for i in rows]
+    data = _tq_fetch(tq, keys, batch.partition_id, V1_FIELDS)
+    names = set(data.keys())
+    if "response_mask" not in names:
+        return None
+    extra = {name: data.pop(name).tolist() for name in ("uid", "data_source") if name in names}
+    # Jagged per-sample tensors, unless every sample had the same length (then stacked).
+    mask = data["response_mask"]
+    stored_length = mask.offsets().diff() if mask.is_nested else mask.sum(-1)
+    padded = data.to_padded_tensor() if any(data[n].is_nested for n in data.keys()) else data
+    response_length = torch.tensor([t.get("response_len", int(n)) for t, n in zip(tags, stored_length.tolist())])
+    prompt_length = torch.tensor([t["prompt_len"] for t in tags]) if all("prompt_len" in t for t in tags) else None
+    rollout = padded["rollout_log_probs"] if "rollout_log_probs" in names else None
+    old = padded["old_log_probs"] if "old_log_probs" in names else None
+    fields: dict[str, Any] = dict(mask=padded["response_mask"], sampler_logp=rollout,
+                                  trainer_logp=_trainer_logp(old, rollout, config))
+    if "rm_scores" in names:
+        fields["rewards"] = padded["rm_scores"].sum(-1)
+    if "entropy" in names:
+        fields["entropy"] = padded["entropy"]
+    fields["group_ids"] = _labels(extra.get("uid"))
+    fields["env"] = _labels(extra.get("data_source"))
+    fields["truncated"] = _truncated({}, len(keys), response_length, prompt_length, config)
+    fields["failed"] = ["aborted" if n == 0 else None for n in response_length.tolist()]
+    if trainer_version is not None:
+        versions = _versions([t.get("min_global_steps") for t in tags], [t.get("max_global_steps") for t in tags])
+        if versions is not None:
+            fields.update(seq_version=versions, trainer_version=trainer_version)
+    fields.update(_sampling(config))
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+# --- the trainer behind a call -------------------------------------------------------------------
+
+def _find_trainer(frame: FrameType | None, depth: int = 6) -> Any:
+    """The trainer object (``self`` with ``global_steps`` and ``config``) among the callers.
+
+    ``compute_data_metrics(batch, use_critic)`` is given neither the step nor the config; every
+    verl trainer calls it from one of its own methods (``fit``, ``_fit_collect_metrics``)."""
+    while frame is not None and depth > 0:
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and hasattr(candidate, "global_steps") and hasattr(candidate, "config"):
+            return candidate
+        frame, depth = frame.f_back, depth - 1
+    return None
+
+
+def trainer_version(trainer: Any) -> int | None:
+    """The policy version a step trains from (what its old_log_probs were computed with).
+
+    verl tags each trajectory with the ``global_steps`` of the weights the rollout server held
+    (``update_weights(global_steps)`` after each step), so the batch of step N comes from version
+    N - 1 when on-policy (verl's ``trajectory_staleness = (global_steps - 1) - max_global_steps``).
+    The fully-async trainer versions weights by ``current_param_version``, bumped by
+    ``_fit_update_local_step`` (before the metrics are collected) on the first local step of a new
+    sync cycle."""
+    if trainer is None:
+        return None
+    if hasattr(trainer, "current_param_version") and hasattr(trainer, "local_trigger_step"):
+        bumped = getattr(trainer, "local_trigger_step", 1) == 1
+        return int(trainer.current_param_version) - (1 if bumped else 0)
+    steps = getattr(trainer, "global_steps", None)
+    return int(steps) - 1 if isinstance(steps, int) else None
+
+
+def checkpoint_dir(trainer: Any) -> tuple[int, str] | None:
+    """(step, ``default_local_dir/global_step_N``) of the checkpoint ``_save_checkpoint`` writes."""
+    root = _config_get(trainer.config, "trainer.default_local_dir")
+    if root is None:
+        return None
+    step = getattr(trainer, "current_param_version", None)   # fully-async names folders by version
+    if not isinstance(step, int):
+        step = trainer.global_steps
+    return int(step), os.path.abspath(os.path.join(str(root), f"global_step_{step}"))
+
+
+# --- the instrumentor ----------------------------------------------------------------------------
+
+class VerlInstrumentor(Instrumentor):
+    """Wraps verl's metric, logging and checkpoint functions (see the module docstring)."""
+
+    package = "verl"
+    minimum = (0, 9)
+    below = (0, 10)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watch: Any = None
+        self.last_values: dict | None = None
+        self._own_watch = False
+        self._watch_kwargs: dict[str, Any] = {}
+        self._watch_lock = threading.Lock()
+        self._watch_failed = False
+        self._finder: _PostImportFinder | None = None
+        self._wrappers: dict[str, tuple[Callable, Callable]] = {}   # name -> (original, wrapper)
+        self._fallback_step = 0
+
+    # life cycle
+
+    def _instrument(self, watch: Any = None, **watch_kwargs: Any) -> None:
+        """``watch``: use this Watch instead of creating one (from RLWATCH_* and ``watch_kwargs``)
+        when a wrapped function is first called."""
+        self.watch = watch
+        self._own_watch = False
+        self._watch_kwargs = watch_kwargs
+        self._watch_failed = False
+        for name in PATCHES:
+            module = sys.modules.get(name)
+            if module is not None:
+                self._patch_module(module)
+        self._finder = _PostImportFinder(PATCHES, self._on_import)
+        sys.meta_path.insert(0, self._finder)
+
+    def _uninstrument(self) -> None:
+        if self._finder is not None and self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+        self._finder = None
+        # Modules imported while instrumented bound the wrapper themselves (not through patch()).
+        for name, (original, wrapper) in self._wrappers.items():
+            for module in list(sys.modules.values()):
+                try:
+                    if isinstance(module, ModuleType) and vars(module).get(name) is wrapper:
+                        setattr(module, name, original)
+                except TypeError:
+                    continue
+        self._wrappers.clear()
+        if self._own_watch and self.watch is not None:
+            self.watch.close()
+        self.watch = None
+        self._own_watch = False
+
+    def _on_import(self, module: ModuleType) -> None:
+        if not self._instrumented:
+            return
+        try:
+            self._patch_module(module)
+        except Exception as exc:  # noqa: BLE001 - an import must never fail because of rlwatch
+            logger.warning("rlwatch: could not instrument %s: %s", module.__name__, exc)
+
+    def _patch_module(self, module: ModuleType) -> None:
+        for owner_name, attr, factory in PATCHES.get(module.__name__, []):
+            owner = module if owner_name is None else getattr(module, owner_name, None)
+            if hasattr(owner, "__ray_metadata__"):
+                continue                    # a Ray actor class: pickled by value, never patched
+            current = getattr(owner, attr, None) if owner is not None else None
+            if current is None:
+                logger.warning("rlwatch: %s.%s not found in verl %s; that hook is off", module.__name__,
+                               f"{owner_name}.{attr}" if owner_name else attr, installed_version("verl"))
+                continue
+            if getattr(current, "__rlwatch_original__", None) is not None:
+                continue
+            wrapper = getattr(self, factory)(current)
+            if owner_name is None:
+                self._wrappers[attr] = (current, wrapper)
+            self.patch(owner, attr, lambda _original, w=wrapper: w)
+        if module.__name__ == METRIC_UTILS:
+            # Patched after other modules (verl's trainers, a user's recipe) bound the original with
+            # ``from verl.trainer.ppo.metric_utils import compute_data_metrics``: rebind them all.
+            for other in list(sys.modules.values()):
+                if isinstance(other, ModuleType) and other is not module:
+                    self._rebind(other)
+        else:
+            self._rebind(module)
+
+    def _rebind(self, module: ModuleType) -> None:
+        """Point names a module imported from metric_utils (``from ... import f``) at the wrapper."""
+        try:
+            namespace = vars(module)
+        except TypeError:
+            return
+        for name, (original, wrapper) in list(self._wrappers.items()):
+            if namespace.get(name) is original:
+                self.patch(module, name, lambda _original, w=wrapper: w)
+
+    # the Watch
+
+    def _get_watch(self, trainer: Any = None) -> Any:
+        if self.watch is not None or self._watch_failed:
+            return self.watch
+        with self._watch_lock:
+            if self.watch is None and not self._watch_failed:
+                try:
+                    self.watch = self._make_watch(trainer)
+                    self._own_watch = True
+                except Exception as exc:  # noqa: BLE001
+                    self._watch_failed = True
+                    logger.warning("rlwatch: could not start the Watch in this verl process: %s", exc)
+        return self.watch
+
+    def _make_watch(self, trainer: Any) -> Any:
+        import atexit
+
+        from ..watch import Watch, _rank
+
+        config = getattr(trainer, "config", None)
+        opts = watch_options_from_env(config=config)
+        opts.update(self._watch_kwargs)
+        opts.setdefault("metadata", {"trainer": type(trainer).__name__ if trainer is not None else None,
+                                     "use_v1": _config_get(config, "trainer.use_v1")})
+        if "all_ranks" not in opts and _rank()[0] != 0:
+            # The trainer actor is the only caller; a RANK/SLURM_PROCID it inherited from the node's
+            # launcher must not silence it (the run label then carries a -rankN suffix).
+            opts["all_ranks"] = True
+        watch = Watch(**opts)
+        atexit.register(watch.close)
+        logger.info("rlwatch: verl trainer process %d exports at %s", os.getpid(), watch.url)
+        return watch
+
+    def _observe(self, step: int, fields: dict[str, Any]) -> None:
+        watch = self.watch
+        if watch is not None and fields:
+            self.last_values = watch.observe(step, **fields)
+
+    def _step(self, trainer: Any) -> int:
+        steps = getattr(trainer, "global_steps", None)
+        if isinstance(steps, int):
+            return steps
+        self._fallback_step += 1
+        return self._fallback_step
+
+    # wrapper factories (each returns the function that replaces ``original``)
+
+    def _wrap_compute_data_metrics(self, original: Callable) -> Callable:
+        instr = self
+
+        def compute_data_metrics(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            if instr.is_instrumented and not _in_v1_metrics():
+                trainer = _find_trainer(sys._getframe(1))
+                instr._hook_trainer(trainer)
+                batch = kwargs.get("batch", args[0] if args else None)
+                watch = instr._get_watch(trainer)
+                guarded(watch, "verl_compute_data_metrics")(instr._observe_dataproto)(batch, trainer)
+            return result
+
+        return compute_data_metrics
+
+    def _observe_dataproto(self, batch: Any, trainer: Any) -> None:
+        config = getattr(trainer, "config", None)
+        fields = fields_from_dataproto(batch, config, trainer_version(trainer))
+        self._observe(self._step(trainer), fields)
+
+    def _wrap_v1_compute_metrics(self, original: Callable) -> Callable:
+        instr = self
+
+        def _compute_metrics(self: Any, batch: Any, metrics: Any, timing_raw: Any, global_steps: Any,
+                             epoch: Any, *args: Any, **kwargs: Any) -> Any:
+            token = _enter_v1_metrics()
+            try:
+                result = original(self, batch, metrics, timing_raw, global_steps, epoch, *args, **kwargs)
+            finally:
+                _exit_v1_metrics(token)
+            if not instr.is_instrumented:
+                return result
+            instr._hook_trainer(self)
+            watch = instr._get_watch(self)
+            guarded(watch, "verl_v1_compute_metrics")(instr._observe_v1)(self, batch, global_steps)
+            return result
+
+        return _compute_metrics
+
+    def _observe_v1(self, trainer: Any, batch: Any, global_steps: int) -> None:
+        import transfer_queue as tq
+
+        fields = fields_from_transfer_queue(tq, batch, trainer.config, int(global_steps) - 1)
+        if fields:
+            self._observe(int(global_steps), fields)
+
+    def _wrap_tracking_log(self, original: Callable) -> Callable:
+        instr = self
+
+        def log(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            data = kwargs.get("data", args[0] if args else None)
+            step = kwargs.get("step", args[1] if len(args) > 1 else None)
+            if instr.is_instrumented and isinstance(data, Mapping) and step is not None:
+                trainer = _find_trainer(sys._getframe(1))
+                instr._hook_trainer(trainer)
+                watch = instr._get_watch(trainer)
+                if watch is not None:
+                    guarded(watch, "verl_tracking_log")(watch.log_scalars)(int(step), data)
+            return result
+
+        return log
+
+    def _wrap_save_checkpoint(self, original: Callable) -> Callable:
+        instr = self
+
+        def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not instr.is_instrumented:
+                return original(self, *args, **kwargs)
+            where = guarded(instr.watch, "verl_checkpoint")(checkpoint_dir)(self)
+            result = original(self, *args, **kwargs)
+            watch = instr._get_watch(self)
+            if watch is not None and where is not None:
+                guarded(watch, "verl_checkpoint")(watch.record_checkpoint)(*where)
+            return result
+
+        return _save_checkpoint
+
+    def _hook_trainer(self, trainer: Any) -> None:
+        """Hook ``_save_checkpoint`` on a trainer instance whose class overrides the patched one."""
+        if trainer is None or "_save_checkpoint" in vars(trainer):
+            return
+        method = getattr(type(trainer), "_save_checkpoint", None)
+        if method is None or getattr(method, "__rlwatch_original__", None) is not None:
+            return
+        wrapper = self._wrap_save_checkpoint(method)
+
+        def bound(*args: Any, **kwargs: Any) -> Any:
+            return wrapper(trainer, *args, **kwargs)
+
+        try:
+            self.patch(trainer, "_save_checkpoint", lambda _original: bound)
+        except Exception as exc:  # noqa: BLE001 - e.g. a class with __slots__
+            logger.warning("rlwatch: cannot hook %s._save_checkpoint: %s", type(trainer).__name__, exc)
+
+    def __reduce__(self) -> tuple:
+        # A wrapper pickled by value (cloudpickle) refers to the instrumentor of the process that
+        # unpickles it, never to this one's Watch, locks and threads.
+        return (_instrumentor, ())
+
+
+def _instrumentor() -> "VerlInstrumentor":
+    return INSTRUMENTOR
+
+
+INSTRUMENTOR = VerlInstrumentor()
+
+
+def instrument(watch: Any = None, **watch_kwargs: Any) -> bool:
+    """Instrument verl in this process. ``watch``: an existing Watch to report to; otherwise one is
+    created (from RLWATCH_* variables, the trainer config and ``watch_kwargs``) when a trainer first
+    calls a wrapped function. False, with one warning, when already instrumented or unsupported."""
+    return INSTRUMENTOR.instrument(watch=watch, **watch_kwargs)
+
+
+def uninstrument() -> None:
+    """Restore verl's functions, remove the import hook and close the Watch rlwatch created."""
+    INSTRUMENTOR.uninstrument()
+
+
+def setup_hook() -> None:
+    """Ray ``worker_process_setup_hook``: instrument verl lazily in every Ray worker process.
+
+    Runs at worker start-up: checks the verl version and installs an import hook, nothing more
+    (verl is not imported, no Watch is created). Never raises: a failing setup hook would stop the
+    worker from starting."""
+    try:
+        if _env_flag(os.environ, "RLWATCH_DISABLE", False) or INSTRUMENTOR.is_instrumented:
+            return
+        INSTRUMENTOR.instrument()
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("rlwatch: verl setup hook failed; this worker is not instrumented: %s", exc)
