@@ -8,13 +8,29 @@ Quick start::
             ...
             watch.observe(step, mask=mask, sampler_logp=mu_logp, trainer_logp=old_logp,
                           token_version=versions, trainer_version=step, rewards=rewards, group_ids=uids)
+
+Importing the package is cheap: torch and the exporters load on first use of ``Watch``,
+``compute`` or ``SignalConfig`` (the zero-code bootstrap imports rlwatch in every process).
 """
+
+from typing import Any
+
+from .errors import InvalidFieldError, PortInUseError, RLWatchError
 
 __version__ = "0.1.0"
 
-from .errors import InvalidFieldError, PortInUseError, RLWatchError  # noqa: E402
-from .signals import SignalConfig, compute  # noqa: E402
-from .watch import Watch  # noqa: E402
-
 __all__ = ["Watch", "SignalConfig", "compute", "InvalidFieldError", "PortInUseError", "RLWatchError",
            "__version__"]
+
+_LAZY = {"Watch": ("watch", "Watch"), "SignalConfig": ("signals", "SignalConfig"), "compute": ("signals", "compute")}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rlwatch' has no attribute {name!r}")

@@ -15,9 +15,6 @@ default all), ``RLWATCH_STRICT``.
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.util
 import logging
 import os
 import sys
@@ -51,63 +48,25 @@ def watch_options_from_env() -> dict[str, Any]:
     return options
 
 
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the real loader of a watched module so a hook runs after it loads."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in _hooks:
-            return None
-        sys.meta_path.remove(self)               # find the real spec without recursing into ourselves
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_hook(module: Any) -> None:
-            exec_module(module)
-            _run_hooks(fullname, module)
-
-        spec.loader = _LoaderProxy(loader, exec_and_hook)
-        return spec
-
-
-class _LoaderProxy(importlib.abc.Loader):
-    def __init__(self, loader: Any, exec_module: Callable[[Any], None]) -> None:
-        self._loader = loader
-        self._exec = exec_module
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._exec(module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
-def _run_hooks(name: str, module: Any) -> None:
+def _dispatch(module: Any) -> None:
     with _lock:
-        hooks = _hooks.pop(name, [])
+        hooks = _hooks.pop(module.__name__, [])
     for hook in hooks:
         try:
             hook(module)
         except Exception as exc:  # noqa: BLE001 - never break the user's import
-            logger.warning("rlwatch: hook on import of %s failed: %s", name, exc)
+            logger.warning("rlwatch: hook on import of %s failed: %s", module.__name__, exc)
 
 
 def on_import(module_name: str, hook: Callable[[Any], None]) -> None:
     """Run ``hook(module)`` once ``module_name`` is imported (at once if it already is)."""
+    from .integrations._imports import PostImportFinder
+
     with _lock:
         module = sys.modules.get(module_name)
         if module is None:
             _hooks.setdefault(module_name, []).append(hook)
-            if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
-                sys.meta_path.insert(0, _PostImportFinder())
+            sys.meta_path.insert(0, PostImportFinder([module_name], _dispatch))
             return
     hook(module)
 
@@ -120,22 +79,23 @@ def _hook_trl(module: Any) -> None:
     integration.autoinstrument(watch_options_from_env())
 
 
-def _hook_verl(module: Any) -> None:
-    from .integrations import verl as integration
+def _setup_verl() -> None:
+    from .integrations import verl
 
-    integration.autoinstrument(watch_options_from_env())
-
-
-def _hook_openrlhf(module: Any) -> None:
-    from .integrations import openrlhf as integration
-
-    integration.autoinstrument(watch_options_from_env())
+    verl.setup_hook()             # lazy itself: wraps verl's functions when verl gets imported
 
 
-FRAMEWORK_HOOKS: dict[str, tuple[str, Callable[[Any], None]]] = {
-    "trl": ("trl.trainer.grpo_trainer", _hook_trl),
-    "verl": ("verl.trainer.ppo.metric_utils", _hook_verl),
-    "openrlhf": ("openrlhf.trainer.ppo_utils.experience_maker", _hook_openrlhf),
+def _setup_openrlhf() -> None:
+    from .integrations import openrlhf
+
+    openrlhf.setup_hook()
+
+
+#: what initialize() does per framework (each one is lazy: nothing runs until the framework loads)
+FRAMEWORK_SETUP: dict[str, Callable[[], None]] = {
+    "trl": lambda: on_import("trl.trainer.grpo_trainer", _hook_trl),
+    "verl": _setup_verl,
+    "openrlhf": _setup_openrlhf,
 }
 
 
@@ -178,8 +138,13 @@ def initialize() -> None:
         if _initialized:
             return
         _initialized = True
-    wanted = {f.strip() for f in os.environ.get("RLWATCH_FRAMEWORKS", ",".join(FRAMEWORK_HOOKS)).split(",") if f}
-    for name, (module_name, hook) in FRAMEWORK_HOOKS.items():
-        if name in wanted:
-            on_import(module_name, hook)
+    wanted = {f.strip() for f in os.environ.get("RLWATCH_FRAMEWORKS", ",".join(FRAMEWORK_SETUP)).split(",") if f}
+    from .integrations._base import installed_version
+
+    for name, setup in FRAMEWORK_SETUP.items():
+        if name in wanted and installed_version(name) is not None:
+            try:
+                setup()
+            except Exception as exc:  # noqa: BLE001 - a missing integration never stops the program
+                logger.debug("rlwatch: %s integration not set up: %s", name, exc)
     on_import("ray", _hook_ray)

@@ -68,8 +68,6 @@ Configuration (environment variables, passed through ``runtime_env.env_vars``)
 from __future__ import annotations
 
 import contextvars
-import importlib.abc
-import importlib.util
 import logging
 import os
 import sys
@@ -78,6 +76,7 @@ from types import FrameType, ModuleType
 from typing import Any, Callable, Iterable, Mapping
 
 from ._base import Instrumentor, guarded, installed_version
+from ._imports import PostImportFinder
 
 logger = logging.getLogger("rlwatch")
 
@@ -122,52 +121,6 @@ def _enter_v1_metrics() -> contextvars.Token:
 
 def _exit_v1_metrics(token: contextvars.Token) -> None:
     _IN_V1_METRICS.reset(token)
-
-
-# --- the lazy delivery: a post-import hook --------------------------------------------------------
-
-class _NotifyingLoader(importlib.abc.Loader):
-    """Runs the real loader, then ``callback(module)``; attributes fall through to the real loader."""
-
-    def __init__(self, loader: Any, callback: Callable[[ModuleType], None]) -> None:
-        self._loader = loader
-        self._callback = callback
-
-    def create_module(self, spec: Any) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        self._callback(module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """A ``sys.meta_path`` entry that calls ``callback(module)`` right after one of ``names`` has
-    been executed, before the importing statement binds anything from it."""
-
-    def __init__(self, names: Iterable[str], callback: Callable[[ModuleType], None]) -> None:
-        self.names = frozenset(names)
-        self.callback = callback
-        self._busy = threading.local()
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in self.names or getattr(self._busy, "name", None) == fullname:
-            return None
-        self._busy.name = fullname                      # find the real spec with the other finders
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._busy.name = None
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _NotifyingLoader(spec.loader, self.callback)
-        return spec
 
 
 # --- configuration -------------------------------------------------------------------------------
@@ -483,7 +436,7 @@ class VerlInstrumentor(Instrumentor):
         self._watch_kwargs: dict[str, Any] = {}
         self._watch_lock = threading.Lock()
         self._watch_failed = False
-        self._finder: _PostImportFinder | None = None
+        self._finder: PostImportFinder | None = None
         self._wrappers: dict[str, tuple[Callable, Callable]] = {}   # name -> (original, wrapper)
         self._fallback_step = 0
 
@@ -500,7 +453,7 @@ class VerlInstrumentor(Instrumentor):
             module = sys.modules.get(name)
             if module is not None:
                 self._patch_module(module)
-        self._finder = _PostImportFinder(PATCHES, self._on_import)
+        self._finder = PostImportFinder(PATCHES, self._on_import)
         sys.meta_path.insert(0, self._finder)
 
     def _uninstrument(self) -> None:
