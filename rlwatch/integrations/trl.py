@@ -69,8 +69,9 @@ import math
 import os
 import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -336,7 +337,8 @@ class GRPOInstrumentor(Instrumentor):
         if built is None:
             return
         fields, micro = built
-        self.watch.observe(step, **fields)
+        with single_threaded(fields["mask"].device):
+            self.watch.observe(step, **fields)
         self.watch.log_scalars(step, self.reward_scalars(micro))
 
 
@@ -388,6 +390,27 @@ def sampling_fields(trainer: Any) -> dict[str, Any]:
     if getattr(trainer, "use_vllm", False) and getattr(trainer, "rollout_func", None) is None:
         out["logprobs_mode"] = "processed_logprobs"      # what TRL's vLLM backend asks for
     return out
+
+
+@contextmanager
+def single_threaded(device: torch.device) -> Iterator[None]:
+    """Run rlwatch's CPU reductions on one intra-op thread, then restore the trainer's setting.
+
+    A step's signals are a few hundred small reductions. With several intra-op threads each one
+    waits for the other threads to wake, which on a busy host costs milliseconds per reduction
+    (measured: torch.dot of 4k doubles, median 3 us either way, mean 2.5 ms with 2 threads and
+    10 us with 1 on a loaded 2-core machine). Only rlwatch's own work runs in between, on the
+    training thread, so the trainer's numbers are unaffected.
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _cat_tokens(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
