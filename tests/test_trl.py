@@ -29,7 +29,6 @@ from rlwatch.store import StoreReader
 from .conftest import need_module
 
 need_module("trl")
-from trl.trainer.utils import shuffle_sequence_dict  # noqa: E402,F401  (the range this file was written for)
 
 from rlwatch.integrations import trl as rltrl  # noqa: E402
 
@@ -439,3 +438,25 @@ def test_hook_errors_never_reach_the_trainer(model_path, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="rlwatch bug"):
         trainer.train()
     rltrl.unwatch(trainer)
+
+
+def test_pure_helpers():
+    from types import SimpleNamespace
+
+    # Truncated = the unpadded completion does not end on EOS/pad (never judged by the padded width).
+    flags = rltrl.truncation_flags([[5, 6, EOS], [5, 6, 7, 8], [5, PAD], []], {EOS, PAD})
+    assert flags.tolist() == [False, True, False, False]
+    assert rltrl.env_labels([{"prompt": "a", "data_source": "gsm8k"}]) == ["gsm8k"]
+    assert rltrl.env_labels([{"prompt": "a", "environment": 3, "env": "x"}]) == ["3"]
+    assert rltrl.env_labels([{"prompt": "a"}]) is None
+
+    def trainer(per_device, ga, spg, G=4):
+        return SimpleNamespace(num_generations=G, args=SimpleNamespace(
+            per_device_train_batch_size=per_device, gradient_accumulation_steps=ga, steps_per_generation=spg))
+
+    assert rltrl.whole_groups(trainer(8, 1, 1)) and rltrl.whole_groups(trainer(4, 2, 2))
+    assert rltrl.whole_groups(trainer(4, 2, 1))           # two generation batches per step
+    assert not rltrl.whole_groups(trainer(8, 1, 2))       # half a (shuffled) batch per step
+    assert not rltrl.whole_groups(trainer(2, 1, 1))       # groups span processes
+    padded = rltrl._cat_tokens([torch.ones(2, 3), torch.ones(1, 5)], 5)
+    assert padded.shape == (3, 5) and padded[:2, 3:].eq(0).all() and padded[2].eq(1).all()

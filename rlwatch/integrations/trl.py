@@ -91,6 +91,8 @@ ENV_COLUMNS = ("environment", "env", "data_source")
 VERSION_KEY = "rlwatch_version"
 ROW_KEY = "rlwatch_row"
 UNSCORABLE = "unscorable"
+#: Per-environment per-function reward scalars kept per run (the Watch keeps 256 scalar names).
+MAX_ENV_SCALARS = 64
 
 
 # --- host-side records --------------------------------------------------------------------------
@@ -157,6 +159,7 @@ class GRPOInstrumentor(Instrumentor):
         self._current: Generation | None = None
         self.whole_groups = whole_groups(trainer)
         self._warned_groups = False
+        self._env_scalars: set[str] = set()
 
     # -- patches --
 
@@ -316,19 +319,26 @@ class GRPOInstrumentor(Instrumentor):
         return fields, micro
 
     def reward_scalars(self, micro: list[MicroBatch]) -> dict[str, float]:
-        """Per-function reward means of the step's samples, overall and per environment."""
+        """Per-function reward means of the step's samples (functions that returned None excluded),
+        overall and, with an environment column, per environment (at most ``MAX_ENV_SCALARS`` names
+        per run, so that TRL's own logged scalars keep their place under the Watch's name cap)."""
         names = micro[0].generation.func_names
-        per_func = torch.cat([m.generation.per_func[m.rows] for m in micro])          # [N, F]
-        env = [e for m in micro for e in _take(m.generation.env, m.rows)] if all(
+        rows = [r for m in micro for r in m.generation.per_func[m.rows].tolist()]          # N x F floats
+        envs = [e for m in micro for e in _take(m.generation.env, m.rows)] if all(
             m.generation.env is not None for m in micro) else None
         out: dict[str, float] = {}
         for j, name in enumerate(names):
-            column = per_func[:, j]
-            _put_mean(out, f"rlwatch/rewards/{name}/mean", column)
-            if env is not None:
-                for label in sorted(set(env)):
-                    rows = [i for i, e in enumerate(env) if e == label]
-                    _put_mean(out, f"rlwatch/rewards/{name}/{label}/mean", column[rows])
+            _put_mean(out, f"rlwatch/rewards/{name}/mean", [r[j] for r in rows])
+            if envs is None:
+                continue
+            by_env: dict[str, list[float]] = {}
+            for r, env in zip(rows, envs):
+                by_env.setdefault(env, []).append(r[j])
+            for env, values in by_env.items():
+                key = f"rlwatch/rewards/{name}/{env}/mean"
+                if key in self._env_scalars or len(self._env_scalars) < MAX_ENV_SCALARS:
+                    if _put_mean(out, key, values):
+                        self._env_scalars.add(key)
         return out
 
     def flush(self, step: int) -> None:
@@ -424,10 +434,12 @@ def _take(items: list, rows: list[int]) -> list:
     return [items[r] for r in rows]
 
 
-def _put_mean(out: dict[str, float], name: str, values: torch.Tensor) -> None:
-    finite = values[~torch.isnan(values)]
-    if finite.numel():
-        out[name] = float(finite.mean())
+def _put_mean(out: dict[str, float], name: str, values: list[float]) -> bool:
+    """Store the mean of the non-NaN values under ``name``; False when there are none."""
+    finite = [v for v in values if not math.isnan(v)]
+    if finite:
+        out[name] = sum(finite) / len(finite)
+    return bool(finite)
 
 
 # --- guard actions -----------------------------------------------------------------------------------
