@@ -1,4 +1,5 @@
-"""TRL integration: per-token health signals from ``GRPOTrainer`` (TRL 1.15.x and 1.16.x).
+"""TRL integration: per-token health signals from ``GRPOTrainer`` (TRL 1.15.x and 1.16.x; 1.16.0 is
+the version the tests run, 1.15.0's hooked methods were checked to be identical in source).
 
 One line::
 
@@ -38,11 +39,13 @@ checkpoints by); ``trainer_version`` is ``state.global_step`` when the loss was 
 With ``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps`` the lag is
 positive for reused or later-used samples.
 
-**Groups.** Samples ``num_generations`` apart in the global generation batch share a prompt. The
-group ids are passed only when each step trains on whole groups: ``gradient_accumulation_steps``
-divisible by ``steps_per_generation`` (the default) and each process's generation batch holding
-whole groups. Otherwise a step sees a shuffled part of each group, a zero-variance verdict on that
-part would be wrong, and the group signals are left out (logged once).
+**Groups.** Consecutive blocks of ``num_generations`` samples of the global generation batch share
+a prompt (TRL's ``RepeatSampler``). The group ids are passed only when each step trains on whole
+groups: ``gradient_accumulation_steps`` divisible by ``steps_per_generation`` (the default) and each
+process's generation batch holding whole groups. Otherwise a step sees a shuffled part of each
+group, a zero-variance verdict on that part would be wrong, and the group signals are left out
+(logged once). A batch trained on twice within one step (``num_iterations`` passes inside one
+optimizer step) counts as two sets of groups, so every group keeps ``num_generations`` episodes.
 
 Also: the reward per sample (weighted sum as TRL logs it; samples that every reward function
 scored ``None`` are ``failed="unscorable"`` and kept out of the reward statistics), per-function
@@ -53,9 +56,14 @@ column, ``rlwatch/rewards/<func>/<env>/mean``), sampling parameters, TRL's logge
 Guard actions :func:`stop_on_critical` and :func:`save_on_critical` turn a critical alert into
 ``control.should_training_stop`` / ``control.should_save`` at the trainer's next callback.
 
-Multi-process runs: every rank captures its own samples; by default only rank 0 exports (see
-``Watch(all_ranks=...)``). With guard actions the stop/save request is all-reduced across ranks
-at each step end so that every rank stops together (not exercised by the CPU tests).
+Multi-process runs: a rank captures only if its Watch exports (rank 0 by default, every rank with
+``Watch(all_ranks=True)``), and it observes its own samples. With guard actions the stop/save
+request is all-reduced across ranks at each step end so that every rank stops together (not
+exercised by the CPU tests).
+
+Cost: one host transfer per step (``Watch.observe``) besides a copy of the rewards to the host
+where TRL reads them anyway; on CPU the observe runs on one intra-op thread (see
+:func:`single_threaded`).
 
 ``trl.experimental.async_grpo.AsyncGRPOTrainer`` is a different trainer (packed tree-attention
 batches from a vLLM server); only its logs, checkpoints and guards are handled here.
