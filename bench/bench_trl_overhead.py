@@ -14,7 +14,7 @@ of each training are dropped (warm-up). Reported per arm: median wall time and m
 time (all threads, so rlwatch's store writer counts), their ratios, and the time measured directly
 inside rlwatch's hooks on the "on" steps. Run:
 
-    PYTHONPATH=. python bench/bench_trl_overhead.py [--trainings 6] [--steps 12] [--threads N]
+    PYTHONPATH=. python bench/bench_trl_overhead.py [--trainings 6] [--steps 12] [--threads N] [--no-store]
 """
 
 from __future__ import annotations
@@ -88,11 +88,11 @@ class StepClock(TrainerCallback):
         return control
 
 
-def train_once(model_path: str, workdir: Path, steps: int, tag: str, switch: Switch,
-               first_on: bool) -> list[tuple[bool, float, float, float]]:
+def train_once(model_path: str, workdir: Path, steps: int, tag: str, switch: Switch, first_on: bool,
+               store: bool = True) -> list[tuple[bool, float, float, float]]:
     clock = StepClock(switch, first_on)
     trainer = make_trainer(model_path, workdir / f"out-{tag}", callbacks=[clock], max_steps=steps)
-    rltrl.watch(trainer, run=f"bench-{tag}", port=0, store=str(workdir / f"{tag}.db"))
+    rltrl.watch(trainer, run=f"bench-{tag}", port=0, store=str(workdir / f"{tag}.db") if store else None)
     trainer.train()
     rltrl.unwatch(trainer)
     return clock.steps[WARMUP_STEPS:]
@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--trainings", type=int, default=6)
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per training")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--no-store", action="store_true", help="watch without the run store (and its alerts)")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -118,7 +119,8 @@ def main() -> None:
     for t in range(opts.trainings):
         stdout, sys.stdout = sys.stdout, devnull                     # TRL prints every log line
         try:
-            steps += train_once(model_path, workdir, opts.steps, str(t), switch, first_on=t % 2 == 0)
+            steps += train_once(model_path, workdir, opts.steps, str(t), switch, first_on=t % 2 == 0,
+                                store=not opts.no_store)
         finally:
             sys.stdout = stdout
         off = [s for s in steps if not s[0]]
