@@ -74,9 +74,23 @@ def on_import(module_name: str, hook: Callable[[Any], None]) -> None:
 # --- what is hooked -------------------------------------------------------------------------------
 
 def _hook_trl(module: Any) -> None:
-    from .integrations import trl as integration
+    """Every GRPOTrainer built in this process gets a Watch when its constructor returns."""
+    cls = getattr(module, "GRPOTrainer", None)
+    if cls is None or getattr(cls.__init__, "__rlwatch_original__", None) is not None:
+        return
+    original = cls.__init__
 
-    integration.autoinstrument(watch_options_from_env())
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            from .integrations import trl as integration
+
+            integration.watch(self, **watch_options_from_env())
+        except Exception as exc:  # noqa: BLE001 - never stop the user's trainer from being built
+            logger.warning("rlwatch: could not watch this GRPOTrainer: %s", exc)
+
+    __init__.__rlwatch_original__ = original
+    cls.__init__ = __init__
 
 
 def _setup_verl() -> None:

@@ -8,12 +8,13 @@ counted in ``rlwatch_hook_errors_total{stage,kind}`` and logged once per kind.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 from . import __version__
 from .errors import HookErrors, RLWatchError
@@ -240,8 +241,11 @@ class Watch:
     def _start_alerts(self, notifiers: tuple, overrides: Mapping[str, float], guard: tuple[Callable, ...]) -> None:
         from .alerts.evaluator import AlertEvaluator
 
+        static = {name: {(): value} for name, value in (("staleness_bound", self.config.staleness_bound),
+                                                         ("is_cap", self.config.is_cap))}
         evaluator = self._guard("alerts", "init", lambda: AlertEvaluator(
-            self.run, store=self.store, notifiers=notifiers, overrides=overrides, errors=self.errors, guard=guard))
+            self.run, store=self.store, notifiers=notifiers, overrides=overrides, errors=self.errors, guard=guard,
+            static=static))
         if evaluator is not None:
             self.evaluator = evaluator
             self.listeners.append(evaluator)
@@ -261,8 +265,9 @@ class Watch:
                 return None
             if episodes is not None:
                 self._stage("hacks", "submit", lambda: self._submit_episodes(record, episodes))
-            values = self._stage("compute", "exception", lambda: compute_step(record, self.config,
-                                                                              self._workspace))
+            with _few_threads_for(record.mask):
+                values = self._stage("compute", "exception", lambda: compute_step(record, self.config,
+                                                                                  self._workspace))
             if values is None:
                 return None
             elapsed = time.perf_counter() - started
@@ -430,6 +435,30 @@ class Watch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+SMALL_BATCH = 1 << 18      # [B, T] positions below which CPU signals run on one intra-op thread
+
+
+@contextlib.contextmanager
+def _few_threads_for(mask: Any) -> Iterator[None]:
+    """Run a small CPU step's signals on one intra-op thread, then restore the trainer's setting.
+
+    A small step's signals are a few hundred tiny reductions; with several intra-op threads each one
+    waits for the others to wake, which on a busy host costs milliseconds per reduction. Large
+    batches keep every thread, and GPU tensors are unaffected. Only rlwatch's own work runs in
+    between, on the training thread, so the trainer's numbers do not change."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads == 1 or mask.device.type != "cpu" or mask.numel() >= SMALL_BATCH:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _safe_filename(name: str) -> str:

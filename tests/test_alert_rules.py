@@ -247,3 +247,13 @@ def test_rate_limit_drops_and_counts():
         dispatcher.flush()
     dispatcher.close()
     assert len(sent) == 2 and errors.count("rate_limited") == 3
+
+
+def test_watch_evaluator_knows_the_staleness_bound():
+    from rlwatch import Watch
+
+    with Watch(run="lag", port=None, store=None, alerts=True, staleness_bound=2) as w:
+        for step in range(2):
+            w.observe(step, mask=[[1, 1]], seq_version=[step - 9], trainer_version=step)
+        names = [e.name for e in w.evaluator.firing()]
+    assert "RLWatchVersionLagFarAboveBound" in names                 # lag 9 > 2 x bound 2

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from .conftest import need_module
+from .conftest import ROOT, need_module
 
 
 def rlwatch_run(*command: str, extra: tuple[str, ...] = (), timeout: float = 180) -> subprocess.CompletedProcess:
@@ -55,3 +55,24 @@ def test_ray_workers_load_the_bootstrap():
     info = json.loads(result.stdout.strip().splitlines()[-1])
     assert info["worker"]["pid"] != info["driver"]
     assert info["worker"]["loaded"] and info["worker"]["run"] == "ray-zero-code"
+
+
+def test_zero_code_trl_run_gets_watched(tmp_path):
+    """`rlwatch run -- python train.py` on an unmodified TRL script: the trainer exports and stores."""
+    need_module("trl")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests._trl_tiny import build_tiny_model, make_trainer
+        trainer = make_trainer(build_tiny_model({str(tmp_path)!r}), {str(tmp_path / "out")!r}, max_steps=2)
+        trainer.train()
+    """))
+    result = rlwatch_run(sys.executable, str(script), extra=("--port", "0"), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from rlwatch.store import StoreReader
+
+    with StoreReader(str(tmp_path / "out" / "rlwatch.db")) as store:
+        run = store.runs()[0]
+        assert run == "out" and store.meta(run)["framework"] == "trl"
+        assert [r.step for r in store.steps(run)] == [1, 2]

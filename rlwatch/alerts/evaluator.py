@@ -43,12 +43,14 @@ class AlertEvaluator:
 
     overrides: threshold values for this run ({param: value}); unknown names are reported.
     guard: callables ``guard(event)`` run (on the training thread) when a critical alert fires.
+    static: values every step carries implicitly (the run's settings, e.g. ``staleness_bound``), as
+        Prometheus sees them as gauges next to each step's signals.
     """
 
     def __init__(self, run: str, store: Any = None, notifiers: Iterable = (), overrides: Mapping[str, float] = (),
                  errors: HookErrors | None = None, history: int = 256, watchdog_interval: float = 5.0,
                  guard: Iterable[Callable[[AlertEvent], None]] = (), alerts: Iterable[Alert] = ALERTS,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, static: Mapping[str, dict] | None = None) -> None:
         self.run = run
         self.store = store
         self.errors = errors or HookErrors()
@@ -61,6 +63,7 @@ class AlertEvaluator:
             self.params[name] = float(value)
         self.alerts = [a for a in alerts if a.condition is not None]
         self.guard = list(guard)
+        self.static = dict(static or {})
         self.clock = clock
         self._steps: deque = deque(maxlen=history)
         self._pending: dict[tuple[str, LabelKey], int] = {}
@@ -83,7 +86,7 @@ class AlertEvaluator:
 
     def on_step(self, step: int, values: dict) -> None:
         with self._lock:
-            self._steps.append((step, values))
+            self._steps.append((step, {**self.static, **values} if self.static else values))
             history = History(list(self._steps), self.params)
             for alert in self.alerts:
                 self._apply(alert, evaluate(alert, history), step)

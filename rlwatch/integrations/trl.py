@@ -62,8 +62,7 @@ request is all-reduced across ranks at each step end so that every rank stops to
 exercised by the CPU tests).
 
 Cost: one host transfer per step (``Watch.observe``) besides a copy of the rewards to the host
-where TRL reads them anyway; on CPU the observe runs on one intra-op thread (see
-:func:`single_threaded`).
+where TRL reads them anyway.
 
 ``trl.experimental.async_grpo.AsyncGRPOTrainer`` is a different trainer (packed tree-attention
 batches from a vLLM server); only its logs, checkpoints and guards are handled here.
@@ -77,9 +76,8 @@ import math
 import os
 import threading
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -355,8 +353,7 @@ class GRPOInstrumentor(Instrumentor):
         if built is None:
             return
         fields, micro = built
-        with single_threaded(fields["mask"].device):
-            self.watch.observe(step, **fields)
+        self.watch.observe(step, **fields)
         self.watch.log_scalars(step, self.reward_scalars(micro))
 
 
@@ -408,27 +405,6 @@ def sampling_fields(trainer: Any) -> dict[str, Any]:
     if getattr(trainer, "use_vllm", False) and getattr(trainer, "rollout_func", None) is None:
         out["logprobs_mode"] = "processed_logprobs"      # what TRL's vLLM backend asks for
     return out
-
-
-@contextmanager
-def single_threaded(device: torch.device) -> Iterator[None]:
-    """Run rlwatch's CPU reductions on one intra-op thread, then restore the trainer's setting.
-
-    A step's signals are a few hundred small reductions. With several intra-op threads each one
-    waits for the other threads to wake, which on a busy host costs milliseconds per reduction
-    (measured: torch.dot of 4k doubles, median 3 us either way, mean 2.5 ms with 2 threads and
-    10 us with 1 on a loaded 2-core machine). Only rlwatch's own work runs in between, on the
-    training thread, so the trainer's numbers are unaffected.
-    """
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _cat_tokens(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -638,6 +614,12 @@ def watch(trainer: Any, **watch_options: Any):
     num_generations = getattr(trainer, "num_generations", None)
     if num_generations:
         watch_options.setdefault("group_size", int(num_generations))
+    output_dir = getattr(getattr(trainer, "args", None), "output_dir", None)
+    if output_dir:
+        # The run store next to the checkpoints: `rlwatch postmortem <output_dir>` finds both.
+        watch_options.setdefault("store", os.path.join(output_dir, "rlwatch.db"))
+        watch_options.setdefault("run", getattr(trainer.args, "run_name", None) or os.path.basename(
+            os.path.normpath(output_dir)))
     metadata = dict(watch_options.pop("metadata", None) or {})
     metadata.setdefault("trl", trainer_metadata(trainer))
     w = Watch(metadata=metadata, **watch_options)
