@@ -286,13 +286,26 @@ class Watch:
             return None
 
     def _submit_episodes(self, record: Any, episodes: Any) -> None:
-        if self._hack_detectors is False:
-            return
-        if self.hacks is None:
-            from .hacks import HackMonitor
+        self.submit_episodes(record.step, episodes, env=record.env)
 
-            self.hacks = HackMonitor(self._hack_detectors, errors=self.errors)
-        self.hacks.submit(record.step, episodes, env=record.env)
+    @property
+    def hack_detection(self) -> bool:
+        """Whether episodes passed to this Watch are judged by reward-hack detectors."""
+        return self.active and not self._closed and self._hack_detectors is not False
+
+    def submit_episodes(self, step: int, episodes: Any, env: list[str] | None = None) -> None:
+        """Hand episodes (``rlwatch.hacks.Episode`` or dicts) to the reward-hack detectors; they run off
+        the training thread and their verdicts are exported with the next observed step."""
+        if not self.hack_detection:
+            return
+        try:
+            if self.hacks is None:
+                from .hacks import HackMonitor
+
+                self.hacks = HackMonitor(self._hack_detectors, errors=self.errors)
+            self.hacks.submit(step, episodes, env=env)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report("hacks", "submit", f"{type(exc).__name__}: {exc}", exc=exc)
 
     def _merge_hacks(self, values: Values) -> None:
         verdicts = self.hacks.collect()

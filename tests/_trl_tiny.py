@@ -93,7 +93,7 @@ def make_rollout_func(max_len: int, seed: int = 0):
 
 
 def make_trainer(model_path: str, output_dir: str | os.PathLike, *, rollout: bool = False, callbacks=None,
-                 **config: Any):
+                 reward_funcs: list | None = None, **config: Any):
     """A GRPOTrainer on CPU over the tiny model. ``rollout=True`` uses :func:`make_rollout_func` with
     the vLLM code path switched on (sync_weights stubbed) so that sampler log-probs flow."""
     from types import SimpleNamespace
@@ -107,7 +107,8 @@ def make_trainer(model_path: str, output_dir: str | os.PathLike, *, rollout: boo
     settings.update(config)
     args = GRPOConfig(**settings)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
-    trainer = GRPOTrainer(model=model_path, reward_funcs=REWARD_FUNCS, args=args, train_dataset=make_dataset(),
+    trainer = GRPOTrainer(model=model_path, reward_funcs=reward_funcs or REWARD_FUNCS, args=args,
+                          train_dataset=make_dataset(),
                           processing_class=tokenizer, callbacks=callbacks,
                           rollout_func=make_rollout_func(args.max_completion_length) if rollout else None)
     if rollout:

@@ -141,3 +141,31 @@ def test_reward_length_correlation_signal():
     assert v["env_reward_length_corr"][("a",)] == pytest.approx(1.0)
     v = rlwatch.compute(mask=mask, rewards=torch.ones(B), env=["a"] * B)
     assert v["env_reward_length_corr"][("a",)] is None                       # no variance: undefined
+
+
+def test_trl_audited_reward_feeds_the_builtin_detectors(tmp_path):
+    """A TRL reward function paired with an independent checker: rewarded completions the checker
+    rejects are flagged in their environment, with nothing else written by the user."""
+    from .conftest import need_module
+
+    need_module("trl")
+    from rlwatch.integrations import trl as rl_trl
+
+    from ._trl_tiny import build_tiny_model, make_trainer, reward_length
+
+    def checker(prompts, completions, environment, **kwargs):     # "code" answers are never really right
+        return [env != "code" for env in environment]
+
+    trainer = make_trainer(build_tiny_model(tmp_path), tmp_path / "out", max_steps=3,
+                           reward_funcs=[rl_trl.audited(reward_length, checker)])
+    w = rl_trl.watch(trainer, port=None)
+    trainer.train()
+    w.hacks.flush()
+    w.observe(99, mask=torch.ones(1, 1))                     # one more step carries the last verdicts
+    snap = w.state.snapshot()
+    rl_trl.unwatch(trainer)
+    judged = snap.counters["episodes_judged_total"]
+    hacked = snap.counters["episodes_hacked_total"]
+    assert hacked[("code", "verifier_disagreement")] > 0
+    assert hacked[("math", "verifier_disagreement")] == 0 and judged[("math", "verifier_disagreement")] > 0
+    assert ("code", "degenerate_output") in judged

@@ -180,7 +180,7 @@ class GRPOInstrumentor(Instrumentor):
         def rewards_wrapper(original: Callable) -> Callable:
             def wrapper(inputs, prompts, completions, completion_ids_list, *args, **kw):
                 rewards_per_func = original(inputs, prompts, completions, completion_ids_list, *args, **kw)
-                on_rewards(inputs, completion_ids_list, rewards_per_func)
+                on_rewards(inputs, completion_ids_list, rewards_per_func, prompts, completions)
                 return rewards_per_func
             return wrapper
 
@@ -226,8 +226,10 @@ class GRPOInstrumentor(Instrumentor):
 
     # -- what the wrappers do --
 
-    def _on_rewards(self, inputs: list[dict], completion_ids_list: list, rewards_per_func: torch.Tensor) -> None:
-        """Keep this process's rewards, environment labels and truncation flags (host)."""
+    def _on_rewards(self, inputs: list[dict], completion_ids_list: list, rewards_per_func: torch.Tensor,
+                    prompts: list | None = None, completions: list | None = None) -> None:
+        """Keep this process's rewards, environment labels and truncation flags (host), and hand the
+        episodes to the Watch's reward-hack detectors (which run off the training thread)."""
         trainer = self.trainer
         if not trainer.model.training:
             return
@@ -235,12 +237,12 @@ class GRPOInstrumentor(Instrumentor):
         start = trainer.accelerator.process_index * B
         # TRL reads these values on the host right after (.item(), .tolist()): no extra pipeline stall.
         per_func = rewards_per_func[start:start + B].detach().to("cpu", torch.float64)
-        self.capture.rewards = {
-            "per_func": per_func,
-            "truncated": truncation_flags(completion_ids_list, eos_and_pad(trainer)),
-            "env": env_labels(inputs),
-            "start": start,
-        }
+        truncated = truncation_flags(completion_ids_list, eos_and_pad(trainer))
+        env = env_labels(inputs)
+        self.capture.rewards = {"per_func": per_func, "truncated": truncated, "env": env, "start": start}
+        if prompts is not None and completions is not None and self.watch.hack_detection:
+            self.watch.submit_episodes(int(trainer.state.global_step), episodes(
+                trainer, prompts, completions, completion_ids_list, per_func, truncated, env))
 
     def _on_generation(self, output: dict) -> None:
         """Stamp the batch with the policy version and its rows; remember its episode data."""
@@ -383,6 +385,67 @@ def truncation_flags(completion_ids_list: list, end_ids: set[int]) -> torch.Tens
     """
     return torch.tensor([len(ids) > 0 and int(ids[-1]) not in end_ids for ids in completion_ids_list],
                         dtype=torch.bool)
+
+
+class AuditedReward:
+    """A reward function paired with an independent checker (:func:`audited`). TRL calls it like the
+    reward function; the checker's verdict per completion (True = really correct, False = wrong,
+    None = cannot tell) reaches rlwatch's ``verifier_disagreement`` detector as ``true_pass``."""
+
+    def __init__(self, reward_fn: Callable, checker: Callable, name: str | None = None) -> None:
+        self.reward_fn = reward_fn
+        self.checker = checker
+        self.__name__ = name or getattr(reward_fn, "__name__", "reward")
+        self.last_verdicts: list[bool | None] | None = None
+
+    def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list:
+        rewards = self.reward_fn(prompts=prompts, completions=completions, **kwargs)
+        try:
+            verdicts = self.checker(prompts=prompts, completions=completions, **kwargs)
+            self.last_verdicts = [None if v is None else bool(v) for v in verdicts]
+        except Exception as exc:  # noqa: BLE001 - a broken checker never changes the rewards
+            logger.warning("rlwatch: checker of %s failed: %s", self.__name__, exc)
+            self.last_verdicts = None
+        return rewards
+
+
+def audited(reward_fn: Callable, checker: Callable, name: str | None = None) -> AuditedReward:
+    """Pair a TRL reward function with an independent checker: ``reward_funcs=[audited(reward, check)]``.
+    The checker takes the same arguments (prompts, completions, dataset columns) and returns one
+    verdict per completion; training uses only the reward."""
+    return AuditedReward(reward_fn, checker, name)
+
+
+def _text(value: Any) -> str:
+    """A prompt or completion as text (plain strings, or chat messages)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in value)
+    return str(value)
+
+
+def episodes(trainer: Any, prompts: list, completions: list, completion_ids_list: list, per_func: torch.Tensor,
+             truncated: torch.Tensor, env: list[str] | None) -> list[dict[str, Any]]:
+    """One episode per completion for the reward-hack detectors: text, ids, weighted reward, the reward
+    components per function and, for :class:`AuditedReward` functions, the checker's verdict."""
+    names = list(trainer.reward_func_names)
+    weights = trainer.reward_weights.detach().to("cpu", torch.float64)
+    rewards = (per_func * weights).nansum(dim=1).tolist()
+    components = per_func.tolist()
+    verdicts: list[bool | None] = [None] * len(completions)
+    for func in trainer.reward_funcs:
+        if isinstance(func, AuditedReward) and func.last_verdicts is not None:
+            verdicts = [v if v is not None else old for v, old in zip(func.last_verdicts, verdicts)]
+    out = []
+    for i, completion in enumerate(completions):
+        extra: dict[str, Any] = {"reward_components": {n: c for n, c in zip(names, components[i]) if c == c}}
+        if verdicts[i] is not None:
+            extra["true_pass"] = verdicts[i]
+        out.append({"env": env[i] if env else "default", "reward": rewards[i], "prompt": _text(prompts[i]),
+                    "response": _text(completion), "response_ids": list(completion_ids_list[i]),
+                    "truncated": bool(truncated[i]), "extra": extra})
+    return out
 
 
 def env_labels(inputs: list[dict]) -> list[str] | None:
@@ -658,5 +721,5 @@ def trainer_metadata(trainer: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["watch", "unwatch", "attach", "RLWatchCallback", "GRPOInstrumentor", "stop_on_critical",
-           "save_on_critical"]
+__all__ = ["watch", "unwatch", "attach", "audited", "AuditedReward", "RLWatchCallback", "GRPOInstrumentor",
+           "stop_on_critical", "save_on_critical"]
