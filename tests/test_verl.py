@@ -670,3 +670,31 @@ def test_setup_hook_is_cheap_and_imports_no_verl():
     seconds, imported, instrumented = out.stdout.split()
     assert imported == "False" and instrumented == "True", out.stderr
     assert float(seconds) < 0.5
+
+
+def test_reward_extra_info_reaches_the_hack_detectors(config, tmp_path):
+    """The reward manager's per-sample extra info (here a checker's ``true_pass``) flows into the
+    built-in verifier_disagreement detector, per data_source."""
+    import numpy as np
+
+    from rlwatch.integrations import verl as rv
+
+    watch = Watch(run="verl-hacks", port=None, store=None, group_size=N, alerts=False)
+    assert rv.instrument(watch=watch)
+    try:
+        batch = make_batch(seed=3)
+        B = len(batch.non_tensor_batch["uid"])
+        batch.batch["token_level_scores"] = torch.zeros_like(batch.batch["token_level_scores"])
+        batch.batch["token_level_scores"][:, 0] = 1.0                        # every sample rewarded
+        sources = batch.non_tensor_batch["data_source"]
+        batch.non_tensor_batch["true_pass"] = np.array([s != "math" for s in sources], dtype=object)
+        separation_trainer(config, global_steps=2)._fit_collect_metrics(batch)
+        watch.hacks.flush()
+        watch.observe(3, mask=torch.ones(1, 1))
+        hacked = watch.state.snapshot().counters["episodes_hacked_total"]
+    finally:
+        rv.uninstrument()
+        watch.close()
+    assert hacked[("math", "verifier_disagreement")] == sum(1 for s in sources if s == "math")
+    assert hacked[("gsm8k", "verifier_disagreement")] == 0
+    assert B > 0

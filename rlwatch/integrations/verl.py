@@ -303,6 +303,42 @@ def fields_from_dataproto(batch: Any, config: Any = None, trainer_version: int |
     return {k: v for k, v in fields.items() if v is not None}
 
 
+#: non_tensor_batch keys that describe the sample itself rather than what its reward function found
+_SAMPLE_KEYS = frozenset({"uid", "data_source", "min_global_steps", "max_global_steps", "raw_prompt", "raw_prompt_ids",
+                          "index", "extra_info", "reward_model", "tools_kwargs", "interaction_kwargs",
+                          "multi_modal_data", "multi_modal_inputs", "request_id", "agent_name", "finish_reason",
+                          "stop_reason", "__num_turns__"})
+
+
+def episodes_from_dataproto(batch: Any, fields: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One episode per sample for rlwatch's reward-hack detectors: response token ids, reward,
+    environment, truncation, and the reward manager's extra info per sample (e.g. what a
+    ``compute_score`` returned besides the score; a ``true_pass`` key there is read as an independent
+    checker's verdict)."""
+    import numpy as np
+
+    tensors, extra = batch.batch, batch.non_tensor_batch
+    mask = fields["mask"].bool().cpu()
+    responses = tensors["responses"].cpu() if "responses" in tensors.keys() else None
+    rewards = fields["rewards"].double().cpu().tolist() if "rewards" in fields else [0.0] * mask.shape[0]
+    env = fields.get("env") or ["default"] * mask.shape[0]
+    truncated = fields["truncated"].tolist() if "truncated" in fields else [False] * mask.shape[0]
+    info_keys = [k for k, v in extra.items() if k not in _SAMPLE_KEYS and isinstance(v, np.ndarray)
+                 and len(v) == mask.shape[0]]
+    out = []
+    for i in range(mask.shape[0]):
+        info = {}
+        for key in info_keys:
+            value = extra[key][i]
+            if isinstance(value, (bool, int, float, str, np.bool_, np.integer, np.floating)):
+                info[key] = value.item() if hasattr(value, "item") else value
+        episode = {"env": str(env[i]), "reward": rewards[i], "truncated": bool(truncated[i]), "extra": info}
+        if responses is not None:
+            episode["response_ids"] = responses[i][mask[i]].tolist()
+        out.append(episode)
+    return out
+
+
 def _truncated(extra: Mapping[str, Any], size: int, response_length: Any, prompt_length: Any, config: Any) -> Any:
     flags = _finish_flags(extra, size)
     if flags is not None:
@@ -583,6 +619,9 @@ class VerlInstrumentor(Instrumentor):
     def _observe_dataproto(self, batch: Any, trainer: Any) -> None:
         config = getattr(trainer, "config", None)
         fields = fields_from_dataproto(batch, config, trainer_version(trainer))
+        watch = self._get_watch(trainer)
+        if watch is not None and getattr(watch, "hack_detection", False):
+            fields["episodes"] = episodes_from_dataproto(batch, fields)
         self._observe(self._step(trainer), fields)
 
     def _wrap_v1_compute_metrics(self, original: Callable) -> Callable:
