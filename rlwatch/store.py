@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from ._queues import wait_drained
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (run TEXT PRIMARY KEY, started REAL, meta TEXT);
 CREATE TABLE IF NOT EXISTS steps (run TEXT NOT NULL, step INTEGER NOT NULL, time REAL, data TEXT,
@@ -184,12 +186,7 @@ class RunStore:
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every submitted row is written (or failed). False on timeout."""
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                return False
-            time.sleep(0.005)
-        return True
+        return wait_drained(self._queue, timeout, self._thread.is_alive)
 
     def close(self, timeout: float = 10.0) -> None:
         if self._thread.is_alive():

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 from urllib.parse import urlsplit
 
+from .._queues import wait_drained
+
 logger = logging.getLogger("rlwatch")
 
 
@@ -199,12 +201,7 @@ class Dispatcher:
                 self._queue.task_done()
 
     def flush(self, timeout: float = 10.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
+        return wait_drained(self._queue, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         self.flush(timeout)

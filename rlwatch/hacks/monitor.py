@@ -23,6 +23,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from .._queues import wait_drained
 from ..errors import HookErrors
 from .registry import Detector, Episode, as_verdict, resolve
 
@@ -142,14 +143,7 @@ class HackMonitor:
         return out
 
     def flush(self, timeout: float = 30.0) -> bool:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        return wait_drained(self._queue, timeout, self._thread.is_alive)
 
     def close(self) -> None:
         self.flush()
