@@ -81,9 +81,35 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo.app import run_demo
+    from .stack import StackError
+
+    try:
+        run_demo(args.scenario, steps=args.steps, seed=args.seed, port=args.port, out=args.out,
+                 with_prometheus=args.with_prometheus, live=not args.no_live)
+    except (StackError, ValueError) as exc:
+        print(f"rlwatch demo: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlwatch", description="Health signals for RL post-training of LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="train a tiny RL policy that collapses, watched live, then explained")
+    p.add_argument("--scenario", default="collapse",
+                   help="collapse (lag 8, default), healthy, lag2, rescued (TIS), mis, hack, temperature_fault, "
+                        "top_p_fault, partial")
+    p.add_argument("--steps", type=int, help="training steps (default: the scenario's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=9400, help="metrics port (the next free one if taken)")
+    p.add_argument("--out", default="rlwatch-demo", help="directory for the run store, checkpoints and report")
+    p.add_argument("--with-prometheus", action="store_true",
+                   help="also run a real local Prometheus + Alertmanager with rlwatch's rules")
+    p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
+    p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("up", help="start a local Prometheus + Alertmanager (+ Grafana) with rlwatch's rules")
     p.add_argument("--dir", default=".rlwatch-stack", help="where configs, data and logs go")

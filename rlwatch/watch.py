@@ -205,7 +205,7 @@ class Watch:
         from .exporters.prometheus import CachedExposition, RLWatchCollector
 
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(RLWatchCollector(self.state))
+        self.registry.register(RLWatchCollector(self.state, self._refresh_health))
         self.exposition = CachedExposition(self.registry, self.state, self._refresh_health)
         if port is None:
             return
@@ -391,6 +391,12 @@ class Watch:
                 self.store.submit_scalars(self.run, int(step), clean)
         except Exception as exc:  # noqa: BLE001
             self.errors.report("export", "log_scalars", str(exc), exc=exc)
+
+    def on_alert(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(event)`` for every firing and resolved event of the in-process evaluator
+        (on the training thread; a live view, a custom notifier)."""
+        if self.evaluator is not None:
+            self.evaluator.subscribers.append(callback)
 
     def record_checkpoint(self, step: int, path: str) -> None:
         """Note that checkpoint directory ``path`` holds the weights after ``step``."""

@@ -124,3 +124,15 @@ def need_module(name: str):
         if REQUIRE_FRAMEWORKS:
             pytest.fail(f"{name} is required here: {exc}")
         pytest.skip(f"{name} not installed: {exc}")
+
+
+@pytest.fixture(autouse=True)
+def _memory_log(request):
+    """With RLWATCH_MEMLOG=<file>, append each test's resident memory after it ran (diagnostics)."""
+    yield
+    path = os.environ.get("RLWATCH_MEMLOG")
+    if path:
+        with open("/proc/self/status") as f:
+            rss = next((line.split()[1] for line in f if line.startswith("VmRSS:")), "?")
+        with open(path, "a") as out:
+            out.write(f"{rss} kB {request.node.nodeid}\n")

@@ -63,6 +63,7 @@ class AlertEvaluator:
             self.params[name] = float(value)
         self.alerts = [a for a in alerts if a.condition is not None]
         self.guard = list(guard)
+        self.subscribers: list[Callable[[AlertEvent], None]] = []
         self.static = dict(static or {})
         self.clock = clock
         self._steps: deque = deque(maxlen=history)
@@ -132,6 +133,11 @@ class AlertEvaluator:
                                      "runbook_url": alert.runbook_url})
         if self.dispatcher is not None:
             self.dispatcher.submit(event)
+        for subscriber in self.subscribers:
+            try:
+                subscriber(event)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report("alerts", "subscriber", f"alert subscriber failed: {exc}", raise_in_strict=False)
         if state == "firing" and alert.severity == "critical":
             for action in self.guard:
                 try:

@@ -92,9 +92,9 @@ def _hf_loader(directory: Path, config: dict) -> LogitsFn | None:
         return None
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    state = read_state_dict(directory)       # first: refuse unsafe weights before building anything
     hf_config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
     model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
-    state = read_state_dict(directory)
     missing, unexpected = model.load_state_dict(state, strict=False)
     real_missing = [k for k in missing if "lm_head" not in k]     # tied embeddings are not stored twice
     if real_missing:

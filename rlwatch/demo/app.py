@@ -1,0 +1,185 @@
+"""``rlwatch demo``: a real tiny RL run that collapses, watched live, then explained.
+
+Trains the scenario engine (:mod:`rlwatch.demo.scenario`) with rlwatch attached: ``/metrics`` is
+served, the run store and checkpoints go to a directory it names, a live terminal view shows the
+signals, the run's health and the alerts as they fire, and the run ends with the post-mortem.
+``--with-prometheus`` starts a real local Prometheus and Alertmanager (``rlwatch up``) that scrape
+the run with rlwatch's rules, and shows what they fired.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+HEADLINE = [("heldout_true_reward", "held-out true reward", "{:.2f}"), ("mismatch_kl_k3", "k3", "{:.4f}"),
+            ("mismatch_abs_log_ratio_p99", "|Δlogp| p99", "{:.3f}"), ("is_ess_ratio", "ESS", "{:.3f}"),
+            ("version_lag_max", "max lag", "{:.0f}"), ("is_tis_high_ratio", "w > C", "{:.1%}"),
+            ("entropy_mean", "entropy", "{:.3f}")]
+
+
+class LiveView:
+    """A rich live panel (plain lines every 10 steps when rich is not installed or not a terminal)."""
+
+    def __init__(self, scenario: str, steps: int, url: str | None, enabled: bool = True) -> None:
+        self.scenario, self.steps, self.url = scenario, steps, url
+        self.values: dict[str, float] = {}
+        self.alerts: list[str] = []
+        self.health = "healthy"
+        self.step = 0
+        self._live = None
+        if enabled:
+            try:
+                from rich.console import Console
+                from rich.live import Live
+
+                console = Console()
+                if console.is_terminal:
+                    self._live = Live(self._render(), console=console, refresh_per_second=4)
+                    self._live.start()
+            except ImportError:
+                pass
+
+    def _render(self) -> Any:
+        from rich.panel import Panel
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        colour = {"healthy": "green", "warning": "yellow", "critical": "red"}[self.health]
+        grid = Table.grid(padding=(0, 2))
+        grid.add_row(f"[bold]{self.scenario}[/bold]  step {self.step}/{self.steps}",
+                     ProgressBar(total=self.steps, completed=self.step, width=40),
+                     f"[bold {colour}]{self.health.upper()}[/]")
+        signals = Table(show_header=True, header_style="bold")
+        for _, label, _ in HEADLINE:
+            signals.add_column(label)
+        signals.add_row(*[fmt.format(self.values[k]) if k in self.values else "-" for k, _, fmt in HEADLINE])
+        alerts = "\n".join(self.alerts[-6:]) or "no alert yet"
+        body = Table.grid()
+        body.add_row(grid)
+        body.add_row(signals)
+        body.add_row(f"[bold]alerts[/bold]\n{alerts}")
+        if self.url:
+            body.add_row(f"[dim]metrics: {self.url}[/dim]")
+        return Panel(body, title="rlwatch demo")
+
+    def update(self, step: int, values: dict[str, float], firing: list) -> None:
+        self.step = step + 1
+        self.values.update(values)
+        severities = {e.severity for e in firing}
+        self.health = "critical" if "critical" in severities else ("warning" if "warning" in severities else "healthy")
+        if self._live is not None:
+            self._live.update(self._render())
+        elif step % 10 == 0 or step == self.steps - 1:
+            shown = ", ".join(f"{label} " + fmt.format(self.values[k]) for k, label, fmt in HEADLINE
+                              if k in self.values)
+            print(f"step {step:3d} [{self.health}] {shown}", flush=True)
+
+    def alert(self, event: Any) -> None:
+        line = f"step {event.step}: {event.state.upper()} {event.name} ({event.severity})"
+        self.alerts.append(line)
+        if self._live is None:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+            self._live.stop()
+
+
+def _prometheus_stack(directory: Path, target: str) -> Any:
+    from ..stack import StackConfig, StackError, find_binary, up
+
+    if not (find_binary("prometheus") and find_binary("prometheus-alertmanager", "alertmanager")):
+        raise StackError("--with-prometheus needs the prometheus and prometheus-alertmanager binaries: "
+                         "sudo apt-get install -y --no-install-recommends prometheus prometheus-alertmanager")
+    cfg = StackConfig(directory=directory, targets=[target], scrape_interval="1s")
+    import socket
+
+    def free() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    cfg.prometheus_port, cfg.alertmanager_port = free(), free()
+    return cfg, up(cfg)
+
+
+def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0, port: int | None = 9400,
+             out: str = "rlwatch-demo", with_prometheus: bool = False, live: bool = True) -> dict:
+    """Run one scenario with rlwatch attached; returns the post-mortem document."""
+    from .. import Watch
+    from ..postmortem import run_postmortem
+    from .scenario import SCENARIOS, collapse_step, run_scenario
+
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
+    config = SCENARIOS[scenario]
+    config = replace(config, seed=seed, **({"steps": steps} if steps else {}))
+    directory = Path(out) / f"{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+    directory.mkdir(parents=True, exist_ok=True)
+    run = f"demo-{scenario}"
+    stack = None
+    watch = Watch(run=run, port=port, port_fallback=True, store=str(directory / "run.db"), staleness_bound=4,
+                  framework="rlwatch-demo", metadata={"scenario": scenario, "config": config.__dict__})
+    if with_prometheus and watch.port:
+        stack = _prometheus_stack(directory / "stack", f"127.0.0.1:{watch.port}")
+        print(f"Prometheus {stack[1]['prometheus']['url']}  Alertmanager {stack[1]['alertmanager']['url']}")
+    view = LiveView(scenario, config.steps, watch.url, enabled=live)
+    watch.on_alert(view.alert)
+
+    def on_step(info: Any) -> None:
+        values = watch.observe(info.step, **info.fields,
+                               **({"episodes": info.episodes} if scenario == "hack" else {}))
+        watch.log_scalars(info.step, info.metrics)
+        shown = {k: v for k, v in info.metrics.items() if isinstance(v, (int, float))}
+        for key, _, _ in HEADLINE:
+            v = (values or {}).get(key, {}).get(())
+            if v is not None:
+                shown[key] = v
+        view.update(info.step, shown, watch.evaluator.firing() if watch.evaluator else [])
+
+    try:
+        result = run_scenario(config, on_step=on_step, checkpoint_dir=str(directory / "checkpoints"),
+                              on_checkpoint=watch.record_checkpoint)
+    finally:
+        view.close()
+        watch.close()
+    prometheus_alerts = None
+    if stack is not None:
+        from ..stack import down
+
+        time.sleep(3)
+        url = stack[1]["prometheus"]["url"]
+        query = urllib.request.quote(f'ALERTS{{run="{run}",alertstate="firing"}}')
+        body = json.loads(urllib.request.urlopen(f"{url}/api/v1/query?query={query}", timeout=10).read())
+        prometheus_alerts = sorted({r["metric"]["alertname"] for r in body["data"]["result"]})
+        down(stack[0].directory)
+    document = run_postmortem(str(directory / "run.db"), out_dir=str(directory / "report"))
+    collapse = collapse_step(result.heldout)
+    critical = [a for a in document["alerts"] if a["severity"] == "critical"]
+    print()
+    if collapse is not None and critical:
+        first = min(critical, key=lambda a: a["step"])
+        print(f"The critical alert {first['name']} fired at step {first['step']}, "
+              f"{collapse - first['step']} steps before the collapse (held-out reward lost at step {collapse}).")
+    elif collapse is not None:
+        print(f"The run collapsed at step {collapse} and no critical alert fired before it.")
+    else:
+        print(f"No collapse in this run ({len(critical)} critical alerts).")
+    print(f"Cause: {document['cause']}. Last healthy checkpoint: "
+          f"{(document['last_healthy_checkpoint'] or {}).get('path', 'none')}.")
+    if prometheus_alerts is not None:
+        print(f"Prometheus fired: {', '.join(prometheus_alerts) or 'nothing'}")
+    print(f"Run store {directory / 'run.db'}; report and plots in {directory / 'report'} "
+          f"({result.seconds:.0f} s of training).")
+    document["demo"] = {"directory": str(directory), "collapse_step": collapse, "seconds": result.seconds,
+                        "prometheus_alerts": prometheus_alerts}
+    (directory / "demo.json").write_text(json.dumps(document["demo"], indent=2))
+    return document
+
+
+__all__ = ["run_demo"]
