@@ -131,8 +131,13 @@ class Watch:
         self.listeners: list[StepListener] = [DriftDetector(), Diagnoser(staleness_bound=staleness_bound),
                                               *listeners]
         self.metadata = dict(metadata or {})
+        import platform
+
+        import torch
+
         self.metadata.update(framework=framework, framework_version=framework_version,
-                             rlwatch_version=__version__, config=self.config.__dict__, rank=rank,
+                             rlwatch_version=__version__, torch_version=torch.__version__,
+                             python_version=platform.python_version(), config=self.config.__dict__, rank=rank,
                              world_size=world)
         if not self.active:
             logger.info("rlwatch: rank %d is not rank 0; this process exports nothing (all_ranks=False)", rank)
