@@ -82,42 +82,46 @@ class Pending:
     """Device tensors waiting for the step's single host transfer.
 
     ``put(name, value, labels)`` stores a scalar; ``put_vector(name, tensor, label_rows)`` stores one
-    value per label row. ``resolve()`` returns ``{name: {labels: float | None}}`` with NaN mapped to
-    None.
+    value per label row. ``resolve()`` returns ``{name: {labels: float | None}}`` with NaN and
+    infinities mapped to None.
     """
 
     def __init__(self) -> None:
-        self._names: list[tuple[str, list[tuple[str, ...]]]] = []
-        self._tensors: list[torch.Tensor] = []
+        self._scalars: list[tuple[str, tuple[str, ...]]] = []
+        self._scalar_tensors: list[torch.Tensor] = []
+        self._vectors: list[tuple[str, list[tuple[str, ...]]]] = []
+        self._vector_tensors: list[torch.Tensor] = []
 
     def put(self, name: str, value: torch.Tensor | float, labels: tuple[str, ...] = ()) -> None:
         if not isinstance(value, torch.Tensor):
             value = torch.tensor(float(value), dtype=torch.float64)
-        self._names.append((name, [labels]))
-        self._tensors.append(value.reshape(1))
+        self._scalars.append((name, labels))
+        self._scalar_tensors.append(value.reshape(()) if value.dim() else value)
 
     def put_vector(self, name: str, values: torch.Tensor, label_rows: Sequence[tuple[str, ...]]) -> None:
         values = values.reshape(-1)
         if values.numel() != len(label_rows):
             raise ValueError(f"{name}: {values.numel()} values for {len(label_rows)} label rows")
-        self._names.append((name, list(label_rows)))
-        self._tensors.append(values)
+        self._vectors.append((name, list(label_rows)))
+        self._vector_tensors.append(values)
 
     def resolve(self) -> dict[str, dict[tuple[str, ...], float | None]]:
-        if not self._tensors:
+        tensors = ([torch.stack(self._scalar_tensors)] if self._scalar_tensors else []) + self._vector_tensors
+        if not tensors:
             return {}
-        devices = {t.device for t in self._tensors}
-        tensors = self._tensors if len(devices) == 1 else [t.cpu() for t in self._tensors]
-        flat = torch.cat(tensors).to(torch.float64)       # cat promotes dtypes: one copy, one kernel
-        host = flat.tolist()  # the one host synchronisation of the step
+        if len({t.device for t in tensors}) > 1:
+            tensors = [t.cpu() for t in tensors]
+        host = torch.cat(tensors).to(torch.float64).tolist()   # the one host synchronisation of the step
         out: dict[str, dict[tuple[str, ...], float | None]] = {}
-        i = 0
-        for name, rows in self._names:
+        values = iter(host)
+        for name, labels in self._scalars:
+            v = next(values)
+            out.setdefault(name, {})[labels] = v if math.isfinite(v) else None
+        for name, rows in self._vectors:
             family = out.setdefault(name, {})
             for labels in rows:
-                v = host[i]
+                v = next(values)
                 family[labels] = v if math.isfinite(v) else None
-                i += 1
         return out
 
 
