@@ -497,6 +497,9 @@ class OpenRLHFInstrumentor(Instrumentor):
         self._own_watch = False
         with self._pending_lock:
             self._pending.clear()
+        with self._clock_lock:                       # a new instrumentation counts from 0 again
+            self._local_clock = None
+            self._ray_clock = None
 
     def _on_import(self, module: ModuleType) -> None:
         if not self._instrumented:
