@@ -522,7 +522,7 @@ def test_version_sensitive_tests_pass_on_openrlhf_0_11_0():
                          capture_output=True, text=True, timeout=400, cwd=str(ROOT), env=env)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     summary = out.stdout.strip().splitlines()[-1]
-    assert "7 passed" in summary and "skipped" not in summary and "deselected" in summary, out.stdout[-2000:]
+    assert "8 passed" in summary and "skipped" not in summary and "deselected" in summary, out.stdout[-2000:]
 
 
 @versions
@@ -533,3 +533,25 @@ def test_running_against_the_expected_version():
         assert VERSION == "0.11.0" and openrlhf.__file__.startswith(OLD_SOURCE)
     else:
         assert VERSION is not None and VERSION.startswith("0.11.") and not OLD_API
+
+
+@versions
+def test_example_launch_line_parses_with_openrlhfs_own_parser(tmp_path):
+    """examples/openrlhf_launch.sh: its runtime env names the hook and its arguments pass OpenRLHF's
+    argument parser and checks (the run itself needs GPUs)."""
+    args_file = tmp_path / "args"
+    out = subprocess.run(["bash", str(ROOT / "examples" / "openrlhf_launch.sh")], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, RLWATCH_EXAMPLE_PRINT="1", RLWATCH_RUN="example",
+                                              RLWATCH_EXAMPLE_ARGS_FILE=str(args_file)))
+    assert out.returncode == 0, out.stderr
+    runtime_env = json.loads(out.stdout)
+    assert runtime_env["worker_process_setup_hook"] == ro.HOOK
+    assert runtime_env["env_vars"]["RLWATCH_RUN"] == "example"
+    argv = args_file.read_text().split("\0")[:-1]
+    if OLD_API:        # the one flag that 0.11.0 spells differently (as the example's comment says)
+        i = argv.index("--algo.advantage.is_correction_level")
+        argv[i:i + 2] = ["--algo.advantage.is_correction_enable"]
+    args = mini.parse_args(argv)
+    assert ro.is_correction_on(args) and args.rollout.n_samples_per_prompt == 8
+    assert ro.watch_options_from_env({}, args)["group_size"] == 8
+    assert ro.checkpoint_dir(args, 20).endswith("global_step20_hf")
