@@ -81,6 +81,9 @@ def ray_session():
     processes inherit PYTHONPATH (the import stubs, when used), as every job connecting to it needs."""
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = _pythonpath()
+    # Ray's OOM killer judges the whole machine's memory, which other work on a shared CI host may
+    # fill; these workers are small, so it is off for this test instance.
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={
         "worker_process_setup_hook": ro.HOOK,
         "env_vars": {"PYTHONPATH": _pythonpath(), "RLWATCH_RUN": "from-ray", "RLWATCH_PORT": "none",
