@@ -212,7 +212,6 @@ def test_training_steps_observed_values_equal_compute(ray_session, watch, tmp_pa
     assert watch.errors.total() == 0
 
 
-@versions
 def test_lag_counts_weight_broadcasts_between_generation_and_training(ray_session, watch, tmp_path):
     run = build(tmp_path)                                       # no IS correction: no sampler log-probs
     mini.run_step(run)
@@ -374,7 +373,11 @@ def test_async_mode_shares_the_version_across_processes(ray_session, watch, tmp_
 
 
 def _run_probe(args: list[str], env: dict) -> dict:
-    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, cwd=str(ROOT),
+    return _run_probe_command([sys.executable, *args], env)
+
+
+def _run_probe_command(command: list[str], env: dict) -> dict:
+    out = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=str(ROOT),
                          env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("PROBE ")]
     assert lines, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
@@ -411,6 +414,18 @@ def test_job_runtime_env_merges_with_openrlhfs_own_ray_init(ray_session):
                        "--algo.advantage.estimator", "reinforce"], env)
     assert seen["instrumented"] and seen["wrapped"] and seen["run"] == "job-run"
     assert seen["nccl_debug"] == "WARN"                                    # set by OpenRLHF's ray.init
+
+
+def test_zero_code_rlwatch_run_reaches_openrlhfs_workers(ray_session):
+    """``rlwatch run -- python -m openrlhf.cli.train_ppo_ray ...``: the bootstrap extends OpenRLHF's
+    own ``ray.init`` with rlwatch's worker setup, which sets this integration up in the workers."""
+    rlwatch_cli = Path(sys.executable).parent / "rlwatch"
+    seen = _run_probe_command([str(rlwatch_cli), "run", "--run", "zero-code", "--", sys.executable, "-m",
+                               "tests.openrlhf_probe", "job", "--actor.model_name_or_path", "x",
+                               "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
+                               "--algo.advantage.estimator", "reinforce"], _probe_env())
+    assert seen["instrumented"] and seen["wrapped"] and not seen["watch"] and seen["run"] == "zero-code"
+    assert seen["nccl_debug"] == "WARN"
 
 
 def test_setup_hook_is_cheap_and_imports_no_openrlhf():
@@ -525,7 +540,7 @@ def test_version_sensitive_tests_pass_on_openrlhf_0_11_0():
                          capture_output=True, text=True, timeout=400, cwd=str(ROOT), env=env)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     summary = out.stdout.strip().splitlines()[-1]
-    assert "8 passed" in summary and "skipped" not in summary and "deselected" in summary, out.stdout[-2000:]
+    assert "7 passed" in summary and "skipped" not in summary and "deselected" in summary, out.stdout[-2000:]
 
 
 @versions
