@@ -14,11 +14,17 @@ initialised yet, with a fixed ``runtime_env``; three ways to attach rlwatch:
           "env_vars": {"RLWATCH_RUN": "my-run", "RLWATCH_SD_DIR": "/shared/rlwatch-targets"}}' \\
         -- python3 -m openrlhf.cli.train_ppo_ray ...
 
+  (checked on CPU with Ray 2.55: ``ray start --head`` then ``ray job submit`` of a driver that runs
+  OpenRLHF's CLI up to its ``ray.init``; a worker then sees the wrapped methods and RLWATCH_RUN.)
+
 * the launcher in this module, which initialises Ray (a new local instance, or the cluster named by
   ``RAY_ADDRESS``) with the hook, OpenRLHF's default ``env_vars`` and every ``RLWATCH_*`` variable,
   then runs OpenRLHF's CLI unchanged (its ``ray.init`` is then skipped)::
 
       RLWATCH_RUN=my-run python -m rlwatch.integrations.openrlhf --actor.model_name_or_path ... (OpenRLHF's arguments)
+
+  (not under ``ray job submit`` with the hook already in the job's runtime env: Ray refuses two
+  values for the same runtime_env field).
 
 * ``rlwatch run -- python -m openrlhf.cli.train_ppo_ray ...`` (zero-code bootstrap, which extends
   every ``ray.init`` the same way). See ``examples/openrlhf_launch.sh``.
