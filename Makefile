@@ -1,13 +1,15 @@
 # The two set-up commands of the README:
 #   make demo   installs rlwatch (CPU torch when torch is absent) and runs the demo
 #   make test   also installs the servers and frameworks the tests use, then runs the whole suite
+#               (OpenRLHF's tests in their own environment, .venv-openrlhf: its pins conflict with TRL/verl)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 PIP := $(PY) -m pip install -q --disable-pip-version-check
+OPENRLHF_VENV ?= .venv-openrlhf
 
-.PHONY: demo test servers check bench clean
+.PHONY: demo test servers check bench clean openrlhf-venv test-openrlhf
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,11 +27,19 @@ demo: $(VENV)/.base
 servers:
 	scripts/install-servers.sh
 
-test: servers $(VENV)/.dev
-	RLWATCH_REQUIRE_SERVERS=1 RLWATCH_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -q
+test: servers $(VENV)/.dev openrlhf-venv
+	RLWATCH_REQUIRE_SERVERS=1 RLWATCH_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -q --ignore=tests/test_openrlhf.py
+	$(MAKE) test-openrlhf
+
+# OpenRLHF 0.11 (CPU torch, no flash-attn/vllm) in its own virtual environment; idempotent.
+openrlhf-venv:
+	VENV=$(OPENRLHF_VENV) PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) scripts/setup-openrlhf-venv.sh
+
+test-openrlhf: openrlhf-venv
+	RLWATCH_REQUIRE_FRAMEWORKS=1 $(OPENRLHF_VENV)/bin/python -m pytest -q tests/test_openrlhf.py
 
 bench: $(VENV)/.dev
 	$(PY) bench/bench_signals.py
 
 clean:
-	rm -rf $(VENV) rlwatch-runs rlwatch-demo .pytest_cache
+	rm -rf $(VENV) $(OPENRLHF_VENV) rlwatch-runs rlwatch-demo .pytest_cache

@@ -1,0 +1,841 @@
+"""rlwatch for OpenRLHF 0.11.x (``pip install rlwatch[openrlhf]``).
+
+OpenRLHF's training loop runs inside Ray actors (``PPOTrainer``; with ``--train.async_enable`` a
+``TrainingActor`` and a ``GenerateSamplesActor``), never in the process that runs
+``python -m openrlhf.cli.train_ppo_ray``, so a patch made in the launcher does not reach it. Ray's
+``worker_process_setup_hook`` does. OpenRLHF calls ``ray.init`` itself only when Ray is not
+initialised yet, with a fixed ``runtime_env``; three ways to attach rlwatch:
+
+* ``ray job submit`` (OpenRLHF's documented launch): put the hook in the job's runtime env; Ray
+  merges it with the ``env_vars`` that OpenRLHF's own ``ray.init`` passes::
+
+      ray job submit --address=http://127.0.0.1:8265 --runtime-env-json='{
+          "worker_process_setup_hook": "rlwatch.integrations.openrlhf.setup_hook",
+          "env_vars": {"RLWATCH_RUN": "my-run", "RLWATCH_SD_DIR": "/shared/rlwatch-targets"}}' \\
+        -- python3 -m openrlhf.cli.train_ppo_ray ...
+
+  (checked on CPU with Ray 2.55: ``ray start --head`` then ``ray job submit`` of a driver that runs
+  OpenRLHF's CLI up to its ``ray.init``; a worker then sees the wrapped methods and RLWATCH_RUN.)
+
+* the launcher in this module, which initialises Ray (a new local instance, or the cluster named by
+  ``RAY_ADDRESS``) with the hook, OpenRLHF's default ``env_vars`` and every ``RLWATCH_*`` variable,
+  then runs OpenRLHF's CLI unchanged (its ``ray.init`` is then skipped)::
+
+      RLWATCH_RUN=my-run python -m rlwatch.integrations.openrlhf --actor.model_name_or_path ... (OpenRLHF's arguments)
+
+  (not under ``ray job submit`` with the hook already in the job's runtime env: Ray refuses two
+  values for the same runtime_env field).
+
+* ``rlwatch run -- python -m openrlhf.cli.train_ppo_ray ...`` (zero-code bootstrap, which extends
+  every ``ray.init`` the same way). See ``examples/openrlhf_launch.sh``.
+
+When the trainer runs in your own process instead, call :func:`instrument` before building it.
+
+Which process exports
+    Ray runs the hook in *every* worker process: the trainer actor, the DeepSpeed GPU actors
+    (policy, critic, reference, reward), the vLLM engines, the async generator. The hook only checks
+    the OpenRLHF version and installs an import hook: it imports nothing from OpenRLHF and starts
+    nothing. When a process imports one of the modules below, their methods are wrapped; a wrapper
+    that is never called costs nothing. The :class:`~rlwatch.Watch` (its ``/metrics`` endpoint,
+    run store and file_sd registration) is created the first time a training step is observed,
+    which only happens in the single-controller trainer process (``PPOTrainer``, or
+    ``TrainingActor`` in async mode): exactly one process per job exports. The sample generator
+    (the same process in sync mode, ``GenerateSamplesActor`` in async mode) only stamps each
+    sample with a policy version, its data source and its finish reason; the GPU and vLLM workers
+    keep idle wrappers and no endpoint. Ray places the trainer on any node: set
+    ``RLWATCH_SD_DIR`` (a directory Prometheus reads through ``file_sd``) and, across hosts,
+    ``RLWATCH_ADDR=0.0.0.0``.
+
+What is wrapped (wrappers call the original, pass its result through untouched and only read its
+inputs and outputs; a failure on rlwatch's side is counted in ``rlwatch_hook_errors_total``)
+    * ``openrlhf.trainer.ppo_trainer.BasePPOTrainer.train_step(rollout_samples, global_step)``:
+      marks a training step (step number ``global_step + 1``, the number OpenRLHF logs and names
+      its checkpoints with) and reads the trainer's policy version before the step's own update.
+    * ``openrlhf.trainer.ppo_utils.experience_maker.RemoteExperienceMaker.make_experience_batch``:
+      its list of ``Experience`` batches is turned into one ``Watch.observe`` per training step.
+    * ``BasePPOTrainer.broadcast_to_vllm``: OpenRLHF has no policy version anywhere, so rlwatch
+      keeps its own: the number of weight broadcasts to the vLLM engines so far (``TrainingActor``
+      overrides the method and calls this one, so async mode counts the same way).
+    * ``openrlhf.trainer.ppo_utils.samples_generator.SamplesGenerator._dispatch_prompts_to_vllm``
+      and ``._process_response_into_experience``: each sample is stamped with the version when
+      its prompt was sent to vLLM and the version when its response was collected (kept in an
+      attribute of the ``Experience`` that OpenRLHF never reads), its data source and finish reason.
+    * ``BasePPOTrainer.save_logs_and_checkpoints(global_step, logs_dict, client_states)``: every
+      scalar OpenRLHF logs is mirrored with ``watch.log_scalars`` (``rlwatch_framework_metric``),
+      and the checkpoint written at ``ckpt.save_steps`` is recorded with ``watch.record_checkpoint``.
+    * ``openrlhf.datasets.prompts_dataset.PromptDataset.__init__``: remembers the dataset so that a
+      prompt's ``datasource`` column can be found again (OpenRLHF drops it from training samples).
+
+Field mapping (``Experience`` -> ``Watch.observe``)
+    action_mask -> mask; action_log_probs (the trainer's pi_old, DeepSpeed forward) ->
+    trainer_logp; rollout_log_probs (vLLM's processed log-probs, present only with importance-
+    sampling correction on: 0.11.2 ``--algo.advantage.is_correction_level token|seq``, 0.11.0
+    ``--algo.advantage.is_correction_enable``) -> sampler_logp; rewards (after OpenRLHF's length
+    penalties, before the group baseline: what it logs as ``rollout/reward_mean``) -> rewards;
+    ``index // rollout.n_samples_per_prompt`` (OpenRLHF's own grouping in
+    ``compute_advantages_and_returns``) -> group_ids; the dataset's ``datasource`` column -> env;
+    vLLM finish reason ``length`` -> truncated (0.11.0's multi-turn agent executor does not report
+    it: there a sample counts as truncated when it filled the context, ``total_length >= max_len``,
+    which is where that executor stops); (dispatch version, collection version) -> seq_version
+    [B, 2] against trainer_version = the broadcasts done when the step starts. The two stamps
+    bracket the weights a sample saw: in async mode with ``--train.partial_rollout_enable`` a
+    broadcast can land while a sample is being generated, and rlwatch cannot see the token at which
+    it happened (vLLM does not report it), so per-token versions are not available. Agent
+    ``extra_logs`` (per-sample ``info`` entries) -> ``log_scalars`` as ``extra_logs/<name>``
+    (batch mean). Sampling temperature/top_p/top_k come from the generate call.
+
+Configuration (environment variables, passed through ``runtime_env.env_vars``)
+    RLWATCH_RUN (default: ``--logger.wandb.run_name``, else a timestamp), RLWATCH_PORT (9400;
+    ``none`` for no endpoint), RLWATCH_ADDR (127.0.0.1), RLWATCH_PORT_FALLBACK (1), RLWATCH_DIR,
+    RLWATCH_STORE (``none`` disables the run store), RLWATCH_SD_DIR, RLWATCH_STALENESS_BOUND,
+    RLWATCH_GROUP_SIZE (default ``rollout.n_samples_per_prompt``; 0 disables the group-size check),
+    RLWATCH_STRICT, RLWATCH_DISABLE. With importance-sampling correction on, the masked-IS band of
+    the mismatch signals is OpenRLHF's ``--algo.advantage.is_correction_threshold``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import logging
+import math
+import os
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Mapping
+
+from ._base import Instrumentor, guarded, installed_version
+from ._imports import PostImportFinder
+
+logger = logging.getLogger("rlwatch")
+
+__all__ = ["OpenRLHFInstrumentor", "instrument", "uninstrument", "setup_hook", "launch", "ray_runtime_env",
+           "watch_options_from_env", "sample_meta", "INSTRUMENTOR", "HOOK", "META"]
+
+HOOK = "rlwatch.integrations.openrlhf.setup_hook"
+EXPERIENCE_MAKER = "openrlhf.trainer.ppo_utils.experience_maker"
+PPO_TRAINER = "openrlhf.trainer.ppo_trainer"
+SAMPLES_GENERATOR = "openrlhf.trainer.ppo_utils.samples_generator"
+PROMPTS_DATASET = "openrlhf.datasets.prompts_dataset"
+
+#: module -> [(class, method, wrapper factory)]
+PATCHES: dict[str, list[tuple[str, str, str]]] = {
+    EXPERIENCE_MAKER: [("RemoteExperienceMaker", "make_experience_batch", "_wrap_make_experience_batch")],
+    PPO_TRAINER: [("BasePPOTrainer", "train_step", "_wrap_train_step"),
+                  ("BasePPOTrainer", "broadcast_to_vllm", "_wrap_broadcast"),
+                  ("BasePPOTrainer", "save_logs_and_checkpoints", "_wrap_save_logs")],
+    SAMPLES_GENERATOR: [("SamplesGenerator", "_dispatch_prompts_to_vllm", "_wrap_dispatch"),
+                        ("SamplesGenerator", "_process_response_into_experience", "_wrap_process_response")],
+    PROMPTS_DATASET: [("PromptDataset", "__init__", "_wrap_prompt_dataset_init")],
+}
+
+#: Name of the attribute rlwatch sets on each generated ``Experience`` (OpenRLHF reads dataclass
+#: fields only, so it never sees it; it survives pickling through Ray queues).
+META = "_rlwatch_meta"
+#: OpenRLHF's own ``ray.init`` environment (``cli/train_ppo_ray.py``), kept by the launcher.
+OPENRLHF_ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN",
+                         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+#: Name of the shared version counter actor (async mode), in the job's Ray namespace.
+CLOCK_ACTOR = "rlwatch-openrlhf-policy-version"
+#: Pending dispatch stamps kept per process at most (prompts whose responses never came back).
+MAX_PENDING_PROMPTS = 100_000
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+def _get(obj: Any, dotted: str, default: Any = None) -> Any:
+    """``obj.a.b`` for OpenRLHF's nested argument namespaces; ``default`` when a part is missing."""
+    node = obj
+    for part in dotted.split("."):
+        node = getattr(node, part, None) if not isinstance(node, Mapping) else node.get(part)
+        if node is None:
+            return default
+    return node
+
+
+def _env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    value = environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def is_correction_on(args: Any) -> bool:
+    """Whether OpenRLHF requests vLLM log-probs (importance-sampling correction): 0.11.1+ has
+    ``algo.advantage.is_correction_level`` (off/token/seq), 0.11.0 ``is_correction_enable``."""
+    level = _get(args, "algo.advantage.is_correction_level")
+    if level is not None:
+        return str(level) != "off"
+    return bool(_get(args, "algo.advantage.is_correction_enable", False))
+
+
+def _mis_band(args: Any) -> tuple[float, float] | None:
+    """OpenRLHF's IS threshold as rlwatch's masked-IS band, when it gates the ratio itself."""
+    if not is_correction_on(args):
+        return None
+    if str(_get(args, "algo.advantage.is_correction_gating", "ratio")) != "ratio":
+        return None                     # a divergence bound (binary_kl / tv), not a ratio band
+    threshold = _get(args, "algo.advantage.is_correction_threshold")
+    try:
+        low, high = (float(x) for x in threshold)
+    except (TypeError, ValueError):
+        return None
+    return (low, high) if 0 < low < 1 < high else None
+
+
+def watch_options_from_env(environ: Mapping[str, str] | None = None, args: Any = None) -> dict[str, Any]:
+    """``Watch`` keyword arguments from RLWATCH_* variables and OpenRLHF's arguments (may be None)."""
+    env = os.environ if environ is None else environ
+    opts: dict[str, Any] = {"framework": "openrlhf", "framework_version": installed_version("openrlhf") or ""}
+    run = env.get("RLWATCH_RUN") or _get(args, "logger.wandb.run_name")
+    if run:
+        opts["run"] = str(run)
+    port = env.get("RLWATCH_PORT")
+    if port is not None and port.strip() != "":
+        opts["port"] = None if port.strip().lower() in ("none", "off", "-1") else int(port)
+    if env.get("RLWATCH_ADDR"):
+        opts["addr"] = env["RLWATCH_ADDR"]
+    opts["port_fallback"] = _env_flag(env, "RLWATCH_PORT_FALLBACK", True)
+    store = env.get("RLWATCH_STORE")
+    if store:
+        opts["store"] = None if store.strip().lower() in ("none", "off", "0") else store
+    if env.get("RLWATCH_SD_DIR"):
+        opts["sd_dir"] = env["RLWATCH_SD_DIR"]
+    if env.get("RLWATCH_STALENESS_BOUND"):
+        opts["staleness_bound"] = float(env["RLWATCH_STALENESS_BOUND"])
+    group = env.get("RLWATCH_GROUP_SIZE")
+    n = int(group) if group else _get(args, "rollout.n_samples_per_prompt")
+    if n and int(n) > 1:
+        opts["group_size"] = int(n)
+    band = _mis_band(args)
+    if band is not None:
+        opts["mis_band"] = band
+    opts["strict"] = _env_flag(env, "RLWATCH_STRICT", False)
+    return opts
+
+
+# --- the policy-version clock --------------------------------------------------------------------
+
+class LocalClock:
+    """Weight broadcasts counted in this process (sync mode: generation and broadcast share it)."""
+
+    def __init__(self) -> None:
+        self.id = f"local:{os.getpid()}"
+        self._value = 0
+        self._lock = threading.Lock()
+
+    def read(self) -> int:
+        return self._value
+
+    def bump(self) -> int:
+        with self._lock:
+            self._value += 1
+            return self._value
+
+
+class _VersionCounter:
+    """The Ray actor behind :class:`RayClock` (one per job, named, no CPU)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def bump(self) -> int:
+        self.version += 1
+        return self.version
+
+    def read(self) -> int:
+        return self.version
+
+
+class RayClock:
+    """Weight broadcasts counted in a named Ray actor, shared by the processes of one job: in async
+    mode the ``TrainingActor`` broadcasts and the ``GenerateSamplesActor`` stamps. Reads are cached
+    for ``ttl`` seconds (a broadcast happens once per training step, seconds to minutes apart)."""
+
+    def __init__(self, ttl: float = 0.05) -> None:
+        import ray
+
+        self._ray = ray
+        namespace = ray.get_runtime_context().namespace
+        self.id = f"ray:{namespace}/{CLOCK_ACTOR}"
+        self.handle = ray.remote(num_cpus=0, max_restarts=0)(_VersionCounter).options(
+            name=CLOCK_ACTOR, get_if_exists=True).remote()
+        self.ttl = ttl
+        self._cached: tuple[float, int] | None = None
+
+    def read(self) -> int:
+        now = time.monotonic()
+        if self._cached is not None and now - self._cached[0] < self.ttl:
+            return self._cached[1]
+        value = int(self._ray.get(self.handle.read.remote(), timeout=30))
+        self._cached = (now, value)
+        return value
+
+    def bump(self) -> int:
+        value = int(self._ray.get(self.handle.bump.remote(), timeout=30))
+        self._cached = (time.monotonic(), value)
+        return value
+
+
+# --- per-sample stamps ---------------------------------------------------------------------------
+
+@dataclass
+class _Dispatch:
+    version: int
+    remaining: int
+    sampling: dict
+
+
+def sample_meta(experience: Any) -> dict | None:
+    """What rlwatch stamped on a generated (single-sample) ``Experience``, or None."""
+    try:
+        return vars(experience).get(META)
+    except TypeError:
+        return None
+
+
+class _DataSources:
+    """prompt -> ``datasource`` of the PromptDatasets built in this process (weakly held)."""
+
+    def __init__(self) -> None:
+        self._datasets: list[weakref.ref] = []
+        self._index: dict[str, str] = {}
+        self._indexed: set[int] = set()
+        self._lock = threading.Lock()
+
+    def add(self, dataset: Any) -> None:
+        with self._lock:
+            self._datasets.append(weakref.ref(dataset))
+
+    def lookup(self, prompt: Any) -> str | None:
+        if not isinstance(prompt, str):
+            return None
+        with self._lock:
+            live = []
+            for ref in self._datasets:
+                dataset = ref()
+                if dataset is None:
+                    continue
+                live.append(ref)
+                if id(dataset) not in self._indexed:
+                    self._indexed.add(id(dataset))
+                    for text, source in zip(getattr(dataset, "prompts", []), getattr(dataset, "datasources", [])):
+                        if isinstance(text, str):
+                            self._index.setdefault(text, str(source))
+            self._datasets = live
+            return self._index.get(prompt)
+
+
+# --- the step context (set by train_step, read by make_experience_batch) --------------------------
+
+@dataclass
+class _StepContext:
+    step: int
+    trainer_version: int | None
+    clock_id: str | None
+
+
+_STEP: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar("rlwatch_openrlhf_step", default=None)
+
+
+# --- turning Experiences into one observe() ------------------------------------------------------
+
+def _pad_cat(tensors: list[Any], width: int) -> Any:
+    import torch
+
+    rows = []
+    for t in tensors:
+        t = t.detach()
+        if t.dim() == 1:
+            t = t.unsqueeze(0)
+        if t.shape[1] < width:
+            t = torch.nn.functional.pad(t, (0, width - t.shape[1]))
+        rows.append(t.to("cpu"))
+    return torch.cat(rows, dim=0)
+
+
+def fields_from_experiences(experiences: list[Any], metas: list[dict | None], args: Any,
+                            trainer_version: int | None = None, clock_id: str | None = None
+                            ) -> tuple[dict[str, Any], dict[str, float]]:
+    """(``observe`` fields, agent extra-log scalars) for one training step.
+
+    ``experiences``: what ``make_experience_batch`` returned (micro-batches of samples, each
+    ``[b, A_i]``, right-padded to different widths); ``metas[i]``: the stamp of
+    ``rollout_samples[i]``, which OpenRLHF's ``Experience.index`` points back to."""
+    import torch
+
+    experiences = [e for e in experiences if getattr(e, "action_mask", None) is not None]
+    if not experiences:
+        return {}, {}
+    width = max(int(e.action_mask.shape[-1]) for e in experiences)
+    fields: dict[str, Any] = {"mask": _pad_cat([e.action_mask for e in experiences], width).bool()}
+    B = int(fields["mask"].shape[0])
+    if all(e.action_log_probs is not None for e in experiences):
+        fields["trainer_logp"] = _pad_cat([e.action_log_probs for e in experiences], width).float()
+    if all(e.rollout_log_probs is not None for e in experiences):
+        fields["sampler_logp"] = _pad_cat([e.rollout_log_probs for e in experiences], width).float()
+        fields["logprobs_mode"] = "processed_logprobs"     # what OpenRLHF asks vLLM for
+    if all(e.rewards is not None for e in experiences):
+        fields["rewards"] = torch.cat([e.rewards.detach().reshape(-1).to("cpu") for e in experiences]).double()
+
+    index: list[int] | None = []
+    for e in experiences:
+        if e.index is None or len(e.index) != int(e.action_mask.shape[0]):
+            index = None
+            break
+        index.extend(int(i) for i in e.index)
+    rows: list[dict | None] = [None] * B
+    if index is not None:
+        n = int(_get(args, "rollout.n_samples_per_prompt", 1) or 1)
+        if n > 1:
+            fields["group_ids"] = torch.tensor(index, dtype=torch.int64) // n
+        rows = [metas[i] if 0 <= i < len(metas) else None for i in index]
+
+    truncated = None
+    if all(e.truncated is not None for e in experiences):
+        truncated = torch.cat([e.truncated.detach().reshape(-1).to("cpu").bool() for e in experiences])
+    if any(r is not None and r.get("truncated") is not None for r in rows):
+        flags = [bool(r["truncated"]) if r is not None and r.get("truncated") is not None
+                 else (bool(truncated[i]) if truncated is not None else False) for i, r in enumerate(rows)]
+        truncated = torch.tensor(flags, dtype=torch.bool)
+    if truncated is not None:
+        fields["truncated"] = truncated
+
+    if any(r is not None and r.get("env") for r in rows):
+        fields["env"] = [(r.get("env") if r is not None else None) or "default" for r in rows]
+
+    stamps = [r.get("version") if r is not None else None for r in rows]
+    if trainer_version is not None and stamps and all(s is not None for s in stamps):
+        same_clock = all(r.get("clock") == clock_id for r in rows if r is not None)
+        if same_clock:
+            fields["seq_version"] = torch.tensor([[int(a), int(b)] for a, b in stamps], dtype=torch.int64)
+            fields["trainer_version"] = int(trainer_version)
+    sampling = next((r.get("sampling") for r in rows if r is not None and r.get("sampling")), None) or {}
+    for key in ("temperature", "top_p", "top_k"):
+        value = sampling.get(key)
+        if value is not None and not (key == "top_k" and value <= 0):
+            fields[key] = value
+
+    extra: dict[str, float] = {}
+    keys = {k for r in rows if r is not None for k in r.get("extra_logs", ())}
+    for key in sorted(keys):
+        values = []
+        for e in experiences:
+            v = e.info.get(key) if isinstance(e.info, Mapping) else None
+            if isinstance(v, torch.Tensor) and v.numel() == int(e.action_mask.shape[0]):
+                values.append(v.detach().reshape(-1).to("cpu").double())
+        if values:
+            mean = float(torch.cat(values).mean())
+            if math.isfinite(mean):
+                extra[f"extra_logs/{key}"] = mean
+    return fields, extra
+
+
+def checkpoint_dir(args: Any, global_step: int) -> str | None:
+    """The directory OpenRLHF writes the step's checkpoint to: ``{ckpt.path}/global_step{N}_hf``
+    with ``--ckpt.save_hf`` (loadable by transformers), else the DeepSpeed
+    ``{ckpt.path}/_actor/global_step{N}``."""
+    root = _get(args, "ckpt.path")
+    if root is None:
+        return None
+    tag = f"global_step{global_step}"
+    if _get(args, "ckpt.save_hf", False):
+        return os.path.abspath(os.path.join(str(root), f"{tag}_hf"))
+    if _get(args, "ckpt.disable_ds", False):
+        return None
+    return os.path.abspath(os.path.join(str(root), "_actor", tag))
+
+
+# --- the instrumentor ----------------------------------------------------------------------------
+
+class OpenRLHFInstrumentor(Instrumentor):
+    """Wraps OpenRLHF's trainer, experience maker and sample generator (see the module docstring)."""
+
+    package = "openrlhf"
+    minimum = (0, 11)
+    below = (0, 12)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watch: Any = None
+        self.last_values: dict | None = None
+        self.last_fields: dict | None = None
+        self._own_watch = False
+        self._watch_kwargs: dict[str, Any] = {}
+        self._watch_lock = threading.Lock()
+        self._watch_failed = False
+        self._finder: PostImportFinder | None = None
+        self._fallback_step = 0
+        self._local_clock: LocalClock | None = None
+        self._ray_clock: RayClock | None = None
+        self._clock_lock = threading.Lock()
+        self._pending: dict[str, collections.deque] = {}
+        self._pending_lock = threading.Lock()
+        self.datasources = _DataSources()
+
+    # life cycle
+
+    def _instrument(self, watch: Any = None, **watch_kwargs: Any) -> None:
+        """``watch``: report to this Watch instead of creating one (from RLWATCH_*, OpenRLHF's
+        arguments and ``watch_kwargs``) when the first training step is observed."""
+        self.watch = watch
+        self._own_watch = False
+        self._watch_kwargs = watch_kwargs
+        self._watch_failed = False
+        for name in PATCHES:
+            module = sys.modules.get(name)
+            if module is not None:
+                self._patch_module(module)
+        self._finder = PostImportFinder(PATCHES, self._on_import)
+        sys.meta_path.insert(0, self._finder)
+
+    def _uninstrument(self) -> None:
+        if self._finder is not None and self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+        self._finder = None
+        if self._own_watch and self.watch is not None:
+            self.watch.close()
+        self.watch = None
+        self._own_watch = False
+        with self._pending_lock:
+            self._pending.clear()
+        with self._clock_lock:                       # a new instrumentation counts from 0 again
+            self._local_clock = None
+            self._ray_clock = None
+
+    def _on_import(self, module: ModuleType) -> None:
+        if not self._instrumented:
+            return
+        try:
+            self._patch_module(module)
+        except Exception as exc:  # noqa: BLE001 - an import must never fail because of rlwatch
+            logger.warning("rlwatch: could not instrument %s: %s", module.__name__, exc)
+
+    def _patch_module(self, module: ModuleType) -> None:
+        for owner_name, attr, factory in PATCHES.get(module.__name__, []):
+            owner = getattr(module, owner_name, None)
+            if owner is None or hasattr(owner, "__ray_metadata__"):
+                logger.warning("rlwatch: %s.%s not found (or a Ray actor class) in openrlhf %s; that hook is off",
+                               module.__name__, owner_name, installed_version("openrlhf"))
+                continue
+            current = vars(owner).get(attr)
+            if current is None:
+                logger.warning("rlwatch: %s.%s.%s not found in openrlhf %s; that hook is off", module.__name__,
+                               owner_name, attr, installed_version("openrlhf"))
+                continue
+            if getattr(current, "__rlwatch_original__", None) is not None:
+                continue
+            self.patch(owner, attr, getattr(self, factory))
+
+    # the Watch
+
+    def _get_watch(self, args: Any = None) -> Any:
+        if self.watch is not None or self._watch_failed:
+            return self.watch
+        with self._watch_lock:
+            if self.watch is None and not self._watch_failed:
+                try:
+                    self.watch = self._make_watch(args)
+                    self._own_watch = True
+                except Exception as exc:  # noqa: BLE001
+                    self._watch_failed = True
+                    logger.warning("rlwatch: could not start the Watch in this OpenRLHF process: %s", exc)
+        return self.watch
+
+    def _make_watch(self, args: Any) -> Any:
+        import atexit
+
+        from ..watch import Watch, _rank
+
+        opts = watch_options_from_env(args=args)
+        opts.update(self._watch_kwargs)
+        opts.setdefault("metadata", {"async": bool(_get(args, "train.async_enable", False)),
+                                     "partial_rollout": bool(_get(args, "train.partial_rollout_enable", False)),
+                                     "is_correction": is_correction_on(args),
+                                     "advantage_estimator": _get(args, "algo.advantage.estimator")})
+        if "all_ranks" not in opts and _rank()[0] != 0:
+            # The controller actor is the only caller; a RANK it inherited from the node's launcher
+            # must not silence it (the run label then carries a -rankN suffix).
+            opts["all_ranks"] = True
+        watch = Watch(**opts)
+        atexit.register(watch.close)
+        logger.info("rlwatch: OpenRLHF trainer process %d exports at %s", os.getpid(), watch.url)
+        return watch
+
+    # the clock
+
+    def clock(self, args: Any) -> LocalClock | RayClock | None:
+        """The version clock for this run: local in sync mode; in async mode a Ray actor shared by
+        the trainer and the generator (None when Ray is unusable: versions are then not stamped)."""
+        if not _get(args, "train.async_enable", False):
+            with self._clock_lock:
+                if self._local_clock is None:
+                    self._local_clock = LocalClock()
+                return self._local_clock
+        with self._clock_lock:
+            if self._ray_clock is None:
+                try:
+                    self._ray_clock = RayClock()
+                except Exception as exc:  # noqa: BLE001
+                    logger.warning("rlwatch: no shared policy-version counter (async OpenRLHF): %s", exc)
+                    return None
+            return self._ray_clock
+
+    # wrapper factories (each returns the function that replaces ``original``)
+
+    def _wrap_train_step(self, original: Callable) -> Callable:
+        instr = self
+
+        def train_step(self: Any, rollout_samples: Any, global_step: Any, *args: Any, **kwargs: Any) -> Any:
+            if not instr.is_instrumented:
+                return original(self, rollout_samples, global_step, *args, **kwargs)
+            watch = instr._get_watch(getattr(self, "args", None))
+            context = guarded(watch, "openrlhf_train_step")(instr._step_context)(self, global_step)
+            token = _STEP.set(context)
+            try:
+                return original(self, rollout_samples, global_step, *args, **kwargs)
+            finally:
+                _STEP.reset(token)
+
+        return train_step
+
+    def _step_context(self, trainer: Any, global_step: Any) -> _StepContext:
+        clock = self.clock(trainer.args)
+        version = clock.read() if clock is not None else None
+        return _StepContext(step=int(global_step) + 1, trainer_version=version,
+                            clock_id=clock.id if clock is not None else None)
+
+    def _wrap_make_experience_batch(self, original: Callable) -> Callable:
+        instr = self
+
+        def make_experience_batch(self: Any, rollout_samples: Any, *args: Any, **kwargs: Any) -> Any:
+            if not instr.is_instrumented:
+                return original(self, rollout_samples, *args, **kwargs)
+            metas = [sample_meta(s) for s in rollout_samples] if isinstance(rollout_samples, list) else []
+            result = original(self, rollout_samples, *args, **kwargs)
+            watch = instr._get_watch(getattr(self, "args", None))
+            if watch is not None:
+                guarded(watch, "openrlhf_make_experience_batch")(instr._observe)(self, metas, result)
+            return result
+
+        return make_experience_batch
+
+    def _observe(self, maker: Any, metas: list, experiences: Any) -> None:
+        args = maker.args
+        context = _STEP.get()
+        if context is None:                         # called outside train_step (a user's own loop)
+            clock = self.clock(args)
+            self._fallback_step += 1
+            context = _StepContext(self._fallback_step, clock.read() if clock is not None else None,
+                                   clock.id if clock is not None else None)
+        fields, extra = fields_from_experiences(list(experiences), metas, args, context.trainer_version,
+                                                context.clock_id)
+        if not fields:
+            return
+        self.last_fields = fields
+        self.last_values = self.watch.observe(context.step, **fields)
+        if extra:
+            self.watch.log_scalars(context.step, extra)
+
+    def _wrap_broadcast(self, original: Callable) -> Callable:
+        instr = self
+
+        def broadcast_to_vllm(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            if instr.is_instrumented:
+                guarded(instr.watch, "openrlhf_broadcast")(instr._bump)(getattr(self, "args", None))
+            return result
+
+        return broadcast_to_vllm
+
+    def _bump(self, args: Any) -> None:
+        clock = self.clock(args)
+        if clock is not None:
+            clock.bump()
+
+    def _wrap_save_logs(self, original: Callable) -> Callable:
+        instr = self
+
+        def save_logs_and_checkpoints(self: Any, global_step: Any, logs_dict: Any = None, *args: Any,
+                                      **kwargs: Any) -> Any:
+            result = original(self, global_step, logs_dict, *args, **kwargs)
+            if instr.is_instrumented:
+                watch = instr._get_watch(getattr(self, "args", None))
+                if watch is not None:
+                    guarded(watch, "openrlhf_save_logs")(instr._logs_and_checkpoint)(self, global_step, logs_dict)
+            return result
+
+        return save_logs_and_checkpoints
+
+    def _logs_and_checkpoint(self, trainer: Any, global_step: Any, logs_dict: Any) -> None:
+        step = int(global_step)
+        if isinstance(logs_dict, Mapping) and logs_dict:
+            self.watch.log_scalars(step, logs_dict)
+        save_steps = _get(trainer.args, "ckpt.save_steps")
+        try:
+            due = save_steps is not None and float(save_steps) > 0 and step % save_steps == 0
+        except (TypeError, ValueError, ZeroDivisionError):
+            due = False
+        if due:
+            path = checkpoint_dir(trainer.args, step)
+            if path is not None:
+                self.watch.record_checkpoint(step, path)
+
+    def _wrap_dispatch(self, original: Callable) -> Callable:
+        instr = self
+
+        def _dispatch_prompts_to_vllm(self: Any, prompts: Any, labels: Any, *args: Any, **kwargs: Any) -> Any:
+            if instr.is_instrumented:
+                guarded(instr.watch, "openrlhf_dispatch")(instr._note_dispatch)(self, prompts, kwargs)
+            return original(self, prompts, labels, *args, **kwargs)
+
+        return _dispatch_prompts_to_vllm
+
+    def _note_dispatch(self, generator: Any, prompts: Any, generate_kwargs: Mapping[str, Any]) -> None:
+        clock = self.clock(generator.args)
+        if clock is None:
+            return
+        version = clock.read()
+        n = int(generate_kwargs.get("n_samples_per_prompt", _get(generator.args, "rollout.n_samples_per_prompt", 1)))
+        # The sampling parameters OpenRLHF builds from the same kwargs (SamplingParams defaults).
+        sampling = {"temperature": float(generate_kwargs.get("temperature", 1.0)),
+                    "top_p": float(generate_kwargs.get("top_p", 1.0)),
+                    "top_k": int(generate_kwargs.get("top_k", -1))}
+        with self._pending_lock:
+            if len(self._pending) > MAX_PENDING_PROMPTS:
+                self._pending.clear()
+            for prompt in prompts:
+                if isinstance(prompt, str):
+                    self._pending.setdefault(prompt, collections.deque()).append(_Dispatch(version, n, sampling))
+
+    def _take_dispatch(self, prompt: Any) -> _Dispatch | None:
+        with self._pending_lock:
+            queue = self._pending.get(prompt) if isinstance(prompt, str) else None
+            if not queue:
+                return None
+            head = queue[0]
+            head.remaining -= 1
+            if head.remaining <= 0:
+                queue.popleft()
+                if not queue:
+                    del self._pending[prompt]
+            return head
+
+    def _wrap_process_response(self, original: Callable) -> Callable:
+        instr = self
+
+        def _process_response_into_experience(self: Any, response: Any, *args: Any, **kwargs: Any) -> Any:
+            experience = original(self, response, *args, **kwargs)
+            if instr.is_instrumented:
+                guarded(instr.watch, "openrlhf_stamp")(instr._stamp)(self, response, experience, kwargs)
+            return experience
+
+        return _process_response_into_experience
+
+    def _stamp(self, generator: Any, response: Mapping[str, Any], experience: Any,
+               generate_kwargs: Mapping[str, Any]) -> None:
+        clock = self.clock(generator.args)
+        prompt = response.get("prompt")
+        dispatch = self._take_dispatch(prompt)
+        meta: dict[str, Any] = {"clock": clock.id if clock is not None else None}
+        if clock is not None:
+            end = clock.read()
+            meta["version"] = (dispatch.version if dispatch is not None else end, end)
+        if dispatch is not None:
+            meta["sampling"] = dispatch.sampling
+        if "truncated" in response:
+            meta["truncated"], meta["truncation"] = bool(response["truncated"]), "finish_reason"
+        else:
+            # 0.11.0's multi-turn executor reports no finish reason; it stops when the context is
+            # full, which OpenRLHF records as response_clip_ratio (total_length >= max_len).
+            clipped = experience.info.get("response_clip_ratio") if isinstance(experience.info, Mapping) else None
+            if clipped is not None:
+                meta["truncated"], meta["truncation"] = bool(clipped.reshape(-1)[0]), "context"
+        source = self.datasources.lookup(prompt)
+        if source is not None:
+            meta["env"] = source
+        extra = response.get("extra_logs")
+        if isinstance(extra, Mapping) and extra:
+            meta["extra_logs"] = tuple(str(k) for k in extra)
+        vars(experience)[META] = meta
+
+    def _wrap_prompt_dataset_init(self, original: Callable) -> Callable:
+        instr = self
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            if instr.is_instrumented:
+                guarded(instr.watch, "openrlhf_dataset")(instr.datasources.add)(self)
+
+        return __init__
+
+    def __reduce__(self) -> tuple:
+        # A wrapper pickled by value (cloudpickle) refers to the instrumentor of the process that
+        # unpickles it, never to this one's Watch, locks and threads.
+        return (_instrumentor, ())
+
+
+def _instrumentor() -> "OpenRLHFInstrumentor":
+    return INSTRUMENTOR
+
+
+INSTRUMENTOR = OpenRLHFInstrumentor()
+
+
+def instrument(watch: Any = None, **watch_kwargs: Any) -> bool:
+    """Instrument OpenRLHF in this process. ``watch``: an existing Watch to report to; otherwise one
+    is created (from RLWATCH_* variables, OpenRLHF's arguments and ``watch_kwargs``) when the first
+    training step is observed. False, with one warning, when already instrumented or unsupported."""
+    return INSTRUMENTOR.instrument(watch=watch, **watch_kwargs)
+
+
+def uninstrument() -> None:
+    """Restore OpenRLHF's methods, remove the import hook and close the Watch rlwatch created."""
+    INSTRUMENTOR.uninstrument()
+
+
+def setup_hook() -> None:
+    """Ray ``worker_process_setup_hook``: instrument OpenRLHF lazily in every Ray worker process.
+
+    Checks the OpenRLHF version and installs an import hook, nothing more (OpenRLHF is not
+    imported, no Watch is created). Never raises: a failing setup hook stops the worker."""
+    try:
+        if _env_flag(os.environ, "RLWATCH_DISABLE", False) or INSTRUMENTOR.is_instrumented:
+            return
+        INSTRUMENTOR.instrument()
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("rlwatch: OpenRLHF setup hook failed; this worker is not instrumented: %s", exc)
+
+
+# --- the launcher --------------------------------------------------------------------------------
+
+def ray_runtime_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The ``runtime_env`` the launcher passes to ``ray.init``: the setup hook, OpenRLHF's own
+    ``env_vars`` (respecting values already set, as OpenRLHF does) and every RLWATCH_* variable."""
+    env = os.environ if environ is None else environ
+    env_vars = {key: env.get(key, default) for key, default in OPENRLHF_ENV_DEFAULTS.items()}
+    env_vars.update({key: value for key, value in env.items() if key.startswith("RLWATCH_")})
+    return {"worker_process_setup_hook": HOOK, "env_vars": env_vars}
+
+
+def launch(argv: list[str] | None = None, module: str = "openrlhf.cli.train_ppo_ray") -> None:
+    """Initialise Ray with rlwatch's setup hook, then run OpenRLHF's CLI ``module`` as ``__main__``
+    with ``argv`` (OpenRLHF skips its own ``ray.init`` when Ray is initialised). ``RAY_ADDRESS``
+    selects an existing cluster as usual."""
+    import runpy
+
+    import ray
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not ray.is_initialized():
+        ray.init(runtime_env=ray_runtime_env())
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    launch()

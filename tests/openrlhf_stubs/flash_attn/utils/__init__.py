@@ -1,0 +1,1 @@
+"""TEST-ONLY stand-in (see tests/openrlhf_stubs/README.md)."""

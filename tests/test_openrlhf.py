@@ -1,0 +1,571 @@
+"""The OpenRLHF integration against the real openrlhf package (0.11.2, and 0.11.0 in a subprocess) on CPU.
+
+Run with OpenRLHF's own environment (``scripts/setup-openrlhf-venv.sh``)::
+
+    .venv-openrlhf/bin/python -m pytest tests/test_openrlhf.py
+
+OpenRLHF's real classes run a small training loop in one local Ray instance (see
+``tests/_openrlhf_mini.py``): its argument parser, ``SamplesGenerator``, agent executors,
+``BasePPOTrainer.train_step`` / ``broadcast_to_vllm`` / ``save_logs_and_checkpoints``,
+``RemoteExperienceMaker``, ``Actor`` and ``PolicyLoss``; only vLLM's engine actor and the DeepSpeed
+GPU actor group are CPU stand-ins. ``flash_attn`` and ``vllm`` cannot be installed on a CPU machine;
+when they are missing, the test-only import stubs in ``tests/openrlhf_stubs`` (see its README) let
+OpenRLHF's modules import. Without openrlhf the module is skipped, unless
+RLWATCH_REQUIRE_FRAMEWORKS=1 (CI), where it fails.
+
+Tests marked ``openrlhf_versions`` also run against OpenRLHF 0.11.0 (its source unpacked by the
+setup script into ``.venv-openrlhf/openrlhf-0.11.0``) in a subprocess: see
+``test_version_sensitive_tests_pass_on_openrlhf_0_11_0``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from .conftest import REQUIRE_FRAMEWORKS, ROOT, need_module
+
+# Set in the 0.11.0 subprocess: an older openrlhf source tree to import instead of the installed one.
+OLD_SOURCE = os.environ.get("RLWATCH_OPENRLHF_SOURCE")
+if OLD_SOURCE:
+    sys.path.insert(0, OLD_SOURCE)
+if not REQUIRE_FRAMEWORKS:
+    pytest.importorskip("openrlhf")
+need_module("openrlhf")
+ray = need_module("ray")
+
+STUBS = str(ROOT / "tests" / "openrlhf_stubs")
+if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("vllm") is None:
+    sys.path.insert(0, STUBS)           # test-only import stubs (tests/openrlhf_stubs/README.md)
+
+from rlwatch import SignalConfig, Watch, compute  # noqa: E402
+from rlwatch.integrations import openrlhf as ro  # noqa: E402
+from rlwatch.integrations._base import installed_version  # noqa: E402
+
+from . import _openrlhf_mini as mini  # noqa: E402
+from . import openrlhf_probe as probe  # noqa: E402
+
+VERSION = installed_version("openrlhf")
+OLD_API = VERSION is not None and VERSION.startswith("0.11.0")
+N = 4                                                   # rollout.n_samples_per_prompt
+ARGV = ["--rollout.n_samples_per_prompt", str(N), "--rollout.batch_size", "2", "--train.batch_size", "8",
+        "--rollout.micro_batch_size", "4", "--rollout.max_new_tokens", "6", "--data.max_len", "24",
+        "--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "2", "--rollout.temperature", "0.9"]
+ARGV_IS = ["--algo.advantage.is_correction_enable"] if OLD_API else ["--algo.advantage.is_correction_level", "token"]
+TIMING_KEYS = {"hook_compute_seconds", "hook_compute_seconds_total", "last_step_timestamp_seconds",
+               "step_interval_seconds"}
+versions = pytest.mark.openrlhf_versions
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+def _pythonpath() -> str:
+    paths = [p for p in (OLD_SOURCE, STUBS if STUBS in sys.path else None, str(ROOT)) if p]
+    return os.pathsep.join(paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray instance whose workers get rlwatch's setup hook (as a user's job would). Its
+    processes inherit PYTHONPATH (the import stubs, when used), as every job connecting to it needs."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = _pythonpath()
+    # Ray's OOM killer judges the whole machine's memory, which other work on a shared CI host may
+    # fill; these workers are small, so it is off for this test instance.
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={
+        "worker_process_setup_hook": ro.HOOK,
+        "env_vars": {"PYTHONPATH": _pythonpath(), "RLWATCH_RUN": "from-ray", "RLWATCH_PORT": "none",
+                     "RLWATCH_STORE": "none"}})
+    if saved is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = saved
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def watch(tmp_path):
+    """OpenRLHF instrumented in this process, reporting to a strict Watch with a run store."""
+    w = Watch(run="openrlhf-test", port=None, store=str(tmp_path / "run.db"), strict=True, group_size=N,
+              alerts=False)
+    assert ro.instrument(watch=w)
+    try:
+        yield w
+    finally:
+        ro.uninstrument()
+        w.close()
+
+
+def minimal_args(*argv: str):
+    """OpenRLHF's arguments for a run that is never started (only the parsed namespace is used)."""
+    return mini.parse_args(["--actor.model_name_or_path", "x", "--actor.num_gpus_per_node", "1",
+                            "--algo.advantage.estimator", "reinforce", *argv])
+
+
+def build(tmp_path: Path, argv: list[str] = (), agent: bool = False, seed: int = 0) -> SimpleNamespace:
+    torch.manual_seed(seed)
+    return mini.build(tmp_path, [*ARGV, *argv], agent=agent, engine_seed=seed)
+
+
+# --- the values rlwatch should see, built from OpenRLHF's objects independently ---------------------
+
+def expected_fields(run: SimpleNamespace, samples: list, experiences: list, version: tuple[int, int] | None,
+                    trainer_version: int | None) -> dict:
+    """What one training step means, read off OpenRLHF's own Experiences: response tokens (action
+    mask), pi_old (action_log_probs), vLLM's log-probs, rewards, groups of n in rollout order
+    (Experience.index), the dataset's datasource column, the truncation flag."""
+    width = max(e.action_mask.shape[1] for e in experiences)
+
+    def cat(name):
+        return torch.cat([torch.nn.functional.pad(getattr(e, name), (0, width - getattr(e, name).shape[1]))
+                          for e in experiences])
+
+    index = [i for e in experiences for i in e.index]
+    dataset = run.generator.prompts_dataloader.dataset
+    source = dict(zip(dataset.prompts, dataset.datasources))
+    fields = dict(mask=cat("action_mask").bool(), trainer_logp=cat("action_log_probs").float(),
+                  rewards=torch.cat([e.rewards for e in experiences]).double(),
+                  group_ids=torch.tensor(index) // N, env=[source[samples[i].prompts[0]] for i in index],
+                  truncated=torch.cat([e.truncated for e in experiences]).bool(),
+                  temperature=run.args.rollout.temperature, top_p=run.args.rollout.top_p)
+    if experiences[0].rollout_log_probs is not None:
+        fields.update(sampler_logp=cat("rollout_log_probs").float(), logprobs_mode="processed_logprobs")
+    if version is not None:
+        fields.update(seq_version=torch.tensor([list(version)] * len(index)), trainer_version=trainer_version)
+    return fields
+
+
+def assert_values_equal(got: dict, want: dict) -> None:
+    for name, series in want.items():
+        if name in TIMING_KEYS or name.startswith("_"):
+            continue
+        assert name in got, name
+        for labels, value in series.items():
+            other = got[name].get(labels)
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                assert other is None or math.isnan(other), (name, labels, other)
+            else:
+                assert other == pytest.approx(value, rel=1e-6, abs=1e-9), (name, labels, other, value)
+
+
+def scalars(watch: Watch, step: int) -> dict[str, float]:
+    watch.flush()
+    with sqlite3.connect(watch.store_path) as db:
+        return dict(db.execute("SELECT name, value FROM scalars WHERE step = ?", (step,)).fetchall())
+
+
+def steps(watch: Watch) -> list[int]:
+    watch.flush()
+    with sqlite3.connect(watch.store_path) as db:
+        return [row[0] for row in db.execute("SELECT step FROM steps ORDER BY step")]
+
+
+def checkpoints(watch: Watch) -> list[tuple[int, str]]:
+    watch.flush()
+    with sqlite3.connect(watch.store_path) as db:
+        return db.execute("SELECT step, path FROM checkpoints ORDER BY step").fetchall()
+
+
+# --- a real training loop ------------------------------------------------------------------------
+
+@versions
+def test_training_steps_observed_values_equal_compute(ray_session, watch, tmp_path):
+    run = build(tmp_path, ARGV_IS)
+    config = SignalConfig(group_size=N)
+    for step in (1, 2, 3):
+        status, (samples, experiences) = mini.run_step(run)
+        values = ro.INSTRUMENTOR.last_values
+        want = compute(config, step=step, **expected_fields(run, samples, experiences, (step - 1, step - 1), step - 1))
+        assert_values_equal(values, want)
+        # Sync mode: every sample comes from the weights broadcast after the previous step.
+        assert values["trainer_version"][()] == step - 1
+        assert values["version_lag_max"][()] == 0.0
+        # OpenRLHF's own step statistics agree with rlwatch's.
+        assert values["reward_mean"][()] == pytest.approx(status["rollout/reward_mean"])
+        assert values["truncated_ratio"][()] == pytest.approx(status["rollout/truncated_rate"])
+        assert values["mismatch_kl_k1"][()] == pytest.approx(status["vllm_kl"], abs=2e-3)   # vllm_kl on pi_old
+        logged = scalars(watch, step)
+        assert logged["policy_loss"] == pytest.approx(status["policy_loss"])
+        assert logged["rollout/reward_mean"] == pytest.approx(status["rollout/reward_mean"])
+        assert "extra_logs/hit" in logged and "extra_logs/words" in logged
+        hits = torch.cat([e.info["hit"] for e in experiences]).double().mean()
+        assert logged["extra_logs/hit"] == pytest.approx(float(hits))
+    assert set(values["env_reward_mean"]) == {("gsm8k",), ("math",)}
+    assert steps(watch) == [1, 2, 3]                      # OpenRLHF's global_step after each train_step
+    assert checkpoints(watch) == [(2, str(tmp_path / "ckpt" / "_actor" / "global_step2"))]
+    assert run.group.saved == [str(tmp_path / "ckpt" / "_actor" / "global_step2")]
+    assert watch.errors.total() == 0
+
+
+def test_lag_counts_weight_broadcasts_between_generation_and_training(ray_session, watch, tmp_path):
+    run = build(tmp_path)                                       # no IS correction: no sampler log-probs
+    mini.run_step(run)
+    samples, _, _, _ = run.generator.generate_samples(**run.generate_kwargs)       # generated at version 1
+    run.trainer.broadcast_to_vllm()                                                # two weight syncs later
+    run.trainer.broadcast_to_vllm()
+    assert ray.get(run.engine.update_weights.remote(run.group.actor.model.state_dict())) == 4
+    status, run.global_step = run.trainer.train_step(samples, run.global_step)
+    fields, values = ro.INSTRUMENTOR.last_fields, ro.INSTRUMENTOR.last_values
+    assert "sampler_logp" not in fields and "logprobs_mode" not in fields
+    assert fields["seq_version"].unique().tolist() == [1] and fields["trainer_version"] == 3
+    assert values["version_lag_mean"][()] == 2.0 and values["version_lag_max"][()] == 2.0
+    assert values["token_version_lag"][("2",)] == values["tokens"][()]
+    assert watch.errors.total() == 0
+
+
+@versions
+def test_partial_rollout_stamps_dispatch_and_collection_versions(ray_session, watch, tmp_path):
+    """A broadcast lands while samples are in flight (async + partial rollouts): each sample carries
+    (version at dispatch, version at collection); the lag counts from the first."""
+    run = build(tmp_path, ARGV_IS)
+    gen, kwargs = run.generator, run.generate_kwargs
+    prompts = gen.prompts_dataloader.dataset.prompts[:2]
+    labels = gen.prompts_dataloader.dataset.labels[:2]
+    refs = gen._dispatch_prompts_to_vllm(prompts, labels, **kwargs)                 # at version 0
+    run.trainer.broadcast_to_vllm()                                                 # version 1
+    samples = [gen._process_response_into_experience(r, **kwargs) for ref in refs for r in ray.get(ref)]
+    assert [ro.sample_meta(s)["version"] for s in samples] == [(0, 1)] * (2 * N)
+    run.trainer.broadcast_to_vllm()                                                 # version 2
+    run.trainer.train_step(samples, 0)
+    values = ro.INSTRUMENTOR.last_values
+    assert ro.INSTRUMENTOR.last_fields["seq_version"].tolist() == [[0, 1]] * (2 * N)
+    assert values["version_lag_max"][()] == 2.0 and values["version_lag_sequence_max_mean"][()] == 2.0
+    assert watch.errors.total() == 0
+
+
+@versions
+def test_agent_extra_logs_and_truncation(ray_session, watch, tmp_path):
+    """Multi-turn agent executor: extra_logs become framework scalars; truncation comes from vLLM's
+    finish reason (0.11.1+) or, as 0.11.0's agent executor reports none, from the context filling up."""
+    run = build(tmp_path, ["--data.max_len", "14"], agent=True)
+    status, (samples, experiences) = mini.run_step(run)
+    fields = ro.INSTRUMENTOR.last_fields
+    index = [i for e in experiences for i in e.index]
+    openrlhf_flag = torch.cat([e.truncated for e in experiences]).bool()
+    context_full = torch.cat([e.info["response_clip_ratio"] for e in experiences]).bool()
+    kinds = {ro.sample_meta(samples[i])["truncation"] for i in index}
+    if OLD_API:
+        assert kinds == {"context"} and not openrlhf_flag.any()     # 0.11.0 loses the finish reason
+        assert torch.equal(fields["truncated"], context_full)
+    else:
+        assert kinds == {"finish_reason"}
+        assert torch.equal(fields["truncated"], openrlhf_flag)
+    assert fields["truncated"].any()
+    logged = scalars(watch, 1)
+    assert logged["extra_logs/turns"] == pytest.approx(
+        float(torch.cat([e.info["turns"] for e in experiences]).double().mean()))
+    assert watch.errors.total() == 0
+
+
+def _run_steps(tmp_path: Path, steps: int) -> dict:
+    run = build(tmp_path, ARGV_IS, seed=3)
+    statuses = []
+    for _ in range(steps):
+        status, (_, experiences) = mini.run_step(run)
+        statuses.append({k: v for k, v in status.items() if not k.startswith("timing/")})
+    return {"statuses": statuses, "weights": {k: v.clone() for k, v in run.group.actor.state_dict().items()},
+            "losses": run.group.loss_outputs,
+            "advantages": [e.advantages.clone() for e in experiences]}
+
+
+@versions
+def test_the_hook_never_changes_openrlhfs_numbers(ray_session, tmp_path):
+    plain = _run_steps(tmp_path / "plain", 2)
+    w = Watch(run="numbers", port=None, store=None, strict=True, group_size=N, alerts=False)
+    assert ro.instrument(watch=w)
+    try:
+        hooked = _run_steps(tmp_path / "hooked", 2)
+        assert ro.INSTRUMENTOR.last_values["trainer_version"][()] == 1
+    finally:
+        ro.uninstrument()
+        w.close()
+    assert plain["statuses"] == hooked["statuses"]
+    for a, b in zip(plain["advantages"], hooked["advantages"]):
+        assert torch.equal(a, b)
+    assert plain["weights"].keys() == hooked["weights"].keys()
+    assert all(torch.equal(plain["weights"][k], hooked["weights"][k]) for k in plain["weights"])
+    # PolicyLoss's outputs (0.11.0: loss, clip_ratio, ppo_kl, vllm_kl; 0.11.1+: + is_filter_ratio).
+    assert len(plain["losses"][0]) == (4 if OLD_API else 5)
+    for a, b in zip(plain["losses"], hooked["losses"]):
+        assert len(a) == len(b)
+        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
+
+
+@versions
+def test_policy_loss_is_the_same_with_the_hook_installed(tmp_path):
+    from openrlhf.models import PolicyLoss
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 7, generator=g) * 3
+    new, rollout = old + 0.1 * torch.randn(4, 7, generator=g), old + 0.2 * torch.randn(4, 7, generator=g)
+    adv, mask = torch.randn(4, 7, generator=g), torch.rand(4, 7, generator=g) > 0.2
+    kwargs = dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 5.0]) if OLD_API else \
+        dict(is_correction_level="token")
+    before = PolicyLoss(**kwargs)(new, old, adv, action_mask=mask, rollout_log_probs=rollout)
+    w = Watch(run="loss", port=None, store=None, strict=True, alerts=False)
+    assert ro.instrument(watch=w)
+    try:
+        import openrlhf.trainer.ppo_trainer  # noqa: F401 - every wrapped module loaded
+        import openrlhf.trainer.ppo_utils.samples_generator  # noqa: F401
+
+        after = PolicyLoss(**kwargs)(new, old, adv, action_mask=mask, rollout_log_probs=rollout)
+    finally:
+        ro.uninstrument()
+        w.close()
+    assert len(before) == len(after) == (4 if OLD_API else 5)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+# --- delivery into Ray workers -------------------------------------------------------------------
+
+def test_setup_hook_reaches_a_ray_actor_that_imports_the_experience_maker(ray_session):
+    remote = ray.remote(num_cpus=0)(probe.WorkerProcess)
+    trainer, bystander = remote.remote(), remote.remote()
+    idle = ray.get(bystander.idle.remote())
+    assert idle["instrumented"] and not idle["openrlhf_imported"]       # lazy: nothing imported
+    seen = ray.get(trainer.report.remote())
+    assert seen["pid"] != os.getpid() and seen["pid"] != idle["pid"]
+    assert seen == {"imported_before": False, "instrumented": True, "wrapped": True, "watch": False,
+                    "run": "from-ray", "pid": seen["pid"]}
+    for actor in (trainer, bystander):
+        ray.kill(actor)
+
+
+def test_async_mode_shares_the_version_across_processes(ray_session, watch, tmp_path):
+    args = minimal_args("--train.async_enable", "--rollout.n_samples_per_prompt", "1")
+    response = {"prompt": "w3 w4", "label": "w5", "observation_tokens": [3, 4, 5, 6], "action_ranges": [(2, 4)],
+                "rollout_log_probs": None, "reward": 1.0, "scores": 1.0, "truncated": True, "extra_logs": {}}
+    generator = ray.remote(num_cpus=0)(probe.AsyncGenerator).remote()
+    first = ray.get(generator.stamp.remote(args, response))
+    # The trainer process broadcasts: BasePPOTrainer.broadcast_to_vllm, called unbound on a minimal
+    # ``self`` (its args and a policy group whose broadcast does nothing: there is no vLLM here).
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+
+    group = SimpleNamespace(async_run_method=lambda method_name, **kw: [ray.put(None)])
+    trainer = SimpleNamespace(args=args, actor_model_group=group)
+    for _ in range(3):
+        BasePPOTrainer.broadcast_to_vllm(trainer)
+    second = ray.get(generator.stamp.remote(args, response))
+    clock = ro.INSTRUMENTOR.clock(args)
+    assert isinstance(clock, ro.RayClock) and clock.read() == 3
+    assert first["clock"] == second["clock"] == clock.id
+    # (dispatch, collection): no dispatch went through this process, so both stamps are the collection's.
+    assert first["version"] == (0, 0) and second["version"] == (3, 3)
+    assert second["truncated"] is True and second["truncation"] == "finish_reason"
+    ray.kill(generator)
+    ray.kill(clock.handle)
+    ro.INSTRUMENTOR._ray_clock = None
+
+
+def _run_probe(args: list[str], env: dict) -> dict:
+    return _run_probe_command([sys.executable, *args], env)
+
+
+def _run_probe_command(command: list[str], env: dict) -> dict:
+    out = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=str(ROOT),
+                         env=env)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("PROBE ")]
+    assert lines, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+def _probe_env(**extra: str) -> dict:
+    """The probe's environment: its driver connects to this module's Ray instance (RAY_ADDRESS, as
+    with ``ray start`` / ``ray job submit``) as a new job, with its own runtime env."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLWATCH_")}
+    env.update(PYTHONPATH=_pythonpath(), RLWATCH_RUN="probe-run", RAY_ADDRESS=ray.get_runtime_context().gcs_address,
+               **extra)
+    return env
+
+
+def test_launcher_initialises_ray_with_the_hook_and_the_openrlhf_env(ray_session):
+    code = ("from rlwatch.integrations.openrlhf import launch; "
+            "launch(['launcher'], module='tests.openrlhf_probe')")
+    seen = _run_probe(["-c", code], _probe_env(NCCL_DEBUG="INFO"))
+    assert seen["instrumented"] and seen["wrapped"] and not seen["watch"] and not seen["openrlhf_imported_before"]
+    assert seen["run"] == "probe-run" and seen["nccl_debug"] == "INFO"        # OpenRLHF's own env kept
+
+
+def test_job_runtime_env_merges_with_openrlhfs_own_ray_init(ray_session):
+    """``ray job submit --runtime-env-json`` hands the driver the job's runtime env in
+    RAY_JOB_CONFIG_JSON_ENV_VAR; OpenRLHF's real ``train()`` calls ``ray.init(runtime_env={env_vars})``
+    and Ray merges the two (the job manager itself is not started here)."""
+    job = {"runtime_env": {"worker_process_setup_hook": ro.HOOK,
+                           "env_vars": {"RLWATCH_RUN": "job-run", "PYTHONPATH": _pythonpath()}}}
+    env = _probe_env(RAY_JOB_CONFIG_JSON_ENV_VAR=json.dumps(job))
+    env.pop("RLWATCH_RUN")
+    seen = _run_probe(["-m", "tests.openrlhf_probe", "job", "--actor.model_name_or_path", "x",
+                       "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
+                       "--algo.advantage.estimator", "reinforce"], env)
+    assert seen["instrumented"] and seen["wrapped"] and seen["run"] == "job-run"
+    assert seen["nccl_debug"] == "WARN"                                    # set by OpenRLHF's ray.init
+
+
+def test_zero_code_rlwatch_run_reaches_openrlhfs_workers(ray_session):
+    """``rlwatch run -- python -m openrlhf.cli.train_ppo_ray ...``: the bootstrap extends OpenRLHF's
+    own ``ray.init`` with rlwatch's worker setup, which sets this integration up in the workers."""
+    rlwatch_cli = Path(sys.executable).parent / "rlwatch"
+    seen = _run_probe_command([str(rlwatch_cli), "run", "--run", "zero-code", "--", sys.executable, "-m",
+                               "tests.openrlhf_probe", "job", "--actor.model_name_or_path", "x",
+                               "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
+                               "--algo.advantage.estimator", "reinforce"], _probe_env())
+    assert seen["instrumented"] and seen["wrapped"] and not seen["watch"] and seen["run"] == "zero-code"
+    assert seen["nccl_debug"] == "WARN"
+
+
+def test_setup_hook_is_cheap_and_imports_no_openrlhf():
+    code = ("import sys, time; import rlwatch.integrations.openrlhf as ro; t = time.perf_counter(); "
+            "ro.setup_hook(); print(time.perf_counter() - t, "
+            "any(m == 'openrlhf' or m.startswith('openrlhf.') for m in sys.modules), "
+            "'torch' in sys.modules, ro.INSTRUMENTOR.is_instrumented)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    seconds, imported, torch_loaded, instrumented = out.stdout.split()
+    assert (imported, torch_loaded, instrumented) == ("False", "False", "True"), out.stderr
+    assert float(seconds) < 0.5
+
+
+# --- life cycle ----------------------------------------------------------------------------------
+
+def _targets() -> dict:
+    from openrlhf.datasets import prompts_dataset
+    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer.ppo_utils import experience_maker, samples_generator
+
+    modules = {ro.EXPERIENCE_MAKER: experience_maker, ro.PPO_TRAINER: ppo_trainer,
+               ro.SAMPLES_GENERATOR: samples_generator, ro.PROMPTS_DATASET: prompts_dataset}
+    return {(name, cls, attr): vars(getattr(modules[name], cls))[attr]
+            for name, entries in ro.PATCHES.items() for cls, attr, _ in entries}
+
+
+def test_idempotent_and_uninstrument_restores_originals(caplog):
+    originals = _targets()
+    assert not any(hasattr(f, "__rlwatch_original__") for f in originals.values())
+    w = Watch(run="life", port=None, store=None, alerts=False)
+    try:
+        assert ro.instrument(watch=w)
+        wrapped = _targets()
+        assert all(wrapped[k].__rlwatch_original__ is originals[k] for k in originals)
+        with caplog.at_level(logging.WARNING, logger="rlwatch"):
+            assert not ro.instrument(watch=w)                        # second call: warns, nothing patched
+        assert sum("already instrumented" in r.getMessage() for r in caplog.records) == 1
+        assert _targets() == wrapped
+        ro.setup_hook()                                              # a no-op when already instrumented
+        assert _targets() == wrapped
+    finally:
+        ro.uninstrument()
+        w.close()
+    assert _targets() == originals
+    assert not any(isinstance(f, ro.PostImportFinder) for f in sys.meta_path)
+
+
+@pytest.mark.parametrize("version", ["0.10.4", "0.12.0", "1.0.0"])
+def test_other_openrlhf_versions_are_refused_with_one_warning(monkeypatch, caplog, version):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version if name == "openrlhf" else real(name))
+    originals = _targets()
+    with caplog.at_level(logging.WARNING, logger="rlwatch"):
+        assert not ro.instrument()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and version in warnings[0] and ">=0.11,<0.12" in warnings[0]
+    assert not ro.INSTRUMENTOR.is_instrumented and _targets() == originals
+
+
+def test_errors_are_counted_never_raised():
+    """A malformed Experience (trainer log-probs wider than the mask) reaching the wrapper: OpenRLHF
+    gets its result back untouched; rlwatch counts the error (default, non-strict Watch)."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    w = Watch(run="errors", port=None, store=None, alerts=False)
+    assert ro.instrument(watch=w)
+    try:
+        broken = Experience(action_mask=torch.ones(2, 3), action_log_probs=torch.zeros(2, 5), index=[0, 1])
+        make_experience_batch = ro.INSTRUMENTOR._wrap_make_experience_batch(lambda self, samples: [broken])
+        assert make_experience_batch(SimpleNamespace(args=minimal_args()), []) == [broken]
+        assert w.errors.total() >= 1
+    finally:
+        ro.uninstrument()
+        w.close()
+
+
+def test_watch_options_from_env():
+    is_flags = ["--algo.advantage.is_correction_enable"] if OLD_API else ["--algo.advantage.is_correction_level", "seq"]
+    args = minimal_args("--rollout.n_samples_per_prompt", "8", "--logger.wandb.run_name", "wb", *is_flags,
+                        "--algo.advantage.is_correction_threshold", "0.25", "4")
+    opts = ro.watch_options_from_env({"RLWATCH_PORT": "none", "RLWATCH_STORE": "off"}, args)
+    assert opts["run"] == "wb" and opts["port"] is None and opts["store"] is None
+    assert opts["group_size"] == 8 and opts["mis_band"] == (0.25, 4.0) and opts["framework"] == "openrlhf"
+    assert ro.watch_options_from_env({"RLWATCH_RUN": "env", "RLWATCH_GROUP_SIZE": "0"}, args)["run"] == "env"
+    assert "group_size" not in ro.watch_options_from_env({"RLWATCH_GROUP_SIZE": "0"}, args)
+    assert ro.checkpoint_dir(args, 4).endswith(os.path.join("_actor", "global_step4"))
+
+
+# --- OpenRLHF 0.11.0 ------------------------------------------------------------------------------
+
+def test_version_sensitive_tests_pass_on_openrlhf_0_11_0():
+    """The tests marked openrlhf_versions, again against OpenRLHF 0.11.0 (PolicyLoss returns four
+    values, ``is_correction_enable`` instead of ``is_correction_level``, no finish reason from the
+    multi-turn agent executor) in a subprocess, with the 0.11.0 source first on the path."""
+    if OLD_SOURCE:
+        pytest.skip("already running against the old source")
+    old = Path(sys.prefix) / "openrlhf-0.11.0"
+    if not (old / "openrlhf" / "__init__.py").exists():
+        if REQUIRE_FRAMEWORKS:
+            pytest.fail(f"{old} missing: run scripts/setup-openrlhf-venv.sh")
+        pytest.skip(f"{old} missing: run scripts/setup-openrlhf-venv.sh")
+    env = dict(os.environ, RLWATCH_OPENRLHF_SOURCE=str(old))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "openrlhf_versions",
+                          str(Path(__file__)), "-W", "ignore::DeprecationWarning"],
+                         capture_output=True, text=True, timeout=400, cwd=str(ROOT), env=env)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    summary = out.stdout.strip().splitlines()[-1]
+    assert "7 passed" in summary and "skipped" not in summary and "deselected" in summary, out.stdout[-2000:]
+
+
+@versions
+def test_running_against_the_expected_version():
+    import openrlhf
+
+    if OLD_SOURCE:
+        assert VERSION == "0.11.0" and openrlhf.__file__.startswith(OLD_SOURCE)
+    else:
+        assert VERSION is not None and VERSION.startswith("0.11.") and not OLD_API
+
+
+@versions
+def test_example_launch_line_parses_with_openrlhfs_own_parser(tmp_path):
+    """examples/openrlhf_launch.sh: its runtime env names the hook and its arguments pass OpenRLHF's
+    argument parser and checks (the run itself needs GPUs)."""
+    args_file = tmp_path / "args"
+    out = subprocess.run(["bash", str(ROOT / "examples" / "openrlhf_launch.sh")], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, RLWATCH_EXAMPLE_PRINT="1", RLWATCH_RUN="example",
+                                              RLWATCH_EXAMPLE_ARGS_FILE=str(args_file)))
+    assert out.returncode == 0, out.stderr
+    runtime_env = json.loads(out.stdout)
+    assert runtime_env["worker_process_setup_hook"] == ro.HOOK
+    assert runtime_env["env_vars"]["RLWATCH_RUN"] == "example"
+    argv = args_file.read_text().split("\0")[:-1]
+    if OLD_API:        # the one flag that 0.11.0 spells differently (as the example's comment says)
+        i = argv.index("--algo.advantage.is_correction_level")
+        argv[i:i + 2] = ["--algo.advantage.is_correction_enable"]
+    args = mini.parse_args(argv)
+    assert ro.is_correction_on(args) and args.rollout.n_samples_per_prompt == 8
+    assert ro.watch_options_from_env({}, args)["group_size"] == 8
+    assert ro.checkpoint_dir(args, 20).endswith("global_step20_hf")
