@@ -569,3 +569,25 @@ def test_example_launch_line_parses_with_openrlhfs_own_parser(tmp_path):
     assert ro.is_correction_on(args) and args.rollout.n_samples_per_prompt == 8
     assert ro.watch_options_from_env({}, args)["group_size"] == 8
     assert ro.checkpoint_dir(args, 20).endswith("global_step20_hf")
+
+
+def test_agent_extra_logs_reach_the_hack_detectors(ray_session, watch, tmp_path):
+    """Per-sample agent extra_logs travel with each episode to the reward-hack detectors; a
+    ``true_pass`` logged there is the independent checker's verdict."""
+    run = build(tmp_path, ARGV_IS)
+    status, (samples, experiences) = mini.run_step(run)
+    fields = ro.INSTRUMENTOR.last_fields
+    metas = [ro.sample_meta(s) for s in samples]
+    for e in experiences:
+        e.info["true_pass"] = torch.zeros(e.action_mask.shape[0])            # the checker rejects all
+    for m in metas:
+        if m is not None:
+            m["extra_logs"] = tuple(m.get("extra_logs", ())) + ("true_pass",)
+    episodes = ro.episodes_from_experiences(list(experiences), fields, metas)
+    assert len(episodes) == fields["mask"].shape[0]
+    assert all(ep["extra"]["true_pass"] is False and "hit" in ep["extra"] for ep in episodes)
+    assert all(len(ep["response_ids"]) == int(m.sum()) for ep, m in zip(episodes, fields["mask"]))
+    watch.hacks.flush()
+    watch.observe(99, mask=torch.ones(1, 1))
+    judged = watch.state.snapshot().counters["episodes_judged_total"]
+    assert any(det == "degenerate_output" for _, det in judged)

@@ -435,6 +435,46 @@ def fields_from_experiences(experiences: list[Any], metas: list[dict | None], ar
     return fields, extra
 
 
+def episodes_from_experiences(experiences: list[Any], fields: Mapping[str, Any], metas: list[dict | None]
+                              ) -> list[dict[str, Any]]:
+    """One episode per sample for the reward-hack detectors: response token ids, reward, environment,
+    truncation, and the agent's per-sample ``extra_logs`` (an independent checker's verdict logged
+    there as ``true_pass`` feeds the ``verifier_disagreement`` detector)."""
+    import torch
+
+    experiences = [e for e in experiences if getattr(e, "action_mask", None) is not None]
+    keys = sorted({k for m in metas if m is not None for k in m.get("extra_logs", ())})
+    per_key: dict[str, list[float | None]] = {}
+    for key in keys:
+        column: list[float | None] = []
+        for e in experiences:
+            v = e.info.get(key) if isinstance(getattr(e, "info", None), Mapping) else None
+            b = int(e.action_mask.shape[0])
+            column += (v.detach().reshape(-1).to("cpu").tolist() if isinstance(v, torch.Tensor) and v.numel() == b
+                       else [None] * b)
+        per_key[key] = column
+    ids: list[list[int] | None] = []
+    for e in experiences:
+        sequences, mask = getattr(e, "sequences", None), e.action_mask.bool()
+        if sequences is None:
+            ids += [None] * int(mask.shape[0])
+            continue
+        responses = sequences[:, -mask.shape[1]:].to("cpu")
+        ids += [row[m].tolist() for row, m in zip(responses, mask.to("cpu"))]
+    B = int(fields["mask"].shape[0])
+    rewards = fields["rewards"].tolist() if "rewards" in fields else [0.0] * B
+    env = fields.get("env") or ["default"] * B
+    truncated = fields["truncated"].tolist() if "truncated" in fields else [False] * B
+    out = []
+    for i in range(B):
+        extra = {k: (bool(v[i]) if k == "true_pass" else v[i]) for k, v in per_key.items() if v[i] is not None}
+        episode = {"env": env[i], "reward": rewards[i], "truncated": bool(truncated[i]), "extra": extra}
+        if ids[i] is not None:
+            episode["response_ids"] = ids[i]
+        out.append(episode)
+    return out
+
+
 def checkpoint_dir(args: Any, global_step: int) -> str | None:
     """The directory OpenRLHF writes the step's checkpoint to: ``{ckpt.path}/global_step{N}_hf``
     with ``--ckpt.save_hf`` (loadable by transformers), else the DeepSpeed
@@ -637,6 +677,8 @@ class OpenRLHFInstrumentor(Instrumentor):
         if not fields:
             return
         self.last_fields = fields
+        if getattr(self.watch, "hack_detection", False):
+            fields = {**fields, "episodes": episodes_from_experiences(list(experiences), fields, metas)}
         self.last_values = self.watch.observe(context.step, **fields)
         if extra:
             self.watch.log_scalars(context.step, extra)
