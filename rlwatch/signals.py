@@ -326,6 +326,7 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     slope = torch.where(var_s > 1e-9 * n64 * n64, (n64 * rs - s_sum * sum_r.double()) / var_s.clamp_min(1e-300),
                         torch.full_like(var_s, float("nan")))
     out.put("mismatch_log_ratio_slope", slope)
+    neg_s = torch.mul(s_valid, -_SCALE, out=em1)          # -log mu scaled, for the probability bands below
 
     # Sequence level: s_b = sum_t r, weight exp(s_b), over sequences with at least one valid token.
     seq_r = r.sum(-1).double()                                                # [B]
@@ -345,8 +346,6 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
 
     # Mean |r| by sampler probability: dot products with the 0/1 indicator of each probability band
     # (computed per band rather than as differences of cumulative sums, which lose float32 precision).
-    neg_s = torch.mul(sampler_logp, -_SCALE, out=em1).nan_to_num_(nan=0.0, posinf=math.inf,
-                                                                   neginf=-math.inf)
     below, previous, band = tmp, r, buf("band")            # r is no longer needed from here on
     bin_sums, bin_count = [], []
     for i, edge in enumerate((*PROB_BIN_EDGES, None)):
@@ -368,9 +367,10 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     # |r| quantiles from the bit-pattern histogram (bin 0 holds the zeros off the valid set).
     a32 = a if work == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).to(torch.float32)
     bins_out = em1.view(torch.int32) if work == torch.float32 else buf("bins", torch.int32)
-    bins = torch.bitwise_right_shift(a32.view(torch.int32), _ABS_SHIFT, out=bins_out)
-    bins.sub_(_ABS_FIRST - 1).clamp_(0, _ABS_NBINS - 1)
-    hist = bin_counts(bins, _ABS_NBINS)
+    bins = torch.bitwise_right_shift(a32.view(torch.int32), _ABS_SHIFT, out=bins_out)   # 0 .. 65535
+    every = bin_counts(bins, 1 << (31 - _ABS_SHIFT))
+    last = _ABS_FIRST + _ABS_NBINS - 2                     # below 2^-40 -> bin 0, from 2^24 -> top bin
+    hist = torch.cat([every[:_ABS_FIRST].sum().reshape(1), every[_ABS_FIRST:last], every[last:].sum().reshape(1)])
     hist[0] -= n_all - n.double()
     values, cum = _abs_bin_values(device, max_a), hist.cumsum(0)
     for q, name in ((0.5, "mismatch_abs_log_ratio_p50"), (0.99, "mismatch_abs_log_ratio_p99")):
@@ -380,7 +380,8 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
 # --- version lag ---------------------------------------------------------------------------------
 
 def lag_signals(out: Pending, version: torch.Tensor, trainer_version: int, mask: torch.Tensor,
-                config: SignalConfig, ws: Workspace | None = None) -> None:
+                config: SignalConfig, ws: Workspace | None = None,
+                tokens_per_seq: torch.Tensor | None = None) -> None:
     """Policy-version lag (staleness).
 
     version: [B, T] per-token versions, [B] per-sequence versions, or [B, 2] (first, last) versions
@@ -391,7 +392,7 @@ def lag_signals(out: Pending, version: torch.Tensor, trainer_version: int, mask:
     ws = ws or Workspace()
     B, T = mask.shape
     device = mask.device
-    tokens_per_seq = mask.sum(-1)                                             # [B]
+    tokens_per_seq = mask.sum(-1) if tokens_per_seq is None else tokens_per_seq   # [B]
     n_mask = tokens_per_seq.sum().double()
     size = _LAG_EXACT_MAX + 2                                                 # bin k holds lag k - 1
     if version.dim() == 2 and version.shape == mask.shape:
@@ -521,10 +522,11 @@ def group_signals(out: Pending, rewards: torch.Tensor, group_ids: torch.Tensor, 
     return episode_zero_var
 
 
-def length_signals(out: Pending, mask: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
+def length_signals(out: Pending, mask: torch.Tensor, truncated: torch.Tensor | None,
+                   lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Response lengths (tokens, from the mask) and the truncated fraction. mask [B, T] float.
     Returns the lengths [B]."""
-    lengths = mask.sum(-1).double()                                            # [B]
+    lengths = (mask.sum(-1) if lengths is None else lengths).double()         # [B]
     B = lengths.numel()
     out.put("response_length_mean", lengths.mean() if B else torch.tensor(float("nan")))
     out.put("response_length_max", lengths.amax() if B else torch.tensor(float("nan")))
@@ -627,13 +629,14 @@ def compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | Non
     mask = record.mask
     B = record.batch_size
     device = mask.device
-    tokens = mask.sum()
+    per_seq = mask.sum(-1)                                                     # [B] response lengths
+    tokens = per_seq.sum()
     out.put("tokens", tokens)
     out.put("tokens_total", tokens)
     if record.trainer_logp is not None and record.sampler_logp is not None:
         mismatch_signals(out, record.trainer_logp, record.sampler_logp, mask, config, ws, tokens)
     if record.version is not None and record.trainer_version is not None:
-        lag_signals(out, record.version, record.trainer_version, mask, config, ws)
+        lag_signals(out, record.version, record.trainer_version, mask, config, ws, per_seq)
     if record.failed is not None:
         ok = torch.tensor([f is None for f in record.failed], dtype=torch.bool).to(device, non_blocking=True)
     else:
@@ -643,7 +646,7 @@ def compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | Non
         reward_signals(out, record.rewards, ok)
         if record.group_ids is not None:
             episode_zero_var = group_signals(out, record.rewards, record.group_ids, ok, config)
-    lengths = length_signals(out, mask, record.truncated)
+    lengths = length_signals(out, mask, record.truncated, per_seq)
     if record.entropy is not None:
         entropy_signal(out, record.entropy, mask)
     if record.env_index is not None:
