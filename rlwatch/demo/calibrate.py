@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from .scenario import ENV_NAMES, SCENARIOS, StepInfo, collapse_step, run_scenario
 
-WINDOW = 5   # steps averaged for "start" / "end" values
+WINDOW = 5   # steps averaged for "final" held-out and start/end hacked shares
 
 
 def run_one(name: str, seed: int, threads: int = 1) -> dict:
@@ -51,7 +51,7 @@ def run_one(name: str, seed: int, threads: int = 1) -> dict:
     return {
         "name": name, "seed": seed, "seconds": result.seconds, "steps": len(result.history),
         "collapse": collapse_step(result.heldout),
-        "start": statistics.mean(values[:WINDOW]), "peak": max(values),
+        "start": values[0], "peak": max(values),
         "final": statistics.mean(values[-WINDOW:]),
         "mismatch": statistics.mean(abs_mismatch), "mismatch0": abs_mismatch[0], "signed0": signed0[0],
         "hacked_start": {e: statistics.mean(h[e] for h in hacked[:WINDOW]) for e in ENV_NAMES},
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(rows)
     print(f"\n{args.seeds} seeds per scenario, {args.workers} worker processes x 1 thread "
           f"(s/run is per run under that load); held-out = true pass rate on 128 fixed held-out prompts;\n"
-          f"start/final = mean of the first/last {WINDOW} evaluations; |dlogp| = mean over steps of "
+          f"start = held-out after the first update (step 0), final = mean of the last {WINDOW} evaluations; |dlogp| = mean over steps of "
           f"|trainer_logp - sampler_logp| on masked tokens (nats); dlogp@0 is signed, at step 0;\n"
           f"hacked = training reward 1 while the true checker fails (mean of the first/last {WINDOW} steps).\n")
     print_table(summary)

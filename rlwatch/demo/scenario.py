@@ -57,7 +57,7 @@ class ScenarioConfig:
     """
 
     seed: int = 0
-    steps: int = 80
+    steps: int = 100
     lag: int = 0
     correction: str = "none"
     tis_cap: float = 2.0
@@ -68,22 +68,24 @@ class ScenarioConfig:
     hack: bool = False
     # training
     trainer_temperature: float = 1.0
-    lr: float = 3e-3
+    lr: float = 6e-3
     adam_betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 5         # linear lr warm-up over the first RL steps (a fresh Adam's first steps are sign-like)
-    prompts_per_step: int = 16
+    prompts_per_step: int = 32
     group_size: int = 8
     epochs: int = 2
-    minibatches: int = 2
+    minibatches: int = 4
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0
-    partial_credit: bool = True   # training reward = share of positions right (else exact match only)
-    pretrain_steps: int = 100     # supervised warm start on correct answers before RL
+    partial_credit: bool = False  # training reward = share of positions right (else exact match only)
+    pretrain_steps: int = 150     # supervised warm start on correct answers before RL
     pretrain_lr: float = 3e-3
-    pretrain_noise: float = 0.0   # probability that a demonstration digit is replaced by a random digit
+    pretrain_noise: float = 0.2   # probability that a demonstration digit is replaced by a random digit
+    pretrain_extra: float = 0.6   # probability that a demonstration has one extra random digit before EOS
     # task and model
-    min_digits: int = 2
-    max_digits: int = 4
+    min_digits: int = 1
+    max_digits: int = 2
+    length_weights: tuple[float, ...] = (0.1, 0.9)   # relative frequency of lengths min_digits..max_digits (uniform if empty)
     max_response: int = 6
     embed_dim: int = 32
     hidden_dim: int = 64
@@ -166,18 +168,50 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 # --- tasks ------------------------------------------------------------------------------------
 
-def make_prompts(n_per_env: int, config: ScenarioConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Sample ``n_per_env`` digit strings per environment.
+_INV_MOD5 = torch.tensor([0, 1, 3, 2, 4])   # multiplicative inverses modulo 5
+
+
+def _apply_heldout_rule(digits: torch.Tensor, lengths: torch.Tensor, heldout: bool) -> torch.Tensor:
+    """Split strings of length >= 2 into training and held-out ones by the rule
+    ``sum_i (i + 1) * d_i = 0 (mod 5)`` (one in five strings is held out).
+
+    digits [N, K] (PAD beyond ``lengths``) -> digits [N, K] with the last digit changed where needed:
+    training strings that satisfy the rule get their last digit incremented (which changes the sum
+    by L != 0 mod 5); held-out strings get the last digit that satisfies it (keeping its parity
+    class, so all ten digits occur). Strings of length 1 (only ten exist) are left as they are.
+    """
+    k = digits.shape[1]
+    valid = torch.arange(k) < lengths[:, None]
+    d = torch.where(valid, digits, 0)
+    total = (d * torch.arange(1, k + 1)).sum(1)
+    last_idx = (lengths - 1)[:, None]
+    last = d.gather(1, last_idx).squeeze(1)
+    ruled = (lengths >= 2) & (lengths % 5 != 0)
+    if heldout:
+        rest = total - lengths * last
+        new_last = (_INV_MOD5[lengths % 5] * (-rest)) % 5 + 5 * (last % 2)
+    else:
+        new_last = torch.where(total % 5 == 0, (last + 1) % 10, last)
+    new_last = torch.where(ruled, new_last, last)
+    return digits.scatter(1, last_idx, new_last[:, None])
+
+
+def make_prompts(n_per_env: int, config: ScenarioConfig, gen: torch.Generator,
+                 heldout: bool = False) -> dict[str, torch.Tensor]:
+    """Sample ``n_per_env`` digit strings per environment (training or held-out strings, see
+    :func:`_apply_heldout_rule`).
 
     Returns ``prompts`` [N, P] (left-padded: PAD.., env token, digits, SEP), ``targets`` [N, K]
     (PAD beyond the answer), ``target_len`` [N] and ``env`` [N] (index into ``ENV_NAMES``), with
     N = 2 * n_per_env and environments alternating.
     """
     n, k = 2 * n_per_env, config.max_digits
-    lengths = torch.randint(config.min_digits, k + 1, (n,), generator=gen)
+    weights = torch.tensor(config.length_weights or [1.0] * (k + 1 - config.min_digits), dtype=torch.float)
+    lengths = config.min_digits + torch.multinomial(weights, n, replacement=True, generator=gen)
     pos = torch.arange(k)
     valid = pos < lengths[:, None]
     digits = torch.where(valid, torch.randint(0, DIGITS, (n, k), generator=gen), PAD)
+    digits = _apply_heldout_rule(digits, lengths, heldout)
     last = (lengths - 1)[:, None]
     env = torch.arange(n) % len(ENV_NAMES)
     # Prompt: right-aligned [env, digits..., SEP], left-padded to P = K + 2.
@@ -356,8 +390,11 @@ def pretrain(model: Policy, config: ScenarioConfig, gen: torch.Generator) -> Non
         noisy = torch.rand(task["targets"].shape, generator=gen) < config.pretrain_noise
         random_digits = torch.randint(0, DIGITS, task["targets"].shape, generator=gen)
         responses[:, :config.max_digits] = torch.where(noisy & (task["targets"] != PAD), random_digits, task["targets"])
-        responses.scatter_(1, task["target_len"][:, None], EOS)
-        mask = (torch.arange(config.max_response) <= task["target_len"][:, None]).float()
+        extra = torch.rand(n, generator=gen) < config.pretrain_extra
+        answer_len = task["target_len"] + extra.long()
+        responses.scatter_(1, task["target_len"][:, None], torch.randint(0, DIGITS, (n, 1), generator=gen))
+        responses.scatter_(1, answer_len[:, None], EOS)
+        mask = (torch.arange(config.max_response) <= answer_len[:, None]).float()
         logits = model.response_logits(task["prompts"], responses)
         loss = (F.cross_entropy(logits.transpose(1, 2), responses, reduction="none") * mask).sum() / mask.sum()
         optimizer.zero_grad()
@@ -435,7 +472,7 @@ def run_scenario(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | N
     behaviour, older = make_policy(config), make_policy(config)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, betas=config.adam_betas)
     gen = torch.Generator().manual_seed(config.seed)
-    heldout_set = make_prompts(config.heldout_prompts // 2, config, torch.Generator().manual_seed(12345))
+    heldout_set = make_prompts(config.heldout_prompts // 2, config, torch.Generator().manual_seed(12345), heldout=True)
     versions: dict[int, dict[str, torch.Tensor]] = {0: _snapshot(model)}
     sampler_temp = config.sampler_temperature or config.trainer_temperature
     result = ScenarioResult(config=config)
