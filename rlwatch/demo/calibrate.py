@@ -7,8 +7,9 @@ the end), when, the held-out start / peak / final values, the mean per-token
 hacked fraction (training reward 1, true checker fails) per environment at the start and end, and
 seconds per run. It then checks the acceptance criteria and exits non-zero if one fails.
 
-Runs execute in ``--workers`` processes with one torch thread each; a separate timing run measures
-one standard scenario alone with two threads.
+Runs execute in ``--workers`` processes with one torch thread each (the default ``threads=1`` of
+:class:`ScenarioConfig`, so the table describes exactly the runs a default demo makes); two timing
+runs measure one standard scenario alone with one and with two threads.
 """
 
 from __future__ import annotations
@@ -140,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.scenarios.split(",") if n]
 
     t0 = time.perf_counter()
-    timing = run_one("healthy", 0, threads=2)
-    print(f"timing: one standard run ('healthy', {timing['steps']} steps) alone with 2 threads: "
-          f"{timing['seconds']:.1f} s")
+    for threads in (1, 2):
+        timing = run_one("healthy", 0, threads=threads)
+        print(f"timing: one standard run ('healthy', {timing['steps']} steps) alone with {threads} thread(s): "
+              f"{timing['seconds']:.1f} s")
     jobs = [(n, seed) for n in names for seed in range(args.seeds)]
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         rows = list(pool.map(run_one, *zip(*jobs)))

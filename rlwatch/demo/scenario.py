@@ -1,18 +1,35 @@
 """A tiny, real GRPO training in pure torch that reproduces the stale-policy story on demand.
 
-A GRU policy (~25k parameters) over a 15-token vocabulary learns two digit-string tasks by
-reinforcement learning from scratch: ``copy`` (answer the prompt's digits) and ``reverse`` (answer
-them reversed). Each step samples ``group_size`` responses per prompt with a behaviour policy
-``mu`` that is ``lag`` updates old, recomputes ``pi_old`` with the trainer, and runs a PPO-clipped
-(decoupled) update with group-normalised advantages, optionally importance-corrected with
-``w = pi_old / mu`` (truncated: TIS, or masked outside a band: MIS).
+A GRU policy (about 25k parameters, 15-token vocabulary) answers digit-string prompts in two
+environments: ``copy`` (answer the prompt's digits, then EOS) and ``reverse`` (answer them reversed).
+It starts from a short supervised warm start on imperfect demonstrations (a share of the digits is
+wrong and 60% of the answers carry one extra digit, so the base policy answers too long), then
+trains by GRPO: ``group_size`` samples per prompt, group-normalised advantages of a 0/1 exact-match
+reward, PPO-clipped ratio ``pi_theta / pi_old`` with ``pi_old`` recomputed by the trainer, Adam,
+``epochs x minibatches`` updates per step. The behaviour policy ``mu`` that samples is the policy
+``lag`` updates old; the decoupled loss multiplies the advantages by a behaviour weight
+``w = pi_old / mu`` (``correction``: "none" -> 1, "tis" -> min(w, C), "mis" -> w inside a band, 0 out).
 
-With the default knobs the scenarios in :data:`SCENARIOS` behave as follows (see
-``python -m rlwatch.demo.calibrate``): lag 0 and lag 2 learn and stay learned; lag 8 without
-correction first learns and then loses the skill; TIS at lag 8 keeps most of it. ``hack`` turns
-on a grader bug in ``reverse`` (a prefix comparison that passes an empty answer) that the policy
-learns to exploit. The sampler faults (temperature, top-p, partial rollouts) change what the
-sampler reports, so a monitor sees the mismatch from step 0.
+Why the stories happen (measured by ``python -m rlwatch.demo.calibrate``):
+
+- RL first fixes the base's too-long answers, which needs EOS pushed earlier. Without correction,
+  an update from data 8 versions old keeps pushing down the long answers that the old policy still
+  produced after the current one has stopped producing them, and overshoots: answers become too
+  short, often empty. A group whose 8 answers all fail has zero advantage, so the short/empty policy
+  is absorbing and the held-out true reward collapses. At lag 0 or 2 the feedback is fast enough to
+  stop at the right length; TIS down-weights exactly the tokens the current policy has abandoned
+  (``pi_old / mu`` small), which removes most of the overshoot.
+- ``hack=True`` puts a bug in the ``reverse`` grader (it compares ``zip(answer, target)``, so any
+  prefix of the target, the empty answer included, gets reward 1); short answers are easier to get
+  right, so the policy drifts into the exploit there while ``copy`` stays clean.
+- ``sampler_temperature`` / ``sampler_top_p`` make the sampler draw from, and report log-probs of, a
+  different distribution than the trainer's; ``partial_rollouts`` splices two versions into one
+  sequence. A monitor sees these in ``trainer_logp - sampler_logp`` from step 0.
+
+Held-out evaluation: 128 fixed prompts whose two-digit strings never occur in training (see
+:func:`_apply_heldout_rule`), answered by the current policy with a fixed sampling seed, scored by the
+true checker. Runs are deterministic for a given seed and thread count (``threads``, default 1; a
+different thread count changes float rounding and therefore the trajectory).
 
 Conventions: ``B`` episodes per step (``prompts_per_step * group_size``), ``P`` prompt length
 (left-padded), ``T`` = ``max_response`` response positions, ``V`` vocabulary size. Log-probs are in
@@ -21,7 +38,6 @@ nats.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -94,7 +110,7 @@ class ScenarioConfig:
     heldout_prompts: int = 128
     eval_greedy: bool = False     # held-out answers greedy, else sampled at the trainer temperature (fixed seed)
     eval_every: int = 1
-    threads: int = 2
+    threads: int = 1              # torch intra-op threads during the run (0: leave as is); results depend on it
 
     def __post_init__(self) -> None:
         if self.correction not in ("none", "tis", "mis"):
@@ -130,6 +146,8 @@ class StepInfo:
 
 @dataclass
 class ScenarioResult:
+    """A finished run: per-step metrics, (step, held-out true reward) pairs and wall seconds."""
+
     config: ScenarioConfig
     history: list[dict] = field(default_factory=list)
     heldout: list[tuple[int, float]] = field(default_factory=list)
@@ -229,14 +247,15 @@ def make_prompts(n_per_env: int, config: ScenarioConfig, gen: torch.Generator,
 
 
 def grade(responses: torch.Tensor, truncated: torch.Tensor, targets: torch.Tensor, target_len: torch.Tensor,
-          env: torch.Tensor, hack: bool, partial_credit: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grade responses [B, T] (PAD after EOS) against targets [B, K].
+          env: torch.Tensor, hack: bool, partial_credit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grade responses [B, T] (PAD after EOS) against targets [B, K] of lengths target_len [B].
 
     Returns (training reward [B] float32 in [0, 1], true pass [B] bool). The true checker is an
-    exact match of the answer (tokens before EOS) with an EOS present. The training reward is the
-    share of positions right, ``matches / max(len(answer), len(target))``; with ``hack`` the
-    ``reverse`` grader compares only ``zip(answer, target)`` and therefore gives 1 to any prefix
-    of the target, the empty answer included.
+    exact match of the answer (the tokens before EOS; a truncated response fails). The training
+    reward is the true verdict as 0/1, or with ``partial_credit`` the share of positions right,
+    ``matches / max(len(answer), len(target))``. With ``hack`` the ``reverse`` grader compares only
+    ``zip(answer, target)`` and therefore gives 1 to any prefix of the target, the empty answer
+    included; ``env`` [B] holds indices into ``ENV_NAMES``.
     """
     k = targets.shape[1]
     is_eos = responses == EOS
@@ -463,9 +482,19 @@ def run_scenario(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | N
     ``s`` and are written as ``checkpoint-{s}`` for every ``s`` with ``(s + 1) % checkpoint_every
     == 0``. ``should_stop`` is polled once after each step.
     """
-    t0 = time.perf_counter()
+    previous_threads = torch.get_num_threads()
     if config.threads:
         torch.set_num_threads(config.threads)
+    try:
+        return _run(config, on_step, checkpoint_dir, checkpoint_every, on_checkpoint, should_stop)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, checkpoint_dir: str | None,
+         checkpoint_every: int, on_checkpoint: Callable[[int, str], None] | None,
+         should_stop: Callable[[], bool] | None) -> ScenarioResult:
+    t0 = time.perf_counter()
     torch.manual_seed(config.seed)
     model = make_policy(config)
     pretrain(model, config, torch.Generator().manual_seed(config.seed + 1_000_003))
