@@ -3,3 +3,10 @@
 from .scenario import SCENARIOS, ScenarioConfig, ScenarioResult, StepInfo, collapse_step, run_scenario
 
 __all__ = ["SCENARIOS", "ScenarioConfig", "ScenarioResult", "StepInfo", "collapse_step", "run_scenario"]
+
+
+#: How the demo and the acceptance suite configure rlwatch for the scenario engine. The toy policy
+#: moves far more per update than a large model trained at a small learning rate (its k3 between
+#: consecutive versions is ~0.1-1 nats where an LLM's is ~1e-3), so the KL bound is scaled up to
+#: match; the staleness bound is the reference text's recommendation (eta in {1, 2}).
+WATCH_CONFIG = {"staleness_bound": 2, "alert_overrides": {"kl_k3_max": 1.0, "kl_jump_floor": 1.0}}

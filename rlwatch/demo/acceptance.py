@@ -54,13 +54,14 @@ def run_one(scenario: str, seed: int, steps: int | None = None) -> Outcome:
     import torch
 
     from .. import Watch
+    from . import WATCH_CONFIG
     from .scenario import SCENARIOS, collapse_step, run_scenario
 
     torch.set_num_threads(1)
     config = replace(SCENARIOS[scenario], seed=seed, threads=1, **({"steps": steps} if steps else {}))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
-        watch = Watch(run=f"{scenario}-{seed}", port=None, store=f"{directory}/run.db", staleness_bound=4)
+        watch = Watch(run=f"{scenario}-{seed}", port=None, store=f"{directory}/run.db", **WATCH_CONFIG)
 
         def on_step(info) -> None:
             extra = {"episodes": info.episodes} if scenario == "hack" else {}
@@ -70,7 +71,7 @@ def run_one(scenario: str, seed: int, steps: int | None = None) -> Outcome:
         result = run_scenario(config, on_step=on_step)
         if watch.hacks is not None:
             watch.hacks.flush()
-            watch.observe(config.steps, mask=torch.zeros(1, 1))     # carries the last verdicts
+            watch.observe(config.steps, mask=torch.ones(1, 1))      # carries the last verdicts
         events = list(watch.evaluator.events) if watch.evaluator else []
         watch.close()
     collapse = collapse_step(result.heldout)

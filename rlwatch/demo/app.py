@@ -113,6 +113,7 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
     """Run one scenario with rlwatch attached; returns the post-mortem document."""
     from .. import Watch
     from ..postmortem import run_postmortem
+    from . import WATCH_CONFIG
     from .scenario import SCENARIOS, collapse_step, run_scenario
 
     if scenario not in SCENARIOS:
@@ -123,8 +124,8 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
     directory.mkdir(parents=True, exist_ok=True)
     run = f"demo-{scenario}"
     stack = None
-    watch = Watch(run=run, port=port, port_fallback=True, store=str(directory / "run.db"), staleness_bound=4,
-                  framework="rlwatch-demo", metadata={"scenario": scenario, "config": config.__dict__})
+    watch = Watch(run=run, port=port, port_fallback=True, store=str(directory / "run.db"), framework="rlwatch-demo",
+                  metadata={"scenario": scenario, "config": config.__dict__}, **WATCH_CONFIG)
     if with_prometheus and watch.port:
         stack = _prometheus_stack(directory / "stack", f"127.0.0.1:{watch.port}")
         print(f"Prometheus {stack[1]['prometheus']['url']}  Alertmanager {stack[1]['alertmanager']['url']}")

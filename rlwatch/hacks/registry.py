@@ -46,8 +46,10 @@ class Episode:
             extra = dict(data.pop("extra", {}) or {})
             extra.update({k: data.pop(k) for k in list(data) if k not in known})
             ep = cls(**data, extra=extra)
-            if ep.response_ids is None and isinstance(data.get("response"), list):
-                ep.response_ids, ep.response = data["response"], None
+            for text, ids in (("response", "response_ids"), ("prompt", "prompt_ids")):
+                if getattr(ep, ids) is None and isinstance(getattr(ep, text), (list, tuple)):
+                    setattr(ep, ids, list(getattr(ep, text)))      # token ids passed as the text field
+                    setattr(ep, text, None)
         if step is not None and ep.step is None:
             ep.step = step
         if index is not None and ep.index is None:
