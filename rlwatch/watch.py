@@ -268,8 +268,6 @@ class Watch:
                                                                                      self._workspace))
             if record is None:
                 return None
-            if episodes is not None:
-                self._stage("hacks", "submit", lambda: self._submit_episodes(record, episodes))
             with _few_threads_for(record.mask):
                 values = self._stage("compute", "exception", lambda: compute_step(record, self.config,
                                                                                   self._workspace))
@@ -277,6 +275,8 @@ class Watch:
                 return None
             elapsed = time.perf_counter() - started
             self._after_compute(record.step, values, elapsed)
+            if episodes is not None:       # after the signals: the detectors run during the trainer's step
+                self._stage("hacks", "submit", lambda: self._submit_episodes(record, episodes))
             return values
 
     def _stage(self, stage: str, kind: str, func: Callable[[], Any]) -> Any:

@@ -169,3 +169,37 @@ def test_trl_audited_reward_feeds_the_builtin_detectors(tmp_path):
     assert hacked[("code", "verifier_disagreement")] > 0
     assert hacked[("math", "verifier_disagreement")] == 0 and judged[("math", "verifier_disagreement")] > 0
     assert ("code", "degenerate_output") in judged
+
+
+def test_detector_process_never_reruns_the_script_and_never_holds_up_exit(tmp_path):
+    """The detector process is a plain child interpreter: a training script without a __main__ guard
+    is not run twice, and a process that exits without closing the Watch is not held up."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    marker = tmp_path / "runs.txt"
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import rlwatch, torch
+        open({str(marker)!r}, "a").write("run\\n")          # no __main__ guard, on purpose
+        w = rlwatch.Watch(run="exit", port=None, store=None)
+        w.observe(0, mask=torch.ones(2, 2), episodes=[{{"reward": 1.0, "response": ""}}] * 2)
+        w.hacks.flush(20)
+        print(w.hacks.mode, w.hacks._process.pid, flush=True)
+        # no w.close(): the interpreter exits with the worker running
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    mode, pid = result.stdout.split()
+    assert mode == "process" and marker.read_text() == "run\n"
+    for _ in range(100):                                   # the child sees EOF and exits on its own
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            break
+        import time
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the detector process outlived its parent")

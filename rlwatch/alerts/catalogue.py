@@ -234,27 +234,32 @@ def _counter_ratio(num: str, den: str, last: int, param: str, den_labels: Callab
     return condition
 
 
-def _ratio_series(h: History, num: str, den: str, last: int, skip: int, key: tuple,
-                  den_key: tuple) -> float | None:
-    """The counter ratio over ``last`` steps ending ``skip`` steps ago (None without data)."""
-    end = len(h.steps) - skip
-    steps = h.steps[max(0, end - last):max(0, end)]
-    n = sum((values.get(num, {}).get(key) or 0.0) for _, values in steps)
-    d = sum((values.get(den, {}).get(den_key) or 0.0) for _, values in steps)
-    return n / d if d else None
+def _running_totals(h: History, name: str, key: tuple) -> list[float]:
+    """Running totals of a counter's per-step increments over the history (0 before the first step)."""
+    out, total = [0.0], 0.0
+    for _, values in h.steps:
+        total += values.get(name, {}).get(key) or 0.0
+        out.append(total)
+    return out
 
 
 def _hack_rising(h: History) -> Firing:
     out = []
+    n = len(h.steps)
     for labels in {k for _, values in h.steps[-10:] for k in values.get("episodes_hacked_total", {})}:
         env, detector = labels
-        now = _ratio_series(h, "episodes_hacked_total", "episodes_judged_total", 10, 0, labels, labels)
+        hacked = _running_totals(h, "episodes_hacked_total", labels)
+        judged = _running_totals(h, "episodes_judged_total", labels)
+
+        def ratio(end: int) -> float | None:      # the 10-step rate ratio ending at history index end
+            d = judged[end] - judged[max(0, end - 10)]
+            return (hacked[end] - hacked[max(0, end - 10)]) / d if d else None
+
+        now = ratio(n)
         if now is None or now <= h.p("hack_ratio_max"):
             continue
         # Trailing level: the 10-step ratio as recorded at each minute of [1h] offset 10m.
-        past = [r for skip in range(10, 71) if len(h.steps) - skip >= 10
-                and (r := _ratio_series(h, "episodes_hacked_total", "episodes_judged_total", 10, skip, labels, labels))
-                is not None]
+        past = [r for skip in range(10, 71) if n - skip >= 10 and (r := ratio(n - skip)) is not None]
         if past and now <= h.p("hack_jump_factor") * (sum(past) / len(past)):
             continue
         out.append(({"env": env, "detector": detector}, now))

@@ -1,9 +1,16 @@
 """Run hack detectors off the training thread and feed their verdicts to the step values.
 
 ``HackMonitor.submit(step, episodes)`` only enqueues (bounded; a full queue drops the batch and
-counts it). A worker thread runs every applicable detector on every episode (or on a
-deterministic sample for expensive ones) with a per-call timeout; a detector that raises or times
-out is counted as its own error kind and its verdict is unknown, never "not hacked".
+counts it). A worker runs every applicable detector on every episode (or on a deterministic
+sample for expensive ones); a detector that raises, or takes longer than its ``timeout`` on an
+episode, is counted as its own error kind and its verdict is unknown, never "not hacked".
+
+The worker is a separate process (``rlwatch.hacks.worker``) when every detector and every
+checker named with ``use_checker`` lives in an importable module, as the built-ins do: detectors
+are Python code, and in a thread they would compete with the training loop for the GIL. With a
+lambda, a closure or a function of the training script itself among them, a thread does the
+work instead. A detector that hangs holds up its worker; the queue then fills and later batches
+are dropped and counted, the trainer never waits, and nothing waits for the worker at exit.
 ``collect()`` hands the verdicts finished since the last call to the Watch, which exports them
 with the next step: ``episodes_judged_total`` / ``episodes_hacked_total`` per environment and
 detector and ``env_hack_ratio`` over the judged episodes. A few flagged episodes are kept (text
@@ -16,14 +23,17 @@ environment's own trailing baseline.
 
 from __future__ import annotations
 
-import concurrent.futures
+import os
+import pickle
 import queue
+import subprocess
+import sys
 import threading
+import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .._queues import wait_drained
 from ..errors import HookErrors
 from .registry import Detector, Episode, as_verdict, resolve
 
@@ -57,72 +67,181 @@ def sampled(detector: Detector, ep: Episode) -> bool:
     return (zlib.crc32(key) / 2**32) < detector.sample_rate
 
 
+@dataclass
+class BatchResult:
+    """What the detectors found in one step's episodes."""
+
+    judged: dict[tuple[str, str], float] = field(default_factory=dict)
+    hacked: dict[tuple[str, str], float] = field(default_factory=dict)
+    errors: list[tuple[str, str]] = field(default_factory=list)       # (kind, message)
+    examples: list[Example] = field(default_factory=list)
+
+
+def judge_batch(detectors: list[Detector], step: int, raw: list[Any], env: list[str] | None,
+                max_examples: int = 20, cooperative: bool = False) -> BatchResult:
+    """Run every applicable detector on one step's episodes. ``cooperative`` yields the GIL after
+    each call (the thread worker shares it with the training loop)."""
+    result = BatchResult()
+    try:
+        batch = [Episode.coerce(ep, step=step, index=i, env=env[i] if env and i < len(env) else None)
+                 for i, ep in enumerate(raw)]
+    except Exception as exc:  # noqa: BLE001
+        result.errors.append(("episodes", f"cannot read episodes: {exc}"))
+        return result
+    for det in detectors:
+        for ep in batch:
+            if not (det.applies_to(ep.env) and sampled(det, ep)):
+                continue
+            start = time.perf_counter()
+            try:
+                verdict = as_verdict(det.fn(ep))
+            except Exception as exc:  # noqa: BLE001 - a detector's bug is its own error kind, not "honest"
+                result.errors.append(("detector_error", f"{det.name}: {type(exc).__name__}: {exc}"))
+                continue
+            finally:
+                if cooperative:
+                    time.sleep(0)
+            if time.perf_counter() - start > det.timeout:
+                result.errors.append(("detector_timeout", f"{det.name} took over its {det.timeout}s budget on "
+                                                          "an episode; verdict discarded"))
+                continue
+            if verdict is None:
+                continue
+            key = (ep.env, det.name)
+            result.judged[key] = result.judged.get(key, 0.0) + 1
+            if verdict.hacked:
+                result.hacked[key] = result.hacked.get(key, 0.0) + 1
+                if len(result.examples) < max_examples:
+                    result.examples.append(Example(ep.step, ep.env, det.name, verdict.reason, _text(ep, "prompt"),
+                                                   _text(ep, "response"), ep.reward))
+    return result
+
+
+def _importable(functions: Iterable[Any]) -> bool:
+    """Whether another interpreter can load these functions by reference (no lambdas, closures, or
+    functions of the training script's own ``__main__``)."""
+    for fn in functions:
+        module = getattr(fn, "__module__", None)
+        if module in (None, "__main__", "__mp_main__") or "<" in getattr(fn, "__qualname__", "<"):
+            return False
+        try:
+            pickle.dumps(fn)
+        except Exception:  # noqa: BLE001
+            return False
+    return True
+
+
 class HackMonitor:
-    """Background hack detection for one run."""
+    """Background hack detection for one run (in a child process when it can, else a thread)."""
 
     def __init__(self, detectors: Iterable[Detector | str] | None = None, errors: HookErrors | None = None,
-                 max_queue: int = 64, max_examples: int = 20, threads: int = 2) -> None:
+                 max_queue: int = 64, max_examples: int = 20, mode: str = "auto") -> None:
+        from .builtin import _CHECKERS
+
         self.detectors = resolve(detectors)
         self.errors = errors or HookErrors()
         self.dropped_batches = 0
         self.examples: list[Example] = []
         self.max_examples = max_examples
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
         self._judged: dict[tuple[str, str], float] = {}
         self._hacked: dict[tuple[str, str], float] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rlwatch-hack")
-        self._thread = threading.Thread(target=self._run, name="rlwatch-hacks", daemon=True)
+        self._submitted = self._done = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        checkers = dict(_CHECKERS)
+        if mode == "auto":
+            mode = "process" if _importable([d.fn for d in self.detectors] + list(checkers.values())) else "thread"
+        self.mode = mode
+        self._process: subprocess.Popen | None = None
+        if mode == "process":
+            try:
+                self._start_process(checkers)
+            except Exception as exc:  # noqa: BLE001 - no child process: judge in a thread instead
+                self.errors.report("hacks", "worker_start", f"detector process did not start ({exc}); using a "
+                                   "thread", raise_in_strict=False)
+                self.mode = "thread"
+        target = self._feed_process if self.mode == "process" else self._run
+        self._thread = threading.Thread(target=target, name="rlwatch-hacks", daemon=True)
         self._thread.start()
 
+    # --- the child process ------------------------------------------------------------------------
+
+    def _start_process(self, checkers: dict) -> None:
+        from .worker import write_message
+
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self._process = subprocess.Popen([sys.executable, "-m", "rlwatch.hacks.worker"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, env=env, start_new_session=True)
+        write_message(self._process.stdin, (self.detectors, checkers, self.max_examples))
+        self._reader = threading.Thread(target=self._read_process, name="rlwatch-hacks-read", daemon=True)
+        self._reader.start()
+
+    def _feed_process(self) -> None:
+        """Send queued batches to the child (pickling happens here, off the training thread)."""
+        from .worker import write_message
+
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    self._process.stdin.close()
+                    return
+                write_message(self._process.stdin, item)
+            except (OSError, ValueError) as exc:       # the child died: count what it will never judge
+                self.errors.report("hacks", "worker_died", f"detector process stopped: {exc}",
+                                   raise_in_strict=False)
+                with self._lock:
+                    self._done += 1
+            finally:
+                self._queue.task_done()
+
+    def _read_process(self) -> None:
+        from .worker import read_message
+
+        while True:
+            try:
+                result = read_message(self._process.stdout)
+            except (EOFError, OSError, ValueError):
+                return
+            self._merge(result)
+
+    # --- the thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._merge(judge_batch(self.detectors, *item, max_examples=self.max_examples, cooperative=True))
+            finally:
+                self._queue.task_done()
+
+    # --- both -------------------------------------------------------------------------------------
+
     def submit(self, step: int, episodes: Iterable[Any], env: list[str] | None = None) -> None:
+        """Queue one step's episodes (dicts or Episode); nothing is judged on this thread."""
+        item = (step, list(episodes), list(env) if env is not None else None)
         try:
-            batch = [Episode.coerce(ep, step=step, index=i, env=env[i] if env and i < len(env) else None)
-                     for i, ep in enumerate(episodes)]
-        except Exception as exc:  # noqa: BLE001
-            self.errors.report("validate", "episodes", f"cannot read episodes: {exc}", field="episodes")
-            return
-        try:
-            self._queue.put_nowait(batch)
+            self._queue.put_nowait(item)
+            with self._lock:
+                self._submitted += 1
         except queue.Full:
             self.dropped_batches += 1
             self.errors.report("hacks", "queue_full", "hack-detector queue full; a batch was not judged",
                                raise_in_strict=False)
 
-    def _judge(self, detector: Detector, ep: Episode) -> None:
-        future = self._pool.submit(detector.fn, ep)
-        try:
-            verdict = as_verdict(future.result(timeout=detector.timeout))
-        except concurrent.futures.TimeoutError:
-            self.errors.report("hacks", "detector_timeout", f"{detector.name} took over {detector.timeout}s",
-                               raise_in_strict=False)
-            return
-        except Exception as exc:  # noqa: BLE001 - a detector's bug is its own error kind, not "honest"
-            self.errors.report("hacks", "detector_error", f"{detector.name}: {type(exc).__name__}: {exc}",
-                               raise_in_strict=False)
-            return
-        if verdict is None:
-            return
-        key = (ep.env, detector.name)
+    def _merge(self, result: BatchResult) -> None:
+        for kind, message in result.errors:
+            self.errors.report("hacks" if kind != "episodes" else "validate", kind, message, raise_in_strict=False)
         with self._lock:
-            self._judged[key] = self._judged.get(key, 0.0) + 1
-            if verdict.hacked:
-                self._hacked[key] = self._hacked.get(key, 0.0) + 1
-                if len(self.examples) < self.max_examples:
-                    self.examples.append(Example(ep.step, ep.env, detector.name, verdict.reason,
-                                                 _text(ep, "prompt"), _text(ep, "response"), ep.reward))
-
-    def _run(self) -> None:
-        while True:
-            batch = self._queue.get()
-            if batch is None:
-                self._queue.task_done()
-                return
-            for ep in batch:
-                for det in self.detectors:
-                    if det.applies_to(ep.env) and sampled(det, ep):
-                        self._judge(det, ep)
-            self._queue.task_done()
+            for key, n in result.judged.items():
+                self._judged[key] = self._judged.get(key, 0.0) + n
+            for key, n in result.hacked.items():
+                self._hacked[key] = self._hacked.get(key, 0.0) + n
+            room = self.max_examples - len(self.examples)
+            self.examples.extend(result.examples[:max(0, room)])
+            self._done += 1
 
     def collect(self) -> dict[str, dict[tuple[str, ...], float]] | None:
         """Verdicts finished since the last call, as step values (None when there are none)."""
@@ -143,11 +262,27 @@ class HackMonitor:
         return out
 
     def flush(self, timeout: float = 30.0) -> bool:
-        return wait_drained(self._queue, timeout, self._thread.is_alive)
+        """Wait until every submitted batch was judged (False on timeout or a dead worker)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._done >= self._submitted:
+                    return True
+            alive = self._thread.is_alive() and (self._process is None or self._process.poll() is None)
+            if time.monotonic() > deadline or not alive:
+                return False
+            time.sleep(0.005)
 
-    def close(self) -> None:
-        self.flush()
-        self._queue.put(None)
+    def close(self, timeout: float = 10.0) -> None:
+        self.flush(timeout)
+        try:
+            self._queue.put(None, timeout=1)
+        except queue.Full:
+            pass
         self._thread.join(timeout=5)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout=5)
