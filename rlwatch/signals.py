@@ -256,12 +256,19 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     def buf(name: str, dtype: torch.dtype = work) -> torch.Tensor:
         return ws.get(name, shape, dtype, device)
 
-    r = buf("r")
+    # r and (later) the masked sampler log-probs side by side: one matrix-vector product gives the
+    # slope's two dot products.
+    r_and_s = ws.get("r_s", (2, *shape), work, device)
+    r = r_and_s[0]
     if trainer_logp.dtype == work and sampler_logp.dtype == work:
         torch.sub(trainer_logp, sampler_logp, out=r)                         # [B, T]
     else:
         r.copy_(trainer_logp).sub_(sampler_logp.to(work))
-    valid = torch.sub(r, r, out=buf("valid")).nan_to_num_(nan=1.0).mul_(mask)   # 1 on masked non-finite
+    # |r| and the valid mask side by side in one buffer: the probability bands below read both with
+    # one matrix-vector product per band.
+    pair = ws.get("a_valid", (2, *shape), work, device)
+    a_buf, valid = pair[0], pair[1]
+    torch.sub(r, r, out=valid).nan_to_num_(nan=1.0).mul_(mask)               # 1 on masked non-finite
     nonfinite = valid.sum()
     torch.sub(mask, valid, out=valid)                                         # masked and finite: 0/1
     r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(mask)                # 0 off the valid set
@@ -277,7 +284,7 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     out.put("mismatch_log_ratio_mean", _safe_div(sum_r, n))
     out.put("mismatch_kl_k1", _safe_div(-sum_r, n))
     out.put("mismatch_kl_k2", _safe_div(0.5 * _dot(r, r), n))
-    a = torch.abs(r, out=buf("a"))
+    a = torch.abs(r, out=a_buf)
     max_a = a.amax() if n_all else torch.zeros((), dtype=work, device=device)
     sum_a = a.sum()
     out.put("mismatch_abs_log_ratio_mean", _safe_div(sum_a, n))
@@ -320,8 +327,9 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     out.put("is_mis_masked_tokens_total", mis)
 
     # Slope of r against log mu over valid tokens (a temperature mismatch makes r linear in log mu).
-    s_valid = torch.mul(sampler_logp, valid, out=tmp).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    s_sum, s_sq, rs = s_valid.sum().double(), _dot(s_valid, s_valid).double(), _dot(s_valid, r).double()
+    s_valid = torch.mul(sampler_logp, valid, out=r_and_s[1]).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    rs, s_sq = torch.mv(r_and_s.view(2, -1), s_valid.reshape(-1)).double()
+    s_sum = s_valid.sum().double()
     var_s = n64 * s_sq - s_sum * s_sum
     slope = torch.where(var_s > 1e-9 * n64 * n64, (n64 * rs - s_sum * sum_r.double()) / var_s.clamp_min(1e-300),
                         torch.full_like(var_s, float("nan")))
@@ -346,7 +354,7 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
 
     # Mean |r| by sampler probability: dot products with the 0/1 indicator of each probability band
     # (computed per band rather than as differences of cumulative sums, which lose float32 precision).
-    below, previous, band = tmp, r, buf("band")            # r is no longer needed from here on
+    below, previous, band = tmp, r, r_and_s[1]             # r and s_valid are no longer needed
     bin_sums, bin_count = [], []
     for i, edge in enumerate((*PROB_BIN_EDGES, None)):
         if edge is not None:
@@ -354,8 +362,9 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
             indicator = below if i == 0 else torch.sub(below, previous, out=band)
         else:
             indicator = previous.neg_().add_(1.0)                              # [log mu >= last edge]
-        bin_sums.append(_dot(indicator, a))
-        bin_count.append(_dot(indicator, valid))
+        sum_and_count = torch.mv(pair.view(2, -1), indicator.reshape(-1))    # [sum of |r|, tokens]
+        bin_sums.append(sum_and_count[0])
+        bin_count.append(sum_and_count[1])
         below, previous = previous, below
     bin_sums = torch.stack(bin_sums).double()
     bin_count = torch.stack(bin_count).double()
