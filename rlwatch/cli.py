@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="run name (stores with several runs, or --prometheus)")
     p.add_argument("--out", help="write postmortem.md, postmortem.json and PNG plots here")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the report")
-    p.add_argument("--probe", help="rollouts file (safetensors) to probe every checkpoint with")
+    p.add_argument("--probe", nargs="?", const="auto", metavar="ROLLOUTS",
+                   help="score every checkpoint on stored rollouts (safetensors); alone, the "
+                        "rlwatch-probe-rollouts.safetensors the TRL integration keeps in the output directory")
     p.set_defaults(func=_cmd_postmortem)
 
     p = sub.add_parser("down", help="stop what `rlwatch up` started")

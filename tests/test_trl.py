@@ -460,3 +460,44 @@ def test_pure_helpers():
     assert not rltrl.whole_groups(trainer(2, 1, 1))       # groups span processes
     padded = rltrl._cat_tokens([torch.ones(2, 3), torch.ones(1, 5)], 5)
     assert padded.shape == (3, 5) and padded[:2, 3:].eq(0).all() and padded[2].eq(1).all()
+
+
+def test_postmortem_and_probe_on_a_trl_output_directory(model_path, tmp_path):
+    """`rlwatch postmortem OUT --probe` on what a real TRL run left: the store the one-line hook
+    wrote next to the checkpoints, TRL's log history, the checkpoint directories, and the fixed
+    rollouts the hook kept; every checkpoint is scored on them (safetensors, nothing unpickled)."""
+    import json
+    import subprocess
+    import sys
+
+    from rlwatch.postmortem.probe import ROLLOUTS_FILE, load_rollouts
+
+    out = tmp_path / "out"
+    trainer = make_trainer(model_path, out, max_steps=3, save_strategy="steps", save_steps=1, learning_rate=5e-2)
+    watch = rltrl.watch(trainer, port=None)
+    trainer.train()
+    rltrl.unwatch(trainer)
+    assert watch.errors.total() == 0, watch.errors.snapshot()
+    rollouts = load_rollouts(out / ROLLOUTS_FILE)
+    assert rollouts["input_ids"].shape[0] == 8 and int(rollouts["response_mask"].sum()) > 0
+    assert torch.equal(rollouts["response_mask"] * rollouts["attention_mask"], rollouts["response_mask"])
+
+    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", str(out), "--json", "--probe"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["source"].startswith(f"TRL {out}") and "store" in doc["source"]
+    assert doc["steps"] == [1, 3]
+    probe = doc["probe"]
+    assert [(r["step"], r["path"]) for r in probe] == [(s, str(out / f"checkpoint-{s}")) for s in (1, 2, 3)]
+    assert all(r["error"] is None and r["mean_logp"] < 0 for r in probe)
+    assert probe[0]["kl_to_next"] > 0 and probe[1]["kl_to_next"] > 0 and probe[2]["kl_to_next"] is None
+
+    # The report a person reads shows the same, in the terminal and in markdown.
+    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", str(out), "--probe",
+                             str(out / ROLLOUTS_FILE), "--out", str(tmp_path / "report")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Checkpoint probe" in result.stdout and f"{probe[0]['kl_to_next']:.4g}" in result.stdout
+    markdown = (tmp_path / "report" / "postmortem.md").read_text()
+    assert "## Checkpoint probe" in markdown and f"`{out / 'checkpoint-1'}`" in markdown

@@ -81,6 +81,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..postmortem.probe import ROLLOUTS_FILE
+
 from . import _base
 from ._base import Instrumentor, guarded
 
@@ -99,6 +101,10 @@ ROW_KEY = "rlwatch_row"
 UNSCORABLE = "unscorable"
 #: Per-environment per-function reward scalars kept per run (the Watch keeps 256 scalar names).
 MAX_ENV_SCALARS = 64
+#: Sequences of the first generation batch kept for ``rlwatch postmortem --probe``.
+PROBE_ROWS = 32
+#: The file they go to, in the trainer's output directory.
+PROBE_FILE = ROLLOUTS_FILE
 
 
 # --- host-side records --------------------------------------------------------------------------
@@ -166,6 +172,9 @@ class GRPOInstrumentor(Instrumentor):
         self.whole_groups = whole_groups(trainer)
         self._warned_groups = False
         self._env_scalars: set[str] = set()
+        #: Where to keep a fixed sample of the first generation batch for ``rlwatch postmortem --probe``.
+        self.probe_path: str | None = None
+        self.probe_rows = PROBE_ROWS
 
     # -- patches --
 
@@ -268,6 +277,34 @@ class GRPOInstrumentor(Instrumentor):
         self._current = generation
         output[VERSION_KEY] = torch.full((B,), version, dtype=torch.int64, device=completion_ids.device)
         output[ROW_KEY] = list(range(B))
+        if self.probe_path is not None:
+            self._keep_probe_rollouts(output)
+
+    def _keep_probe_rollouts(self, output: dict) -> None:
+        """Write the first rows of the first generation batch (prompt + completion ids) as the fixed
+        rollouts that ``rlwatch postmortem --probe`` scores every checkpoint on; written once, off the
+        training thread, never over an existing file."""
+        path, self.probe_path = self.probe_path, None
+        if path is None or os.path.exists(path) or not {"prompt_ids", "prompt_mask"} <= set(output):
+            return
+        n = self.probe_rows
+        prompt_mask = output["prompt_mask"][:n].detach().to("cpu", torch.long)
+        completion_mask = output["completion_mask"][:n].detach().to("cpu", torch.long)
+        input_ids = torch.cat([output["prompt_ids"][:n].detach().cpu(), output["completion_ids"][:n].detach().cpu()], 1)
+        attention = torch.cat([prompt_mask, completion_mask], 1)
+        response = torch.cat([torch.zeros_like(prompt_mask), completion_mask], 1)
+        errors = self.watch.errors
+
+        def write() -> None:
+            from ..postmortem.probe import save_rollouts
+
+            try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                save_rollouts(path, input_ids, attention, response)
+            except Exception as exc:  # noqa: BLE001 - a failed side file must not touch training
+                errors.report("integration", "trl_probe_rollouts", f"{type(exc).__name__}: {exc}", exc=exc)
+
+        threading.Thread(target=write, name="rlwatch-probe-rollouts", daemon=True).start()
 
     def _on_loss(self, inputs: dict) -> None:
         """Keep what this micro-batch trained on until the optimizer step ends."""
@@ -627,9 +664,12 @@ _attached: "weakref.WeakKeyDictionary[Any, _Attachment]" = weakref.WeakKeyDictio
 
 
 def attach(trainer: Any, watch: Any, callback: RLWatchCallback | None = None, owns_watch: bool = False,
-           sync_guard: bool = False) -> bool:
+           sync_guard: bool = False, probe_rollouts: bool = True) -> bool:
     """Attach an existing Watch to ``trainer``. False (one warning, nothing patched) when the
-    installed TRL is outside the supported range or the trainer is already watched."""
+    installed TRL is outside the supported range or the trainer is already watched.
+
+    ``probe_rollouts``: keep the first 32 sequences of the first generation batch in
+    ``<output_dir>/rlwatch-probe-rollouts.safetensors`` for ``rlwatch postmortem --probe``."""
     if trainer in _attached:
         logger.warning("rlwatch: this trainer is already watched; ignoring the second call")
         return False
@@ -640,6 +680,9 @@ def attach(trainer: Any, watch: Any, callback: RLWatchCallback | None = None, ow
                        "per-token capture supports trl.GRPOTrainer", type(trainer).__name__)
     else:
         instrumentor = GRPOInstrumentor(trainer, watch)
+        output_dir = getattr(getattr(trainer, "args", None), "output_dir", None)
+        if probe_rollouts and output_dir and watch.active:
+            instrumentor.probe_path = os.path.join(output_dir, PROBE_FILE)
         try:
             if not instrumentor.instrument():
                 return False
@@ -659,7 +702,8 @@ def attach(trainer: Any, watch: Any, callback: RLWatchCallback | None = None, ow
 def watch(trainer: Any, **watch_options: Any):
     """Create a :class:`rlwatch.Watch` for a TRL ``GRPOTrainer`` and attach it. Returns the Watch.
 
-    ``watch_options`` go to ``Watch`` (``run``, ``port``, ``store``, ``guard``, ...); defaults here:
+    ``watch_options`` go to ``Watch`` (``run``, ``port``, ``store``, ``guard``, ...), except
+    ``probe_rollouts`` (default True, see :func:`attach`); defaults here:
     ``framework="trl"``, the installed TRL version, ``group_size=num_generations`` and the TRL
     settings that shape the signals as run metadata. A second call on the same trainer warns and
     returns the first Watch. On an unsupported TRL version the Watch is returned unattached (one
@@ -685,8 +729,9 @@ def watch(trainer: Any, **watch_options: Any):
             os.path.normpath(output_dir)))
     metadata = dict(watch_options.pop("metadata", None) or {})
     metadata.setdefault("trl", trainer_metadata(trainer))
+    probe_rollouts = bool(watch_options.pop("probe_rollouts", True))
     w = Watch(metadata=metadata, **watch_options)
-    attach(trainer, w, owns_watch=True, sync_guard=bool(watch_options.get("guard")))
+    attach(trainer, w, owns_watch=True, sync_guard=bool(watch_options.get("guard")), probe_rollouts=probe_rollouts)
     return w
 
 

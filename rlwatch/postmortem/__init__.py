@@ -18,11 +18,18 @@ def run_postmortem(path: str | None = None, *, prometheus: str | None = None, ru
 
     data = load(path, prometheus=prometheus, run=run)
     result = analyse(data)
-    document = result.as_json()
     if probe_file:
-        from .probe import probe
+        from .probe import ROLLOUTS_FILE, probe
 
-        document["probe"] = [r.__dict__ for r in probe(data.checkpoints, probe_file)]
+        if probe_file == "auto":              # `--probe` alone: the file the integration kept next to the run
+            candidates = [Path(path) / ROLLOUTS_FILE] if path and Path(path).is_dir() else []
+            candidates += [Path(path).parent / ROLLOUTS_FILE] if path and Path(path).is_file() else []
+            found = [c for c in candidates if c.exists()]
+            if not found:
+                raise FileNotFoundError(f"--probe: no {ROLLOUTS_FILE} next to {path}; pass the rollouts file")
+            probe_file = str(found[0])
+        result.probe = [dict(r.__dict__) for r in probe(data.checkpoints, probe_file)]
+    document = result.as_json()
     if out_dir:
         directory = Path(out_dir)
         images = render.plots(result, data, directory)

@@ -54,6 +54,7 @@ class Report:
     last_healthy_checkpoint: tuple[int, str] | None
     hacks: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
+    probe: list[dict[str, Any]] = field(default_factory=list)   # --probe: one row per checkpoint
 
     @property
     def first_critical(self) -> dict[str, Any] | None:
@@ -84,6 +85,7 @@ class Report:
                                         if self.last_healthy_checkpoint else None),
             "hacks": self.hacks,
             "events": self.events,
+            **({"probe": self.probe} if self.probe else {}),
         }
 
 

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+#: Where the integrations keep the fixed rollouts, in the run's output directory.
+ROLLOUTS_FILE = "rlwatch-probe-rollouts.safetensors"
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 

@@ -30,6 +30,16 @@ def headline(report: Report) -> str:
     return text
 
 
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def probe_lines(report: Report) -> list[str]:
+    """One line per probed checkpoint: mean log-prob of the stored responses, KL to the next one."""
+    return [f"  step {r['step']:>5}  mean log p {_fmt(r.get('mean_logp'))}  KL to next {_fmt(r.get('kl_to_next'))}"
+            + (f"  ERROR {r['error']}" if r.get("error") else "") + f"  {r['path']}" for r in report.probe]
+
+
 def terminal(report: Report, console: Any = None) -> str:
     """Print (with rich when installed) and return the plain-text report."""
     lines = [headline(report), f"source: {report.source}"]
@@ -53,6 +63,9 @@ def terminal(report: Report, console: Any = None) -> str:
             lines.append(f"  {h['env']} / {h['detector']}: {h['early_rate']:.1%} -> {h['late_rate']:.1%}")
             for e in h["examples"][:2]:
                 lines.append(f"    step {e['step']}: {e['reason']}: {e['response'][:80]!r}")
+    if report.probe:
+        lines.append("checkpoint probe (how far each update moved the policy on the stored rollouts):")
+        lines += probe_lines(report)
     ckpt = report.last_healthy_checkpoint
     lines.append(f"last healthy checkpoint: {ckpt[1]} (step {ckpt[0]})" if ckpt else
                  "last healthy checkpoint: none recorded before the trouble")
@@ -84,6 +97,14 @@ def terminal(report: Report, console: Any = None) -> str:
         for h in report.hacks:
             console.print(f"[bold]Reward hack[/bold] {h['env']} / {h['detector']}: "
                           f"{h['early_rate']:.1%} -> {h['late_rate']:.1%}")
+        if report.probe:
+            probe = Table(title="Checkpoint probe (on the stored rollouts)")
+            for col in ("step", "mean log p", "KL to next", "checkpoint", "error"):
+                probe.add_column(col, overflow="fold")
+            for r in report.probe:
+                probe.add_row(str(r["step"]), _fmt(r.get("mean_logp")), _fmt(r.get("kl_to_next")), r["path"],
+                              r.get("error") or "")
+            console.print(probe)
         console.print("[bold]Last healthy checkpoint:[/bold] " + (f"{ckpt[1]} (step {ckpt[0]})" if ckpt else "none"))
     except ImportError:
         print(text)
@@ -155,6 +176,13 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
                          f"{h['late_rate']:.1%} late")
             for e in h["examples"]:
                 lines.append(f"  - step {e['step']}, reward {e['reward']}: {e['reason']} - `{e['response'][:120]}`")
+    if report.probe:
+        lines += ["", "## Checkpoint probe", "",
+                  "Mean log-prob of the stored rollouts' response tokens under each checkpoint, and the mean "
+                  "per-token KL to the next checkpoint (how far that update moved the policy).", "",
+                  "| step | mean log p | KL to next | checkpoint | error |", "|---|---|---|---|---|"]
+        lines += [f"| {r['step']} | {_fmt(r.get('mean_logp'))} | {_fmt(r.get('kl_to_next'))} | `{r['path']}` | "
+                  f"{r.get('error') or ''} |" for r in report.probe]
     ckpt = report.last_healthy_checkpoint
     lines += ["", "## Resume from", "", f"`{ckpt[1]}` (step {ckpt[0]})" if ckpt else "No checkpoint before the trouble.",
               "", "## Plots", ""]
