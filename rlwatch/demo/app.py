@@ -20,6 +20,8 @@ HEADLINE = [("heldout_true_reward", "held-out true reward", "{:.2f}"), ("mismatc
             ("mismatch_abs_log_ratio_p99", "|Δlogp| p99", "{:.3f}"), ("is_ess_ratio", "ESS", "{:.3f}"),
             ("version_lag_max", "max lag", "{:.0f}"), ("is_tis_high_ratio", "w > C", "{:.1%}"),
             ("entropy_mean", "entropy", "{:.3f}")]
+#: With --with-prometheus, each step waits this long so that the 1 s scrapes see every few steps.
+PROMETHEUS_PACE_S = 0.5
 
 
 class LiveView:
@@ -108,6 +110,33 @@ def _prometheus_stack(directory: Path, target: str) -> Any:
     return cfg, up(cfg)
 
 
+def _get_json(url: str) -> Any:
+    return json.loads(urllib.request.urlopen(url, timeout=10).read())
+
+
+def _wait_scraped(prometheus_url: str, target: str, timeout: float = 30.0) -> bool:
+    """True once Prometheus has scraped ``target`` successfully (so the run's first steps are seen)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            targets = _get_json(f"{prometheus_url}/api/v1/targets")["data"]["activeTargets"]
+            if any(t["scrapeUrl"].startswith(f"http://{target}/") and t["health"] == "up" for t in targets):
+                return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def _fired(prometheus_url: str, alertmanager_url: str, run: str) -> tuple[list[str], list[str]]:
+    """Alert names Prometheus fired for ``run`` at any time of the demo, and those Alertmanager received."""
+    query = urllib.request.quote(f'max by (alertname) (max_over_time(ALERTS{{run="{run}",alertstate="firing"}}[1h]))')
+    body = _get_json(f"{prometheus_url}/api/v1/query?query={query}")
+    fired = sorted({r["metric"]["alertname"] for r in body["data"]["result"]})
+    received = _get_json(f"{alertmanager_url}/api/v2/alerts?filter=" + urllib.request.quote(f'run="{run}"'))
+    return fired, sorted({a["labels"]["alertname"] for a in received})
+
+
 def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0, port: int | None = 9400,
              out: str = "rlwatch-demo", with_prometheus: bool = False, live: bool = True) -> dict:
     """Run one scenario with rlwatch attached; returns the post-mortem document."""
@@ -124,61 +153,75 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
     directory.mkdir(parents=True, exist_ok=True)
     run = f"demo-{scenario}"
     stack = None
+    prometheus_alerts = alertmanager_alerts = None
+    stack_pids: dict[str, int] = {}
     watch = Watch(run=run, port=port, port_fallback=True, store=str(directory / "run.db"), framework="rlwatch-demo",
                   metadata={"scenario": scenario, "config": config.__dict__}, **WATCH_CONFIG)
-    if with_prometheus and watch.port:
-        stack = _prometheus_stack(directory / "stack", f"127.0.0.1:{watch.port}")
-        print(f"Prometheus {stack[1]['prometheus']['url']}  Alertmanager {stack[1]['alertmanager']['url']}")
-    view = LiveView(scenario, config.steps, watch.url, enabled=live)
-    watch.on_alert(view.alert)
-
-    def on_step(info: Any) -> None:
-        values = watch.observe(info.step, **info.fields,
-                               **({"episodes": info.episodes} if scenario == "hack" else {}))
-        watch.log_scalars(info.step, info.metrics)
-        shown = {k: v for k, v in info.metrics.items() if isinstance(v, (int, float))}
-        for key, _, _ in HEADLINE:
-            v = (values or {}).get(key, {}).get(())
-            if v is not None:
-                shown[key] = v
-        view.update(info.step, shown, watch.evaluator.firing() if watch.evaluator else [])
-
+    view = None
     try:
+        if with_prometheus:
+            if not watch.port:
+                raise ValueError("--with-prometheus needs the metrics endpoint (a --port)")
+            target = f"127.0.0.1:{watch.port}"
+            stack = _prometheus_stack(directory / "stack", target)
+            urls = {name: info["url"] for name, info in stack[1].items()}
+            stack_pids = {name: info["pid"] for name, info in stack[1].items()}
+            print(f"Prometheus {urls['prometheus']}  Alertmanager {urls['alertmanager']}", flush=True)
+            if not _wait_scraped(urls["prometheus"], target):
+                print("warning: Prometheus has not scraped the demo yet; its first steps may be missed", flush=True)
+        view = LiveView(scenario, config.steps, watch.url, enabled=live)
+        watch.on_alert(view.alert)
+
+        def on_step(info: Any) -> None:
+            values = watch.observe(info.step, **info.fields,
+                                   **({"episodes": info.episodes} if scenario == "hack" else {}))
+            watch.log_scalars(info.step, info.metrics)
+            shown = {k: v for k, v in info.metrics.items() if isinstance(v, (int, float))}
+            for key, _, _ in HEADLINE:
+                v = (values or {}).get(key, {}).get(())
+                if v is not None:
+                    shown[key] = v
+            view.update(info.step, shown, watch.evaluator.firing() if watch.evaluator else [])
+            if stack is not None:
+                time.sleep(PROMETHEUS_PACE_S)     # let the 1 s scrapes see the run step by step
+
         result = run_scenario(config, on_step=on_step, checkpoint_dir=str(directory / "checkpoints"),
                               on_checkpoint=watch.record_checkpoint)
+        if stack is not None:
+            time.sleep(3.0)                       # the last step's scrape and rule evaluation
+            prometheus_alerts, alertmanager_alerts = _fired(urls["prometheus"], urls["alertmanager"], run)
     finally:
-        view.close()
+        if view is not None:
+            view.close()
         watch.close()
-    prometheus_alerts = None
-    if stack is not None:
-        from ..stack import down
+        if stack is not None:
+            from ..stack import down
 
-        time.sleep(3)
-        url = stack[1]["prometheus"]["url"]
-        query = urllib.request.quote(f'ALERTS{{run="{run}",alertstate="firing"}}')
-        body = json.loads(urllib.request.urlopen(f"{url}/api/v1/query?query={query}", timeout=10).read())
-        prometheus_alerts = sorted({r["metric"]["alertname"] for r in body["data"]["result"]})
-        down(stack[0].directory)
+            down(stack[0].directory)
     document = run_postmortem(str(directory / "run.db"), out_dir=str(directory / "report"))
     collapse = collapse_step(result.heldout)
     critical = [a for a in document["alerts"] if a["severity"] == "critical"]
     print()
     if collapse is not None and critical:
         first = min(critical, key=lambda a: a["step"])
+        lead = collapse - first["step"]
         print(f"The critical alert {first['name']} fired at step {first['step']}, "
-              f"{collapse - first['step']} steps before the collapse (held-out reward lost at step {collapse}).")
+              + (f"{lead} steps before the collapse" if lead >= 0 else f"{-lead} steps after the collapse")
+              + f" (held-out reward lost at step {collapse}).")
     elif collapse is not None:
-        print(f"The run collapsed at step {collapse} and no critical alert fired before it.")
+        print(f"The run collapsed at step {collapse} and no critical alert fired.")
     else:
         print(f"No collapse in this run ({len(critical)} critical alerts).")
     print(f"Cause: {document['cause']}. Last healthy checkpoint: "
           f"{(document['last_healthy_checkpoint'] or {}).get('path', 'none')}.")
     if prometheus_alerts is not None:
-        print(f"Prometheus fired: {', '.join(prometheus_alerts) or 'nothing'}")
+        print(f"Prometheus fired: {', '.join(prometheus_alerts) or 'nothing'}; "
+              f"Alertmanager received: {', '.join(alertmanager_alerts or []) or 'nothing'}")
     print(f"Run store {directory / 'run.db'}; report and plots in {directory / 'report'} "
           f"({result.seconds:.0f} s of training).")
     document["demo"] = {"directory": str(directory), "collapse_step": collapse, "seconds": result.seconds,
-                        "prometheus_alerts": prometheus_alerts}
+                        "prometheus_alerts": prometheus_alerts, "alertmanager_alerts": alertmanager_alerts,
+                        "stopped_servers": stack_pids}
     (directory / "demo.json").write_text(json.dumps(document["demo"], indent=2))
     return document
 

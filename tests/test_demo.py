@@ -1,0 +1,71 @@
+"""`rlwatch demo`, the README's main job, as a user runs it: a real subprocess, a real tiny RL run
+that collapses, the live signals, the post-mortem at the end; and `--with-prometheus` against a
+real local Prometheus and Alertmanager that the demo starts and stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import free_port, need_binary
+
+pytestmark = pytest.mark.slow
+
+
+def demo(tmp_path: Path, *args: str, timeout: float = 400) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "demo"
+    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "demo", "--no-live", "--port", str(free_port()),
+                             "--out", str(out), *args], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    return result, json.loads((run_dir / "report" / "postmortem.json").read_text()) | {
+        "demo": json.loads((run_dir / "demo.json").read_text())}
+
+
+def test_demo_pages_before_the_collapse_and_explains_it(tmp_path):
+    result, doc = demo(tmp_path)
+    text = result.stdout
+    lead = re.search(r"The critical alert (\w+) fired at step (\d+), (\d+) steps before the collapse "
+                     r"\(held-out reward lost at step (\d+)\)", text)
+    assert lead, text[-3000:]
+    name, fired, steps_before, collapse = lead.group(1), *map(int, lead.groups()[1:])
+    assert collapse - fired == steps_before > 0
+    assert doc["demo"]["collapse_step"] == collapse and name.startswith("RLWatch")
+    assert "Cause: stale_weights." in text and doc["cause"] == "stale_weights"
+    checkpoint = doc["last_healthy_checkpoint"]
+    assert checkpoint and checkpoint["step"] <= fired and Path(checkpoint["path"]).is_dir()
+    assert (Path(checkpoint["path"]) / "model.safetensors").exists()
+    report = Path(doc["demo"]["directory"]) / "report"
+    assert (report / "postmortem.md").exists() and (report / "mismatch_kl_k3.png").stat().st_size > 0
+    assert re.search(r"step\s+0 \[healthy\]", text)                       # the progress lines
+    assert "FIRING RLWatchKLSpike (critical)" in text                     # alerts as they fire
+    assert doc["demo"]["seconds"] < 180
+
+
+def test_demo_refuses_an_unknown_scenario(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "demo", "--scenario", "nope", "--out",
+                             str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "unknown scenario 'nope'" in result.stderr
+
+
+@pytest.mark.servers
+def test_demo_with_prometheus_and_alertmanager(tmp_path):
+    need_binary("prometheus")
+    need_binary("prometheus-alertmanager")
+    result, doc = demo(tmp_path, "--with-prometheus")
+    fired = doc["demo"]["prometheus_alerts"]
+    assert {"RLWatchKLSpike", "RLWatchVersionLagFarAboveBound"} <= set(fired), result.stdout[-2000:]
+    assert "RLWatchVersionLagFarAboveBound" in doc["demo"]["alertmanager_alerts"]
+    assert "Prometheus fired: " in result.stdout
+    # Every server the demo started is stopped again.
+    pids = doc["demo"]["stopped_servers"]
+    assert {"prometheus", "alertmanager"} <= set(pids)
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
