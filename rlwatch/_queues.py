@@ -1,10 +1,12 @@
-"""Waiting for a background worker's queue to drain (store writer, notifier, hack detectors)."""
+"""Background work off the training thread: an ordered worker, and waiting for a queue to drain
+(store writer, notifier, hack detectors, deferred steps)."""
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 
 def wait_drained(q: queue.Queue, timeout: float, alive: Callable[[], bool] = lambda: True) -> bool:
@@ -15,3 +17,47 @@ def wait_drained(q: queue.Queue, timeout: float, alive: Callable[[], bool] = lam
             return False
         time.sleep(0.005)
     return True
+
+
+class OrderedWorker:
+    """One daemon thread that runs submitted callables in submission order.
+
+    The queue is bounded: when the worker is ``maxsize`` jobs behind, ``submit`` waits for it
+    (back-pressure; nothing is dropped or reordered). A job that raises is reported through
+    ``on_error`` and the worker carries on."""
+
+    def __init__(self, name: str, on_error: Callable[[BaseException], Any], maxsize: int = 64) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize)
+        self._on_error = on_error
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        self._queue.put(job)
+
+    def is_current(self) -> bool:
+        """Whether the caller runs on this worker's thread (where ``submit`` could wait on itself)."""
+        return threading.current_thread() is self._thread
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                job()
+            except BaseException as exc:  # noqa: BLE001 - the worker must outlive any job
+                self._on_error(exc)
+            finally:
+                self._queue.task_done()
+
+    def drain(self, timeout: float) -> bool:
+        """True once every job submitted so far has run."""
+        return wait_drained(self._queue, timeout, self._thread.is_alive)
+
+    def close(self, timeout: float) -> bool:
+        """Run what is queued (up to ``timeout`` s), then stop the thread."""
+        done = self.drain(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout=1.0 if done else 0.0)
+        return done

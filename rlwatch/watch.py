@@ -17,6 +17,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping, Protocol
 
 from . import __version__
+from ._queues import OrderedWorker
 from .errors import HookErrors, RLWatchError
 from .record import LabelRegistry, RecordBuilder
 from .signals import SignalConfig, Values, Workspace, compute_step
@@ -99,7 +100,7 @@ class Watch:
                  framework_version: str = "", metadata: Mapping[str, Any] | None = None,
                  alert_overrides: Mapping[str, float] | None = None, guard: tuple[Callable, ...] = (),
                  sd_dir: str | None = None, hack_detectors: Any = None,
-                 listeners: tuple[StepListener, ...] = ()) -> None:
+                 listeners: tuple[StepListener, ...] = (), background: bool = False) -> None:
         self.errors = HookErrors(strict=strict)
         self.strict = strict
         rank, local_rank, world = _rank()
@@ -117,6 +118,8 @@ class Watch:
         self._last_time: float | None = None
         self._compute_total = 0.0
         self._closed = False
+        self.background = background and not strict
+        self._worker: OrderedWorker | None = None
         self.server = None
         self.hacks = None
         self._hack_detectors = hack_detectors
@@ -158,6 +161,9 @@ class Watch:
             alerts = self.store is not None
         if alerts:
             self._start_alerts(notifiers, alert_overrides, guard)
+        if self.background:
+            self._worker = OrderedWorker("rlwatch-steps", lambda exc: self.errors.report(
+                "background", type(exc).__name__, f"{type(exc).__name__}: {exc}", exc=exc))
 
     # --- start-up of the optional parts ---------------------------------------------------------
 
@@ -258,9 +264,26 @@ class Watch:
     # --- the hook ---------------------------------------------------------------------------------
 
     def observe(self, step: int, **fields: Any) -> Values | None:
-        """Compute and export one step. Returns the step's values, or None if it could not be used."""
+        """Compute and export one step. Returns the step's values, or None if it could not be used,
+        or at once with None when ``background=True`` (the step is computed on rlwatch's thread)."""
         if not self.active or self._closed:
             return None
+        if self._worker is not None:
+            if self._worker.is_current():             # a deferred job observing: compute in place
+                return self._observe(step, fields, on_training_thread=False)
+            self._worker.submit(lambda: self._observe(step, fields, on_training_thread=False))
+            return None
+        return self._observe(step, fields, on_training_thread=True)
+
+    def defer(self, job: Callable[[], Any]) -> None:
+        """Run ``job`` after the steps observed so far: on rlwatch's thread with ``background=True``,
+        else now. Integrations hand their per-step work here; errors are counted, never raised."""
+        if self._worker is not None and not self._closed and not self._worker.is_current():
+            self._worker.submit(job)
+        else:
+            self._guard("integration", "deferred", job)
+
+    def _observe(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> Values | None:
         with self._lock:
             started = time.perf_counter()
             episodes = fields.pop("episodes", None)
@@ -268,7 +291,8 @@ class Watch:
                                                                                      self._workspace))
             if record is None:
                 return None
-            with _few_threads_for(record.mask):
+            # The intra-op thread count is process-wide: only the training thread may lower it.
+            with _few_threads_for(record.mask) if on_training_thread else contextlib.nullcontext():
                 values = self._stage("compute", "exception", lambda: compute_step(record, self.config,
                                                                                   self._workspace))
             if values is None:
@@ -428,13 +452,17 @@ class Watch:
         return self.store.path if self.store is not None else None
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait for the store writer (tests and shutdown)."""
-        return self.store.flush(timeout) if self.store is not None else True
+        """Wait for the steps computed in the background, then for the store writer."""
+        drained = self._worker.drain(timeout) if self._worker is not None else True
+        return (self.store.flush(timeout) if self.store is not None else True) and drained
 
     def close(self) -> None:
         """Stop the endpoint, push a last time, and flush the store. Idempotent."""
         if self._closed:
             return
+        if self._worker is not None:     # the steps still queued are computed and exported first
+            if not self._worker.close(timeout=30.0):
+                self.errors.report("background", "close", "steps still queued after 30 s were not computed")
         self._closed = True
         for listener in self.listeners:
             self._guard("alerts", "close", listener.close)

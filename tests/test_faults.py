@@ -89,3 +89,45 @@ def test_hanging_otlp_receiver_never_blocks_the_training_thread():
     finally:
         provider.shutdown(timeout_millis=2000)
         server.shutdown()
+
+
+def test_hanging_pushgateway_and_a_stalled_scraper_never_block_training():
+    """A Pushgateway that accepts and never answers, and a scraper that opens /metrics and stalls
+    mid-request: every observe returns at once, other scrapes are served, close() is bounded, and
+    the failed pushes are counted."""
+    import socket
+    import urllib.request
+    from http.server import ThreadingHTTPServer
+
+    class _Forever(_Hang):
+        def do_PUT(self):  # noqa: N802 - prometheus_client pushes with PUT
+            time.sleep(30)
+
+    gateway = ThreadingHTTPServer(("127.0.0.1", 0), _Forever)
+    gateway.daemon_threads = True
+    threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    stalled = None
+    try:
+        watch = rlwatch.Watch(run="hang", port=0, store=None, alerts=False, push_interval=0.05,
+                              pushgateway=f"http://127.0.0.1:{gateway.server_address[1]}")
+        watch.push.timeout = 1.0
+        stalled = socket.create_connection(("127.0.0.1", watch.port))
+        stalled.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")          # never finished
+        durations = []
+        for step in range(20):
+            start = time.perf_counter()
+            watch.observe(step, **make_step(seed=step))
+            durations.append(time.perf_counter() - start)
+            time.sleep(0.05)
+        body = urllib.request.urlopen(watch.url, timeout=5).read().decode()
+        assert 'rlwatch_steps_total{run="hang"} 20.0' in body
+        start = time.perf_counter()
+        watch.close()
+        closing = time.perf_counter() - start
+        assert max(durations) < 0.5, durations
+        assert closing < 2 * watch.push.timeout + 2, closing
+        assert watch.errors.counts[("export", "push")] >= 1
+    finally:
+        if stalled is not None:
+            stalled.close()
+        gateway.shutdown()

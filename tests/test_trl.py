@@ -421,15 +421,17 @@ def test_hook_errors_never_reach_the_trainer(model_path, tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("rlwatch bug")
 
-    monkeypatch.setattr(rltrl.GRPOInstrumentor, "step_fields", boom)
-    monkeypatch.setattr(rltrl.GRPOInstrumentor, "_on_loss", boom)
-    trainer = make_trainer(model_path, tmp_path / "out", max_steps=2)
-    watch = rltrl.watch(trainer, run="trl-errors", port=None, store=None)
-    trainer.train()
-    assert trainer.state.global_step == 2
-    counts = watch.errors.snapshot()
-    assert counts[("integration", "trl_loss")] == 2 and counts[("integration", "trl_observe")] == 2
-    rltrl.unwatch(trainer)
+    # A failure while assembling the step (on rlwatch's thread) and one while capturing (on the
+    # training thread): both counted, the training unharmed.
+    for patched, kind in (("step_fields", "trl_observe"), ("_on_loss", "trl_loss")):
+        with monkeypatch.context() as patch:
+            patch.setattr(rltrl.GRPOInstrumentor, patched, boom)
+            trainer = make_trainer(model_path, tmp_path / patched, max_steps=2)
+            watch = rltrl.watch(trainer, run="trl-errors", port=None, store=None)
+            trainer.train()
+            assert trainer.state.global_step == 2
+            assert watch.errors.snapshot()[("integration", kind)] == 2
+            rltrl.unwatch(trainer)
 
     # strict=True is for tests: there the error does reach the caller.
     monkeypatch.setattr(rltrl.GRPOInstrumentor, "_on_generation", boom)

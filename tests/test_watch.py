@@ -74,6 +74,50 @@ def test_scraped_values_match_the_observed_record(tmp_path):
         assert store.meta("e2e")["framework"] == "custom"
 
 
+def test_background_mode_exports_the_same_steps_in_order(tmp_path):
+    """Watch(background=True): observe() returns at once, and after flush() the endpoint and the store
+    hold exactly what the same steps give when computed on the calling thread."""
+    steps = [make_step(B=8, T=16, seed=s) for s in range(12)]
+    results = {}
+    for mode in ("inline", "background"):
+        store = str(tmp_path / f"{mode}.db")
+        with rlwatch.Watch(run=mode, port=0, store=store, background=mode == "background") as watch:
+            threads = torch.get_num_threads()
+            returned = [watch.observe(i, **step) for i, step in enumerate(steps)]
+            watch.log_scalars(11, {"loss": 0.5})
+            assert watch.flush()
+            samples = scrape(watch.url)
+            assert torch.get_num_threads() == threads
+        with StoreReader(store) as reader:
+            rows = reader.steps(mode)
+        results[mode] = (returned, samples, rows)
+    returned, samples, rows = results["background"]
+    assert returned == [None] * 12
+    assert [r.step for r in rows] == list(range(12))
+    for a, b in zip(results["inline"][2], rows):
+        assert {k: v for k, v in a.values.items() if "seconds" not in k} == \
+               {k: v for k, v in b.values.items() if "seconds" not in k}
+    assert sample(samples, "rlwatch_steps_total", run="background") == 12
+    assert sample(samples, "rlwatch_mismatch_kl_k3", run="background") == \
+        sample(results["inline"][1], "rlwatch_mismatch_kl_k3", run="inline")
+    assert samples[("rlwatch_framework_metric", (("name", "loss"), ("run", "background")))] == 0.5
+
+
+def test_background_errors_are_counted_and_close_computes_what_is_queued(tmp_path):
+    watch = rlwatch.Watch(run="bg", port=None, store=str(tmp_path / "bg.db"), background=True)
+    watch.observe(0, mask=torch.ones(2, 3), trainer_logp=torch.zeros(5))            # bad shape
+    watch.defer(lambda: 1 / 0)
+    for i in range(1, 30):
+        watch.observe(i, **make_step(seed=i))
+    watch.close()                                                                   # no flush first
+    assert watch.errors.counts[("validate", "shape")] == 1
+    assert watch.errors.counts[("background", "ZeroDivisionError")] == 1
+    with StoreReader(str(tmp_path / "bg.db")) as reader:
+        rows = reader.steps("bg")
+    assert [r.step for r in rows] == list(range(30))          # step 0 without its bad field
+    assert rows[0].get("mismatch_kl_k3") is None and rows[1].get("mismatch_kl_k3") is not None
+
+
 def test_counters_accumulate_and_gauges_go_stale(tmp_path):
     with rlwatch.Watch(run="acc", port=0, store=None, strict=True) as watch:
         a, b = make_step(seed=1), make_step(seed=2)

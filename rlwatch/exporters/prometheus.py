@@ -235,15 +235,21 @@ class PushLoop:
             return False
 
     def _loop(self) -> None:
-        while not self._stop:
+        while True:
             self._wake.wait(self.interval)
             self._wake.clear()
-            if self._stop:
-                break
+            stopping = self._stop            # read before the push: a close() during it gets one more
             self.push_now()
+            if stopping:
+                break
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Push a last time; returns False (and leaves it to the daemon thread) when the gateway has
+        not answered within about two timeouts, so that a hanging gateway bounds, never blocks, exit."""
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=self.timeout + 1)
-        self.push_now()
+        self._thread.join(timeout=2 * self.timeout + 1)
+        if self._thread.is_alive():
+            self._on_error("push", TimeoutError(f"last push not confirmed within {2 * self.timeout + 1:.0f} s"))
+            return False
+        return True

@@ -328,12 +328,8 @@ class GRPOInstrumentor(Instrumentor):
 
     # -- one step --
 
-    def step_fields(self) -> tuple[dict[str, Any], list[MicroBatch]] | None:
-        """The fields of ``Watch.observe`` for the micro-batches since the last call (which are cleared),
-        and those micro-batches; None when there were none."""
-        micro, self.capture.micro = self.capture.micro, []
-        if not micro:
-            return None
+    def step_fields(self, micro: list[MicroBatch]) -> dict[str, Any]:
+        """The fields of ``Watch.observe`` for one optimizer step's micro-batches."""
         width = max(int(m.mask.shape[1]) for m in micro)
         fields: dict[str, Any] = {
             "mask": _cat_tokens([m.mask for m in micro], width),
@@ -361,7 +357,7 @@ class GRPOInstrumentor(Instrumentor):
                            "does not divide gradient_accumulation_steps, or groups span processes); the "
                            "zero-variance group signals are not computed for this run")
         fields.update(sampling_fields(self.trainer))
-        return fields, micro
+        return fields
 
     def reward_scalars(self, micro: list[MicroBatch]) -> dict[str, float]:
         """Per-function reward means of the step's samples (functions that returned None excluded),
@@ -387,12 +383,14 @@ class GRPOInstrumentor(Instrumentor):
         return out
 
     def flush(self, step: int) -> None:
-        """Observe the optimizer step that just ended."""
-        built = self.step_fields()
-        if built is None:
-            return
-        fields, micro = built
-        self.watch.observe(step, **fields)
+        """Observe the optimizer step that just ended: the training thread only takes the step's
+        micro-batches; assembling and computing them is deferred (``Watch(background=True)``)."""
+        micro, self.capture.micro = self.capture.micro, []
+        if micro:
+            self.watch.defer(lambda: guarded(self.watch, "trl_observe")(self.observe_step)(step, micro))
+
+    def observe_step(self, step: int, micro: list[MicroBatch]) -> None:
+        self.watch.observe(step, **self.step_fields(micro))
         self.watch.log_scalars(step, self.reward_scalars(micro))
 
 
@@ -703,7 +701,9 @@ def watch(trainer: Any, **watch_options: Any):
     """Create a :class:`rlwatch.Watch` for a TRL ``GRPOTrainer`` and attach it. Returns the Watch.
 
     ``watch_options`` go to ``Watch`` (``run``, ``port``, ``store``, ``guard``, ...), except
-    ``probe_rollouts`` (default True, see :func:`attach`); defaults here:
+    ``probe_rollouts`` (default True, see :func:`attach`); defaults here: ``background=True``
+    (each step is assembled and computed on rlwatch's thread; False with a ``guard``, so that it
+    acts at the step whose alert fired),
     ``framework="trl"``, the installed TRL version, ``group_size=num_generations`` and the TRL
     settings that shape the signals as run metadata. A second call on the same trainer warns and
     returns the first Watch. On an unsupported TRL version the Watch is returned unattached (one
@@ -730,6 +730,8 @@ def watch(trainer: Any, **watch_options: Any):
     metadata = dict(watch_options.pop("metadata", None) or {})
     metadata.setdefault("trl", trainer_metadata(trainer))
     probe_rollouts = bool(watch_options.pop("probe_rollouts", True))
+    # Steps are computed on rlwatch's thread, except with a guard, which must act at the step that fired.
+    watch_options.setdefault("background", not watch_options.get("guard"))
     w = Watch(metadata=metadata, **watch_options)
     attach(trainer, w, owns_watch=True, sync_guard=bool(watch_options.get("guard")), probe_rollouts=probe_rollouts)
     return w
