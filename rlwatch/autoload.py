@@ -32,20 +32,9 @@ _lock = threading.RLock()
 
 def watch_options_from_env() -> dict[str, Any]:
     """Watch keyword arguments configured through RLWATCH_* variables."""
-    options: dict[str, Any] = {}
-    if os.environ.get("RLWATCH_RUN"):
-        options["run"] = os.environ["RLWATCH_RUN"]
-    port = os.environ.get("RLWATCH_PORT")
-    if port is not None:
-        options["port"] = None if port.lower() in ("", "none", "off") else int(port)
-    if os.environ.get("RLWATCH_ADDR"):
-        options["addr"] = os.environ["RLWATCH_ADDR"]
-    if os.environ.get("RLWATCH_STORE"):
-        options["store"] = os.environ["RLWATCH_STORE"]
-    if os.environ.get("RLWATCH_STRICT") == "1":
-        options["strict"] = True
-    options.setdefault("port_fallback", True)
-    return options
+    from .integrations._base import env_watch_options
+
+    return env_watch_options()
 
 
 def _dispatch(module: Any) -> None:

@@ -87,6 +87,11 @@ class Watch:
             passed to observe, off the training thread; None = every registered detector (the
             built-ins included), False = none.
         framework, framework_version, metadata: recorded in the store and ``rlwatch_run_info``.
+        background: compute each observed step on one rlwatch thread, in order, so that
+            ``observe`` returns at once (None); for CPU loops with short steps, where the signals'
+            few hundred small tensor ops would otherwise add to the step. The tensors passed must
+            not be modified in place afterwards. ``flush()`` waits for the queued steps; guards
+            and ``on_alert`` callbacks then run on that thread, a step or so later. Off in strict mode.
     """
 
     def __init__(self, run: str | None = None, *, port: int | None = DEFAULT_PORT, addr: str = "127.0.0.1",

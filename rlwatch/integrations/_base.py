@@ -13,8 +13,9 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
+import os
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 logger = logging.getLogger("rlwatch")
 
@@ -109,6 +110,42 @@ class Instrumentor:
             else:
                 delattr(owner, name)
         self._originals.clear()
+
+
+def env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    """A yes/no variable: unset or empty = ``default``; 0/false/no/off = False; anything else True."""
+    value = environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def env_watch_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``Watch`` keyword arguments from the RLWATCH_* variables that every delivery path shares:
+    RLWATCH_RUN, RLWATCH_PORT (``none``/``off``/``-1``: no endpoint), RLWATCH_ADDR,
+    RLWATCH_PORT_FALLBACK (default on), RLWATCH_STORE (``none``/``off``/``0``: no store),
+    RLWATCH_SD_DIR, RLWATCH_STALENESS_BOUND, RLWATCH_GROUP_SIZE, RLWATCH_STRICT."""
+    env = os.environ if environ is None else environ
+    opts: dict[str, Any] = {}
+    if env.get("RLWATCH_RUN"):
+        opts["run"] = env["RLWATCH_RUN"]
+    port = (env.get("RLWATCH_PORT") or "").strip()
+    if port:
+        opts["port"] = None if port.lower() in ("none", "off", "-1") else int(port)
+    if env.get("RLWATCH_ADDR"):
+        opts["addr"] = env["RLWATCH_ADDR"]
+    opts["port_fallback"] = env_flag(env, "RLWATCH_PORT_FALLBACK", True)
+    store = (env.get("RLWATCH_STORE") or "").strip()
+    if store:
+        opts["store"] = None if store.lower() in ("none", "off", "0") else store
+    if env.get("RLWATCH_SD_DIR"):
+        opts["sd_dir"] = env["RLWATCH_SD_DIR"]
+    if env.get("RLWATCH_STALENESS_BOUND"):
+        opts["staleness_bound"] = float(env["RLWATCH_STALENESS_BOUND"])
+    if env.get("RLWATCH_GROUP_SIZE"):
+        opts["group_size"] = int(env["RLWATCH_GROUP_SIZE"])
+    opts["strict"] = env_flag(env, "RLWATCH_STRICT", False)
+    return opts
 
 
 def guarded(watch: Any, kind: str) -> Callable[[Callable], Callable]:

@@ -108,7 +108,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from ._base import Instrumentor, guarded, installed_version
+from ._base import Instrumentor, env_flag, env_watch_options, guarded, installed_version
 from ._imports import PostImportFinder
 
 logger = logging.getLogger("rlwatch")
@@ -157,13 +157,6 @@ def _get(obj: Any, dotted: str, default: Any = None) -> Any:
     return node
 
 
-def _env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    value = environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
-
-
 def is_correction_on(args: Any) -> bool:
     """Whether OpenRLHF requests vLLM log-probs (importance-sampling correction): 0.11.1+ has
     ``algo.advantage.is_correction_level`` (off/token/seq), 0.11.0 ``is_correction_enable``."""
@@ -188,33 +181,20 @@ def _mis_band(args: Any) -> tuple[float, float] | None:
 
 
 def watch_options_from_env(environ: Mapping[str, str] | None = None, args: Any = None) -> dict[str, Any]:
-    """``Watch`` keyword arguments from RLWATCH_* variables and OpenRLHF's arguments (may be None)."""
-    env = os.environ if environ is None else environ
+    """``Watch`` keyword arguments from RLWATCH_* variables (:func:`env_watch_options`) and OpenRLHF's arguments
+    (may be None), which name the run and the group size when the variables do not."""
     opts: dict[str, Any] = {"framework": "openrlhf", "framework_version": installed_version("openrlhf") or ""}
-    run = env.get("RLWATCH_RUN") or _get(args, "logger.wandb.run_name")
+    opts.update(env_watch_options(environ))
+    run = opts.get("run") or _get(args, "logger.wandb.run_name")
     if run:
         opts["run"] = str(run)
-    port = env.get("RLWATCH_PORT")
-    if port is not None and port.strip() != "":
-        opts["port"] = None if port.strip().lower() in ("none", "off", "-1") else int(port)
-    if env.get("RLWATCH_ADDR"):
-        opts["addr"] = env["RLWATCH_ADDR"]
-    opts["port_fallback"] = _env_flag(env, "RLWATCH_PORT_FALLBACK", True)
-    store = env.get("RLWATCH_STORE")
-    if store:
-        opts["store"] = None if store.strip().lower() in ("none", "off", "0") else store
-    if env.get("RLWATCH_SD_DIR"):
-        opts["sd_dir"] = env["RLWATCH_SD_DIR"]
-    if env.get("RLWATCH_STALENESS_BOUND"):
-        opts["staleness_bound"] = float(env["RLWATCH_STALENESS_BOUND"])
-    group = env.get("RLWATCH_GROUP_SIZE")
-    n = int(group) if group else _get(args, "rollout.n_samples_per_prompt")
+    # RLWATCH_GROUP_SIZE wins, even 0 (no groups)
+    n = opts.pop("group_size") if "group_size" in opts else _get(args, "rollout.n_samples_per_prompt")
     if n and int(n) > 1:
         opts["group_size"] = int(n)
     band = _mis_band(args)
     if band is not None:
         opts["mis_band"] = band
-    opts["strict"] = _env_flag(env, "RLWATCH_STRICT", False)
     return opts
 
 
@@ -846,7 +826,7 @@ def setup_hook() -> None:
     Checks the OpenRLHF version and installs an import hook, nothing more (OpenRLHF is not
     imported, no Watch is created). Never raises: a failing setup hook stops the worker."""
     try:
-        if _env_flag(os.environ, "RLWATCH_DISABLE", False) or INSTRUMENTOR.is_instrumented:
+        if env_flag(os.environ, "RLWATCH_DISABLE", False) or INSTRUMENTOR.is_instrumented:
             return
         INSTRUMENTOR.instrument()
     except Exception as exc:  # noqa: BLE001

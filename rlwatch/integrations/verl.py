@@ -75,7 +75,7 @@ import threading
 from types import FrameType, ModuleType
 from typing import Any, Callable, Iterable, Mapping
 
-from ._base import Instrumentor, guarded, installed_version
+from ._base import Instrumentor, env_flag, env_watch_options, guarded, installed_version
 from ._imports import PostImportFinder
 
 logger = logging.getLogger("rlwatch")
@@ -138,38 +138,18 @@ def _config_get(config: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
-def _env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    value = environ.get(name)
-    if value is None or value == "":
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
-
-
 def watch_options_from_env(environ: Mapping[str, str] | None = None, config: Any = None) -> dict[str, Any]:
-    """``Watch`` keyword arguments from RLWATCH_* variables and the trainer's config (may be None)."""
-    env = os.environ if environ is None else environ
+    """``Watch`` keyword arguments from RLWATCH_* variables (:func:`env_watch_options`) and the
+    trainer's config (may be None), which names the run and the group size when they do not."""
     opts: dict[str, Any] = {"framework": "verl", "framework_version": installed_version("verl") or ""}
-    run = env.get("RLWATCH_RUN") or _config_get(config, "trainer.experiment_name")
+    opts.update(env_watch_options(environ))
+    run = opts.get("run") or _config_get(config, "trainer.experiment_name")
     if run:
         opts["run"] = str(run)
-    port = env.get("RLWATCH_PORT")
-    if port is not None and port.strip() != "":
-        opts["port"] = None if port.strip().lower() in ("none", "off", "-1") else int(port)
-    if env.get("RLWATCH_ADDR"):
-        opts["addr"] = env["RLWATCH_ADDR"]
-    opts["port_fallback"] = _env_flag(env, "RLWATCH_PORT_FALLBACK", True)
-    store = env.get("RLWATCH_STORE")
-    if store:
-        opts["store"] = None if store.strip().lower() in ("none", "off", "0") else store
-    if env.get("RLWATCH_SD_DIR"):
-        opts["sd_dir"] = env["RLWATCH_SD_DIR"]
-    if env.get("RLWATCH_STALENESS_BOUND"):
-        opts["staleness_bound"] = float(env["RLWATCH_STALENESS_BOUND"])
-    group = env.get("RLWATCH_GROUP_SIZE")
-    n = int(group) if group else _config_get(config, "actor_rollout_ref.rollout.n")
+    # RLWATCH_GROUP_SIZE wins, even 0 (no groups)
+    n = opts.pop("group_size") if "group_size" in opts else _config_get(config, "actor_rollout_ref.rollout.n")
     if n and int(n) > 1:
         opts["group_size"] = int(n)
-    opts["strict"] = _env_flag(env, "RLWATCH_STRICT", False)
     return opts
 
 
@@ -731,7 +711,7 @@ def setup_hook() -> None:
     (verl is not imported, no Watch is created). Never raises: a failing setup hook would stop the
     worker from starting."""
     try:
-        if _env_flag(os.environ, "RLWATCH_DISABLE", False) or INSTRUMENTOR.is_instrumented:
+        if env_flag(os.environ, "RLWATCH_DISABLE", False) or INSTRUMENTOR.is_instrumented:
             return
         INSTRUMENTOR.instrument()
     except Exception as exc:  # noqa: BLE001
