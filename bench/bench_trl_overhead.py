@@ -8,13 +8,18 @@ stamped or captured, nothing is observed and no logs are forwarded. Adjacent ste
 share the model size, the batch shapes and, as far as possible, the load of a shared machine, which
 makes the comparison far steadier than separate trainings.
 
-A step runs from one ``on_step_begin`` to the next: it includes everything rlwatch does for that
-step (capture during generation and loss, observe at step end, forwarded logs). The first two steps
-of each training are dropped (warm-up). Reported per arm: median wall time and median process CPU
-time (all threads, so rlwatch's store writer counts), their ratios, and the time measured directly
-inside rlwatch's hooks on the "on" steps. Run:
+A step runs from one ``on_step_begin`` to the next: it includes what rlwatch does on the training
+thread for that step (capture during generation and loss, handing the step to rlwatch's thread,
+forwarded logs). The TRL hook computes each step on rlwatch's own thread (``background=True``), so
+that work lands beside the following step, whichever arm it is in: the paired wall ratio then
+understates it, and the CPU time of that thread per step is reported separately. The first two
+steps of each training are dropped (warm-up). Reported per arm: median wall time and median process
+CPU time (all threads), their ratios, the time measured inside rlwatch's hooks on the training
+thread, and the CPU time of rlwatch's thread per step. ``--whole-trainings`` compares whole
+trainings watched and not watched (ABBA) instead; ``--foreground`` computes on the training thread.
+Run:
 
-    PYTHONPATH=. python bench/bench_trl_overhead.py [--trainings 6] [--steps 12] [--threads N] [--no-store]
+    PYTHONPATH=. python bench/bench_trl_overhead.py [--trainings 8] [--steps 22] [--threads N] [--no-store]
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from rlwatch.integrations import trl as rltrl  # noqa: E402
 from tests._trl_tiny import build_tiny_model, make_trainer  # noqa: E402
 
 WARMUP_STEPS = 2
+WATCH_OPTIONS: dict = {}
+BACKGROUND = {"cpu_seconds": 0.0, "on_steps": 0}     # rlwatch's own thread (background=True)
 
 
 class Switch:
@@ -66,9 +73,10 @@ class Switch:
 class StepClock(TrainerCallback):
     """Flips the switch at each step begin and records (on, wall s, CPU s, hook s) per step."""
 
-    def __init__(self, switch: Switch, first_on: bool) -> None:
+    def __init__(self, switch: Switch, first_on: bool, fixed: bool = False) -> None:
         self.switch = switch
         self.first_on = first_on
+        self.fixed = fixed                  # whole-training arms: no flipping
         self.steps: list[tuple[bool, float, float, float]] = []
         self._mark: tuple[float, float, float] | None = None
 
@@ -80,7 +88,8 @@ class StepClock(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._close_step()
-        self.switch.on = (state.global_step % 2 == 0) == self.first_on
+        if not self.fixed:
+            self.switch.on = (state.global_step % 2 == 0) == self.first_on
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -89,12 +98,22 @@ class StepClock(TrainerCallback):
 
 
 def train_once(model_path: str, workdir: Path, steps: int, tag: str, switch: Switch, first_on: bool,
-               store: bool = True) -> list[tuple[bool, float, float, float]]:
-    clock = StepClock(switch, first_on)
+               store: bool = True, whole: bool = False) -> list[tuple[bool, float, float, float]]:
+    """One training. ``whole``: the training is watched (``first_on``) or not watched at all."""
+    clock = StepClock(switch, first_on, fixed=whole)
+    switch.on = first_on
     trainer = make_trainer(model_path, workdir / f"out-{tag}", callbacks=[clock], max_steps=steps)
-    rltrl.watch(trainer, run=f"bench-{tag}", port=0, store=str(workdir / f"{tag}.db") if store else None)
+    watched = first_on or not whole
+    if watched:
+        options = dict(run=f"bench-{tag}", port=0, store=str(workdir / f"{tag}.db") if store else None)
+        watch = rltrl.watch(trainer, **{**options, **WATCH_OPTIONS})
     trainer.train()
-    rltrl.unwatch(trainer)
+    if watched:
+        watch.flush()
+        if watch._worker is not None:
+            BACKGROUND["cpu_seconds"] += watch._worker.busy_seconds
+            BACKGROUND["on_steps"] += sum(1 for s in clock.steps if s[0])
+        rltrl.unwatch(trainer)
     return clock.steps[WARMUP_STEPS:]
 
 
@@ -104,7 +123,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per training")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-store", action="store_true", help="watch without the run store (and its alerts)")
+    parser.add_argument("--whole-trainings", action="store_true",
+                        help="compare whole trainings watched and not watched at all (ABBA order) instead of "
+                             "alternating steps; the honest design when rlwatch computes in the background "
+                             "(the default of the TRL hook), whose work for one step overlaps the next")
+    parser.add_argument("--foreground", action="store_true", help="compute on the training thread (background=False)")
+    parser.add_argument("--no-hacks", action="store_true", help="without the reward-hack detectors")
     opts = parser.parse_args()
+    if opts.foreground:
+        WATCH_OPTIONS["background"] = False
+    if os.environ.get("RLWATCH_BENCH_OPTIONS"):          # diagnosis only: extra Watch options as JSON
+        import json
+
+        WATCH_OPTIONS.update(json.loads(os.environ["RLWATCH_BENCH_OPTIONS"]))
+    if opts.no_hacks:
+        WATCH_OPTIONS["hack_detectors"] = False
     if opts.threads:
         torch.set_num_threads(opts.threads)
     logging.getLogger("rlwatch").setLevel(logging.ERROR)       # the random model trips alerts; keep it quiet
@@ -119,14 +152,16 @@ def main() -> None:
     for t in range(opts.trainings):
         stdout, sys.stdout = sys.stdout, devnull                     # TRL prints every log line
         try:
-            steps += train_once(model_path, workdir, opts.steps, str(t), switch, first_on=t % 2 == 0,
-                                store=not opts.no_store)
+            first_on = t % 4 in (0, 3) if opts.whole_trainings else t % 2 == 0
+            steps += train_once(model_path, workdir, opts.steps, str(t), switch, first_on=first_on,
+                                store=not opts.no_store, whole=opts.whole_trainings)
         finally:
             sys.stdout = stdout
         off = [s for s in steps if not s[0]]
         on = [s for s in steps if s[0]]
-        print(f"training {t + 1}/{opts.trainings}: median wall off {statistics.median(x[1] for x in off) * 1e3:.1f} ms, "
-              f"on {statistics.median(x[1] for x in on) * 1e3:.1f} ms", flush=True)
+        med = {arm: f"{statistics.median(x[1] for x in rows) * 1e3:.1f} ms" if rows else "-"
+               for arm, rows in (("off", off), ("on", on))}
+        print(f"training {t + 1}/{opts.trainings}: median wall off {med['off']}, on {med['on']}", flush=True)
 
     off = [s for s in steps if not s[0]]
     on = [s for s in steps if s[0]]
@@ -135,7 +170,8 @@ def main() -> None:
     hooks = [s[3] for s in on]
     print(f"\ncommand: PYTHONPATH=. {os.path.relpath(sys.executable)} {' '.join(sys.argv)}")
     print(f"torch intra-op threads: {torch.get_num_threads()}; steps measured: {len(off)} off, {len(on)} on "
-          f"({opts.trainings} trainings x {opts.steps - WARMUP_STEPS} steps, alternating)")
+          f"({opts.trainings} trainings x {opts.steps - WARMUP_STEPS} steps, "
+          f"{'whole trainings watched or not, ABBA' if opts.whole_trainings else 'alternating'})")
     print(f"median wall time per step: off {wall_off * 1e3:.1f} ms, on {wall_on * 1e3:.1f} ms, "
           f"ratio {wall_on / wall_off:.4f} ({(wall_on / wall_off - 1) * 100:+.2f}%)")
     print(f"median CPU time per step:  off {cpu_off * 1e3:.1f} ms, on {cpu_on * 1e3:.1f} ms, "
@@ -143,6 +179,10 @@ def main() -> None:
     print(f"inside rlwatch's hooks on 'on' steps: median {statistics.median(hooks) * 1e3:.2f} ms, "
           f"mean {statistics.mean(hooks) * 1e3:.2f} ms = {statistics.median(hooks) / wall_off * 100:.2f}% / "
           f"{statistics.mean(hooks) / wall_off * 100:.2f}% of the median 'off' step")
+    if BACKGROUND["on_steps"]:
+        per_step = BACKGROUND["cpu_seconds"] / BACKGROUND["on_steps"]
+        print(f"CPU time of rlwatch's background thread per 'on' step: {per_step * 1e3:.2f} ms = "
+              f"{per_step / wall_off * 100:.2f}% of the median 'off' step (runs beside the trainer, off its thread)")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ class OrderedWorker:
     def __init__(self, name: str, on_error: Callable[[BaseException], Any], maxsize: int = 64) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize)
         self._on_error = on_error
+        self.busy_seconds = 0.0           # CPU time of this thread spent in jobs (benchmarks)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -42,6 +43,7 @@ class OrderedWorker:
     def _run(self) -> None:
         while True:
             job = self._queue.get()
+            started = time.thread_time()
             try:
                 if job is None:
                     return
@@ -49,6 +51,7 @@ class OrderedWorker:
             except BaseException as exc:  # noqa: BLE001 - the worker must outlive any job
                 self._on_error(exc)
             finally:
+                self.busy_seconds += time.thread_time() - started
                 self._queue.task_done()
 
     def drain(self, timeout: float) -> bool:

@@ -20,6 +20,9 @@ from .notify import AlertEvent, Dispatcher, log_event
 
 LabelKey = tuple[tuple[str, str], ...]
 
+#: Alert events an evaluator keeps in memory.
+EVENTS_KEPT = 1000
+
 
 def render(template: str, labels: Mapping[str, str], value: float | None) -> str:
     """Fill the catalogue's annotation templates ({{ $labels.x }}, {{ $value | ... }})."""
@@ -69,7 +72,8 @@ class AlertEvaluator:
         self._steps: deque = deque(maxlen=history)
         self._pending: dict[tuple[str, LabelKey], int] = {}
         self._firing: dict[tuple[str, LabelKey], AlertEvent] = {}
-        self.events: list[AlertEvent] = []
+        # The latest events in memory (the store keeps all of them): bounded for multi-day runs.
+        self.events: deque[AlertEvent] = deque(maxlen=EVENTS_KEPT)
         self._lock = threading.Lock()
         notifiers = list(notifiers)
         self.dispatcher = Dispatcher(notifiers, self._notify_error) if notifiers else None
