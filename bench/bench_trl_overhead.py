@@ -148,13 +148,16 @@ def main() -> None:
     model_path = build_tiny_model(workdir)
     switch = Switch()
     steps: list[tuple[bool, float, float, float]] = []
+    per_training: list[tuple[bool, float]] = []         # (watched, median step wall time)
     devnull = open(os.devnull, "w")
     for t in range(opts.trainings):
         stdout, sys.stdout = sys.stdout, devnull                     # TRL prints every log line
         try:
             first_on = t % 4 in (0, 3) if opts.whole_trainings else t % 2 == 0
-            steps += train_once(model_path, workdir, opts.steps, str(t), switch, first_on=first_on,
-                                store=not opts.no_store, whole=opts.whole_trainings)
+            measured = train_once(model_path, workdir, opts.steps, str(t), switch, first_on=first_on,
+                                  store=not opts.no_store, whole=opts.whole_trainings)
+            steps += measured
+            per_training.append((first_on, statistics.median(s[1] for s in measured)))
         finally:
             sys.stdout = stdout
         off = [s for s in steps if not s[0]]
@@ -179,6 +182,18 @@ def main() -> None:
     print(f"inside rlwatch's hooks on 'on' steps: median {statistics.median(hooks) * 1e3:.2f} ms, "
           f"mean {statistics.mean(hooks) * 1e3:.2f} ms = {statistics.median(hooks) / wall_off * 100:.2f}% / "
           f"{statistics.mean(hooks) / wall_off * 100:.2f}% of the median 'off' step")
+    if opts.whole_trainings:
+        import random
+
+        on_t = [m for watched, m in per_training if watched]
+        off_t = [m for watched, m in per_training if not watched]
+        rng = random.Random(0)
+        boot = sorted(statistics.median(rng.choices(on_t, k=len(on_t))) /
+                      statistics.median(rng.choices(off_t, k=len(off_t))) for _ in range(2000))
+        ratio = statistics.median(on_t) / statistics.median(off_t)
+        print(f"whole trainings: median of per-training medians, watched {statistics.median(on_t) * 1e3:.1f} ms, "
+              f"not watched {statistics.median(off_t) * 1e3:.1f} ms: ratio {ratio:.4f} ({(ratio - 1) * 100:+.2f}%), "
+              f"bootstrap 95% interval {(boot[50] - 1) * 100:+.2f}% .. {(boot[1949] - 1) * 100:+.2f}%")
     if BACKGROUND["on_steps"]:
         per_step = BACKGROUND["cpu_seconds"] / BACKGROUND["on_steps"]
         print(f"CPU time of rlwatch's background thread per 'on' step: {per_step * 1e3:.2f} ms = "

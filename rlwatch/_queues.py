@@ -26,8 +26,11 @@ class OrderedWorker:
     (back-pressure; nothing is dropped or reordered). A job that raises is reported through
     ``on_error`` and the worker carries on."""
 
-    def __init__(self, name: str, on_error: Callable[[BaseException], Any], maxsize: int = 64) -> None:
+    def __init__(self, name: str, on_error: Callable[[BaseException], Any], maxsize: int = 64,
+                 initializer: Callable[[], Any] | None = None) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize)
+        if initializer is not None:
+            self._queue.put(initializer)      # the thread's first job
         self._on_error = on_error
         self.busy_seconds = 0.0           # CPU time of this thread spent in jobs (benchmarks)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

@@ -168,7 +168,8 @@ class Watch:
             self._start_alerts(notifiers, alert_overrides, guard)
         if self.background:
             self._worker = OrderedWorker("rlwatch-steps", lambda exc: self.errors.report(
-                "background", type(exc).__name__, f"{type(exc).__name__}: {exc}", exc=exc))
+                "background", type(exc).__name__, f"{type(exc).__name__}: {exc}", exc=exc),
+                initializer=_one_intra_op_thread_here)
 
     # --- start-up of the optional parts ---------------------------------------------------------
 
@@ -516,6 +517,24 @@ def _few_threads_for(mask: Any) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def _one_intra_op_thread_here() -> None:
+    """Give the calling (rlwatch) thread one intra-op thread, leaving every other thread as it is.
+
+    With OpenMP, each thread that enters a parallel region gets a team of its own: a background
+    thread computing small steps would otherwise keep extra spinning threads competing with the
+    trainer's. ``torch.set_num_threads`` sets the calling thread's OpenMP setting and a process-wide
+    default that threads created later start from; a throw-away thread puts that default back."""
+    import torch
+
+    default = torch.get_num_threads()
+    if default == 1:
+        return
+    torch.set_num_threads(1)
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="rlwatch-threads")
+    restore.start()
+    restore.join()
 
 
 def _safe_filename(name: str) -> str:

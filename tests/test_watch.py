@@ -88,6 +88,11 @@ def test_background_mode_exports_the_same_steps_in_order(tmp_path):
             assert watch.flush()
             samples = scrape(watch.url)
             assert torch.get_num_threads() == threads
+            later: list[int] = []                                   # threads started later keep it too
+            spawned = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+            spawned.start()
+            spawned.join()
+            assert later == [threads]
         with StoreReader(store) as reader:
             rows = reader.steps(mode)
         results[mode] = (returned, samples, rows)

@@ -250,8 +250,11 @@ class GRPOInstrumentor(Instrumentor):
         env = env_labels(inputs)
         self.capture.rewards = {"per_func": per_func, "truncated": truncated, "env": env, "start": start}
         if prompts is not None and completions is not None and self.watch.hack_detection:
-            self.watch.submit_episodes(int(trainer.state.global_step), episodes(
-                trainer, prompts, completions, completion_ids_list, per_func, truncated, env))
+            # The checkers' verdicts are read now (the next reward call replaces them); the episodes
+            # are built and handed to the detectors on rlwatch's thread.
+            step, verdicts = int(trainer.state.global_step), audit_verdicts(trainer, len(completions))
+            self.watch.defer(lambda: self.watch.submit_episodes(step, episodes(
+                trainer, prompts, completions, completion_ids_list, per_func, truncated, env, verdicts)))
 
     def _on_generation(self, output: dict) -> None:
         """Stamp the batch with the policy version and its rows; remember its episode data."""
@@ -460,18 +463,26 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def audit_verdicts(trainer: Any, n: int) -> list[bool | None]:
+    """The verdicts of the :class:`AuditedReward` checkers on the last ``n`` completions scored."""
+    verdicts: list[bool | None] = [None] * n
+    for func in trainer.reward_funcs:
+        if isinstance(func, AuditedReward) and func.last_verdicts is not None:
+            verdicts = [v if v is not None else old for v, old in zip(func.last_verdicts, verdicts)]
+    return verdicts
+
+
 def episodes(trainer: Any, prompts: list, completions: list, completion_ids_list: list, per_func: torch.Tensor,
-             truncated: torch.Tensor, env: list[str] | None) -> list[dict[str, Any]]:
+             truncated: torch.Tensor, env: list[str] | None,
+             verdicts: list[bool | None] | None = None) -> list[dict[str, Any]]:
     """One episode per completion for the reward-hack detectors: text, ids, weighted reward, the reward
     components per function and, for :class:`AuditedReward` functions, the checker's verdict."""
     names = list(trainer.reward_func_names)
     weights = trainer.reward_weights.detach().to("cpu", torch.float64)
     rewards = (per_func * weights).nansum(dim=1).tolist()
     components = per_func.tolist()
-    verdicts: list[bool | None] = [None] * len(completions)
-    for func in trainer.reward_funcs:
-        if isinstance(func, AuditedReward) and func.last_verdicts is not None:
-            verdicts = [v if v is not None else old for v, old in zip(func.last_verdicts, verdicts)]
+    if verdicts is None:
+        verdicts = audit_verdicts(trainer, len(completions))
     out = []
     for i, completion in enumerate(completions):
         extra: dict[str, Any] = {"reward_components": {n: c for n, c in zip(names, components[i]) if c == c}}
