@@ -23,12 +23,14 @@ class OrderedWorker:
     """One daemon thread that runs submitted callables in submission order.
 
     The queue is bounded: when the worker is ``maxsize`` jobs behind, ``submit`` waits for it
-    (back-pressure; nothing is dropped or reordered). A job that raises is reported through
-    ``on_error`` and the worker carries on."""
+    (back-pressure, nothing reordered), but at most ``max_wait`` seconds: a worker stuck that long
+    costs the job (reported through ``on_error``), never the caller's progress. A job that raises
+    is reported through ``on_error`` and the worker carries on."""
 
     def __init__(self, name: str, on_error: Callable[[BaseException], Any], maxsize: int = 64,
-                 initializer: Callable[[], Any] | None = None) -> None:
+                 initializer: Callable[[], Any] | None = None, max_wait: float = 5.0) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize)
+        self.max_wait = max_wait
         if initializer is not None:
             self._queue.put(initializer)      # the thread's first job
         self._on_error = on_error
@@ -36,8 +38,14 @@ class OrderedWorker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], Any]) -> None:
-        self._queue.put(job)
+    def submit(self, job: Callable[[], Any]) -> bool:
+        """Queue ``job``; False (reported) when the worker stayed full for ``max_wait`` seconds."""
+        try:
+            self._queue.put(job, timeout=self.max_wait)
+            return True
+        except queue.Full:
+            self._on_error(TimeoutError(f"worker {self.max_wait:g} s behind; a job was dropped"))
+            return False
 
     def is_current(self) -> bool:
         """Whether the caller runs on this worker's thread (where ``submit`` could wait on itself)."""
@@ -64,6 +72,9 @@ class OrderedWorker:
     def close(self, timeout: float) -> bool:
         """Run what is queued (up to ``timeout`` s), then stop the thread."""
         done = self.drain(timeout)
-        self._queue.put(None)
+        try:
+            self._queue.put_nowait(None)      # a worker stuck in a job keeps a full queue: leave it
+        except queue.Full:
+            return False
         self._thread.join(timeout=1.0 if done else 0.0)
         return done

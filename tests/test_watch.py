@@ -383,3 +383,22 @@ def test_tls_and_basic_auth(tmp_path):
         assert 'rlwatch_steps_total{run="tls"} 1.0' in body
         with pytest.raises((urllib.error.URLError, ConnectionError)):   # plain HTTP is refused
             urllib.request.urlopen(watch.url.replace("https", "http"), timeout=5)
+
+
+def test_a_stuck_background_thread_never_blocks_the_trainer_for_long():
+    """A job that never ends (say a user's guard hanging on a network file system) fills the queue;
+    observe() then waits at most the worker's max_wait before dropping the step, counted."""
+    import time
+
+    release = threading.Event()
+    watch = rlwatch.Watch(run="stuck", port=None, store=None, background=True)
+    watch._worker.max_wait = 0.2
+    watch.defer(release.wait)
+    step = make_step(B=2, T=4)
+    start = time.perf_counter()
+    for i in range(70):                                  # the queue holds 64
+        watch.observe(i, **step)
+    assert time.perf_counter() - start < 5
+    assert watch.errors.counts[("background", "TimeoutError")] >= 1
+    release.set()
+    watch.close()
