@@ -471,7 +471,9 @@ def test_idempotent_and_uninstrument_restores_originals(caplog):
         ro.uninstrument()
         w.close()
     assert _targets() == originals
-    assert not any(isinstance(f, ro.PostImportFinder) for f in sys.meta_path)
+    from rlwatch.integrations._imports import PostImportFinder
+
+    assert not any(isinstance(f, PostImportFinder) for f in sys.meta_path)
 
 
 @pytest.mark.parametrize("version", ["0.10.4", "0.12.0", "1.0.0"])

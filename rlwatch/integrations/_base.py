@@ -15,6 +15,9 @@ import importlib.metadata
 import logging
 import os
 import re
+import sys
+import threading
+from types import ModuleType
 from typing import Any, Callable, Mapping
 
 logger = logging.getLogger("rlwatch")
@@ -146,6 +149,114 @@ def env_watch_options(environ: Mapping[str, str] | None = None) -> dict[str, Any
         opts["group_size"] = int(env["RLWATCH_GROUP_SIZE"])
     opts["strict"] = env_flag(env, "RLWATCH_STRICT", False)
     return opts
+
+
+class RayActorInstrumentor(Instrumentor):
+    """An instrumentor delivered into every Ray worker by an import hook (verl, OpenRLHF): it patches
+    the modules of ``patches`` as they are imported, and the first trainer call that reaches it
+    creates the process's Watch, from RLWATCH_* variables and the trainer's own configuration.
+
+    Subclasses set ``patches`` ({module name: [...]}, the import hook's targets) and ``label``, and
+    implement ``_patch_module``, ``_watch_options(context)`` and ``_watch_metadata(context)``."""
+
+    patches: Mapping[str, Any] = {}
+    label = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watch: Any = None
+        self.last_values: dict | None = None
+        self._own_watch = False
+        self._watch_kwargs: dict[str, Any] = {}
+        self._watch_lock = threading.Lock()
+        self._watch_failed = False
+        self._finder: Any = None
+        self._fallback_step = 0
+
+    def _instrument(self, watch: Any = None, **watch_kwargs: Any) -> None:
+        """``watch``: report to this Watch instead of creating one (from RLWATCH_*, the trainer's
+        configuration and ``watch_kwargs``) when a wrapped function is first called."""
+        from ._imports import PostImportFinder
+
+        self.watch = watch
+        self._own_watch = False
+        self._watch_kwargs = watch_kwargs
+        self._watch_failed = False
+        for name in self.patches:
+            module = sys.modules.get(name)
+            if module is not None:
+                self._patch_module(module)
+        self._finder = PostImportFinder(self.patches, self._on_import)
+        sys.meta_path.insert(0, self._finder)
+
+    def _uninstrument(self) -> None:
+        if self._finder is not None and self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+        self._finder = None
+        if self._own_watch and self.watch is not None:
+            self.watch.close()
+        self.watch = None
+        self._own_watch = False
+
+    def _on_import(self, module: ModuleType) -> None:
+        if not self._instrumented:
+            return
+        try:
+            self._patch_module(module)
+        except Exception as exc:  # noqa: BLE001 - an import must never fail because of rlwatch
+            logger.warning("rlwatch: could not instrument %s: %s", module.__name__, exc)
+
+    def _patch_module(self, module: ModuleType) -> None:
+        raise NotImplementedError
+
+    def _get_watch(self, context: Any = None) -> Any:
+        """The process's Watch, created on first use (None, with one warning, if that failed)."""
+        if self.watch is not None or self._watch_failed:
+            return self.watch
+        with self._watch_lock:
+            if self.watch is None and not self._watch_failed:
+                try:
+                    self.watch = self._make_watch(context)
+                    self._own_watch = True
+                except Exception as exc:  # noqa: BLE001
+                    self._watch_failed = True
+                    logger.warning("rlwatch: could not start the Watch in this %s process: %s", self.label, exc)
+        return self.watch
+
+    def _make_watch(self, context: Any) -> Any:
+        import atexit
+
+        from ..watch import Watch, _rank
+
+        opts = self._watch_options(context)
+        opts.update(self._watch_kwargs)
+        opts.setdefault("metadata", self._watch_metadata(context))
+        if "all_ranks" not in opts and _rank()[0] != 0:
+            # The trainer actor is the only caller; a RANK/SLURM_PROCID it inherited from the node's
+            # launcher must not silence it (the run label then carries a -rankN suffix).
+            opts["all_ranks"] = True
+        watch = Watch(**opts)
+        atexit.register(watch.close)
+        logger.info("rlwatch: %s trainer process %d exports at %s", self.label, os.getpid(), watch.url)
+        return watch
+
+    def _watch_options(self, context: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _watch_metadata(self, context: Any) -> dict[str, Any]:
+        return {}
+
+
+def run_setup_hook(instrumentor: RayActorInstrumentor) -> None:
+    """Body of a Ray ``worker_process_setup_hook``: check the version and install the import hook,
+    nothing more (the framework is not imported, no Watch is created). Never raises: a failing
+    setup hook would stop the worker from starting. RLWATCH_DISABLE=1 turns it off."""
+    try:
+        if env_flag(os.environ, "RLWATCH_DISABLE", False) or instrumentor.is_instrumented:
+            return
+        instrumentor.instrument()
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("rlwatch: %s setup hook failed; this worker is not instrumented: %s", instrumentor.label, exc)
 
 
 def guarded(watch: Any, kind: str) -> Callable[[Callable], Callable]:

@@ -108,8 +108,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from ._base import Instrumentor, env_flag, env_watch_options, guarded, installed_version
-from ._imports import PostImportFinder
+from ._base import RayActorInstrumentor, env_watch_options, guarded, installed_version, run_setup_hook
 
 logger = logging.getLogger("rlwatch")
 
@@ -472,24 +471,18 @@ def checkpoint_dir(args: Any, global_step: int) -> str | None:
 
 # --- the instrumentor ----------------------------------------------------------------------------
 
-class OpenRLHFInstrumentor(Instrumentor):
+class OpenRLHFInstrumentor(RayActorInstrumentor):
     """Wraps OpenRLHF's trainer, experience maker and sample generator (see the module docstring)."""
 
     package = "openrlhf"
     minimum = (0, 11)
     below = (0, 12)
+    patches = PATCHES
+    label = "OpenRLHF"
 
     def __init__(self) -> None:
         super().__init__()
-        self.watch: Any = None
-        self.last_values: dict | None = None
         self.last_fields: dict | None = None
-        self._own_watch = False
-        self._watch_kwargs: dict[str, Any] = {}
-        self._watch_lock = threading.Lock()
-        self._watch_failed = False
-        self._finder: PostImportFinder | None = None
-        self._fallback_step = 0
         self._local_clock: LocalClock | None = None
         self._ray_clock: RayClock | None = None
         self._clock_lock = threading.Lock()
@@ -499,41 +492,13 @@ class OpenRLHFInstrumentor(Instrumentor):
 
     # life cycle
 
-    def _instrument(self, watch: Any = None, **watch_kwargs: Any) -> None:
-        """``watch``: report to this Watch instead of creating one (from RLWATCH_*, OpenRLHF's
-        arguments and ``watch_kwargs``) when the first training step is observed."""
-        self.watch = watch
-        self._own_watch = False
-        self._watch_kwargs = watch_kwargs
-        self._watch_failed = False
-        for name in PATCHES:
-            module = sys.modules.get(name)
-            if module is not None:
-                self._patch_module(module)
-        self._finder = PostImportFinder(PATCHES, self._on_import)
-        sys.meta_path.insert(0, self._finder)
-
     def _uninstrument(self) -> None:
-        if self._finder is not None and self._finder in sys.meta_path:
-            sys.meta_path.remove(self._finder)
-        self._finder = None
-        if self._own_watch and self.watch is not None:
-            self.watch.close()
-        self.watch = None
-        self._own_watch = False
+        super()._uninstrument()
         with self._pending_lock:
             self._pending.clear()
         with self._clock_lock:                       # a new instrumentation counts from 0 again
             self._local_clock = None
             self._ray_clock = None
-
-    def _on_import(self, module: ModuleType) -> None:
-        if not self._instrumented:
-            return
-        try:
-            self._patch_module(module)
-        except Exception as exc:  # noqa: BLE001 - an import must never fail because of rlwatch
-            logger.warning("rlwatch: could not instrument %s: %s", module.__name__, exc)
 
     def _patch_module(self, module: ModuleType) -> None:
         for owner_name, attr, factory in PATCHES.get(module.__name__, []):
@@ -553,38 +518,14 @@ class OpenRLHFInstrumentor(Instrumentor):
 
     # the Watch
 
-    def _get_watch(self, args: Any = None) -> Any:
-        if self.watch is not None or self._watch_failed:
-            return self.watch
-        with self._watch_lock:
-            if self.watch is None and not self._watch_failed:
-                try:
-                    self.watch = self._make_watch(args)
-                    self._own_watch = True
-                except Exception as exc:  # noqa: BLE001
-                    self._watch_failed = True
-                    logger.warning("rlwatch: could not start the Watch in this OpenRLHF process: %s", exc)
-        return self.watch
+    def _watch_options(self, args: Any) -> dict[str, Any]:
+        return watch_options_from_env(args=args)
 
-    def _make_watch(self, args: Any) -> Any:
-        import atexit
-
-        from ..watch import Watch, _rank
-
-        opts = watch_options_from_env(args=args)
-        opts.update(self._watch_kwargs)
-        opts.setdefault("metadata", {"async": bool(_get(args, "train.async_enable", False)),
-                                     "partial_rollout": bool(_get(args, "train.partial_rollout_enable", False)),
-                                     "is_correction": is_correction_on(args),
-                                     "advantage_estimator": _get(args, "algo.advantage.estimator")})
-        if "all_ranks" not in opts and _rank()[0] != 0:
-            # The controller actor is the only caller; a RANK it inherited from the node's launcher
-            # must not silence it (the run label then carries a -rankN suffix).
-            opts["all_ranks"] = True
-        watch = Watch(**opts)
-        atexit.register(watch.close)
-        logger.info("rlwatch: OpenRLHF trainer process %d exports at %s", os.getpid(), watch.url)
-        return watch
+    def _watch_metadata(self, args: Any) -> dict[str, Any]:
+        return {"async": bool(_get(args, "train.async_enable", False)),
+                "partial_rollout": bool(_get(args, "train.partial_rollout_enable", False)),
+                "is_correction": is_correction_on(args),
+                "advantage_estimator": _get(args, "algo.advantage.estimator")}
 
     # the clock
 
@@ -825,12 +766,7 @@ def setup_hook() -> None:
 
     Checks the OpenRLHF version and installs an import hook, nothing more (OpenRLHF is not
     imported, no Watch is created). Never raises: a failing setup hook stops the worker."""
-    try:
-        if env_flag(os.environ, "RLWATCH_DISABLE", False) or INSTRUMENTOR.is_instrumented:
-            return
-        INSTRUMENTOR.instrument()
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("rlwatch: OpenRLHF setup hook failed; this worker is not instrumented: %s", exc)
+    run_setup_hook(INSTRUMENTOR)
 
 
 # --- the launcher --------------------------------------------------------------------------------

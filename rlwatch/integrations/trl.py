@@ -82,7 +82,6 @@ from typing import Any, Callable
 import torch
 
 from ..postmortem.probe import ROLLOUTS_FILE
-
 from . import _base
 from ._base import Instrumentor, guarded
 
@@ -103,8 +102,6 @@ UNSCORABLE = "unscorable"
 MAX_ENV_SCALARS = 64
 #: Sequences of the first generation batch kept for ``rlwatch postmortem --probe``.
 PROBE_ROWS = 32
-#: The file they go to, in the trainer's output directory.
-PROBE_FILE = ROLLOUTS_FILE
 
 
 # --- host-side records --------------------------------------------------------------------------
@@ -691,7 +688,7 @@ def attach(trainer: Any, watch: Any, callback: RLWatchCallback | None = None, ow
         instrumentor = GRPOInstrumentor(trainer, watch)
         output_dir = getattr(getattr(trainer, "args", None), "output_dir", None)
         if probe_rollouts and output_dir and watch.active:
-            instrumentor.probe_path = os.path.join(output_dir, PROBE_FILE)
+            instrumentor.probe_path = os.path.join(output_dir, ROLLOUTS_FILE)
         try:
             if not instrumentor.instrument():
                 return False

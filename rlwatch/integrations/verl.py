@@ -71,12 +71,10 @@ import contextvars
 import logging
 import os
 import sys
-import threading
 from types import FrameType, ModuleType
 from typing import Any, Callable, Iterable, Mapping
 
-from ._base import Instrumentor, env_flag, env_watch_options, guarded, installed_version
-from ._imports import PostImportFinder
+from ._base import RayActorInstrumentor, env_watch_options, guarded, installed_version, run_setup_hook
 
 logger = logging.getLogger("rlwatch")
 
@@ -437,45 +435,22 @@ def checkpoint_dir(trainer: Any) -> tuple[int, str] | None:
 
 # --- the instrumentor ----------------------------------------------------------------------------
 
-class VerlInstrumentor(Instrumentor):
+class VerlInstrumentor(RayActorInstrumentor):
     """Wraps verl's metric, logging and checkpoint functions (see the module docstring)."""
 
     package = "verl"
     minimum = (0, 9)
     below = (0, 10)
+    patches = PATCHES
+    label = "verl"
 
     def __init__(self) -> None:
         super().__init__()
-        self.watch: Any = None
-        self.last_values: dict | None = None
-        self._own_watch = False
-        self._watch_kwargs: dict[str, Any] = {}
-        self._watch_lock = threading.Lock()
-        self._watch_failed = False
-        self._finder: PostImportFinder | None = None
         self._wrappers: dict[str, tuple[Callable, Callable]] = {}   # name -> (original, wrapper)
-        self._fallback_step = 0
 
     # life cycle
 
-    def _instrument(self, watch: Any = None, **watch_kwargs: Any) -> None:
-        """``watch``: use this Watch instead of creating one (from RLWATCH_* and ``watch_kwargs``)
-        when a wrapped function is first called."""
-        self.watch = watch
-        self._own_watch = False
-        self._watch_kwargs = watch_kwargs
-        self._watch_failed = False
-        for name in PATCHES:
-            module = sys.modules.get(name)
-            if module is not None:
-                self._patch_module(module)
-        self._finder = PostImportFinder(PATCHES, self._on_import)
-        sys.meta_path.insert(0, self._finder)
-
     def _uninstrument(self) -> None:
-        if self._finder is not None and self._finder in sys.meta_path:
-            sys.meta_path.remove(self._finder)
-        self._finder = None
         # Modules imported while instrumented bound the wrapper themselves (not through patch()).
         for name, (original, wrapper) in self._wrappers.items():
             for module in list(sys.modules.values()):
@@ -485,18 +460,7 @@ class VerlInstrumentor(Instrumentor):
                 except TypeError:
                     continue
         self._wrappers.clear()
-        if self._own_watch and self.watch is not None:
-            self.watch.close()
-        self.watch = None
-        self._own_watch = False
-
-    def _on_import(self, module: ModuleType) -> None:
-        if not self._instrumented:
-            return
-        try:
-            self._patch_module(module)
-        except Exception as exc:  # noqa: BLE001 - an import must never fail because of rlwatch
-            logger.warning("rlwatch: could not instrument %s: %s", module.__name__, exc)
+        super()._uninstrument()
 
     def _patch_module(self, module: ModuleType) -> None:
         for owner_name, attr, factory in PATCHES.get(module.__name__, []):
@@ -535,37 +499,12 @@ class VerlInstrumentor(Instrumentor):
 
     # the Watch
 
-    def _get_watch(self, trainer: Any = None) -> Any:
-        if self.watch is not None or self._watch_failed:
-            return self.watch
-        with self._watch_lock:
-            if self.watch is None and not self._watch_failed:
-                try:
-                    self.watch = self._make_watch(trainer)
-                    self._own_watch = True
-                except Exception as exc:  # noqa: BLE001
-                    self._watch_failed = True
-                    logger.warning("rlwatch: could not start the Watch in this verl process: %s", exc)
-        return self.watch
+    def _watch_options(self, trainer: Any) -> dict[str, Any]:
+        return watch_options_from_env(config=getattr(trainer, "config", None))
 
-    def _make_watch(self, trainer: Any) -> Any:
-        import atexit
-
-        from ..watch import Watch, _rank
-
-        config = getattr(trainer, "config", None)
-        opts = watch_options_from_env(config=config)
-        opts.update(self._watch_kwargs)
-        opts.setdefault("metadata", {"trainer": type(trainer).__name__ if trainer is not None else None,
-                                     "use_v1": _config_get(config, "trainer.use_v1")})
-        if "all_ranks" not in opts and _rank()[0] != 0:
-            # The trainer actor is the only caller; a RANK/SLURM_PROCID it inherited from the node's
-            # launcher must not silence it (the run label then carries a -rankN suffix).
-            opts["all_ranks"] = True
-        watch = Watch(**opts)
-        atexit.register(watch.close)
-        logger.info("rlwatch: verl trainer process %d exports at %s", os.getpid(), watch.url)
-        return watch
+    def _watch_metadata(self, trainer: Any) -> dict[str, Any]:
+        return {"trainer": type(trainer).__name__ if trainer is not None else None,
+                "use_v1": _config_get(getattr(trainer, "config", None), "trainer.use_v1")}
 
     def _observe(self, step: int, fields: dict[str, Any]) -> None:
         watch = self.watch
@@ -710,9 +649,4 @@ def setup_hook() -> None:
     Runs at worker start-up: checks the verl version and installs an import hook, nothing more
     (verl is not imported, no Watch is created). Never raises: a failing setup hook would stop the
     worker from starting."""
-    try:
-        if env_flag(os.environ, "RLWATCH_DISABLE", False) or INSTRUMENTOR.is_instrumented:
-            return
-        INSTRUMENTOR.instrument()
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("rlwatch: verl setup hook failed; this worker is not instrumented: %s", exc)
+    run_setup_hook(INSTRUMENTOR)
