@@ -1,25 +1,27 @@
 """Step-time overhead of the TRL integration on the tiny CPU GRPOTrainer of the tests.
 
-Paired per step: every training is watched with the default one-line setup
-(``rlwatch.integrations.trl.watch(trainer)``: /metrics endpoint, run store, in-process alerts), and
-rlwatch's work is switched on for every other optimizer step only (which parity is on flips from one
-training to the next). On an "off" step the wrappers still run but return at once, so no sample is
-stamped or captured, nothing is observed and no logs are forwarded. Adjacent steps of one training
-share the model size, the batch shapes and, as far as possible, the load of a shared machine, which
-makes the comparison far steadier than separate trainings.
+Every training is watched with the default one-line setup (``rlwatch.integrations.trl.watch(trainer)``:
+/metrics endpoint, run store, in-process alerts, rlwatch's own thread computing each step), and
+rlwatch's work is switched on for some optimizer steps only. On an "off" step the wrappers still run
+but return at once, so no sample is stamped or captured, nothing is observed and no logs are
+forwarded. A step runs from one ``on_step_begin`` to the next.
 
-A step runs from one ``on_step_begin`` to the next: it includes what rlwatch does on the training
-thread for that step (capture during generation and loss, handing the step to rlwatch's thread,
-forwarded logs). The TRL hook computes each step on rlwatch's own thread (``background=True``), so
-that work lands beside the following step, whichever arm it is in: the paired wall ratio then
-understates it, and the CPU time of that thread per step is reported separately. The first two
-steps of each training are dropped (warm-up). Reported per arm: median wall time and median process
-CPU time (all threads), their ratios, the time measured inside rlwatch's hooks on the training
-thread, and the CPU time of rlwatch's thread per step. ``--whole-trainings`` compares whole
-trainings watched and not watched (ABBA) instead; ``--foreground`` computes on the training thread.
+Designs (the default is ``cycles``):
+
+- ``cycles``: one step in four is watched (see ``bench/_paired.py``): the watched step and the next
+  one (where rlwatch's thread computes the watched step beside the trainer) against the two after
+  them, cycle by cycle. Cycles whose baseline began before rlwatch's thread had finished are dropped
+  and counted.
+- ``--alternate``: every other step watched, medians per arm. Understates a background cost, whose
+  work lands in the following (off) step; meaningful with ``--foreground``.
+- ``--whole-trainings``: whole trainings watched and not watched (ABBA); free of attribution
+  questions but at the mercy of the machine's drift between trainings.
+
+Also reported: the time inside rlwatch's hooks on the training thread and the CPU time of
+rlwatch's thread per watched step. The first ``WARMUP_STEPS`` steps of each training are dropped.
 Run:
 
-    PYTHONPATH=. python bench/bench_trl_overhead.py [--trainings 8] [--steps 22] [--threads N] [--no-store]
+    PYTHONPATH=. python bench/bench_trl_overhead.py [--trainings 8] [--steps 42] [--threads N] [--no-store]
 """
 
 from __future__ import annotations
@@ -32,16 +34,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
+from bench import _paired  # noqa: E402
 from rlwatch.integrations import trl as rltrl  # noqa: E402
 from tests._trl_tiny import build_tiny_model, make_trainer  # noqa: E402
 
-WARMUP_STEPS = 2
+WARMUP_STEPS = 4            # a whole cycle, so that measured steps start at a watched one
 WATCH_OPTIONS: dict = {}
 BACKGROUND = {"cpu_seconds": 0.0, "on_steps": 0}     # rlwatch's own thread (background=True)
 
@@ -71,25 +75,34 @@ class Switch:
 
 
 class StepClock(TrainerCallback):
-    """Flips the switch at each step begin and records (on, wall s, CPU s, hook s) per step."""
+    """Sets the switch at each step begin and records one ``Step`` per step."""
 
-    def __init__(self, switch: Switch, first_on: bool, fixed: bool = False) -> None:
+    def __init__(self, switch: Switch, design: str, first_on: bool) -> None:
         self.switch = switch
+        self.design = design                # "cycles", "alternate" or "whole"
         self.first_on = first_on
-        self.fixed = fixed                  # whole-training arms: no flipping
-        self.steps: list[tuple[bool, float, float, float]] = []
+        self.watch = None                   # set once the Watch exists (backlog of rlwatch's thread)
+        self.steps: list[Step] = []
         self._mark: tuple[float, float, float] | None = None
+        self._index = 0
+        self._backlog = 0
 
     def _close_step(self) -> None:
         now = (time.perf_counter(), time.process_time(), self.switch.hook_seconds)
         if self._mark is not None:
-            self.steps.append((self.switch.on, *(b - a for a, b in zip(self._mark, now))))
+            self.steps.append(Step(self._index - 1, self.switch.on, *(b - a for a, b in zip(self._mark, now)),
+                                   self._backlog))
         self._mark = now
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._close_step()
-        if not self.fixed:
-            self.switch.on = (state.global_step % 2 == 0) == self.first_on
+        worker = getattr(self.watch, "_worker", None)
+        self._backlog = worker._queue.unfinished_tasks if worker is not None else 0
+        if self.design == "cycles":
+            self.switch.on = _paired.watched(self._index)
+        elif self.design == "alternate":
+            self.switch.on = (self._index % 2 == 0) == self.first_on
+        self._index += 1
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -97,39 +110,49 @@ class StepClock(TrainerCallback):
         return control
 
 
-def train_once(model_path: str, workdir: Path, steps: int, tag: str, switch: Switch, first_on: bool,
-               store: bool = True, whole: bool = False) -> list[tuple[bool, float, float, float]]:
-    """One training. ``whole``: the training is watched (``first_on``) or not watched at all."""
-    clock = StepClock(switch, first_on, fixed=whole)
+class Step(NamedTuple):
+    index: int
+    on: bool
+    wall: float
+    cpu: float
+    hook: float
+    backlog: int          # jobs of rlwatch's thread not finished when the step began
+
+
+def train_once(model_path: str, workdir: Path, steps: int, tag: str, switch: Switch, design: str,
+               first_on: bool, store: bool = True) -> list[Step]:
+    """One training. With ``design="whole"`` the training is watched (``first_on``) or not at all."""
+    clock = StepClock(switch, design, first_on)
     switch.on = first_on
     trainer = make_trainer(model_path, workdir / f"out-{tag}", callbacks=[clock], max_steps=steps)
-    watched = first_on or not whole
+    watched = first_on or design != "whole"
     if watched:
         options = dict(run=f"bench-{tag}", port=0, store=str(workdir / f"{tag}.db") if store else None)
-        watch = rltrl.watch(trainer, **{**options, **WATCH_OPTIONS})
+        clock.watch = rltrl.watch(trainer, **{**options, **WATCH_OPTIONS})
     trainer.train()
     if watched:
-        watch.flush()
-        if watch._worker is not None:
-            BACKGROUND["cpu_seconds"] += watch._worker.busy_seconds
-            BACKGROUND["on_steps"] += sum(1 for s in clock.steps if s[0])
+        clock.watch.flush()
+        if clock.watch._worker is not None:
+            BACKGROUND["cpu_seconds"] += clock.watch._worker.busy_seconds
+            BACKGROUND["on_steps"] += sum(1 for s in clock.steps if s.on)
         rltrl.unwatch(trainer)
     return clock.steps[WARMUP_STEPS:]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trainings", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per training")
+    parser.add_argument("--trainings", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=42, help="optimizer steps per training")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-store", action="store_true", help="watch without the run store (and its alerts)")
-    parser.add_argument("--whole-trainings", action="store_true",
-                        help="compare whole trainings watched and not watched at all (ABBA order) instead of "
-                             "alternating steps; the honest design when rlwatch computes in the background "
-                             "(the default of the TRL hook), whose work for one step overlaps the next")
+    design = parser.add_mutually_exclusive_group()
+    design.add_argument("--alternate", action="store_true", help="every other step watched (see the docstring)")
+    design.add_argument("--whole-trainings", action="store_true",
+                        help="whole trainings watched and not watched at all, ABBA (see the docstring)")
     parser.add_argument("--foreground", action="store_true", help="compute on the training thread (background=False)")
     parser.add_argument("--no-hacks", action="store_true", help="without the reward-hack detectors")
     opts = parser.parse_args()
+    design = "alternate" if opts.alternate else "whole" if opts.whole_trainings else "cycles"
     if opts.foreground:
         WATCH_OPTIONS["background"] = False
     if os.environ.get("RLWATCH_BENCH_OPTIONS"):          # diagnosis only: extra Watch options as JSON
@@ -147,42 +170,55 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="rlwatch-bench-trl-"))
     model_path = build_tiny_model(workdir)
     switch = Switch()
-    steps: list[tuple[bool, float, float, float]] = []
+    steps: list[Step] = []
+    overheads: list[float] = []
+    dropped = 0
     per_training: list[tuple[bool, float]] = []         # (watched, median step wall time)
     devnull = open(os.devnull, "w")
     for t in range(opts.trainings):
         stdout, sys.stdout = sys.stdout, devnull                     # TRL prints every log line
         try:
-            first_on = t % 4 in (0, 3) if opts.whole_trainings else t % 2 == 0
-            measured = train_once(model_path, workdir, opts.steps, str(t), switch, first_on=first_on,
-                                  store=not opts.no_store, whole=opts.whole_trainings)
-            steps += measured
-            per_training.append((first_on, statistics.median(s[1] for s in measured)))
+            first_on = t % 4 in (0, 3) if design == "whole" else t % 2 == 0
+            measured = train_once(model_path, workdir, opts.steps, str(t), switch, design, first_on,
+                                  store=not opts.no_store)
         finally:
             sys.stdout = stdout
-        off = [s for s in steps if not s[0]]
-        on = [s for s in steps if s[0]]
-        med = {arm: f"{statistics.median(x[1] for x in rows) * 1e3:.1f} ms" if rows else "-"
-               for arm, rows in (("off", off), ("on", on))}
-        print(f"training {t + 1}/{opts.trainings}: median wall off {med['off']}, on {med['on']}", flush=True)
+        steps += measured
+        per_training.append((first_on, statistics.median(s.wall for s in measured)))
+        if design == "cycles":
+            clean = [s.backlog == 0 for s in measured]
+            found = _paired.cycle_overheads([s.wall for s in measured], measured[0].index, clean)
+            dropped += len(_paired.cycle_overheads([s.wall for s in measured], measured[0].index)) - len(found)
+            overheads += found
+            progress = _paired.describe(overheads) if len(overheads) > 1 else "-"
+        else:
+            progress = ", ".join(f"{arm} {statistics.median(s.wall for s in steps if s.on == on) * 1e3:.1f} ms"
+                                 for arm, on in (("off", False), ("on", True)) if any(s.on == on for s in steps))
+        print(f"training {t + 1}/{opts.trainings}: {progress}", flush=True)
 
-    off = [s for s in steps if not s[0]]
-    on = [s for s in steps if s[0]]
-    wall_off, wall_on = statistics.median(s[1] for s in off), statistics.median(s[1] for s in on)
-    cpu_off, cpu_on = statistics.median(s[2] for s in off), statistics.median(s[2] for s in on)
-    hooks = [s[3] for s in on]
+    off = [s for s in steps if not s.on]
+    on = [s for s in steps if s.on]
+    wall_off = statistics.median(s.wall for s in off)
+    hooks = [s.hook for s in on]
     print(f"\ncommand: PYTHONPATH=. {os.path.relpath(sys.executable)} {' '.join(sys.argv)}")
-    print(f"torch intra-op threads: {torch.get_num_threads()}; steps measured: {len(off)} off, {len(on)} on "
-          f"({opts.trainings} trainings x {opts.steps - WARMUP_STEPS} steps, "
-          f"{'whole trainings watched or not, ABBA' if opts.whole_trainings else 'alternating'})")
-    print(f"median wall time per step: off {wall_off * 1e3:.1f} ms, on {wall_on * 1e3:.1f} ms, "
-          f"ratio {wall_on / wall_off:.4f} ({(wall_on / wall_off - 1) * 100:+.2f}%)")
-    print(f"median CPU time per step:  off {cpu_off * 1e3:.1f} ms, on {cpu_on * 1e3:.1f} ms, "
-          f"ratio {cpu_on / cpu_off:.4f} ({(cpu_on / cpu_off - 1) * 100:+.2f}%)")
-    print(f"inside rlwatch's hooks on 'on' steps: median {statistics.median(hooks) * 1e3:.2f} ms, "
+    print(f"torch intra-op threads: {torch.get_num_threads()}; {opts.trainings} trainings x "
+          f"{opts.steps - WARMUP_STEPS} measured steps; design: {design}"
+          f"{' (rlwatch computes on the training thread)' if opts.foreground else ''}")
+    if design == "cycles":
+        print(f"cost of watching a step, paired 4-step cycles: {_paired.describe(overheads)}; "
+              f"{dropped} cycles dropped (rlwatch's thread still busy when the baseline began)")
+        print(f"median wall time of the baseline steps: {wall_off * 1e3:.1f} ms")
+    else:
+        wall_on = statistics.median(s.wall for s in on)
+        cpu_off, cpu_on = statistics.median(s.cpu for s in off), statistics.median(s.cpu for s in on)
+        print(f"median wall time per step: off {wall_off * 1e3:.1f} ms, on {wall_on * 1e3:.1f} ms, "
+              f"ratio {wall_on / wall_off:.4f} ({(wall_on / wall_off - 1) * 100:+.2f}%)")
+        print(f"median CPU time per step:  off {cpu_off * 1e3:.1f} ms, on {cpu_on * 1e3:.1f} ms, "
+              f"ratio {cpu_on / cpu_off:.4f} ({(cpu_on / cpu_off - 1) * 100:+.2f}%)")
+    print(f"inside rlwatch's hooks on watched steps: median {statistics.median(hooks) * 1e3:.2f} ms, "
           f"mean {statistics.mean(hooks) * 1e3:.2f} ms = {statistics.median(hooks) / wall_off * 100:.2f}% / "
-          f"{statistics.mean(hooks) / wall_off * 100:.2f}% of the median 'off' step")
-    if opts.whole_trainings:
+          f"{statistics.mean(hooks) / wall_off * 100:.2f}% of the median unwatched step")
+    if design == "whole":
         import random
 
         on_t = [m for watched, m in per_training if watched]
@@ -196,8 +232,8 @@ def main() -> None:
               f"bootstrap 95% interval {(boot[50] - 1) * 100:+.2f}% .. {(boot[1949] - 1) * 100:+.2f}%")
     if BACKGROUND["on_steps"]:
         per_step = BACKGROUND["cpu_seconds"] / BACKGROUND["on_steps"]
-        print(f"CPU time of rlwatch's background thread per 'on' step: {per_step * 1e3:.2f} ms = "
-              f"{per_step / wall_off * 100:.2f}% of the median 'off' step (runs beside the trainer, off its thread)")
+        print(f"CPU time of rlwatch's thread per watched step: {per_step * 1e3:.2f} ms = "
+              f"{per_step / wall_off * 100:.2f}% of the median unwatched step (beside the trainer, off its thread)")
 
 
 if __name__ == "__main__":

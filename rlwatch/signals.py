@@ -23,8 +23,9 @@ keeps them non-negative and accurate when the mismatch is tiny.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -79,71 +80,122 @@ class SignalConfig:
 
 
 class Pending:
-    """Device tensors waiting for the step's single host transfer.
+    """Device tensors waiting for the step's single host transfer, and the host formulas that finish
+    them.
 
-    ``put(name, value, labels)`` stores a scalar; ``put_vector(name, tensor, label_rows)`` stores one
-    value per label row. ``resolve()`` returns ``{name: {labels: float | None}}`` with NaN and
-    infinities mapped to None.
+    ``put(name, value, labels)`` stores a scalar and ``put_vector(name, tensor, label_rows)`` one value
+    per label row. ``derive(name, fn, *parts)`` and ``derive_vector(name, fn, rows, *parts)`` store
+    reductions whose final formula (a ratio, a variance, a correlation) runs on the host in float64
+    after the transfer: each 0-d part reaches ``fn`` as a float, each 1-d part as a list, and anything
+    else unchanged. On small batches a formula on 0-d device tensors costs more than the reductions
+    themselves. ``resolve()`` returns ``{name: {labels: float | None}}``; NaN, infinities and a
+    formula's division by zero resolve to None.
     """
 
     def __init__(self) -> None:
-        self._scalars: list[tuple[str, tuple[str, ...]]] = []
-        self._scalar_tensors: list[torch.Tensor] = []
-        self._vectors: list[tuple[str, list[tuple[str, ...]]]] = []
-        self._vector_tensors: list[torch.Tensor] = []
+        self._scalars: list[torch.Tensor] = []       # 0-d parts, stacked for the transfer
+        self._vectors: list[torch.Tensor] = []       # 1-d parts, concatenated after the scalars
+        self._entries: list[tuple[str, Any, Callable[..., Any] | None, tuple[Any, ...]]] = []
+
+    def _part(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0:
+                self._scalars.append(value)
+                return _Slot(len(self._scalars) - 1, None)
+            self._vectors.append(value if value.dim() == 1 else value.reshape(-1))
+            return _Slot(len(self._vectors) - 1, value.numel())
+        return value
 
     def put(self, name: str, value: torch.Tensor | float, labels: tuple[str, ...] = ()) -> None:
-        if not isinstance(value, torch.Tensor):
-            value = torch.tensor(float(value), dtype=torch.float64)
-        self._scalars.append((name, labels))
-        self._scalar_tensors.append(value.reshape(()) if value.dim() else value)
+        if isinstance(value, torch.Tensor) and value.dim():
+            value = value.reshape(())
+        self._entries.append((name, labels, None, (self._part(value),)))
+
+    def derive(self, name: str, fn: Callable[..., float | None], *parts: Any, labels: tuple[str, ...] = ()) -> None:
+        self._entries.append((name, labels, fn, tuple(self._part(p) for p in parts)))
+
+    def ratio(self, name: str, num: Any, den: Any, labels: tuple[str, ...] = ()) -> None:
+        """num / den on the host; None when den is 0."""
+        self.derive(name, _div, num, den, labels=labels)
 
     def put_vector(self, name: str, values: torch.Tensor, label_rows: Sequence[tuple[str, ...]]) -> None:
-        values = values.reshape(-1)
-        if values.numel() != len(label_rows):
-            raise ValueError(f"{name}: {values.numel()} values for {len(label_rows)} label rows")
-        self._vectors.append((name, list(label_rows)))
-        self._vector_tensors.append(values)
+        self.derive_vector(name, None, label_rows, values)
+
+    def derive_vector(self, name: str, fn: Callable[..., Sequence[float | None]] | None,
+                      label_rows: Sequence[tuple[str, ...]], *parts: Any) -> None:
+        rows = list(label_rows)
+        slots = tuple(self._part(p) for p in parts)
+        if fn is None and slots[0].size != len(rows):
+            raise ValueError(f"{name}: {slots[0].size} values for {len(rows)} label rows")
+        self._entries.append((name, rows, fn, slots))
 
     def resolve(self) -> dict[str, dict[tuple[str, ...], float | None]]:
-        tensors = ([torch.stack(self._scalar_tensors)] if self._scalar_tensors else []) + self._vector_tensors
+        # Scalars are stacked per dtype: stacking mixed dtypes is several times slower.
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, t in enumerate(self._scalars):
+            groups.setdefault((t.dtype, t.device), []).append(i)
+        tensors = [torch.stack([self._scalars[i] for i in members]) for members in groups.values()]
+        tensors += self._vectors
         if not tensors:
             return {}
         if len({t.device for t in tensors}) > 1:
             tensors = [t.cpu() for t in tensors]
         host = torch.cat(tensors).to(torch.float64).tolist()   # the one host synchronisation of the step
+        position = [0] * len(self._scalars)
+        for at, i in enumerate(i for members in groups.values() for i in members):
+            position[i] = at
+        offsets, at = [], len(self._scalars)
+        for v in self._vectors:
+            offsets.append(at)
+            at += v.numel()
+
+        def value(part: Any) -> Any:
+            if not isinstance(part, _Slot):
+                return part
+            if part.size is None:
+                return host[position[part.index]]
+            start = offsets[part.index]
+            return host[start:start + part.size]
+
         out: dict[str, dict[tuple[str, ...], float | None]] = {}
-        values = iter(host)
-        for name, labels in self._scalars:
-            v = next(values)
-            out.setdefault(name, {})[labels] = v if math.isfinite(v) else None
-        for name, rows in self._vectors:
+        for name, labels, fn, parts in self._entries:
+            args = [value(p) for p in parts]
             family = out.setdefault(name, {})
-            for labels in rows:
-                v = next(values)
-                family[labels] = v if math.isfinite(v) else None
+            if isinstance(labels, tuple):
+                family[labels] = _finite(_apply(fn, args) if fn else args[0])
+            else:
+                results = _apply(fn, args) if fn else args[0]
+                if results is None:
+                    results = [None] * len(labels)
+                for row, v in zip(labels, results):
+                    family[row] = _finite(v)
         return out
+
+
+class _Slot(NamedTuple):
+    index: int
+    size: int | None          # None for a scalar
+
+
+def _apply(fn: Callable[..., Any], args: list[Any]) -> Any:
+    try:
+        return fn(*args)
+    except (ZeroDivisionError, ValueError, OverflowError):
+        return None
+
+
+def _finite(v: Any) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
 
 
 # --- small vectorised helpers -----------------------------------------------------------------
 
-def _count_gt(x: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Number of elements strictly greater than ``threshold`` (float arithmetic, no bool tensor)."""
-    return (x - threshold).sign_().clamp_min_(0).sum()
-
-
-def _count_lt(x: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Number of elements strictly less than ``threshold``."""
-    return (threshold - x).sign_().clamp_min_(0).sum()
-
-
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    a, b = a.reshape(-1), b.reshape(-1)
     if a.numel() < 65536:
         # BLAS dot wakes its thread pool even for a few thousand elements, which stalls for a whole
         # scheduler time slice on a busy host; small products stay in one thread this way.
         return (a * b).sum()
-    return torch.dot(a, b)
+    return torch.dot(a.reshape(-1), b.reshape(-1))
 
 
 def _nonfinite_indicator(x: torch.Tensor) -> torch.Tensor:
@@ -151,28 +203,56 @@ def _nonfinite_indicator(x: torch.Tensor) -> torch.Tensor:
     return (x - x).nan_to_num_(nan=1.0)
 
 
+_CONSTANTS: dict[tuple[torch.device, torch.dtype, tuple[float, ...]], torch.Tensor] = {}
+
+
+def _constant(values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A [len(values)] tensor on ``device``, copied there once per process (a host-to-device copy
+    each step would wait for the device's queue)."""
+    key = (device, dtype, tuple(values))
+    tensor = _CONSTANTS.get(key)
+    if tensor is None or tensor.is_inference() and not torch.is_inference_mode_enabled():
+        tensor = _CONSTANTS[key] = torch.tensor(key[2], dtype=dtype, device=device)
+    return tensor
+
+
 def quantile_from_counts(counts: torch.Tensor, values: torch.Tensor, n: torch.Tensor,
-                         q: float, cum: torch.Tensor | None = None) -> torch.Tensor:
-    """q-quantile (linear interpolation between order statistics, as ``torch.quantile``) of
-    ``n`` items binned by ``counts`` [K], each bin represented by ``values`` [K]. No host sync.
-    ``cum`` may pass ``counts.cumsum(0)`` when several quantiles share it."""
+                         qs: Sequence[float], cum: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``qs``-quantiles [Q] (linear interpolation between order statistics, as ``torch.quantile``)
+    of ``n`` items binned by ``counts`` [K] float64, each bin represented by ``values`` [K]; NaN when
+    n is 0. No host sync. ``cum`` may pass ``counts.cumsum(0)``."""
     cum = counts.cumsum(0) if cum is None else cum
-    rank = q * (n - 1).clamp_min(0)
+    top = (n.to(torch.float64) - 1).clamp_min(0)
+    rank = _constant(qs, counts.device) * top
     lo_rank = rank.floor()
-    hi_rank = (lo_rank + 1).minimum((n - 1).clamp_min(0))
     frac = rank - lo_rank
-    last = counts.numel() - 1
-    lo_bin = torch.searchsorted(cum, lo_rank.reshape(1), right=True).clamp_max(last)
-    hi_bin = torch.searchsorted(cum, hi_rank.reshape(1), right=True).clamp_max(last)
-    v_lo, v_hi = values[lo_bin].reshape(()), values[hi_bin].reshape(())
-    result = v_lo + frac * (v_hi - v_lo)
-    return torch.where(n > 0, result, torch.full_like(result, float("nan")))
+    ranks = torch.stack([lo_rank, (lo_rank + 1).minimum(top)])                # [2, Q]
+    bins = torch.searchsorted(cum, ranks, right=True).clamp_max_(counts.numel() - 1)
+    v = values[bins]                                                          # [2, Q]
+    result = v[0] + frac * (v[1] - v[0])
+    return torch.where(n > 0, result, torch.nan)
 
 
-def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den in float64. Every denominator here counts the items its numerator sums over, so an
-    empty set gives 0/0 = NaN, which resolves to None."""
-    return num.double() / den
+def _div(num: float, den: float) -> float | None:
+    """num / den on the host; None when den is 0. Every denominator here counts the items its
+    numerator sums over, so an empty set has no value."""
+    return num / den if den else None
+
+
+def _ess_ratio(sum_em1: float, sq_em1: float, n: float) -> float | None:
+    """Effective sample size / n of weights w from sum(w - 1), sum((w - 1)^2) and n; (sum w)^2 <=
+    n sum w^2 (Cauchy-Schwarz), so the cap at 1 only removes float rounding."""
+    sum_w, sum_w2 = n + sum_em1, n + sq_em1 + 2 * sum_em1
+    ratio = _div(sum_w * sum_w, n * sum_w2)
+    return None if ratio is None else min(ratio, 1.0)
+
+
+def _slope(rs_and_ss: list[float], s_sum: float, r_sum: float, n: float) -> float | None:
+    """Least-squares slope of r on s from sum(r s), sum(s^2), sum(s), sum(r) and n; None when s is
+    (numerically) constant."""
+    rs, s_sq = rs_and_ss
+    var_s = n * s_sq - s_sum * s_sum
+    return (n * rs - s_sum * r_sum) / var_s if var_s > 1e-9 * n * n else None
 
 
 def _sorted_quantile(values: torch.Tensor, q: float) -> torch.Tensor:
@@ -201,7 +281,8 @@ class Workspace:
     def get(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
         buf = self._buffers.get(name)
-        if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype or buf.device != device:
+        if (buf is None or buf.shape != tuple(shape) or buf.dtype != dtype or buf.device != device
+                or buf.is_inference() and not torch.is_inference_mode_enabled()):
             buf = torch.empty(tuple(shape), dtype=dtype, device=device)
             self._buffers[name] = buf
         return buf
@@ -279,32 +360,26 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     out.put("mismatch_tokens", n)
     out.put("mismatch_tokens_total", n)
 
-    # First and second moments of r and |r|.
+    # First and second moments of r and |r|; every ratio below is finished on the host.
     sum_r = r.sum()
-    out.put("mismatch_log_ratio_mean", _safe_div(sum_r, n))
-    out.put("mismatch_kl_k1", _safe_div(-sum_r, n))
-    out.put("mismatch_kl_k2", _safe_div(0.5 * _dot(r, r), n))
+    out.ratio("mismatch_log_ratio_mean", sum_r, n)
+    out.derive("mismatch_kl_k1", lambda s, n: _div(-s, n), sum_r, n)
+    out.derive("mismatch_kl_k2", lambda rr, n: _div(0.5 * rr, n), _dot(r, r), n)
     a = torch.abs(r, out=a_buf)
     max_a = a.amax() if n_all else torch.zeros((), dtype=work, device=device)
-    sum_a = a.sum()
-    out.put("mismatch_abs_log_ratio_mean", _safe_div(sum_a, n))
-    out.put("mismatch_abs_log_ratio_max", torch.where(n > 0, max_a.double(), torch.nan))
+    out.ratio("mismatch_abs_log_ratio_mean", a.sum(), n)
+    out.derive("mismatch_abs_log_ratio_max", lambda m, n: m if n > 0 else None, max_a, n)
 
     # w - 1 = expm1(r) with |r| clamped; 0 off the valid set, so every sum below is over valid tokens.
     em1 = torch.clamp(r, -SAFETY_BOUND, SAFETY_BOUND, out=buf("em1")).expm1_()
     tmp = buf("tmp")
-    out.put("mismatch_kl_k3", _safe_div(torch.sub(em1, r, out=tmp).sum(), n))
-    sum_em1, sq_em1 = em1.sum().double(), _dot(em1, em1).double()
-    out.put("mismatch_chi2_token", _safe_div(sq_em1 + 2 * sum_em1, n))        # mean(w^2 - 1)
-    n64 = n.double()
-    sum_w, sum_w2 = n64 + sum_em1, n64 + sq_em1 + 2 * sum_em1
-    # (sum w)^2 <= N sum w^2 (Cauchy-Schwarz); the clamp only removes float rounding above 1.
-    out.put("is_ess_raw_ratio", _safe_div(sum_w * sum_w, n64 * sum_w2).clamp(max=1.0))
+    out.ratio("mismatch_kl_k3", torch.sub(em1, r, out=tmp).sum(), n)
+    sum_em1, sq_em1 = em1.sum(), _dot(em1, em1)
+    out.derive("mismatch_chi2_token", lambda s, sq, n: _div(sq + 2 * s, n), sum_em1, sq_em1, n)  # mean(w^2 - 1)
+    out.derive("is_ess_raw_ratio", _ess_ratio, sum_em1, sq_em1, n)
     cap = config.is_cap
     em1_t = torch.clamp(em1, max=cap - 1.0, out=tmp)                          # min(w, C) - 1
-    st, st2 = em1_t.sum().double(), _dot(em1_t, em1_t).double()
-    sum_wt, sum_wt2 = n64 + st, n64 + st2 + 2 * st
-    out.put("is_ess_ratio", _safe_div(sum_wt * sum_wt, n64 * sum_wt2).clamp(max=1.0))
+    out.derive("is_ess_ratio", _ess_ratio, em1_t.sum(), _dot(em1_t, em1_t), n)
 
     # Threshold counts on w, exact and strict (see _SCALE): w > C, w < 1/C, w outside the MIS band.
     scaled = torch.mul(em1, _SCALE, out=em1)
@@ -319,59 +394,52 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
 
     mis_low, mis_high = config.mis_band
     high, low = count(">", cap - 1.0), count("<", 1.0 / cap - 1.0)
-    mis = count("<", mis_low - 1.0) + count(">", mis_high - 1.0)
-    out.put("is_tis_high_ratio", _safe_div(high, n))
-    out.put("is_tis_low_ratio", _safe_div(low, n))
-    out.put("is_mis_masked_ratio", _safe_div(mis, n))
+    mis_below, mis_above = count("<", mis_low - 1.0), count(">", mis_high - 1.0)
+    out.ratio("is_tis_high_ratio", high, n)
+    out.ratio("is_tis_low_ratio", low, n)
+    out.derive("is_mis_masked_ratio", lambda lo, hi, n: _div(lo + hi, n), mis_below, mis_above, n)
     out.put("is_tis_truncated_tokens_total", high)
-    out.put("is_mis_masked_tokens_total", mis)
+    out.derive("is_mis_masked_tokens_total", operator.add, mis_below, mis_above)
 
     # Slope of r against log mu over valid tokens (a temperature mismatch makes r linear in log mu).
     s_valid = torch.mul(sampler_logp, valid, out=r_and_s[1]).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    rs, s_sq = torch.mv(r_and_s.view(2, -1), s_valid.reshape(-1)).double()
-    s_sum = s_valid.sum().double()
-    var_s = n64 * s_sq - s_sum * s_sum
-    slope = torch.where(var_s > 1e-9 * n64 * n64, (n64 * rs - s_sum * sum_r.double()) / var_s.clamp_min(1e-300),
-                        torch.full_like(var_s, float("nan")))
-    out.put("mismatch_log_ratio_slope", slope)
+    out.derive("mismatch_log_ratio_slope", _slope, torch.mv(r_and_s.view(2, -1), s_valid.reshape(-1)),
+               s_valid.sum(), sum_r, n)
     neg_s = torch.mul(s_valid, -_SCALE, out=em1)          # -log mu scaled, for the probability bands below
 
     # Sequence level: s_b = sum_t r, weight exp(s_b), over sequences with at least one valid token.
+    # The per-sequence terms are stacked and summed over those sequences in one matrix-vector product.
     seq_r = r.sum(-1).double()                                                # [B]
     has = (valid.sum(-1) > 0).to(torch.float64)                               # [B]
-    n_seq = has.sum()
     seq_abs = seq_r.abs()
-    out.put("mismatch_seq_log_ratio_abs_mean", _safe_div(_dot(seq_abs, has), n_seq))
-    out.put("mismatch_seq_log_ratio_abs_max",
-            torch.where(n_seq > 0, (seq_abs * has).amax() if seq_abs.numel() else seq_abs.sum(), torch.nan))
-    seq_c = seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    out.put("mismatch_chi2_sequence", _safe_div(_dot(torch.expm1(2 * seq_c), has), n_seq))
     log_cap = math.log(cap)
-    out.put("is_seq_tis_high_ratio", _safe_div(_dot((seq_r > log_cap).double(), has), n_seq))
-    out.put("is_seq_tis_low_ratio", _safe_div(_dot((seq_r < -log_cap).double(), has), n_seq))
-    seq_out = (seq_r < math.log(mis_low)) | (seq_r > math.log(mis_high))
-    out.put("is_seq_mis_masked_ratio", _safe_div(_dot(seq_out.double(), has), n_seq))
+    terms = torch.stack([has, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)),
+                         seq_r > log_cap, seq_r < -log_cap,
+                         (seq_r < math.log(mis_low)) | (seq_r > math.log(mis_high))])   # [6, B]
+    seq_sums = torch.mv(terms.to(torch.float64), has)     # n_seq, then the sums of the five terms
+    for i, name in enumerate(("mismatch_seq_log_ratio_abs_mean", "mismatch_chi2_sequence", "is_seq_tis_high_ratio",
+                              "is_seq_tis_low_ratio", "is_seq_mis_masked_ratio"), start=1):
+        out.derive(name, lambda sums, i=i: _div(sums[i], sums[0]), seq_sums)
+    seq_max = (seq_abs * has).amax() if seq_abs.numel() else seq_abs.sum()
+    out.derive("mismatch_seq_log_ratio_abs_max", lambda m, sums: m if sums[0] > 0 else None, seq_max, seq_sums)
 
     # Mean |r| by sampler probability: dot products with the 0/1 indicator of each probability band
     # (computed per band rather than as differences of cumulative sums, which lose float32 precision).
     below, previous, band = tmp, r, r_and_s[1]             # r and s_valid are no longer needed
-    bin_sums, bin_count = [], []
+    band_sums = []
     for i, edge in enumerate((*PROB_BIN_EDGES, None)):
         if edge is not None:
             torch.add(neg_s, math.log(edge) * _SCALE, out=below).clamp_(0.0, 1.0)   # [log mu < log edge]
             indicator = below if i == 0 else torch.sub(below, previous, out=band)
         else:
             indicator = previous.neg_().add_(1.0)                              # [log mu >= last edge]
-        sum_and_count = torch.mv(pair.view(2, -1), indicator.reshape(-1))    # [sum of |r|, tokens]
-        bin_sums.append(sum_and_count[0])
-        bin_count.append(sum_and_count[1])
+        band_sums.append(torch.mv(pair.view(2, -1), indicator.reshape(-1)))  # [sum of |r|, tokens]
         below, previous = previous, below
-    bin_sums = torch.stack(bin_sums).double()
-    bin_count = torch.stack(bin_count).double()
+    by_band = torch.stack(band_sums)                                          # [bands, 2]
     rows = [(label,) for label in PROB_BIN_LABELS]
-    out.put_vector("mismatch_abs_log_ratio_by_prob",
-                   torch.where(bin_count > 0, bin_sums / bin_count.clamp_min(1), torch.nan), rows)
-    out.put_vector("mismatch_tokens_by_prob", bin_count, rows)
+    out.derive_vector("mismatch_abs_log_ratio_by_prob",
+                      lambda flat: [_div(flat[k], flat[k + 1]) for k in range(0, len(flat), 2)], rows, by_band)
+    out.derive_vector("mismatch_tokens_by_prob", lambda flat: flat[1::2], rows, by_band)
 
     # |r| quantiles from the bit-pattern histogram (bin 0 holds the zeros off the valid set).
     a32 = a if work == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).to(torch.float32)
@@ -381,9 +449,9 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     last = _ABS_FIRST + _ABS_NBINS - 2                     # below 2^-40 -> bin 0, from 2^24 -> top bin
     hist = torch.cat([every[:_ABS_FIRST].sum().reshape(1), every[_ABS_FIRST:last], every[last:].sum().reshape(1)])
     hist[0] -= n_all - n.double()
-    values, cum = _abs_bin_values(device, max_a), hist.cumsum(0)
-    for q, name in ((0.5, "mismatch_abs_log_ratio_p50"), (0.99, "mismatch_abs_log_ratio_p99")):
-        out.put(name, quantile_from_counts(hist, values, n.double(), q, cum).minimum(max_a.double()))
+    quantiles = quantile_from_counts(hist, _abs_bin_values(device, max_a), n, (0.5, 0.99))
+    for i, name in enumerate(("mismatch_abs_log_ratio_p50", "mismatch_abs_log_ratio_p99")):
+        out.derive(name, lambda qs, m, i=i: min(qs[i], m), quantiles, max_a)     # a bin's midpoint <= max
 
 
 # --- version lag ---------------------------------------------------------------------------------
@@ -433,18 +501,19 @@ def lag_signals(out: Pending, version: torch.Tensor, trainer_version: int, mask:
     lag_sum = _dot(hist, lag_values)
     lag_max = seq_max.amax() if B else torch.zeros((), device=device)
     n_ok = n_mask - negative.double()
-    out.put("negative_lag_tokens_total", negative)
-    out.put("version_lag_mean", _safe_div(lag_sum, n_ok))
-    out.put("version_lag_max", torch.where(n_ok > 0, lag_max.double(), torch.nan))
-    out.put("version_lag_p99", quantile_from_counts(hist, lag_values, n_ok, 0.99))
     over = hist[int(math.floor(config.staleness_bound)) + 1:].sum()
-    out.put("version_lag_over_bound_ratio", _safe_div(over, n_ok))
-    out.put("tokens_over_staleness_bound_total", over)
     has_seq = (tokens_per_seq > 0).double()
-    n_seq = has_seq.sum()
-    out.put("version_lag_sequence_max_mean", _safe_div(_dot(seq_max.double().clamp_min(0), has_seq), n_seq))
-    out.put("partial_rollout_ratio", _safe_div(spans.sum(), n_seq))
-    out.put("partial_rollout_sequences_total", spans.sum())
+    # n_seq, the sum of the per-sequence maximum lags, the sequences spanning versions: one product.
+    seq_sums = torch.mv(torch.stack([has_seq, seq_max.double().clamp_min(0), spans]), has_seq)
+    out.put("negative_lag_tokens_total", negative)
+    out.ratio("version_lag_mean", lag_sum, n_ok)
+    out.derive("version_lag_max", lambda m, n: m if n > 0 else None, lag_max, n_ok)
+    out.put("version_lag_p99", quantile_from_counts(hist, lag_values, n_ok, (0.99,))[0])
+    out.ratio("version_lag_over_bound_ratio", over, n_ok)
+    out.put("tokens_over_staleness_bound_total", over)
+    out.derive("version_lag_sequence_max_mean", lambda sums: _div(sums[1], sums[0]), seq_sums)
+    out.derive("partial_rollout_ratio", lambda sums: _div(sums[2], sums[0]), seq_sums)
+    out.derive("partial_rollout_sequences_total", lambda sums: sums[2], seq_sums)
     put_lag_histogram(out, hist, n_ok, lag_sum)
 
 
@@ -464,11 +533,15 @@ def token_lag_counts(version: torch.Tensor, trainer_version: int, mask: torch.Te
 def put_lag_histogram(out: Pending, hist: torch.Tensor, n_ok: torch.Tensor, lag_sum: torch.Tensor) -> None:
     """Classic histogram buckets from exact lag counts (``hist[k]`` = tokens with lag k): per-bucket
     (non-cumulative) counts in LAG_BUCKETS order then +Inf, and the sum for ``_sum``."""
-    at = torch.tensor(LAG_BUCKETS, device=hist.device)
-    cum_at = hist.cumsum(0)[at]
-    per_bucket = torch.cat([cum_at[:1], cum_at[1:] - cum_at[:-1], (n_ok - cum_at[-1:])])
-    out.put_vector("token_version_lag", per_bucket, [(str(b),) for b in LAG_BUCKETS] + [("+Inf",)])
+    cum_at = hist.cumsum(0)[_constant(LAG_BUCKETS, hist.device, torch.int64)]
+    out.derive_vector("token_version_lag", _bucket_counts, [(str(b),) for b in LAG_BUCKETS] + [("+Inf",)],
+                      cum_at, n_ok)
     out.put("token_version_lag_sum", lag_sum)
+
+
+def _bucket_counts(cumulative: list[float], total: float) -> list[float]:
+    """Per-bucket counts from cumulative counts at the bucket bounds, then the rest up to ``total``."""
+    return [b - a for a, b in zip([0.0, *cumulative], [*cumulative, total])]
 
 
 # --- groups, lengths, rewards, environments ----------------------------------------------------
@@ -481,54 +554,56 @@ def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g_sorted = group_ids[order]
     starts = torch.ones(B, dtype=torch.int64, device=group_ids.device)
     if B > 1:
-        starts[1:] = (g_sorted[1:] != g_sorted[:-1]).to(torch.int64)
-    idx_sorted = starts.cumsum(0) - 1
-    index = torch.empty_like(idx_sorted)
-    index[order] = idx_sorted
-    exists = torch.zeros(B, dtype=torch.bool, device=group_ids.device)
-    exists[idx_sorted] = True
+        torch.ne(g_sorted[1:], g_sorted[:-1], out=starts[1:])
+    idx_sorted = starts.cumsum_(0).sub_(1)
+    index = torch.empty_like(idx_sorted).scatter_(0, order, idx_sorted)
+    exists = torch.arange(B, device=group_ids.device) <= idx_sorted[-1:] if B else starts.bool()
     return index, exists
 
 
-def group_signals(out: Pending, rewards: torch.Tensor, group_ids: torch.Tensor, ok: torch.Tensor,
-                  config: SignalConfig) -> torch.Tensor:
-    """Zero-variance GRPO groups. rewards [B] float, group_ids [B] int, ok [B] bool (episodes that did
-    not fail for an infrastructure reason). Returns a per-episode float flag [B]: 1 when the
-    episode's group has zero reward variance."""
+def group_signals(out: Pending, rewards: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor],
+                  ok: torch.Tensor, config: SignalConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-variance GRPO groups. rewards [B] float, groups: :func:`group_index` of the group ids,
+    ok [B] bool (episodes that did not fail for an infrastructure reason). Returns the zero-variance
+    flag per group slot [B] bool, and per episode [B] float (1 when the episode did not fail and its
+    group's rewards are constant)."""
     B = rewards.numel()
+    index = groups[0]
     rewards = rewards.to(torch.float64)
     okf = ok.to(torch.float64)
-    index, _ = group_index(group_ids)
     size = torch.zeros(B, dtype=torch.float64, device=rewards.device).index_add_(0, index, okf)
-    inf = torch.full_like(rewards, float("inf"))
-    rmin = inf.clone().scatter_reduce_(0, index, torch.where(ok, rewards, inf), "amin")
-    rmax = (-inf).scatter_reduce_(0, index, torch.where(ok, rewards, -inf), "amax")
+    # (r, -r) of the episodes that did not fail, +inf elsewhere: one scatter-min gives each group's
+    # minimum and -maximum, one min over the batch the bounds.
+    signed = torch.where(ok.unsqueeze(1), torch.stack([rewards, -rewards], 1), torch.inf)     # [B, 2]
+    extremes = torch.full_like(signed, torch.inf).scatter_reduce_(0, index.unsqueeze(1).expand(B, 2), signed, "amin")
+    rmin, rmax = extremes[:, 0], -extremes[:, 1]
     exists = size > 0
     zero_var = exists & (rmax == rmin)
     if config.reward_bounds is not None:
-        lo = torch.tensor(float(config.reward_bounds[0]), dtype=torch.float64, device=rewards.device)
-        hi = torch.tensor(float(config.reward_bounds[1]), dtype=torch.float64, device=rewards.device)
+        lo, hi = (float(v) for v in config.reward_bounds)
+    elif B:
+        bounds = signed.amin(0)
+        lo, hi = bounds[0], -bounds[1]
     else:
-        ok_r = torch.where(ok, rewards, inf)
-        lo = ok_r.amin() if B else torch.zeros((), dtype=torch.float64)
-        hi = torch.where(ok, rewards, -inf).amax() if B else torch.zeros((), dtype=torch.float64)
-    spread = hi > lo
+        lo = hi = 0.0
+    spread = torch.as_tensor(hi > lo, device=rewards.device)
     # When the whole batch is one constant, classify by sign: positive passes, otherwise fails.
     passes = zero_var & torch.where(spread, rmin >= hi, rmin > 0)
     fails = zero_var & ~passes & torch.where(spread, rmax <= lo, rmax <= 0)
     constant = zero_var & ~passes & ~fails
-    n_groups = exists.double().sum()
-    out.put("groups", n_groups)
-    out.put("groups_total", n_groups)
-    for kind, flags in zip(ZERO_VARIANCE_KINDS, (passes, fails, constant)):
-        count = flags.double().sum()
-        out.put("zero_variance_groups_ratio", _safe_div(count, n_groups), (kind,))
-        out.put("zero_variance_groups_total", count, (kind,))
-    episode_zero_var = zero_var.double()[index] * okf
-    out.put("zero_gradient_episodes_ratio", _safe_div(episode_zero_var.sum(), okf.sum()))
-    out.put("_group_size_min", torch.where(exists, size, inf).amin() if B else torch.tensor(float("nan")))
+    episode_zero_var = zero_var[index] * okf
+    # groups, the three kinds of constant groups, zero-variance episodes, episodes: one product.
+    sums = torch.mv(torch.stack([exists, passes, fails, constant, episode_zero_var, okf]).to(torch.float64),
+                    torch.ones(B, dtype=torch.float64, device=rewards.device))
+    out.derive("groups", lambda sums: sums[0], sums)
+    out.derive("groups_total", lambda sums: sums[0], sums)
+    for i, kind in enumerate(ZERO_VARIANCE_KINDS, start=1):
+        out.derive("zero_variance_groups_ratio", lambda sums, i=i: _div(sums[i], sums[0]), sums, labels=(kind,))
+        out.derive("zero_variance_groups_total", lambda sums, i=i: sums[i], sums, labels=(kind,))
+    out.derive("zero_gradient_episodes_ratio", lambda sums: _div(sums[4], sums[5]), sums)
+    out.put("_group_size_min", torch.where(exists, size, torch.inf).amin() if B else torch.tensor(float("nan")))
     out.put("_group_size_max", size.amax() if B else torch.tensor(float("nan")))
-    return episode_zero_var
+    return zero_var, episode_zero_var
 
 
 def length_signals(out: Pending, mask: torch.Tensor, truncated: torch.Tensor | None,
@@ -548,67 +623,81 @@ def length_signals(out: Pending, mask: torch.Tensor, truncated: torch.Tensor | N
 def reward_signals(out: Pending, rewards: torch.Tensor, ok: torch.Tensor) -> None:
     """Episode reward mean and std over episodes that did not fail. rewards [B], ok [B] bool."""
     okf = ok.double()
-    r = torch.where(ok, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
-    n = okf.sum()
-    mean = _safe_div(r.sum(), n)
-    var = _safe_div(_dot(r, r), n) - mean * mean
-    out.put("reward_mean", mean)
-    out.put("reward_std", var.clamp_min(0).sqrt())
+    r = torch.where(ok, rewards.double(), 0.0)               # a failed episode's reward may be NaN
+    moments = torch.mv(torch.stack([okf, r, r * r]), okf)                    # n, sum r, sum r^2
+    out.derive("reward_mean", lambda m: _div(m[1], m[0]), moments)
+    out.derive("reward_std", _std, moments)
+
+
+def _std(moments: list[float]) -> float | None:
+    """Population standard deviation from [n, sum x, sum x^2]."""
+    n, s, sq = moments
+    return math.sqrt(max(sq / n - (s / n) ** 2, 0.0)) if n else None
 
 
 def entropy_signal(out: Pending, entropy: torch.Tensor, mask: torch.Tensor) -> None:
     """Mean per-token entropy over masked tokens with a finite entropy. entropy, mask: [B, T]."""
     e = entropy.to(torch.float32)
     good = mask * (1.0 - _nonfinite_indicator(e))
-    out.put("entropy_mean", _safe_div(_dot(e.nan_to_num(0.0, 0.0, 0.0), good), good.sum()))
+    out.ratio("entropy_mean", _dot(e.nan_to_num(0.0, 0.0, 0.0), good), good.sum())
 
 
 def env_signals(out: Pending, env_index: torch.Tensor, env_names: Sequence[str], rewards: torch.Tensor | None,
-                ok: torch.Tensor, truncated: torch.Tensor | None, episode_zero_var: torch.Tensor | None,
-                group_ids: torch.Tensor | None, hacked: dict[str, torch.Tensor],
-                lengths: torch.Tensor | None = None) -> None:
+                ok: torch.Tensor, truncated: torch.Tensor | None,
+                groups: tuple[torch.Tensor, torch.Tensor] | None, group_zero_var: torch.Tensor | None,
+                hacked: dict[str, torch.Tensor], lengths: torch.Tensor | None = None) -> None:
     """Per-environment episodes, reward, truncation, zero-variance groups and hack rates.
 
-    env_index: [B] int index into env_names. rewards [B], ok/truncated [B] bool, hacked: detector
+    env_index: [B] int index into env_names. rewards [B], ok/truncated [B] bool, groups: the
+    :func:`group_index` of the group ids and group_zero_var its zero-variance flags, hacked: detector
     name -> [B] bool. Failure rates by kind are counted on the host from the string labels.
     """
     E = len(env_names)
     rows = [(name,) for name in env_names]
-    episodes = torch.bincount(env_index, minlength=E).double()[:E]
+    okf = ok.double()
+    columns: dict[str, torch.Tensor] = {"episodes": torch.ones_like(okf)}
+    if rewards is not None:
+        r = torch.where(ok, rewards.double(), 0.0)
+        columns.update(ok=okf, r=r)
+        if lengths is not None:
+            n = lengths.double() * okf
+            columns.update(n=n, rr=r * r, nn=n * n, rn=r * n)
+    if truncated is not None:
+        columns["truncated"] = truncated.double()
+    for detector, flags in hacked.items():
+        columns["hacked/" + detector] = flags.double()
+    # Every per-environment sum in one scatter-add: [E, columns].
+    sums = torch.zeros(E, len(columns), dtype=torch.float64, device=env_index.device).index_add_(
+        0, env_index, torch.stack(list(columns.values()), 1))
+    col = {name: sums[:, i] for i, name in enumerate(columns)}
+    episodes = col["episodes"]
     out.put_vector("env_episodes", episodes, rows)
     out.put_vector("episodes_total", episodes, rows)
-    okf = ok.double()
     if rewards is not None:
-        r = torch.where(ok, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
-        reward_sum = torch.bincount(env_index, weights=r, minlength=E)[:E]
-        ok_count = torch.bincount(env_index, weights=okf, minlength=E)[:E]
-        out.put_vector("env_reward_mean", torch.where(ok_count > 0, reward_sum / ok_count.clamp_min(1), torch.nan), rows)
+        ok_count, reward_sum = col["ok"], col["r"]
+        out.put_vector("env_reward_mean", torch.where(ok_count > 0, reward_sum / ok_count, torch.nan), rows)
         if lengths is not None:
             # Pearson correlation of reward with response length per environment (reward/length hack).
-            n = lengths.double() * okf
-            sums = [torch.bincount(env_index, weights=w, minlength=E)[:E] for w in (n, r * r, n * n, r * n)]
-            s_n, s_rr, s_nn, s_rn = sums
+            s_n, s_rr, s_nn, s_rn = col["n"], col["rr"], col["nn"], col["rn"]
             cov = ok_count * s_rn - reward_sum * s_n
             var = (ok_count * s_rr - reward_sum ** 2) * (ok_count * s_nn - s_n ** 2)
             corr = torch.where((ok_count >= 4) & (var > 0), cov / var.clamp_min(1e-300).sqrt(), torch.nan)
             out.put_vector("env_reward_length_corr", corr, rows)
     if truncated is not None:
-        trunc = torch.bincount(env_index, weights=truncated.double(), minlength=E)[:E]
-        out.put_vector("env_truncated_ratio", torch.where(episodes > 0, trunc / episodes.clamp_min(1), torch.nan), rows)
+        trunc = col["truncated"]
+        out.put_vector("env_truncated_ratio", torch.where(episodes > 0, trunc / episodes, torch.nan), rows)
         out.put_vector("episodes_truncated_total", trunc, rows)
-    if episode_zero_var is not None and group_ids is not None:
-        index, exists = group_index(group_ids)
-        B = env_index.numel()
-        group_env = torch.zeros(B, dtype=env_index.dtype, device=env_index.device).scatter_(0, index, env_index)
-        group_zero = torch.zeros(B, dtype=torch.float64, device=env_index.device).scatter_(0, index, episode_zero_var)
-        n_groups = torch.bincount(group_env, weights=exists.double(), minlength=E)[:E]
-        zero = torch.bincount(group_env, weights=group_zero * exists.double(), minlength=E)[:E]
-        out.put_vector("env_zero_variance_groups_ratio",
-                       torch.where(n_groups > 0, zero / n_groups.clamp_min(1), torch.nan), rows)
-    for detector, flags in hacked.items():
-        count = torch.bincount(env_index, weights=flags.double(), minlength=E)[:E]
+    if group_zero_var is not None and groups is not None:
+        index, exists = groups
+        group_env = torch.zeros_like(env_index).scatter_(0, index, env_index)      # a group's environment
+        per_env = torch.zeros(E, 2, dtype=torch.float64, device=env_index.device).index_add_(
+            0, group_env, torch.stack([exists, group_zero_var], 1).to(torch.float64))
+        n_groups, zero = per_env[:, 0], per_env[:, 1]
+        out.put_vector("env_zero_variance_groups_ratio", torch.where(n_groups > 0, zero / n_groups, torch.nan), rows)
+    for detector in hacked:
+        count = col["hacked/" + detector]
         det_rows = [(name, detector) for name in env_names]
-        out.put_vector("env_hack_ratio", torch.where(episodes > 0, count / episodes.clamp_min(1), torch.nan), det_rows)
+        out.put_vector("env_hack_ratio", torch.where(episodes > 0, count / episodes, torch.nan), det_rows)
         out.put_vector("episodes_hacked_total", count, det_rows)
         out.put_vector("episodes_judged_total", episodes, det_rows)
 
@@ -632,8 +721,14 @@ def compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | Non
 
     Returns ``{metric name: {label values: value}}`` using the names of :mod:`rlwatch.metrics`
     (gauges hold the step's value, counters the step's increment, the histogram its per-bucket
-    counts). Names starting with ``_`` are internal checks, not exported.
+    counts). Names starting with ``_`` are internal checks, not exported. Runs in inference mode
+    (no autograd bookkeeping on the few hundred small operations of a step).
     """
+    with torch.inference_mode():
+        return _compute_step(record, config, ws)
+
+
+def _compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | None) -> Values:
     out = Pending()
     mask = record.mask
     B = record.batch_size
@@ -650,17 +745,18 @@ def compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | Non
         ok = torch.tensor([f is None for f in record.failed], dtype=torch.bool).to(device, non_blocking=True)
     else:
         ok = torch.ones(B, dtype=torch.bool, device=device)
-    episode_zero_var = None
+    groups = group_index(record.group_ids) if record.group_ids is not None else None
+    group_zero_var = None
     if record.rewards is not None:
         reward_signals(out, record.rewards, ok)
-        if record.group_ids is not None:
-            episode_zero_var = group_signals(out, record.rewards, record.group_ids, ok, config)
+        if groups is not None:
+            group_zero_var, _ = group_signals(out, record.rewards, groups, ok, config)
     lengths = length_signals(out, mask, record.truncated, per_seq)
     if record.entropy is not None:
         entropy_signal(out, record.entropy, mask)
     if record.env_index is not None:
         env_signals(out, record.env_index, record.env_names, record.rewards, ok, record.truncated,
-                    episode_zero_var, record.group_ids, record.hacked, lengths)
+                    groups, group_zero_var, record.hacked, lengths)
     values = out.resolve()
 
     values["step"] = {(): float(record.step)}

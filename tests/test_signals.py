@@ -13,7 +13,7 @@ from rlwatch import InvalidFieldError, SignalConfig, compute
 from rlwatch.metrics import CATALOGUE, LAG_BUCKETS, PROB_BIN_LABELS
 from rlwatch.record import RecordBuilder
 from rlwatch.errors import HookErrors
-from rlwatch.signals import Workspace, compute_step
+from rlwatch.signals import Pending, Workspace, compute_step
 
 from .conftest import make_step
 
@@ -243,6 +243,11 @@ def test_zero_variance_groups_by_kind():
     assert v["zero_variance_groups_ratio"][("all_pass",)] == 0.5
     assert scalar(v, "reward_mean") == pytest.approx(float(rewards[:13].sum() + rewards[14]) / 14)
     assert v["env_failure_ratio"][("e", "timeout")] == pytest.approx(2 / 16)
+    # Per environment, a group is judged on its episodes that did not fail, whichever episode failed.
+    for order in (torch.arange(16), torch.arange(15, -1, -1)):
+        v = compute(mask=mask, rewards=rewards[order], group_ids=groups[order], env=["e"] * 16,
+                    failed=[failed[i] for i in order.tolist()])
+        assert v["env_zero_variance_groups_ratio"] == {("e",): 1.0}
 
 
 def test_string_group_ids_and_explicit_reward_bounds():
@@ -322,3 +327,19 @@ def test_every_signal_is_in_the_catalogue():
     names = {spec.name for spec in CATALOGUE}
     extra = {n for n in v if not n.startswith("_")} - names - {"token_version_lag_sum"}
     assert not extra, extra
+
+
+def test_pending_finishes_formulas_on_the_host_with_one_transfer():
+    out = Pending()
+    out.put("count", torch.tensor(3))
+    out.ratio("mean", torch.tensor(6.0), torch.tensor(3.0, dtype=torch.float64))
+    out.ratio("empty", torch.tensor(0.0), torch.tensor(0.0))
+    out.derive("max_if_any", lambda m, n: m if n > 0 else None, torch.tensor(2.5), torch.tensor(0.0))
+    out.derive("nan", lambda x: x, torch.tensor(float("nan")))
+    out.derive_vector("per_row", lambda sums, n: [s / n for s in sums], [("a",), ("b",)], torch.tensor([1.0, 3.0]), 2.0)
+    out.put_vector("raw", torch.tensor([[1.0, 2.0]]), [("x",), ("y",)])
+    with pytest.raises(ValueError):
+        out.put_vector("bad", torch.tensor([1.0]), [("x",), ("y",)])
+    assert out.resolve() == {"count": {(): 3.0}, "mean": {(): 2.0}, "empty": {(): None}, "max_if_any": {(): None},
+                             "nan": {(): None}, "per_row": {("a",): 0.5, ("b",): 1.5},
+                             "raw": {("x",): 1.0, ("y",): 2.0}}
