@@ -1,7 +1,8 @@
 """Step-time overhead of the TRL integration on the tiny CPU GRPOTrainer of the tests.
 
 Every training is watched with the default one-line setup (``rlwatch.integrations.trl.watch(trainer)``:
-/metrics endpoint, run store, in-process alerts, rlwatch's own thread computing each step), and
+/metrics endpoint, run store, in-process alerts, reward-hack detectors; on CPU each step is computed
+on the training thread, ``--background`` computes it on rlwatch's own thread instead), and
 rlwatch's work is switched on for some optimizer steps only. On an "off" step the wrappers still run
 but return at once, so no sample is stamped or captured, nothing is observed and no logs are
 forwarded. A step runs from one ``on_step_begin`` to the next.
@@ -9,11 +10,11 @@ forwarded. A step runs from one ``on_step_begin`` to the next.
 Designs (the default is ``cycles``):
 
 - ``cycles``: one step in four is watched (see ``bench/_paired.py``): the watched step and the next
-  one (where rlwatch's thread computes the watched step beside the trainer) against the two after
-  them, cycle by cycle. Cycles whose baseline began before rlwatch's thread had finished are dropped
-  and counted.
+  one (where, with ``--background``, rlwatch's thread computes the watched step beside the trainer)
+  against the two after them, cycle by cycle. Cycles whose baseline began before rlwatch's thread
+  had finished are dropped and counted.
 - ``--alternate``: every other step watched, medians per arm. Understates a background cost, whose
-  work lands in the following (off) step; meaningful with ``--foreground``.
+  work lands in the following (off) step.
 - ``--whole-trainings``: whole trainings watched and not watched (ABBA); free of attribution
   questions but at the mercy of the machine's drift between trainings.
 
@@ -149,12 +150,15 @@ def main() -> None:
     design.add_argument("--alternate", action="store_true", help="every other step watched (see the docstring)")
     design.add_argument("--whole-trainings", action="store_true",
                         help="whole trainings watched and not watched at all, ABBA (see the docstring)")
-    parser.add_argument("--foreground", action="store_true", help="compute on the training thread (background=False)")
+    thread = parser.add_mutually_exclusive_group()
+    thread.add_argument("--foreground", action="store_true", help="compute on the training thread (background=False)")
+    thread.add_argument("--background", action="store_true",
+                        help="compute on rlwatch's thread (background=True, the hook's default on accelerators)")
     parser.add_argument("--no-hacks", action="store_true", help="without the reward-hack detectors")
     opts = parser.parse_args()
     design = "alternate" if opts.alternate else "whole" if opts.whole_trainings else "cycles"
-    if opts.foreground:
-        WATCH_OPTIONS["background"] = False
+    if opts.foreground or opts.background:
+        WATCH_OPTIONS["background"] = opts.background
     if os.environ.get("RLWATCH_BENCH_OPTIONS"):          # diagnosis only: extra Watch options as JSON
         import json
 
@@ -203,7 +207,7 @@ def main() -> None:
     print(f"\ncommand: PYTHONPATH=. {os.path.relpath(sys.executable)} {' '.join(sys.argv)}")
     print(f"torch intra-op threads: {torch.get_num_threads()}; {opts.trainings} trainings x "
           f"{opts.steps - WARMUP_STEPS} measured steps; design: {design}"
-          f"{' (rlwatch computes on the training thread)' if opts.foreground else ''}")
+          f"; rlwatch computes on {'its own thread' if BACKGROUND['on_steps'] else 'the training thread'}")
     if design == "cycles":
         print(f"cost of watching a step, paired 4-step cycles: {_paired.describe(overheads)}; "
               f"{dropped} cycles dropped (rlwatch's thread still busy when the baseline began)")

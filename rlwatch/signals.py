@@ -211,7 +211,7 @@ def _constant(values: Sequence[float], device: torch.device, dtype: torch.dtype 
     each step would wait for the device's queue)."""
     key = (device, dtype, tuple(values))
     tensor = _CONSTANTS.get(key)
-    if tensor is None or tensor.is_inference() and not torch.is_inference_mode_enabled():
+    if tensor is None:          # read-only, so one made in inference mode serves outside it too
         tensor = _CONSTANTS[key] = torch.tensor(key[2], dtype=dtype, device=device)
     return tensor
 

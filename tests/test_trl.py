@@ -217,6 +217,7 @@ def test_grpo_run_exports_what_trl_computed(model_path, tmp_path, caplog):
     store = str(tmp_path / "run.db")
     watch = rltrl.watch(trainer, run="trl-e2e", port=0, store=store)
     assert watch.config.group_size == 4
+    assert rltrl.trainer_device(trainer) == "cpu" and watch._worker is None     # CPU: computed inline
     trainer.train()
     watch.flush()
     samples = scrape(watch.url)
@@ -290,7 +291,9 @@ def test_sampler_logprobs_flow_from_rollout_func(model_path, tmp_path):
                            vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0)
     tap = Tap(trainer)
     store = str(tmp_path / "run.db")
-    watch = rltrl.watch(trainer, run="trl-rollout", port=0, store=store, is_cap=2.0)
+    # background=True: the default on accelerators (on CPU the hook computes inline, as in the test above).
+    watch = rltrl.watch(trainer, run="trl-rollout", port=0, store=store, is_cap=2.0, background=True)
+    assert watch._worker is not None
     trainer.train()
     watch.flush()
     samples = scrape(watch.url)
@@ -427,7 +430,7 @@ def test_hook_errors_never_reach_the_trainer(model_path, tmp_path, monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(rltrl.GRPOInstrumentor, patched, boom)
             trainer = make_trainer(model_path, tmp_path / patched, max_steps=2)
-            watch = rltrl.watch(trainer, run="trl-errors", port=None, store=None)
+            watch = rltrl.watch(trainer, run="trl-errors", port=None, store=None, background=True)
             trainer.train()
             assert trainer.state.global_step == 2
             assert watch.errors.snapshot()[("integration", kind)] == 2

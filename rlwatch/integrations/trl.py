@@ -709,9 +709,11 @@ def watch(trainer: Any, **watch_options: Any):
     """Create a :class:`rlwatch.Watch` for a TRL ``GRPOTrainer`` and attach it. Returns the Watch.
 
     ``watch_options`` go to ``Watch`` (``run``, ``port``, ``store``, ``guard``, ...), except
-    ``probe_rollouts`` (default True, see :func:`attach`); defaults here: ``background=True``
-    (each step is assembled and computed on rlwatch's thread; False with a ``guard``, so that it
-    acts at the step whose alert fired),
+    ``probe_rollouts`` (default True, see :func:`attach`); defaults here: ``background=True`` when
+    the trainer runs on an accelerator (each step is assembled and computed on rlwatch's thread, so
+    the training thread never waits for the device's queue), False on CPU (where that thread would
+    only compete with the trainer's own threads for the same cores: measured slower, see
+    ``bench/bench_trl_overhead.py``) and with a ``guard`` (which must act at the step that fired),
     ``framework="trl"``, the installed TRL version, ``group_size=num_generations`` and the TRL
     settings that shape the signals as run metadata. A second call on the same trainer warns and
     returns the first Watch. On an unsupported TRL version the Watch is returned unattached (one
@@ -738,11 +740,21 @@ def watch(trainer: Any, **watch_options: Any):
     metadata = dict(watch_options.pop("metadata", None) or {})
     metadata.setdefault("trl", trainer_metadata(trainer))
     probe_rollouts = bool(watch_options.pop("probe_rollouts", True))
-    # Steps are computed on rlwatch's thread, except with a guard, which must act at the step that fired.
-    watch_options.setdefault("background", not watch_options.get("guard"))
+    watch_options.setdefault("background", not watch_options.get("guard") and trainer_device(trainer) != "cpu")
     w = Watch(metadata=metadata, **watch_options)
     attach(trainer, w, owns_watch=True, sync_guard=bool(watch_options.get("guard")), probe_rollouts=probe_rollouts)
     return w
+
+
+def trainer_device(trainer: Any) -> str | None:
+    """The device type the trainer trains on ("cpu", "cuda", ...), None when it cannot be told."""
+    device = getattr(getattr(trainer, "accelerator", None), "device", None)
+    if device is None:
+        try:
+            device = trainer.args.device
+        except Exception:  # noqa: BLE001 - an unusual trainer: unknown
+            return None
+    return getattr(device, "type", None)
 
 
 def unwatch(trainer: Any, close: bool = True) -> None:
