@@ -579,17 +579,17 @@ def group_signals(out: Pending, rewards: torch.Tensor, groups: tuple[torch.Tenso
     rmin, rmax = extremes[:, 0], -extremes[:, 1]
     exists = size > 0
     zero_var = exists & (rmax == rmin)
-    if config.reward_bounds is not None:
-        lo, hi = (float(v) for v in config.reward_bounds)
-    elif B:
+    # When the whole batch is one constant, classify by sign: positive passes, otherwise fails.
+    if config.reward_bounds is not None or not B:
+        lo, hi = (float(v) for v in config.reward_bounds or (0.0, 0.0))
+        passes = zero_var & ((rmin >= hi) if hi > lo else (rmin > 0))
+        fails = zero_var & ~passes & ((rmax <= lo) if hi > lo else (rmax <= 0))
+    else:
         bounds = signed.amin(0)
         lo, hi = bounds[0], -bounds[1]
-    else:
-        lo = hi = 0.0
-    spread = torch.as_tensor(hi > lo, device=rewards.device)
-    # When the whole batch is one constant, classify by sign: positive passes, otherwise fails.
-    passes = zero_var & torch.where(spread, rmin >= hi, rmin > 0)
-    fails = zero_var & ~passes & torch.where(spread, rmax <= lo, rmax <= 0)
+        spread = hi > lo
+        passes = zero_var & torch.where(spread, rmin >= hi, rmin > 0)
+        fails = zero_var & ~passes & torch.where(spread, rmax <= lo, rmax <= 0)
     constant = zero_var & ~passes & ~fails
     episode_zero_var = zero_var[index] * okf
     # groups, the three kinds of constant groups, zero-variance episodes, episodes: one product.
