@@ -43,6 +43,11 @@ class StackConfig:
     scrape_interval: str = "5s"
     webhook: str | None = None
 
+    def __post_init__(self) -> None:
+        # Prometheus resolves rule and file_sd paths against its config file's directory, so a
+        # relative path (such as the default .rlwatch-stack) would point inside the stack directory.
+        self.directory = Path(os.path.abspath(self.directory))
+
     @property
     def sd_dir(self) -> Path:
         return self.directory / "targets"

@@ -19,9 +19,13 @@ pytestmark = pytest.mark.slow
 
 
 def demo(tmp_path: Path, *args: str, timeout: float = 400) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run the demo from ``tmp_path`` with a relative --out, as a user runs it from a checkout."""
     out = tmp_path / "demo"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "demo", "--no-live", "--port", str(free_port()),
-                             "--out", str(out), *args], capture_output=True, text=True, timeout=timeout)
+                             "--out", "demo", *args], capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+                            env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     return result, json.loads((run_dir / "report" / "postmortem.json").read_text()) | {
@@ -39,9 +43,10 @@ def test_demo_pages_before_the_collapse_and_explains_it(tmp_path):
     assert doc["demo"]["collapse_step"] == collapse and name.startswith("RLWatch")
     assert "Cause: stale_weights." in text and doc["cause"] == "stale_weights"
     checkpoint = doc["last_healthy_checkpoint"]
-    assert checkpoint and checkpoint["step"] <= fired and Path(checkpoint["path"]).is_dir()
-    assert (Path(checkpoint["path"]) / "model.safetensors").exists()
-    report = Path(doc["demo"]["directory"]) / "report"
+    path = tmp_path / checkpoint["path"]                  # paths are relative to where the demo ran
+    assert checkpoint and checkpoint["step"] <= fired and path.is_dir()
+    assert (path / "model.safetensors").exists()
+    report = tmp_path / doc["demo"]["directory"] / "report"
     assert (report / "postmortem.md").exists() and (report / "mismatch_kl_k3.png").stat().st_size > 0
     assert re.search(r"step\s+0 \[healthy\]", text)                       # the progress lines
     assert "FIRING RLWatchKLSpike (critical)" in text                     # alerts as they fire
