@@ -434,9 +434,14 @@ class Watch:
             self.evaluator.subscribers.append(callback)
 
     def record_checkpoint(self, step: int, path: str) -> None:
-        """Note that checkpoint directory ``path`` holds the weights after ``step``."""
+        """Note that checkpoint directory ``path`` holds the weights after ``step``. A local path is
+        stored absolute, so that the post-mortem finds it from any directory; a URL is kept as given."""
         if self.store is not None and self.active:
-            self._guard("store", "checkpoint", lambda: self.store.submit_checkpoint(self.run, step, path))
+            def submit() -> None:
+                location = os.fspath(path)
+                self.store.submit_checkpoint(self.run, step, location if "://" in location else
+                                             os.path.abspath(location))
+            self._guard("store", "checkpoint", submit)
 
     def note(self, kind: str, detail: str) -> None:
         """Record an event about the run (shown by the post-mortem)."""

@@ -43,10 +43,10 @@ def test_demo_pages_before_the_collapse_and_explains_it(tmp_path):
     assert doc["demo"]["collapse_step"] == collapse and name.startswith("RLWatch")
     assert "Cause: stale_weights." in text and doc["cause"] == "stale_weights"
     checkpoint = doc["last_healthy_checkpoint"]
-    path = tmp_path / checkpoint["path"]                  # paths are relative to where the demo ran
-    assert checkpoint and checkpoint["step"] <= fired and path.is_dir()
+    path = Path(checkpoint["path"])                       # stored absolute: found from any directory
+    assert checkpoint and checkpoint["step"] <= fired and path.is_absolute() and path.is_dir()
     assert (path / "model.safetensors").exists()
-    report = tmp_path / doc["demo"]["directory"] / "report"
+    report = tmp_path / doc["demo"]["directory"] / "report"     # the demo's --out was relative
     assert (report / "postmortem.md").exists() and (report / "mismatch_kl_k3.png").stat().st_size > 0
     assert re.search(r"step\s+0 \[healthy\]", text)                       # the progress lines
     assert "FIRING RLWatchKLSpike (critical)" in text                     # alerts as they fire

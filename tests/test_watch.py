@@ -200,10 +200,14 @@ def test_store_is_readable_while_the_run_writes(tmp_path):
         with StoreReader(path) as reader:
             assert [r.step for r in reader.steps("live")] == [0, 1, 2, 3, 4]
         watch.record_checkpoint(4, "/ckpt/checkpoint-4")
+        watch.record_checkpoint(5, "out/checkpoint-5")              # relative: stored absolute
+        watch.record_checkpoint(6, "s3://bucket/run/checkpoint-6")  # a URL: kept as given
         watch.log_scalars(4, {"loss": 0.5})
         watch.flush()
         with StoreReader(path) as reader:
-            assert reader.checkpoints("live") == [(4, "/ckpt/checkpoint-4")]
+            assert reader.checkpoints("live") == [(4, "/ckpt/checkpoint-4"),
+                                                  (5, os.path.join(os.getcwd(), "out", "checkpoint-5")),
+                                                  (6, "s3://bucket/run/checkpoint-6")]
             assert reader.scalars("live") == {"loss": [(4, 0.5)]}
 
 
