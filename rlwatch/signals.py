@@ -217,11 +217,11 @@ def _constant(values: Sequence[float], device: torch.device, dtype: torch.dtype 
 
 
 def quantile_from_counts(counts: torch.Tensor, values: torch.Tensor, n: torch.Tensor,
-                         qs: Sequence[float], cum: torch.Tensor | None = None) -> torch.Tensor:
+                         qs: Sequence[float]) -> torch.Tensor:
     """The ``qs``-quantiles [Q] (linear interpolation between order statistics, as ``torch.quantile``)
     of ``n`` items binned by ``counts`` [K] float64, each bin represented by ``values`` [K]; NaN when
-    n is 0. No host sync. ``cum`` may pass ``counts.cumsum(0)``."""
-    cum = counts.cumsum(0) if cum is None else cum
+    n is 0. No host sync."""
+    cum = counts.cumsum(0)
     top = (n.to(torch.float64) - 1).clamp_min(0)
     rank = _constant(qs, counts.device) * top
     lo_rank = rank.floor()
@@ -513,7 +513,7 @@ def lag_signals(out: Pending, version: torch.Tensor, trainer_version: int, mask:
     out.put("tokens_over_staleness_bound_total", over)
     out.derive("version_lag_sequence_max_mean", lambda sums: _div(sums[1], sums[0]), seq_sums)
     out.derive("partial_rollout_ratio", lambda sums: _div(sums[2], sums[0]), seq_sums)
-    out.derive("partial_rollout_sequences_total", lambda sums: sums[2], seq_sums)
+    out.derive("partial_rollout_sequences_total", operator.itemgetter(2), seq_sums)
     put_lag_histogram(out, hist, n_ok, lag_sum)
 
 
@@ -562,11 +562,10 @@ def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def group_signals(out: Pending, rewards: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor],
-                  ok: torch.Tensor, config: SignalConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                  ok: torch.Tensor, config: SignalConfig) -> torch.Tensor:
     """Zero-variance GRPO groups. rewards [B] float, groups: :func:`group_index` of the group ids,
     ok [B] bool (episodes that did not fail for an infrastructure reason). Returns the zero-variance
-    flag per group slot [B] bool, and per episode [B] float (1 when the episode did not fail and its
-    group's rewards are constant)."""
+    flag per group slot [B] bool (over the group's episodes that did not fail)."""
     B = rewards.numel()
     index = groups[0]
     rewards = rewards.to(torch.float64)
@@ -595,15 +594,15 @@ def group_signals(out: Pending, rewards: torch.Tensor, groups: tuple[torch.Tenso
     # groups, the three kinds of constant groups, zero-variance episodes, episodes: one product.
     sums = torch.mv(torch.stack([exists, passes, fails, constant, episode_zero_var, okf]).to(torch.float64),
                     torch.ones(B, dtype=torch.float64, device=rewards.device))
-    out.derive("groups", lambda sums: sums[0], sums)
-    out.derive("groups_total", lambda sums: sums[0], sums)
+    out.derive("groups", operator.itemgetter(0), sums)
+    out.derive("groups_total", operator.itemgetter(0), sums)
     for i, kind in enumerate(ZERO_VARIANCE_KINDS, start=1):
         out.derive("zero_variance_groups_ratio", lambda sums, i=i: _div(sums[i], sums[0]), sums, labels=(kind,))
-        out.derive("zero_variance_groups_total", lambda sums, i=i: sums[i], sums, labels=(kind,))
+        out.derive("zero_variance_groups_total", operator.itemgetter(i), sums, labels=(kind,))
     out.derive("zero_gradient_episodes_ratio", lambda sums: _div(sums[4], sums[5]), sums)
     out.put("_group_size_min", torch.where(exists, size, torch.inf).amin() if B else torch.tensor(float("nan")))
     out.put("_group_size_max", size.amax() if B else torch.tensor(float("nan")))
-    return zero_var, episode_zero_var
+    return zero_var
 
 
 def length_signals(out: Pending, mask: torch.Tensor, truncated: torch.Tensor | None,
@@ -745,12 +744,12 @@ def _compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | No
         ok = torch.tensor([f is None for f in record.failed], dtype=torch.bool).to(device, non_blocking=True)
     else:
         ok = torch.ones(B, dtype=torch.bool, device=device)
-    groups = group_index(record.group_ids) if record.group_ids is not None else None
-    group_zero_var = None
+    groups = group_zero_var = None
     if record.rewards is not None:
         reward_signals(out, record.rewards, ok)
-        if groups is not None:
-            group_zero_var, _ = group_signals(out, record.rewards, groups, ok, config)
+        if record.group_ids is not None:
+            groups = group_index(record.group_ids)
+            group_zero_var = group_signals(out, record.rewards, groups, ok, config)
     lengths = length_signals(out, mask, record.truncated, per_seq)
     if record.entropy is not None:
         entropy_signal(out, record.entropy, mask)

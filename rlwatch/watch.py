@@ -88,8 +88,10 @@ class Watch:
             built-ins included), False = none.
         framework, framework_version, metadata: recorded in the store and ``rlwatch_run_info``.
         background: compute each observed step on one rlwatch thread, in order, so that
-            ``observe`` returns at once (None); for CPU loops with short steps, where the signals'
-            few hundred small tensor ops would otherwise add to the step. The tensors passed must
+            ``observe`` returns at once (None); for trainers on an accelerator, whose training
+            thread would otherwise wait for the device's queue at the step's one transfer. On a CPU
+            trainer that keeps every core busy the thread only competes with it (measured slower
+            than computing inline, ``bench/bench_trl_overhead.py``). The tensors passed must
             not be modified in place afterwards. ``flush()`` waits for the queued steps; guards
             and ``on_alert`` callbacks then run on that thread, a step or so later. Off in strict mode.
     """
