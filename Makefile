@@ -27,8 +27,11 @@ demo: $(VENV)/.base
 servers:
 	scripts/install-servers.sh
 
+# The suites run in a network namespace with loopback only (scripts/loopback-only.sh): nothing a test
+# starts, Ray's processes included, can listen beyond 127.0.0.1.
 test: servers $(VENV)/.dev openrlhf-venv
-	RLWATCH_REQUIRE_SERVERS=1 RLWATCH_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -q --ignore=tests/test_openrlhf.py
+	RLWATCH_REQUIRE_SERVERS=1 RLWATCH_REQUIRE_FRAMEWORKS=1 scripts/loopback-only.sh $(PY) -m pytest -q \
+		--ignore=tests/test_openrlhf.py
 	$(MAKE) test-openrlhf
 
 # OpenRLHF 0.11 (CPU torch, no flash-attn/vllm) in its own virtual environment; idempotent.
@@ -36,7 +39,7 @@ openrlhf-venv:
 	VENV=$(OPENRLHF_VENV) PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) scripts/setup-openrlhf-venv.sh
 
 test-openrlhf: openrlhf-venv
-	RLWATCH_REQUIRE_FRAMEWORKS=1 $(OPENRLHF_VENV)/bin/python -m pytest -q tests/test_openrlhf.py
+	RLWATCH_REQUIRE_FRAMEWORKS=1 scripts/loopback-only.sh $(OPENRLHF_VENV)/bin/python -m pytest -q tests/test_openrlhf.py
 
 bench: $(VENV)/.dev
 	$(PY) bench/bench_signals.py
