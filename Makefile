@@ -6,6 +6,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# Where pip would otherwise fetch a CUDA build of torch from PyPI:
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 OPENRLHF_VENV ?= .venv-openrlhf
 
@@ -13,7 +16,7 @@ OPENRLHF_VENV ?= .venv-openrlhf
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) torch==$(TORCH_VERSION)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
 	$(PIP) -e '.[report]'
 	touch $@
 
@@ -36,10 +39,16 @@ test: servers $(VENV)/.dev openrlhf-venv
 
 # OpenRLHF 0.11 (CPU torch, no flash-attn/vllm) in its own virtual environment; idempotent.
 openrlhf-venv:
-	VENV=$(OPENRLHF_VENV) PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) scripts/setup-openrlhf-venv.sh
+	VENV=$(OPENRLHF_VENV) PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX=$(TORCH_INDEX) \
+		scripts/setup-openrlhf-venv.sh
 
 test-openrlhf: openrlhf-venv
 	RLWATCH_REQUIRE_FRAMEWORKS=1 scripts/loopback-only.sh $(OPENRLHF_VENV)/bin/python -m pytest -q tests/test_openrlhf.py
+
+# The generated files (alert rules, runbook, promtool tests, dashboards) match their generators.
+check: $(VENV)/.base
+	$(PY) -m rlwatch.alerts.render --check
+	$(PY) dashboards/generate.py --check
 
 bench: $(VENV)/.dev
 	$(PY) bench/bench_signals.py

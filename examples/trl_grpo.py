@@ -5,8 +5,8 @@ and saved locally (swap in your own model and dataset). The dataset has an ``env
 so rewards, truncation and zero-variance groups are also reported per environment. With
 ``--num-iterations 2`` every generation batch is trained on twice, so the version lag is 1 on the
 second pass. Open http://127.0.0.1:9400/metrics while it trains (or ``rlwatch up`` for Prometheus
-and Grafana); afterwards every step is in the run store ./rlwatch-runs/trl-grpo-example.db
-(``rlwatch.store.StoreReader``):
+and Grafana); afterwards every step is in the run store next to the checkpoints,
+<output-dir>/out/rlwatch.db (``rlwatch.store.StoreReader``; ``rlwatch postmortem <output-dir>/out``):
 
     python examples/trl_grpo.py --steps 20 --num-iterations 2
 

@@ -23,12 +23,15 @@ __all__ = ["Watch", "SignalConfig", "compute", "InvalidFieldError", "PortInUseEr
            "__version__"]
 
 _LAZY = {"Watch": ("watch", "Watch"), "SignalConfig": ("signals", "SignalConfig"), "compute": ("signals", "compute")}
+_LAZY_MODULES = {"hacks"}          # ``rlwatch.hacks.detector`` after a plain ``import rlwatch``
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _LAZY:
         module, attr = _LAZY[name]
         value = getattr(importlib.import_module(f".{module}", __name__), attr)
         globals()[name] = value

@@ -17,7 +17,8 @@
 #      in a subprocess, so both PolicyLoss/IS-flag variants are tested from one environment;
 #   5. rlwatch itself (pip install -e .) and the test tools.
 #
-# Environment: VENV (.venv-openrlhf), PYTHON (python3), TORCH_VERSION (2.13.0), OPENRLHF_VERSION
+# Environment: VENV (.venv-openrlhf), PYTHON (python3), TORCH_VERSION (2.13.0), TORCH_INDEX (a pip
+# index for torch only, e.g. https://download.pytorch.org/whl/cpu; default: pip's), OPENRLHF_VERSION
 # (0.11.2), OPENRLHF_OLD_VERSION (0.11.0; empty to skip step 4), FORCE=1.
 set -euo pipefail
 
@@ -53,7 +54,7 @@ fi
 # 1. CPU torch, and a constraints file that keeps it for every later step.
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
     step "installing torch==$TORCH_VERSION"
-    "${PIP[@]}" "torch==$TORCH_VERSION"
+    "${PIP[@]}" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "torch==$TORCH_VERSION"
 fi
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
     echo "warning: the torch in $VENV is a CUDA build ($("$PY" -c 'import torch; print(torch.__version__)')); " \

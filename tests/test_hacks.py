@@ -17,6 +17,23 @@ from rlwatch.store import StoreReader
 from .conftest import make_step
 
 
+def test_hacks_is_reachable_after_a_plain_import_rlwatch():
+    """The README's ``@rlwatch.hacks.detector(...)`` and ``rlwatch.hacks.use_checker`` after ``import rlwatch``
+    alone (a fresh interpreter: here rlwatch.hacks is imported already)."""
+    import subprocess
+    import sys
+
+    code = ("import rlwatch\n"
+            "@rlwatch.hacks.detector('says_hi', envs={'chat'})\n"
+            "def says_hi(episode):\n"
+            "    return 'hi' in episode.completion\n"
+            "rlwatch.hacks.use_checker('chat', lambda episode: True)\n"
+            "print('ok', 'says_hi' in rlwatch.hacks.REGISTRY)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok", "True"]
+
+
 def verdict(fn, **kw):
     v = as_verdict(fn(Episode(**kw)))
     return None if v is None else v.hacked

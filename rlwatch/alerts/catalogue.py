@@ -373,7 +373,7 @@ ALERTS: tuple[Alert, ...] = (
             causes=["Staleness creeping up in an asynchronous pipeline.",
                     "The policy sharpening (entropy falling) so that each update moves it further.",
                     "A slow change in the sampler (engine preemption and recomputation under memory pressure)."],
-            look=["The drift score's signal label, and the same signal on the mismatch dashboard.",
+            look=["The drift score's signal label, and the same signal in the sampler-learner mismatch row of the rlwatch / details dashboard.",
                   "rlwatch_version_lag_mean and rlwatch_entropy_mean over the same window.",
                   "vLLM's preemption counter next to the mismatch (rollout-engine row)."],
             do=["Watch for a KL spike; consider lowering the learning rate or tightening the staleness bound.",
