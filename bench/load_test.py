@@ -91,7 +91,8 @@ def run(steps: int, envs: int, directory: str) -> dict:
     elapsed = time.perf_counter() - started
     with StoreReader(path) as store:
         stored = [r.step for r in store.steps("load")]
-    env_series = [line for line in final_text.splitlines() if line.startswith("rlwatch_env_episodes{")]
+    # Per-environment counters keep every label seen (the step's gauges only this step's labels).
+    env_series = [line for line in final_text.splitlines() if line.startswith("rlwatch_episodes_total{")]
     lat = sorted(scraper.latencies)
     tenth = max(1, len(scraper.rss) // 10)
     return {

@@ -63,6 +63,7 @@ class Receiver:
 
     def close(self) -> None:
         self.server.shutdown()
+        self.server.server_close()
 
 
 def alertmanager_config(receiver_port: int) -> str:
@@ -76,17 +77,21 @@ def alertmanager_config(receiver_port: int) -> str:
 
 
 @pytest.fixture
-def stack(tmp_path: Path):
-    """Alertmanager + Prometheus (rules loaded, 1 s scrape/eval) + receiver; yields a starter for the exporter."""
+def stack(tmp_path: Path, request):
+    """Alertmanager + Prometheus (rules loaded, 1 s scrape/eval) + receiver; yields them and the
+    exporter's port. Each is stopped (servers by PID) on every path, also when a later one fails to
+    start."""
     prometheus_bin = need_binary("prometheus")
     alertmanager_bin = need_binary("prometheus-alertmanager")
     receiver = Receiver()
+    request.addfinalizer(receiver.close)
     am_port, prom_port, exporter_port = free_port(), free_port(), free_port()
     (tmp_path / "am.yml").write_text(alertmanager_config(receiver.port))
     alertmanager = start_process([alertmanager_bin, f"--config.file={tmp_path / 'am.yml'}",
                                   f"--storage.path={tmp_path / 'am-data'}",
                                   f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="],
                                  am_port, tmp_path / "am.log")
+    request.addfinalizer(alertmanager.stop)
     # The shipped rules, except that RLWatchExporterDown waits 2 s instead of 1 m so the test stays short.
     rules = render.rules_yaml()
     down = rules.index('alert: "RLWatchExporterDown"')
@@ -102,10 +107,8 @@ def stack(tmp_path: Path):
                                 f"--storage.tsdb.path={tmp_path / 'prom-data'}",
                                 f"--web.listen-address=127.0.0.1:{prom_port}", "--rules.alert.resend-delay=1s"],
                                prom_port, tmp_path / "prometheus.log")
+    request.addfinalizer(prometheus.stop)              # finalizers run last-added first
     yield dict(receiver=receiver, exporter_port=exporter_port, prometheus=prometheus, alertmanager=alertmanager)
-    prometheus.stop()
-    alertmanager.stop()
-    receiver.close()
 
 
 class Trainer(threading.Thread):

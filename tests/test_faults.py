@@ -3,6 +3,8 @@ receiver. Training continues, the loss is bounded and reported, the store keeps 
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -91,25 +93,20 @@ def test_hanging_otlp_receiver_never_blocks_the_training_thread():
         server.shutdown()
 
 
-def test_hanging_pushgateway_and_a_stalled_scraper_never_block_training():
-    """A Pushgateway that accepts and never answers, and a scraper that opens /metrics and stalls
-    mid-request: every observe returns at once, other scrapes are served, close() is bounded, and
-    the failed pushes are counted."""
+def test_hanging_pushgateway_and_a_stalled_scraper_never_block_training(pushgateway):
+    """A Pushgateway that accepts and never answers (the real one, frozen with SIGSTOP: the kernel
+    still accepts its connections) and a scraper that opens /metrics and stalls mid-request: every
+    observe returns at once, other scrapes are served, close() is bounded, and the failed pushes are
+    counted."""
     import socket
     import urllib.request
-    from http.server import ThreadingHTTPServer
 
-    class _Forever(_Hang):
-        def do_PUT(self):  # noqa: N802 - prometheus_client pushes with PUT
-            time.sleep(30)
-
-    gateway = ThreadingHTTPServer(("127.0.0.1", 0), _Forever)
-    gateway.daemon_threads = True
-    threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    os.kill(pushgateway.proc.pid, signal.SIGSTOP)
     stalled = None
+    watch = None
     try:
         watch = rlwatch.Watch(run="hang", port=0, store=None, alerts=False, push_interval=0.05,
-                              pushgateway=f"http://127.0.0.1:{gateway.server_address[1]}")
+                              pushgateway=pushgateway.url)
         watch.push.timeout = 1.0
         stalled = socket.create_connection(("127.0.0.1", watch.port))
         stalled.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")          # never finished
@@ -126,8 +123,11 @@ def test_hanging_pushgateway_and_a_stalled_scraper_never_block_training():
         closing = time.perf_counter() - start
         assert max(durations) < 0.5, durations
         assert closing < 2 * watch.push.timeout + 2, closing
+        assert watch.push.pushes == 0                   # the frozen gateway never answered a push
         assert watch.errors.counts[("export", "push")] >= 1
     finally:
         if stalled is not None:
             stalled.close()
-        gateway.shutdown()
+        os.kill(pushgateway.proc.pid, signal.SIGCONT)    # before the fixture stops it by its PID
+        if watch is not None:
+            watch.close()                                # idempotent; bounded on a failure above

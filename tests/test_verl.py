@@ -659,17 +659,18 @@ def test_setup_hook_reaches_the_trainer_actor_through_ray(tmp_path):
         ray.shutdown()
 
 
-def test_setup_hook_is_cheap_and_imports_no_verl():
-    code = ("import sys, time; import rlwatch.integrations.verl as rv; t = time.perf_counter(); rv.setup_hook(); "
-            "print(time.perf_counter() - t, any(m == 'verl' or m.startswith('verl.') for m in sys.modules), "
+def test_setup_hook_imports_no_verl():
+    """The worker setup hook only registers the import hook: it imports no verl."""
+    code = ("import sys; import rlwatch.integrations.verl as rv; rv.setup_hook(); "
+            "print(any(m == 'verl' or m.startswith('verl.') for m in sys.modules), "
             "rv.INSTRUMENTOR.is_instrumented)")
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    seconds, imported, instrumented = out.stdout.split()
+    assert out.returncode == 0, out.stderr
+    imported, instrumented = out.stdout.split()
     assert imported == "False" and instrumented == "True", out.stderr
-    assert float(seconds) < 0.5
 
 
 def test_reward_extra_info_reaches_the_hack_detectors(config, tmp_path):

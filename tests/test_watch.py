@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -99,7 +100,7 @@ def test_background_mode_exports_the_same_steps_in_order(tmp_path):
     returned, samples, rows = results["background"]
     assert returned == [None] * 12
     assert [r.step for r in rows] == list(range(12))
-    for a, b in zip(results["inline"][2], rows):
+    for a, b in zip(results["inline"][2], rows, strict=True):
         assert {k: v for k, v in a.values.items() if "seconds" not in k} == \
                {k: v for k, v in b.values.items() if "seconds" not in k}
     assert sample(samples, "rlwatch_steps_total", run="background") == 12
@@ -225,22 +226,43 @@ KILL_CHILD = textwrap.dedent("""
 
 
 def test_sigkill_mid_run_leaves_every_completed_step(tmp_path):
+    import queue
+    import time
+
     path = str(tmp_path / "killed.db")
     child = subprocess.Popen([sys.executable, "-c", KILL_CHILD.format(root=str(ROOT), path=path)],
                              stdout=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:                      # a hung child must not block the suite: read on a thread
+        for line in child.stdout:
+            lines.put(line)
+        lines.put(None)                      # EOF: the child exited or closed its output
+
+    reader_thread = threading.Thread(target=read, daemon=True)
+    reader_thread.start()
     last = -1
     try:
-        for line in child.stdout:
+        deadline = time.monotonic() + 120
+        while last < 30:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"the child reported only {last + 1} steps in 120 s")
+            assert line is not None, f"the child exited (rc={child.poll()}) after only {last + 1} steps"
+            assert int(line) == last + 1, line
             last = int(line)
-            if last >= 30:
-                break
+        assert child.poll() is None, "the child must still be running when it is killed"
     finally:
-        os.kill(child.pid, 9)
+        if child.poll() is None:                         # not yet reaped: its PID is still its own
+            os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=10)
+        reader_thread.join(timeout=10)                   # EOF once the child is gone
+        child.stdout.close()
     with StoreReader(path) as reader:
         steps = [r.step for r in reader.steps("killed")]
-    assert steps[: last + 1] == list(range(last + 1))
-    assert steps == list(range(len(steps)))          # contiguous: nothing half-written
+    assert len(steps) >= last + 1 >= 31                  # every step the child reported before the kill
+    assert steps == list(range(len(steps)))              # contiguous: nothing half-written
 
 
 def test_pushgateway_receives_the_run(pushgateway):
