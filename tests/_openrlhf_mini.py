@@ -9,8 +9,8 @@ Real OpenRLHF code: the argument parser and its checks (``cli/train_ppo_ray.py``
 model wrapper (log-probs), ``PolicyLoss``.
 
 Stand-ins, because they need GPUs: ``CpuEngine`` replaces vLLM's ``RolloutRayActor`` (a Ray actor
-that samples with a tiny bf16 Qwen2 and answers ``generate``, as vLLM's engine does, to OpenRLHF's
-own agent executors) and ``CpuActorGroup`` replaces the ``RayActorGroup`` of DeepSpeed policy
+whose ``CpuSampler`` samples with a tiny bf16 Qwen2 and answers ``generate``, as vLLM's engine does,
+to OpenRLHF's own agent executors) and ``CpuActorGroup`` replaces the ``RayActorGroup`` of DeepSpeed policy
 actors (forward = OpenRLHF's ``Actor`` on CPU in fp32; fit = OpenRLHF's ``PolicyLoss`` and SGD;
 broadcast = copy the weights into the engine). Everything runs in one local Ray instance.
 """
@@ -130,36 +130,15 @@ class AgentExecutor(MultiTurnAgentExecutor):
 '''
 
 
-class CpuEngine:
-    """Stand-in for OpenRLHF's vLLM ``RolloutRayActor`` (a Ray actor; see the module docstring):
-    ``generate`` samples with a tiny bf16 model and returns what vLLM's ``RequestOutput`` carries
-    (token ids, text, finish reason, processed log-probs); ``generate_responses`` is OpenRLHF's own
-    (it runs the real agent executor n times)."""
+class CpuSampler:
+    """What OpenRLHF's agent executors call as ``llm_engine``: ``generate`` samples with a tiny bf16
+    model and returns what vLLM's ``RequestOutput`` carries (token ids, text, finish reason,
+    processed log-probs)."""
 
-    def __init__(self, model_dir: str, tokenizer_dir: str, reward_py: str | None = None,
-                 agent_py: str | None = None, seed: int = 0) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    def __init__(self, model: Any, tokenizer: Any, seed: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
         self.generator = torch.Generator().manual_seed(seed)
-        self.weight_updates = 0
-        if agent_py:
-            from openrlhf.trainer.ray.vllm_engine import _load_agent_executor
-
-            self.executor = _load_agent_executor(agent_py)
-        else:
-            from openrlhf.utils.agent import SingleTurnAgentExecutor
-
-            self.executor = SingleTurnAgentExecutor(reward_py)
-
-    def get_num_unfinished_requests(self) -> int:
-        return 0
-
-    def update_weights(self, state_dict: dict) -> int:
-        self.model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state_dict.items()})
-        self.weight_updates += 1
-        return self.weight_updates
 
     @torch.no_grad()
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
@@ -181,13 +160,50 @@ class CpuEngine:
                                  logprobs=logprobs if sampling_params.logprobs is not None else None)
         return SimpleNamespace(outputs=[output])
 
-    async def generate_responses(self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples=1,
-                                 images=None):
-        # OpenRLHF's RolloutRayActor.generate_responses (vllm_engine.py), verbatim.
-        tasks = [self.executor.execute(prompt=prompt, label=label, sampling_params=sampling_params,
-                                       max_length=max_length, hf_tokenizer=hf_tokenizer, llm_engine=self,
-                                       images=images) for _ in range(num_samples)]
-        return await asyncio.gather(*tasks)
+
+class CpuEngine:
+    """Stand-in for OpenRLHF's vLLM ``RolloutRayActor`` (a Ray actor; see the module docstring):
+    ``generate_responses`` is OpenRLHF's own (it runs the real agent executor n times against a
+    :class:`CpuSampler`). A synchronous actor, so that Ray runs its calls one at a time in the order
+    they were sent (Ray may start an async actor's calls out of order): OpenRLHF collects requests in
+    the order they finish, and two runs that must agree number for number (with and without the
+    hook) need the same order and the same draws from the one sampling generator."""
+
+    def __init__(self, model_dir: str, tokenizer_dir: str, reward_py: str | None = None,
+                 agent_py: str | None = None, seed: int = 0) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).eval()
+        self.sampler = CpuSampler(model, AutoTokenizer.from_pretrained(tokenizer_dir), seed)
+        self.loop = asyncio.new_event_loop()        # one loop for the executors' lifetime
+        self.weight_updates = 0
+        if agent_py:
+            from openrlhf.trainer.ray.vllm_engine import _load_agent_executor
+
+            self.executor = _load_agent_executor(agent_py)
+        else:
+            from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+            self.executor = SingleTurnAgentExecutor(reward_py)
+
+    def get_num_unfinished_requests(self) -> int:
+        return 0
+
+    def update_weights(self, state_dict: dict) -> int:
+        self.sampler.model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state_dict.items()})
+        self.weight_updates += 1
+        return self.weight_updates
+
+    def generate_responses(self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples=1,
+                           images=None):
+        # OpenRLHF's RolloutRayActor.generate_responses (vllm_engine.py), run to completion here.
+        async def responses():
+            tasks = [self.executor.execute(prompt=prompt, label=label, sampling_params=sampling_params,
+                                           max_length=max_length, hf_tokenizer=hf_tokenizer,
+                                           llm_engine=self.sampler, images=images) for _ in range(num_samples)]
+            return await asyncio.gather(*tasks)
+
+        return self.loop.run_until_complete(responses())
 
 
 class CpuActorGroup:
@@ -273,8 +289,10 @@ class CpuActorGroup:
         return status
 
 
-def build(tmp: Path, argv: list[str], agent: bool = False, engine_seed: int = 0) -> SimpleNamespace:
-    """A BasePPOTrainer, SamplesGenerator and their stand-ins for ``argv`` (OpenRLHF arguments)."""
+def build(tmp: Path, argv: list[str], agent: bool = False, engine_seed: int = 0,
+          reward_py: str = REWARD_PY) -> SimpleNamespace:
+    """A BasePPOTrainer, SamplesGenerator and their stand-ins for ``argv`` (OpenRLHF arguments);
+    ``reward_py`` is the source of the ``reward_func`` file (without ``agent``)."""
     import ray
 
     from openrlhf.trainer.ppo_trainer import BasePPOTrainer, prepare_datasets
@@ -283,7 +301,7 @@ def build(tmp: Path, argv: list[str], agent: bool = False, engine_seed: int = 0)
 
     model_dir = make_model_dir(tmp / "model")
     prompts = write_prompts(tmp / "prompts.jsonl")
-    (tmp / "reward.py").write_text(REWARD_PY)
+    (tmp / "reward.py").write_text(reward_py)
     (tmp / "agent.py").write_text(AGENT_PY)
     base = ["--actor.model_name_or_path", str(model_dir), "--data.prompt_dataset", str(prompts),
             "--data.input_key", "input", "--data.label_key", "label", "--actor.num_gpus_per_node", "1",

@@ -117,9 +117,9 @@ def minimal_args(*argv: str):
                             "--algo.advantage.estimator", "reinforce", *argv])
 
 
-def build(tmp_path: Path, argv: list[str] = (), agent: bool = False, seed: int = 0) -> SimpleNamespace:
+def build(tmp_path: Path, argv: list[str] = (), agent: bool = False, seed: int = 0, **kwargs) -> SimpleNamespace:
     torch.manual_seed(seed)
-    return mini.build(tmp_path, [*ARGV, *argv], agent=agent, engine_seed=seed)
+    return mini.build(tmp_path, [*ARGV, *argv], agent=agent, engine_seed=seed, **kwargs)
 
 
 # --- the values rlwatch should see, built from OpenRLHF's objects independently ---------------------
@@ -295,13 +295,14 @@ def test_the_hook_never_changes_openrlhfs_numbers(ray_session, tmp_path):
         ro.uninstrument()
         w.close()
     assert plain["statuses"] == hooked["statuses"]
-    for a, b in zip(plain["advantages"], hooked["advantages"]):
+    assert plain["advantages"]
+    for a, b in zip(plain["advantages"], hooked["advantages"], strict=True):
         assert torch.equal(a, b)
     assert plain["weights"].keys() == hooked["weights"].keys()
     assert all(torch.equal(plain["weights"][k], hooked["weights"][k]) for k in plain["weights"])
     # PolicyLoss's outputs (0.11.0: loss, clip_ratio, ppo_kl, vllm_kl; 0.11.1+: + is_filter_ratio).
     assert len(plain["losses"][0]) == (4 if OLD_API else 5)
-    for a, b in zip(plain["losses"], hooked["losses"]):
+    for a, b in zip(plain["losses"], hooked["losses"], strict=True):
         assert len(a) == len(b)
         assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
 
@@ -428,16 +429,16 @@ def test_zero_code_rlwatch_run_reaches_openrlhfs_workers(ray_session):
     assert seen["nccl_debug"] == "WARN"
 
 
-def test_setup_hook_is_cheap_and_imports_no_openrlhf():
-    code = ("import sys, time; import rlwatch.integrations.openrlhf as ro; t = time.perf_counter(); "
-            "ro.setup_hook(); print(time.perf_counter() - t, "
-            "any(m == 'openrlhf' or m.startswith('openrlhf.') for m in sys.modules), "
+def test_setup_hook_imports_neither_openrlhf_nor_torch():
+    """The worker setup hook only registers the import hook: it imports neither OpenRLHF nor torch."""
+    code = ("import sys; import rlwatch.integrations.openrlhf as ro; ro.setup_hook(); "
+            "print(any(m == 'openrlhf' or m.startswith('openrlhf.') for m in sys.modules), "
             "'torch' in sys.modules, ro.INSTRUMENTOR.is_instrumented)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    seconds, imported, torch_loaded, instrumented = out.stdout.split()
+    assert out.returncode == 0, out.stderr
+    imported, torch_loaded, instrumented = out.stdout.split()
     assert (imported, torch_loaded, instrumented) == ("False", "False", "True"), out.stderr
-    assert float(seconds) < 0.5
 
 
 # --- life cycle ----------------------------------------------------------------------------------
@@ -538,7 +539,7 @@ def test_version_sensitive_tests_pass_on_openrlhf_0_11_0():
                          capture_output=True, text=True, timeout=400, cwd=str(ROOT), env=env)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     summary = out.stdout.strip().splitlines()[-1]
-    assert "7 passed" in summary and "skipped" not in summary and "deselected" in summary, out.stdout[-2000:]
+    assert "8 passed" in summary and "skipped" not in summary and "deselected" in summary, out.stdout[-2000:]
 
 
 @versions
@@ -573,23 +574,40 @@ def test_example_launch_line_parses_with_openrlhfs_own_parser(tmp_path):
     assert ro.checkpoint_dir(args, 20).endswith("global_step20_hf")
 
 
-def test_agent_extra_logs_reach_the_hack_detectors(ray_session, watch, tmp_path):
-    """Per-sample agent extra_logs travel with each episode to the reward-hack detectors; a
-    ``true_pass`` logged there is the independent checker's verdict."""
-    run = build(tmp_path, ARGV_IS)
+# The training verifier passes every response; an independent checker, logged per sample in the
+# reward function's extra_logs as ``true_pass``, fails every math one (the prompts file names each
+# prompt's datasource).
+REWARD_TRUE_PASS_PY = '''
+import json, os
+
+with open(os.path.join(os.path.dirname(__file__), "prompts.jsonl")) as f:
+    SOURCE = {row["input"]: row["datasource"] for row in map(json.loads, f)}
+
+
+def reward_func(queries, prompts, labels):
+    hit = float(labels[0] in queries[0][len(prompts[0]):].split())
+    return {"rewards": 1.0, "scores": 1.0,
+            "extra_logs": {"hit": hit, "true_pass": float(SOURCE[prompts[0]] != "math")}}
+'''
+
+
+@versions
+def test_extra_logs_true_pass_reaches_the_hack_detectors(ray_session, watch, tmp_path):
+    """Per-sample extra_logs returned with the reward travel, through OpenRLHF's real rollout and
+    train_step, with each episode to the Watch's reward-hack detectors: a ``true_pass`` logged there
+    is the independent checker's verdict, counted by ``verifier_disagreement`` per environment."""
+    run = build(tmp_path, ARGV_IS, reward_py=REWARD_TRUE_PASS_PY)
     status, (samples, experiences) = mini.run_step(run)
-    fields = ro.INSTRUMENTOR.last_fields
-    metas = [ro.sample_meta(s) for s in samples]
-    for e in experiences:
-        e.info["true_pass"] = torch.zeros(e.action_mask.shape[0])            # the checker rejects all
-    for m in metas:
-        if m is not None:
-            m["extra_logs"] = tuple(m.get("extra_logs", ())) + ("true_pass",)
-    episodes = ro.episodes_from_experiences(list(experiences), fields, metas)
-    assert len(episodes) == fields["mask"].shape[0]
-    assert all(ep["extra"]["true_pass"] is False and "hit" in ep["extra"] for ep in episodes)
-    assert all(len(ep["response_ids"]) == int(m.sum()) for ep, m in zip(episodes, fields["mask"]))
+    env = expected_fields(run, samples, experiences, None, None)["env"]     # from OpenRLHF's dataset
+    assert set(env) == {"gsm8k", "math"}, env                              # both verdicts occur
+    true_pass = torch.cat([e.info["true_pass"] for e in experiences])       # as OpenRLHF recorded them
+    assert true_pass.tolist() == [float(s != "math") for s in env]
+    assert scalars(watch, 1)["extra_logs/true_pass"] == pytest.approx(float(true_pass.mean()))
     watch.hacks.flush()
-    watch.observe(99, mask=torch.ones(1, 1))
-    judged = watch.state.snapshot().counters["episodes_judged_total"]
-    assert any(det == "degenerate_output" for _, det in judged)
+    watch.observe(99, mask=torch.ones(1, 1))            # verdicts are exported with the next step
+    counters = watch.state.snapshot().counters
+    hacked, judged = counters.get("episodes_hacked_total", {}), counters.get("episodes_judged_total", {})
+    assert hacked.get(("math", "verifier_disagreement"), 0) == env.count("math") > 0, hacked
+    assert hacked.get(("gsm8k", "verifier_disagreement"), 0) == 0, hacked
+    assert judged.get(("gsm8k", "verifier_disagreement"), 0) == env.count("gsm8k") > 0, judged
+    assert watch.errors.total() == 0
