@@ -18,6 +18,9 @@ Designs (the default is ``cycles``):
 - ``--whole-trainings``: whole trainings watched and not watched (ABBA); free of attribution
   questions but at the mercy of the machine's drift between trainings.
 
+``--sidecar`` is an experiment (``bench/_sidecar.py``): the training thread captures and assembles
+each step as usual, then pickles its fields to a child process that computes and exports them.
+
 Also reported: the time inside rlwatch's hooks on the training thread and the CPU time of
 rlwatch's thread per watched step. The first ``WARMUP_STEPS`` steps of each training are dropped.
 Run:
@@ -48,7 +51,8 @@ from tests._trl_tiny import build_tiny_model, make_trainer  # noqa: E402
 
 WARMUP_STEPS = 4            # a whole cycle, so that measured steps start at a watched one
 WATCH_OPTIONS: dict = {}
-BACKGROUND = {"cpu_seconds": 0.0, "on_steps": 0}     # rlwatch's own thread (background=True)
+BACKGROUND = {"cpu_seconds": 0.0, "on_steps": 0}     # rlwatch's own thread (background=True) or process
+SIDECAR = {"on": False}
 
 
 class Switch:
@@ -127,10 +131,25 @@ def train_once(model_path: str, workdir: Path, steps: int, tag: str, switch: Swi
     switch.on = first_on
     trainer = make_trainer(model_path, workdir / f"out-{tag}", callbacks=[clock], max_steps=steps)
     watched = first_on or design != "whole"
+    sidecar = None
     if watched:
         options = dict(run=f"bench-{tag}", port=0, store=str(workdir / f"{tag}.db") if store else None)
-        clock.watch = rltrl.watch(trainer, **{**options, **WATCH_OPTIONS})
+        if SIDECAR["on"]:
+            from bench import _sidecar
+
+            # The trainer's Watch captures only (no endpoint, store or alerts); the child exports.
+            clock.watch = rltrl.watch(trainer, **{**options, **WATCH_OPTIONS, "port": None, "store": None,
+                                                  "background": False})
+            sidecar = _sidecar.attach(clock.watch, **{**options, **WATCH_OPTIONS, "hack_detectors": False,
+                                                      "framework": "trl",
+                                                      "group_size": clock.watch.config.group_size})
+        else:
+            clock.watch = rltrl.watch(trainer, **{**options, **WATCH_OPTIONS})
     trainer.train()
+    if sidecar is not None:
+        sidecar.close()
+        BACKGROUND["cpu_seconds"] += sidecar.busy_seconds
+        BACKGROUND["on_steps"] += sum(1 for s in clock.steps if s.on)
     if watched:
         clock.watch.flush()
         if clock.watch._worker is not None:
@@ -154,11 +173,14 @@ def main() -> None:
     thread.add_argument("--foreground", action="store_true", help="compute on the training thread (background=False)")
     thread.add_argument("--background", action="store_true",
                         help="compute on rlwatch's thread (background=True, the hook's default on accelerators)")
+    thread.add_argument("--sidecar", action="store_true",
+                        help="experiment: compute and export in a child process (bench/_sidecar.py)")
     parser.add_argument("--no-hacks", action="store_true", help="without the reward-hack detectors")
     opts = parser.parse_args()
     design = "alternate" if opts.alternate else "whole" if opts.whole_trainings else "cycles"
     if opts.foreground or opts.background:
         WATCH_OPTIONS["background"] = opts.background
+    SIDECAR["on"] = opts.sidecar
     if os.environ.get("RLWATCH_BENCH_OPTIONS"):          # diagnosis only: extra Watch options as JSON
         import json
 
@@ -207,7 +229,7 @@ def main() -> None:
     print(f"\ncommand: PYTHONPATH=. {os.path.relpath(sys.executable)} {' '.join(sys.argv)}")
     print(f"torch intra-op threads: {torch.get_num_threads()}; {opts.trainings} trainings x "
           f"{opts.steps - WARMUP_STEPS} measured steps; design: {design}"
-          f"; rlwatch computes on {'its own thread' if BACKGROUND['on_steps'] else 'the training thread'}")
+          f"; rlwatch computes on {'a child process' if opts.sidecar else 'its own thread' if BACKGROUND['on_steps'] else 'the training thread'}")
     if design == "cycles":
         print(f"cost of watching a step, paired 4-step cycles: {_paired.describe(overheads)}; "
               f"{dropped} cycles dropped (rlwatch's thread still busy when the baseline began)")
@@ -236,7 +258,7 @@ def main() -> None:
               f"bootstrap 95% interval {(boot[50] - 1) * 100:+.2f}% .. {(boot[1949] - 1) * 100:+.2f}%")
     if BACKGROUND["on_steps"]:
         per_step = BACKGROUND["cpu_seconds"] / BACKGROUND["on_steps"]
-        print(f"CPU time of rlwatch's thread per watched step: {per_step * 1e3:.2f} ms = "
+        print(f"CPU time of rlwatch's {'process' if opts.sidecar else 'thread'} per watched step: {per_step * 1e3:.2f} ms = "
               f"{per_step / wall_off * 100:.2f}% of the median unwatched step (beside the trainer, off its thread)")
 
 
