@@ -113,7 +113,8 @@ def make_trainer(model_path: str, output_dir: str | os.PathLike, *, rollout: boo
                           rollout_func=make_rollout_func(args.max_completion_length) if rollout else None)
     if rollout:
         # The sampler-log-prob path of TRL 1.16 without vLLM: these private attributes are what
-        # `_generate` and `_generate_and_score_completions` read (pinned TRL range).
+        # `_generate` and `_generate_and_score_completions` read (pinned TRL range). A CPU stand-in:
+        # TRL's own vLLM generation code never runs here, only its use of what `rollout_func` returns.
         trainer.use_vllm = True
         trainer.vllm_generation = SimpleNamespace(sync_weights=lambda: None)
         trainer._last_loaded_step = -1

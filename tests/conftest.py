@@ -36,10 +36,13 @@ def need_binary(name: str) -> str:
     return path
 
 
-def wait_http(url: str, timeout: float = 20.0) -> None:
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+    """Wait until ``url`` answers 200; give up early when ``proc`` (the server) has exited."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before {url} answered")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
@@ -80,10 +83,10 @@ def start_process(args: list[str], port: int, log: Path, ready_path: str = "/-/r
     proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT)
     server = ServerProcess(proc, port, log)
     try:
-        wait_http(server.url + ready_path)
-    except Exception:
+        wait_http(server.url + ready_path, proc=proc)
+    except Exception as exc:
         server.stop()
-        raise RuntimeError(f"{args[0]} did not start:\n{server.output()}")
+        raise RuntimeError(f"{args[0]} did not start ({exc}):\n{server.output()}") from exc
     return server
 
 
