@@ -234,6 +234,8 @@ def quantile_from_counts(counts: torch.Tensor, values: torch.Tensor, n: torch.Te
 def masked_quantiles(values: torch.Tensor, keep: torch.Tensor, n: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
     """The exact ``qs``-quantiles [Q] float64 (as ``torch.quantile``) of the finite ``values`` where
     ``keep`` is 1 (``n`` of them; same shapes); NaN when n is 0. One sort, no host sync."""
+    if values.numel() == 0:                                    # an empty batch: nothing to index
+        return torch.full((len(qs),), torch.nan, dtype=torch.float64, device=values.device)
     kept_first = torch.where(keep.reshape(-1) > 0, values.reshape(-1), torch.inf).sort().values
     ranks, frac = _order_ranks(n, qs, values.device)
     return _interpolate(kept_first.to(torch.float64)[ranks.long()], frac, n)

@@ -117,6 +117,17 @@ def _check_nonfinite_tokens_are_counted_and_excluded():
         assert math.isfinite(scalar(v, name))
 
 
+def test_masked_quantiles_exact_empty_and_nothing_kept():
+    values = torch.tensor([[0.3, 9.0, 0.1], [0.2, 0.0, 5.0]])
+    keep = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    got = signals.masked_quantiles(values, keep, keep.sum(), (0.5, 0.99))
+    want = torch.quantile(values[keep > 0].double(), torch.tensor([0.5, 0.99], dtype=torch.float64))
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    assert signals.masked_quantiles(values, torch.zeros_like(keep), torch.tensor(0.0), (0.5,)).isnan().all()
+    empty = torch.zeros(0, 3)
+    assert signals.masked_quantiles(empty, empty, torch.tensor(0.0), (0.5, 0.99)).isnan().all()
+
+
 @pytest.mark.parametrize("binned", [False, True], ids=["exact", "histogram"])
 def test_all_masked_batch_gives_absent_ratios_not_nan(binned):
     step = make_step(B=4, T=8)
