@@ -52,7 +52,6 @@ from tests._trl_tiny import build_tiny_model, make_trainer  # noqa: E402
 WARMUP_STEPS = 4            # a whole cycle, so that measured steps start at a watched one
 WATCH_OPTIONS: dict = {}
 BACKGROUND = {"cpu_seconds": 0.0, "on_steps": 0}     # rlwatch's own thread (background=True) or process
-SIDECAR = {"on": False}
 
 
 class Switch:
@@ -125,7 +124,7 @@ class Step(NamedTuple):
 
 
 def train_once(model_path: str, workdir: Path, steps: int, tag: str, switch: Switch, design: str,
-               first_on: bool, store: bool = True) -> list[Step]:
+               first_on: bool, store: bool = True, sidecar_process: bool = False) -> list[Step]:
     """One training. With ``design="whole"`` the training is watched (``first_on``) or not at all."""
     clock = StepClock(switch, design, first_on)
     switch.on = first_on
@@ -134,7 +133,7 @@ def train_once(model_path: str, workdir: Path, steps: int, tag: str, switch: Swi
     sidecar = None
     if watched:
         options = dict(run=f"bench-{tag}", port=0, store=str(workdir / f"{tag}.db") if store else None)
-        if SIDECAR["on"]:
+        if sidecar_process:
             from bench import _sidecar
 
             # The trainer's Watch captures only (no endpoint, store or alerts); the child exports.
@@ -180,7 +179,6 @@ def main() -> None:
     design = "alternate" if opts.alternate else "whole" if opts.whole_trainings else "cycles"
     if opts.foreground or opts.background:
         WATCH_OPTIONS["background"] = opts.background
-    SIDECAR["on"] = opts.sidecar
     if os.environ.get("RLWATCH_BENCH_OPTIONS"):          # diagnosis only: extra Watch options as JSON
         import json
 
@@ -206,7 +204,7 @@ def main() -> None:
         try:
             first_on = t % 4 in (0, 3) if design == "whole" else t % 2 == 0
             measured = train_once(model_path, workdir, opts.steps, str(t), switch, design, first_on,
-                                  store=not opts.no_store)
+                                  store=not opts.no_store, sidecar_process=opts.sidecar)
         finally:
             sys.stdout = stdout
         steps += measured

@@ -11,7 +11,7 @@ from pathlib import Path
 def _cmd_up(args: argparse.Namespace) -> int:
     from .stack import StackConfig, StackError, up
 
-    cfg = StackConfig(directory=Path(args.dir).resolve(), addr=args.addr, prometheus_port=args.prometheus_port,
+    cfg = StackConfig(directory=Path(args.dir), addr=args.addr, prometheus_port=args.prometheus_port,
                       alertmanager_port=args.alertmanager_port, grafana_port=args.grafana_port,
                       webhook=args.webhook)
     if args.target:

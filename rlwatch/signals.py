@@ -238,7 +238,7 @@ def masked_quantiles(values: torch.Tensor, keep: torch.Tensor, n: torch.Tensor, 
         return torch.full((len(qs),), torch.nan, dtype=torch.float64, device=values.device)
     kept_first = torch.where(keep.reshape(-1) > 0, values.reshape(-1), torch.inf).sort().values
     ranks, frac = _order_ranks(n, qs, values.device)
-    return _interpolate(kept_first.to(torch.float64)[ranks.long()], frac, n)
+    return _interpolate(kept_first[ranks.long()].to(torch.float64), frac, n)
 
 
 def _order_ranks(n: torch.Tensor, qs: Sequence[float], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -607,16 +607,17 @@ def group_signals(out: Pending, rewards: torch.Tensor, groups: tuple[torch.Tenso
     exists = size > 0
     zero_var = exists & (rmax == rmin)
     # When the whole batch is one constant, classify by sign: positive passes, otherwise fails.
+    # Configured bounds are chosen on the host; inferred ones on the device, without a sync.
     if config.reward_bounds is not None or not B:
         lo, hi = (float(v) for v in config.reward_bounds or (0.0, 0.0))
-        passes = zero_var & ((rmin >= hi) if hi > lo else (rmin > 0))
-        fails = zero_var & ~passes & ((rmax <= lo) if hi > lo else (rmax <= 0))
+        at_pass, at_fail = ((rmin >= hi), (rmax <= lo)) if hi > lo else ((rmin > 0), (rmax <= 0))
     else:
         bounds = signed.amin(0)
         lo, hi = bounds[0], -bounds[1]
         spread = hi > lo
-        passes = zero_var & torch.where(spread, rmin >= hi, rmin > 0)
-        fails = zero_var & ~passes & torch.where(spread, rmax <= lo, rmax <= 0)
+        at_pass, at_fail = torch.where(spread, rmin >= hi, rmin > 0), torch.where(spread, rmax <= lo, rmax <= 0)
+    passes = zero_var & at_pass
+    fails = zero_var & ~passes & at_fail
     constant = zero_var & ~passes & ~fails
     episode_zero_var = zero_var[index] * okf
     # groups, the three kinds of constant groups, zero-variance episodes, episodes: one product.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, free_port, need_binary
+from .conftest import free_port, need_binary
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +23,11 @@ def _stop_the_demos_servers(tmp_path: Path):
     """Whatever happened (the demo timed out and was killed, failed, or left its servers running),
     stop by PID the Prometheus and Alertmanager it started in their own sessions, after the test's
     own assertions (one of them is that the demo stopped them itself)."""
+    from rlwatch.stack import down
+
     yield
     for pids in sorted(tmp_path.glob("demo/*/stack/pids.json")):
-        subprocess.run([sys.executable, "-m", "rlwatch.cli", "down", "--dir", str(pids.parent)],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+        down(pids.parent)
 
 
 def demo(tmp_path: Path, *args: str, timeout: float = 400) -> tuple[subprocess.CompletedProcess, dict]:
