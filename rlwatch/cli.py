@@ -212,6 +212,23 @@ def _cmd_files(args: argparse.Namespace) -> int:
     return 0
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: one unwrapped line, the distribution, its version and the package's directory."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: object, values: object,
+                 option_string: str | None = None) -> None:
+        from .distribution import DIST_NAME, conflict_message, foreign_rlwatch, version
+
+        print(f"{DIST_NAME} {version()} (import name rlwatch, {Path(__file__).resolve().parent})")
+        foreign = foreign_rlwatch()
+        if foreign:
+            print(f"rlwatch: warning: {conflict_message(foreign)}", file=sys.stderr)
+        parser.exit()
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Appends "(default: X)" to an option's help unless the help already names its default or
     there is none to show (None, False)."""
@@ -225,15 +242,12 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .distribution import DIST_NAME, version
-
     parser = argparse.ArgumentParser(
         prog="rlwatch", formatter_class=_HelpFormatter,
         description="Health signals for RL post-training of LLMs: a hook in the trainer exports them to "
                     "Prometheus, with alert rules, Grafana dashboards and a post-mortem.",
         epilog="Start with `rlwatch demo`; `rlwatch COMMAND --help` for a command's options.")
-    parser.add_argument("--version", action="version",
-                        version=f"{DIST_NAME} {version()} (import name rlwatch, {Path(__file__).resolve().parent})")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and where rlwatch is installed")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("demo", help="train a tiny RL policy that collapses, watched live, then explained",
