@@ -712,13 +712,14 @@ def mirror_into_log(trainer: Any, watch: Any) -> None:
     """Add the headline signals (``rlwatch/kl_k3``, ``rlwatch/is_ess``, ...; see
     ``rlwatch.integrations._trainer_logs``) to every training log of ``trainer``: its ``log`` is
     wrapped on the instance, so they reach ``state.log_history`` and every ``report_to`` backend
-    (W&B, TensorBoard, MLflow). Evaluation logs are left alone. Undone by :func:`unwatch`."""
+    (W&B, TensorBoard, MLflow). Evaluation logs and the end-of-training summary are left alone.
+    Undone by :func:`unwatch`."""
     original = trainer.log
     if getattr(original, "__rlwatch_mirror__", False):
         return
 
     def log(logs: dict, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(logs, dict) and not any(str(k).startswith("eval_") for k in logs):
+        if isinstance(logs, dict) and "train_runtime" not in logs and not any(str(k).startswith("eval_") for k in logs):
             logs = guarded(watch, "trl_trainer_logs")(_trainer_logs.merged)(logs, watch) or logs
         return original(logs, *args, **kwargs)
 
