@@ -175,6 +175,12 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [name for name in ("safetensors", "matplotlib") if importlib.util.find_spec(name) is None]
+    if missing:       # checkpoints (safetensors) and the post-mortem's plots (matplotlib)
+        print(f"rlwatch demo: needs {' and '.join(missing)}: pip install 'rlwatch-llm[report]'", file=sys.stderr)
+        return 1
     from .demo.app import run_demo
     from .stack import StackError
 
