@@ -70,7 +70,8 @@ def main() -> None:
     parser.add_argument("--lag", type=int, default=2, help="sampler staleness in updates (default 2)")
     parser.add_argument("--pace", type=float, default=0.5,
                         help="minimum seconds per step, so that scrapes see the run (default 0.5; 0: no pacing)")
-    parser.add_argument("--port", type=int, default=9400, help="metrics port, the next free one if taken (default 9400)")
+    parser.add_argument("--port", type=int, default=9400,
+                        help="metrics port, the next free one if taken (default 9400)")
     parser.add_argument("--run", default="custom-loop", help="run name (default custom-loop)")
     parser.add_argument("--store", default="auto",
                         help="run-store path; auto: rlwatch-runs/<run>.db; none: no store (default auto)")

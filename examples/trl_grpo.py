@@ -135,7 +135,8 @@ def main() -> None:
                         help="the rollout_func samples from weights this many steps old (default 0: in sync)")
     parser.add_argument("--trl-generate", action="store_true",
                         help="TRL's own generation instead of the rollout_func (no sampler log-probs on CPU)")
-    parser.add_argument("--port", type=int, default=9400, help="metrics port, the next free one if taken (default 9400)")
+    parser.add_argument("--port", type=int, default=9400,
+                        help="metrics port, the next free one if taken (default 9400)")
     parser.add_argument("--output-dir", default=None, help="where the model, checkpoints and run store go "
                                                            "(default: a new temporary directory)")
     opts = parser.parse_args()

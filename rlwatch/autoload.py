@@ -95,8 +95,8 @@ def announce(watch: Any, framework: str) -> None:
             print(f"rlwatch: {framework} trainer in process {os.getpid()} (rank {getattr(watch, 'rank', '?')}) "
                   f"exports nothing: only rank 0 does", file=sys.stderr, flush=True)
         else:
-            print(f"rlwatch: watching {framework} run {watch.run!r}: metrics {url or 'not served (port off or taken)'}, "
-                  f"store {store or 'none'}", file=sys.stderr, flush=True)
+            print(f"rlwatch: watching {framework} run {watch.run!r}: metrics "
+                  f"{url or 'not served (port off or taken)'}, store {store or 'none'}", file=sys.stderr, flush=True)
         report("watching", framework=framework, run=watch.run, url=url, store=store,
                active=bool(getattr(watch, "active", True)))
     except Exception as exc:  # noqa: BLE001

@@ -220,7 +220,8 @@ def test_training_steps_observed_values_equal_compute(ray_session, watch, tmp_pa
     board = EventAccumulator(str(events))
     board.Reload()
     assert {e.step: e.value for e in board.Scalars("train/rlwatch/kl_k3")} == pytest.approx(k3)
-    assert {"train/rlwatch/is_ess", "train/rlwatch/version_lag_max", "train/policy_loss"} <= set(board.Tags()["scalars"])
+    tags = set(board.Tags()["scalars"])
+    assert {"train/rlwatch/is_ess", "train/rlwatch/version_lag_max", "train/policy_loss"} <= tags
     assert not any(name.startswith("rlwatch/") for name in scalars(watch, 3))     # not stored back
 
 

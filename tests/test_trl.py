@@ -255,7 +255,8 @@ def test_grpo_run_exports_what_trl_computed(model_path, tmp_path, caplog):
     for s in (1, 2, 3, 4):
         assert logs[s]["rlwatch/version_lag_max"] == rows[s].get("version_lag_max")
         assert logs[s]["rlwatch/version_lag_over_bound_frac"] == rows[s].get("version_lag_over_bound_ratio")
-        assert logs[s]["rlwatch/zero_variance_all_fail_frac"] == rows[s].get("zero_variance_groups_ratio", ("all_fail",))
+        all_fail = rows[s].get("zero_variance_groups_ratio", ("all_fail",))
+        assert logs[s]["rlwatch/zero_variance_all_fail_frac"] == all_fail
         assert logs[s]["rlwatch/alerts_firing"] == 0 and "rlwatch/kl_k3" not in logs[s]   # no sampler log-probs
 
     # The endpoint: last step's gauges, counters summed over the steps, lag histogram over all tokens.

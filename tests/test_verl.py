@@ -494,7 +494,8 @@ def test_headline_signals_join_verls_metrics_dict(config, instrumented, tmp_path
                       ("version_lag_over_bound_frac", "version_lag_over_bound_ratio")):
         assert first[f"rlwatch/{key}"] == pytest.approx(values[name][()]), key
     assert first["rlwatch/version_lag_max"] == 2
-    assert first["rlwatch/zero_variance_all_pass_frac"] == pytest.approx(values["zero_variance_groups_ratio"][("all_pass",)])
+    all_pass = values["zero_variance_groups_ratio"][("all_pass",)]
+    assert first["rlwatch/zero_variance_all_pass_frac"] == pytest.approx(all_pass)
     assert {k: v for k, v in first.items() if not k.startswith("rlwatch/")} == off     # verl's own keys unchanged
     assert not any(k.startswith("rlwatch/") for k in off)                              # RLWATCH_TRAINER_LOGS=0
     assert 'name="rlwatch/kl_k3"' not in generate_latest(watch.registry).decode()      # not stored back

@@ -320,8 +320,10 @@ def check(directory: Path, runbook_url: str = DEFAULT_RUNBOOK_URL) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     checkout = Path(__file__).resolve().parents[2]
-    parser.add_argument("--dir", default=str(checkout / "alerts") if (checkout / "pyproject.toml").exists() else "alerts",
-                        help="where the files go (default: alerts/ of the source checkout; ./alerts for an installed package)")
+    in_checkout = (checkout / "pyproject.toml").exists()
+    parser.add_argument("--dir", default=str(checkout / "alerts") if in_checkout else "alerts",
+                        help="where the files go (default: alerts/ of the source checkout; ./alerts for an "
+                             "installed package)")
     parser.add_argument("--check", action="store_true", help="fail when the files differ from the catalogue")
     parser.add_argument("--runbook-url", default=DEFAULT_RUNBOOK_URL,
                         help="base URL of the runbook in the alerts' runbook_url annotations (default: %(default)s, "

@@ -737,9 +737,9 @@ def watch(trainer: Any, **watch_options: Any):
 
     ``watch_options`` go to ``Watch`` (``run``, ``port``, ``store``, ``guard``, ...), except
     ``probe_rollouts`` (default True, see :func:`attach`) and ``trainer_logs`` (default True: the
-    headline signals join TRL's logs under ``rlwatch/``, see :func:`mirror_into_log`); defaults here: ``background=True`` when
-    the trainer runs on an accelerator (each step is assembled and computed on rlwatch's thread, so
-    the training thread never waits for the device's queue), False on CPU (where that thread would
+    headline signals join TRL's logs under ``rlwatch/``, see :func:`mirror_into_log`); defaults
+    here: ``background=True`` when the trainer runs on an accelerator (each step is assembled and
+    computed on rlwatch's thread, so the training thread never waits for the device's queue), False on CPU (where that thread would
     only compete with the trainer's own threads for the same cores: measured slower, see
     ``bench/bench_trl_overhead.py``) and with a ``guard`` (which must act at the step that fired),
     ``framework="trl"``, the installed TRL version, ``group_size=num_generations`` and the TRL
