@@ -64,6 +64,21 @@ def test_a_port_someone_listens_on_still_fails_loudly():
             MetricsServer(None, "127.0.0.1", other.getsockname()[1], app=lambda e, s: [b""])
 
 
+def test_port_fallback_says_why_it_moved(caplog):
+    caplog.set_level("WARNING", logger="rlwatch")
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        server = MetricsServer(None, "127.0.0.1", taken, port_fallback=True, app=lambda e, s: [b""])
+        try:
+            assert server.port != taken
+            assert any(f"cannot serve /metrics on 127.0.0.1:{taken}" in r.message and f"port {server.port} instead"
+                       in r.message for r in caplog.records), [r.message for r in caplog.records]
+        finally:
+            server.close()
+
+
 @pytest.fixture(scope="module")
 def endpoint():
     with rlwatch.Watch(run="om", port=0, store=None) as watch:

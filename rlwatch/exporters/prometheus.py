@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import errno
 import hmac
+import logging
 import socket
 import ssl
 import threading
@@ -26,6 +27,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from ..errors import PortInUseError
 from ..metrics import CATALOGUE, LAG_BUCKETS
 from ..state import MetricState
+
+logger = logging.getLogger("rlwatch")
 
 
 class RLWatchCollector:
@@ -206,6 +209,10 @@ class MetricsServer:
                 last_error = exc
                 if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
                     break
+        if self._server is not None and candidates[0] != self._server.server_address[1] and port:
+            logger.warning("rlwatch: cannot serve /metrics on %s:%d (%s: another process listens there); serving on "
+                           "port %d instead (port_fallback)", addr, port, last_error.strerror if last_error else "in use",
+                           self._server.server_address[1])
         if self._server is None:
             raise PortInUseError(
                 f"cannot serve /metrics on {addr}:{port}: {last_error}. Pass port=0 for any free port, "
