@@ -210,9 +210,9 @@ class MetricsServer:
                 if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
                     break
         if self._server is not None and candidates[0] != self._server.server_address[1] and port:
+            reason = last_error.strerror if last_error is not None else "in use"
             logger.warning("rlwatch: cannot serve /metrics on %s:%d (%s: another process listens there); serving on "
-                           "port %d instead (port_fallback)", addr, port, last_error.strerror if last_error else "in use",
-                           self._server.server_address[1])
+                           "port %d instead (port_fallback)", addr, port, reason, self._server.server_address[1])
         if self._server is None:
             raise PortInUseError(
                 f"cannot serve /metrics on {addr}:{port}: {last_error}. Pass port=0 for any free port, "
