@@ -75,6 +75,20 @@ def test_rlwatch_run_names_the_framework_it_saw_imported(tmp_path):
     assert "nothing was instrumented: it imported trl" in result.stderr
 
 
+def test_rlwatch_run_reports_the_watch_a_ray_actor_integration_creates(tmp_path):
+    """verl/OpenRLHF create their Watch inside the trainer actor on its first step; `rlwatch run`
+    announces it there and lists it at the end (here the first step is the instrumentor's own call)."""
+    pytest.importorskip("verl")
+    script = ("from rlwatch.integrations import verl; w = verl.INSTRUMENTOR._get_watch(None); "
+              "print(w.url); w.close()")
+    result = cli("run", "--run", "actor-run", "--port", "0", "--store", str(tmp_path / "s.db"), "--",
+                 sys.executable, "-c", script, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    url = result.stdout.strip().splitlines()[-1]
+    assert f"rlwatch: watching verl run 'actor-run': metrics {url}, store {tmp_path / 's.db'}" in result.stderr
+    assert "rlwatch run: watched verl run 'actor-run'" in result.stderr and "nothing was instrumented" not in result.stderr
+
+
 @pytest.mark.servers
 def test_down_finds_the_stack_from_another_directory(tmp_path):
     need_binary("prometheus")
