@@ -1,7 +1,9 @@
 # The two set-up commands of the README:
 #   make demo   installs rlwatch (CPU torch when torch is absent) and runs the demo
 #   make test   also installs the servers and frameworks the tests use, then runs the whole suite
-#               (OpenRLHF's tests in their own environment, .venv-openrlhf: its pins conflict with TRL/verl)
+#               (OpenRLHF's tests in their own environment, .venv-openrlhf: its pins conflict with TRL/verl;
+#               tests/test_packaging.py builds the sdist and wheel and runs them from a fresh venv)
+#   make dist   the sdist and the wheel of the distribution rlwatch-llm, in dist/
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,9 +14,9 @@ TORCH_INDEX ?=
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 OPENRLHF_VENV ?= .venv-openrlhf
 
-.PHONY: demo test servers check bench clean openrlhf-venv test-openrlhf
+.PHONY: demo test servers check bench clean openrlhf-venv test-openrlhf dist
 
-$(VENV)/.base: pyproject.toml
+$(VENV)/.base: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
 	$(PIP) -e '.[report]'
@@ -50,8 +52,14 @@ check: $(VENV)/.base
 	$(PY) -m rlwatch.alerts.render --check
 	$(PY) dashboards/generate.py --check
 
+# setuptools' PEP 517 hooks directly (no `build` package needed); the wheel carries alerts/, dashboards/
+# and examples/ as rlwatch/_data (setup.py).
+dist: $(VENV)/.dev
+	rm -rf dist build
+	$(PY) -c "from setuptools import build_meta as b; print(b.build_sdist('dist')); print(b.build_wheel('dist'))"
+
 bench: $(VENV)/.dev
 	$(PY) bench/bench_signals.py
 
 clean:
-	rm -rf $(VENV) $(OPENRLHF_VENV) rlwatch-runs rlwatch-demo .pytest_cache
+	rm -rf $(VENV) $(OPENRLHF_VENV) rlwatch-runs rlwatch-demo .pytest_cache dist build *.egg-info

@@ -26,7 +26,7 @@ SCHEMA_VERSION = 39
 DS = {"type": "prometheus", "uid": "${datasource}"}
 RUN = 'run=~"$run"'
 ENV = 'run=~"$run", env=~"$env"'
-RUNBOOK = "https://github.com/rlwatch/rlwatch/blob/main/alerts/runbook.md"
+from rlwatch.alerts.render import DEFAULT_RUNBOOK_URL as RUNBOOK  # noqa: E402 - served by every exporter
 
 
 class Layout:

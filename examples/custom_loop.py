@@ -2,9 +2,11 @@
 
 The sampler is a copy of the policy that lags the trainer by ``--lag`` updates (as in an
 asynchronous pipeline), so the mismatch and staleness signals are real. Run it and open
-http://127.0.0.1:9400/metrics while it trains:
+http://127.0.0.1:9400/metrics while it trains (or `rlwatch up` first: Prometheus scrapes every 5 s;
+each step is paced to --pace seconds, 0.5 by default, so the default 60 steps take about 30 s):
 
     python examples/custom_loop.py --steps 60 --lag 4
+    python examples/custom_loop.py --pace 0 --store none     # as fast as it goes, no run store
 """
 
 from __future__ import annotations
@@ -64,12 +66,17 @@ def reward(prompts: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torc
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--lag", type=int, default=2, help="sampler staleness in updates")
-    parser.add_argument("--port", type=int, default=9400)
-    parser.add_argument("--run", default="custom-loop")
-    parser.add_argument("--store", default="auto")
+    parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    parser.add_argument("--lag", type=int, default=2, help="sampler staleness in updates (default 2)")
+    parser.add_argument("--pace", type=float, default=0.5,
+                        help="minimum seconds per step, so that scrapes see the run (default 0.5; 0: no pacing)")
+    parser.add_argument("--port", type=int, default=9400,
+                        help="metrics port, the next free one if taken (default 9400)")
+    parser.add_argument("--run", default="custom-loop", help="run name (default custom-loop)")
+    parser.add_argument("--store", default="auto",
+                        help="run-store path; auto: rlwatch-runs/<run>.db; none: no store (default auto)")
     args = parser.parse_args()
+    store = None if args.store.lower() in ("none", "off") else args.store
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
@@ -79,10 +86,12 @@ def main() -> None:
     sampler = copy.deepcopy(policy)
     groups, group_size = 16, 8
 
-    with rlwatch.Watch(run=args.run, port=args.port, port_fallback=True, store=args.store,
+    with rlwatch.Watch(run=args.run, port=args.port, port_fallback=True, store=store,
                        staleness_bound=2, group_size=group_size) as watch:
-        print(f"serving {watch.url}; run store {watch.store_path}")
+        print(f"serving {watch.url}; run store {watch.store_path or 'none'}; "
+              f"{args.steps} steps, at least {args.pace:g} s each")
         for step in range(args.steps):
+            started = time.monotonic()
             sampler.load_state_dict(versions[0])                     # the oldest kept version samples
             sampler_version = step - (len(versions) - 1)
             prompts = torch.randint(1, VOCAB, (groups, PROMPT_LEN), generator=gen).repeat_interleave(group_size, 0)
@@ -107,7 +116,10 @@ def main() -> None:
             versions = (versions + [copy.deepcopy(policy.state_dict())])[-(args.lag + 1):]
             if step % 10 == 0:
                 print(f"step {step:3d} reward {rewards.mean():.2f} loss {loss.item():+.3f}")
+            time.sleep(max(0.0, args.pace - (time.monotonic() - started)))
         time.sleep(0.1)
+    if watch.store_path:
+        print(f"done: every step is in {watch.store_path} (rlwatch postmortem {watch.store_path})")
 
 
 if __name__ == "__main__":

@@ -11,13 +11,15 @@ Quick start::
 
 Importing the package is cheap: torch and the exporters load on first use of ``Watch``,
 ``compute`` or ``SignalConfig`` (the zero-code bootstrap imports rlwatch in every process).
+
+The distribution is ``rlwatch-llm`` (``pip install rlwatch-llm``); the import name is ``rlwatch``.
 """
 
 from typing import Any
 
 from .errors import InvalidFieldError, PortInUseError, RLWatchError
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"           # the distribution's version too (pyproject.toml reads it)
 
 __all__ = ["Watch", "SignalConfig", "compute", "InvalidFieldError", "PortInUseError", "RLWatchError",
            "__version__"]
@@ -37,3 +39,20 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module 'rlwatch' has no attribute {name!r}")
+
+
+def _warn_if_shadowed() -> None:
+    """The unrelated PyPI project "rlwatch" installs into this same directory (see
+    ``rlwatch.distribution``): say so once, with the fix, instead of failing obscurely later."""
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    if any(os.path.exists(os.path.join(here, name)) for name in ("core.py", "detectors.py")):
+        import warnings
+
+        from .distribution import conflict_message, foreign_rlwatch
+
+        warnings.warn(conflict_message(foreign_rlwatch()), RuntimeWarning, stacklevel=2)
+
+
+_warn_if_shadowed()

@@ -11,10 +11,16 @@ extended so that Ray workers load the same bootstrap (``worker_process_setup_hoo
 Configuration travels in environment variables: ``RLWATCH_RUN``, ``RLWATCH_PORT``,
 ``RLWATCH_ADDR``, ``RLWATCH_DIR``, ``RLWATCH_SD_DIR``, ``RLWATCH_FRAMEWORKS`` (comma list,
 default all), ``RLWATCH_STRICT``.
+
+Each Watch created this way says on stderr where its metrics and store are, and, when
+``RLWATCH_RUN_REPORT`` names a file (``rlwatch run`` sets it), appends one JSON line about it there,
+as it does for each supported framework the process imports: from that file ``rlwatch run`` tells,
+after the command, what was watched or why nothing was.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -60,6 +66,66 @@ def on_import(module_name: str, hook: Callable[[Any], None]) -> None:
     hook(module)
 
 
+# --- what `rlwatch run` is told --------------------------------------------------------------------
+
+REPORT_VARIABLE = "RLWATCH_RUN_REPORT"
+
+
+def report(event: str, **fields: Any) -> None:
+    """Append ``{"event": event, "pid": ..., **fields}`` to the RLWATCH_RUN_REPORT file (if set)."""
+    path = os.environ.get(REPORT_VARIABLE)
+    if not path:
+        return
+    try:
+        line = json.dumps({"event": event, "pid": os.getpid(), **fields}, default=str) + "\n"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())              # one short O_APPEND write: lines never interleave
+        finally:
+            os.close(fd)
+    except Exception as exc:  # noqa: BLE001 - reporting never disturbs the program
+        logger.debug("rlwatch: could not write the run report: %s", exc)
+
+
+def announce(watch: Any, framework: str) -> None:
+    """Say where a zero-code Watch exports (stderr) and record it for ``rlwatch run``."""
+    try:
+        url, store = getattr(watch, "url", None), getattr(watch, "store_path", None)
+        if not getattr(watch, "active", True):
+            print(f"rlwatch: {framework} trainer in process {os.getpid()} (rank {getattr(watch, 'rank', '?')}) "
+                  f"exports nothing: only rank 0 does", file=sys.stderr, flush=True)
+        else:
+            print(f"rlwatch: watching {framework} run {watch.run!r}: metrics "
+                  f"{url or 'not served (port off or taken)'}, store {store or 'none'}", file=sys.stderr, flush=True)
+        report("watching", framework=framework, run=watch.run, url=url, store=store,
+               active=bool(getattr(watch, "active", True)))
+    except Exception as exc:  # noqa: BLE001
+        logger.debug("rlwatch: could not announce the Watch: %s", exc)
+
+
+def _note_import(framework: str) -> Callable[[Any], None]:
+    def hook(module: Any) -> None:
+        from .integrations._base import installed_version
+
+        report("imported", framework=framework, version=installed_version(framework))
+    return hook
+
+
+def _announce_created_watches(instrumentor: Any, framework: str) -> None:
+    """Make a Ray-actor instrumentor announce the Watch it creates on first use."""
+    original = instrumentor._make_watch
+    if getattr(original, "__rlwatch_announces__", False):
+        return
+
+    def _make_watch(context: Any) -> Any:
+        watch = original(context)
+        announce(watch, framework)
+        return watch
+
+    _make_watch.__rlwatch_announces__ = True
+    instrumentor._make_watch = _make_watch
+
+
 # --- what is hooked -------------------------------------------------------------------------------
 
 def _hook_trl(module: Any) -> None:
@@ -74,7 +140,7 @@ def _hook_trl(module: Any) -> None:
         try:
             from .integrations import trl as integration
 
-            integration.watch(self, **watch_options_from_env())
+            announce(integration.watch(self, **watch_options_from_env()), "trl")
         except Exception as exc:  # noqa: BLE001 - never stop the user's trainer from being built
             logger.warning("rlwatch: could not watch this GRPOTrainer: %s", exc)
 
@@ -86,12 +152,14 @@ def _setup_verl() -> None:
     from .integrations import verl
 
     verl.setup_hook()             # lazy itself: wraps verl's functions when verl gets imported
+    _announce_created_watches(verl.INSTRUMENTOR, "verl")
 
 
 def _setup_openrlhf() -> None:
     from .integrations import openrlhf
 
     openrlhf.setup_hook()
+    _announce_created_watches(openrlhf.INSTRUMENTOR, "openrlhf")
 
 
 #: what initialize() does per framework (each one is lazy: nothing runs until the framework loads)
@@ -142,9 +210,15 @@ def initialize() -> None:
             return
         _initialized = True
     wanted = {f.strip() for f in os.environ.get("RLWATCH_FRAMEWORKS", ",".join(FRAMEWORK_SETUP)).split(",") if f}
+    from . import distribution
     from .integrations._base import installed_version
 
+    if distribution.foreign_files():                  # a few stat calls: this runs in every process
+        print(f"rlwatch: {distribution.conflict_message(distribution.foreign_rlwatch())}", file=sys.stderr,
+              flush=True)
     for name, setup in FRAMEWORK_SETUP.items():
+        if os.environ.get(REPORT_VARIABLE):
+            on_import(name, _note_import(name))
         if name in wanted and installed_version(name) is not None:
             try:
                 setup()

@@ -13,7 +13,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     cfg = StackConfig(directory=Path(args.dir), addr=args.addr, prometheus_port=args.prometheus_port,
                       alertmanager_port=args.alertmanager_port, grafana_port=args.grafana_port,
-                      webhook=args.webhook)
+                      webhook=args.webhook, scrape_interval=args.scrape_interval, runbook_url=args.runbook_url)
     if args.target:
         cfg.targets = args.target
     try:
@@ -24,26 +24,68 @@ def _cmd_up(args: argparse.Namespace) -> int:
     for name, info in started.items():
         print(f"{name:<13} {info['url']}  (pid {info['pid']})")
     if "grafana" not in started:
-        print("grafana       not started: no grafana-server on PATH; import dashboards/*.json by hand "
-              "(Dashboards > New > Import)")
-    print(f"scraping {', '.join(cfg.targets)} and exporters registered in {cfg.sd_dir} "
-          f"(Watch(sd_dir=...) or RLWATCH_SD_DIR); stop with: rlwatch down --dir {cfg.directory}")
+        from .resources import root
+
+        print(f"grafana       not started: no grafana-server on PATH; import the dashboards by hand "
+              f"(Dashboards > New > Import): {root() / 'dashboards'}/*.json")
+    from .alerts.render import RUNBOOK_FILE, runbook_base
+
+    print(f"runbook       {runbook_base(cfg.runbook_url)} (alerts link there; a copy: {cfg.directory / RUNBOOK_FILE})")
+    print(f"scraping {', '.join(cfg.targets)} every {cfg.scrape_interval} and exporters registered in {cfg.sd_dir} "
+          f"(Watch(sd_dir=...) or RLWATCH_SD_DIR); stop with: rlwatch down (from anywhere) or "
+          f"rlwatch down --dir {cfg.directory}")
     return 0
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from .stack import down
+    from .stack import down, running, running_stacks, state_dir
 
-    stopped = down(Path(args.dir).resolve())
-    print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
+    listed = f"{state_dir() / 'stacks'}"
+    if args.all:
+        stacks = running_stacks()
+        default = Path(DEFAULT_STACK_DIR).resolve()
+        if default not in stacks and running(default):
+            stacks[default] = running(default)
+        for directory in stacks:
+            print(f"stopped {', '.join(down(directory))} (stack in {directory})")
+        if not stacks:
+            print(f"stopped: nothing was running (no stack in {default} nor listed in {listed})")
+        return 0
+    if args.dir is not None:
+        directory = Path(args.dir).resolve()
+    elif running(Path(DEFAULT_STACK_DIR).resolve()):
+        directory = Path(DEFAULT_STACK_DIR).resolve()
+    else:
+        stacks = running_stacks()
+        if len(stacks) > 1:
+            print("rlwatch down: several stacks are running; pass --dir (or --all):\n" + "\n".join(
+                f"  rlwatch down --dir {d}   ({', '.join(names)})" for d, names in stacks.items()), file=sys.stderr)
+            return 1
+        if not stacks:
+            print(f"stopped: nothing was running (no stack in {Path(DEFAULT_STACK_DIR).resolve()} nor listed in "
+                  f"{listed}; for a stack started with another RLWATCH_STATE_DIR, pass --dir)")
+            return 0
+        directory = next(iter(stacks))
+    stopped = down(directory)
+    if stopped:
+        print(f"stopped {', '.join(stopped)} (stack in {directory})")
+        return 0
+    others = running_stacks()
+    others.pop(directory, None)
+    if others:
+        print(f"rlwatch down: nothing was running from {directory}; running stacks:\n" + "\n".join(
+            f"  rlwatch down --dir {d}   ({', '.join(names)})" for d, names in others.items()), file=sys.stderr)
+        return 1
+    print(f"stopped: nothing was running from {directory}")
     return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     import os
     import subprocess
+    import tempfile
 
-    from .autoload import BOOTSTRAP_DIR
+    from .autoload import BOOTSTRAP_DIR, FRAMEWORK_SETUP, REPORT_VARIABLE
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -54,6 +96,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                            if p and p != BOOTSTRAP_DIR])
+    if args.store is not None and args.store.strip().lower() in ("none", "off", "0", ""):
+        args.store = "none"                     # no store: RLWATCH_STORE=none (not a file named "none")
     for option, variable in (("run", "RLWATCH_RUN"), ("port", "RLWATCH_PORT"), ("addr", "RLWATCH_ADDR"),
                              ("store", "RLWATCH_STORE"), ("sd_dir", "RLWATCH_SD_DIR"),
                              ("frameworks", "RLWATCH_FRAMEWORKS")):
@@ -62,11 +106,60 @@ def _cmd_run(args: argparse.Namespace) -> int:
             env[variable] = str(value)
     if args.strict:
         env["RLWATCH_STRICT"] = "1"
+    frameworks = args.frameworks or ",".join(FRAMEWORK_SETUP)
+    with tempfile.TemporaryDirectory(prefix="rlwatch-run-") as tmp:
+        report_path = os.path.join(tmp, "report.jsonl")
+        env[REPORT_VARIABLE] = report_path
+        if not args.quiet:
+            print(f"rlwatch run: watching supported trainers ({frameworks}) in every Python process of: "
+                  f"{' '.join(command)}", file=sys.stderr, flush=True)
+        try:
+            code = subprocess.call(command, env=env)
+        except FileNotFoundError:
+            print(f"rlwatch run: command not found: {command[0]}", file=sys.stderr)
+            return 127
+        if not args.quiet:
+            print(_run_summary(_read_report(report_path), frameworks), file=sys.stderr, flush=True)
+    return code
+
+
+def _read_report(path: str) -> list[dict]:
+    import json
+
+    events = []
     try:
-        return subprocess.call(command, env=env)
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    pass
     except FileNotFoundError:
-        print(f"rlwatch run: command not found: {command[0]}", file=sys.stderr)
-        return 127
+        pass
+    return events
+
+
+def _run_summary(events: list[dict], frameworks: str) -> str:
+    """What ``rlwatch run`` says after the command: the runs it watched, or why nothing was watched."""
+    watched = [e for e in events if e.get("event") == "watching" and e.get("active", True)]
+    if watched:
+        lines = []
+        for e in watched:
+            store = e.get("store")
+            lines.append(f"rlwatch run: watched {e['framework']} run {e['run']!r} (process {e['pid']}): metrics were "
+                         f"at {e.get('url') or 'no endpoint'}, store {store or 'none'}"
+                         + (f" (rlwatch postmortem {store})" if store else ""))
+        return "\n".join(lines)
+    imported = sorted({f"{e['framework']} {e.get('version') or ''}".strip() for e in events
+                       if e.get("event") == "imported"})
+    if imported:
+        why = (f"it imported {', '.join(imported)} but built no trainer that rlwatch supports (TRL GRPOTrainer, "
+               f"verl's PPO trainers, OpenRLHF's PPO trainer), or a version outside the supported range "
+               f"(see the warnings above)")
+    else:
+        why = f"no process of the command imported a supported framework ({frameworks})"
+    return (f"rlwatch run: nothing was instrumented: {why}. In a custom training loop, create an "
+            f"rlwatch.Watch and call observe() (README, Quick start).")
 
 
 def _cmd_postmortem(args: argparse.Namespace) -> int:
@@ -82,6 +175,12 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [name for name in ("safetensors", "matplotlib") if importlib.util.find_spec(name) is None]
+    if missing:       # checkpoints (safetensors) and the post-mortem's plots (matplotlib)
+        print(f"rlwatch demo: needs {' and '.join(missing)}: pip install 'rlwatch-llm[report]'", file=sys.stderr)
+        return 1
     from .demo.app import run_demo
     from .stack import StackError
 
@@ -94,43 +193,131 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlwatch", description="Health signals for RL post-training of LLMs.")
-    sub = parser.add_subparsers(dest="command", required=True)
+DEFAULT_STACK_DIR = ".rlwatch-stack"
 
-    p = sub.add_parser("demo", help="train a tiny RL policy that collapses, watched live, then explained")
+
+def _cmd_files(args: argparse.Namespace) -> int:
+    from . import resources
+
+    try:
+        base = resources.root()
+    except FileNotFoundError as exc:
+        print(f"rlwatch files: {exc}", file=sys.stderr)
+        return 1
+    if args.copy:
+        for path in resources.copy_to(args.copy):
+            print(f"copied {path}")
+        return 0
+    print(f"alert rules   {base / 'alerts' / 'rlwatch-rules.yaml'}")
+    print(f"runbook       {base / 'alerts' / 'runbook.md'}  (also served by every exporter at /runbook)")
+    print(f"alertmanager  {base / 'alerts' / 'alertmanager.example.yml'}")
+    for path in resources.dashboards():
+        print(f"dashboard     {path}")
+    print(f"examples      {base / 'examples'}  (deploy/: docker-compose, Prometheus, Grafana, Kubernetes)")
+    print("copy them all: rlwatch files --copy DIR")
+    return 0
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: one unwrapped line, the distribution, its version and the package's directory."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: object, values: object,
+                 option_string: str | None = None) -> None:
+        from .distribution import DIST_NAME, conflict_message, foreign_rlwatch, version
+
+        print(f"{DIST_NAME} {version()} (import name rlwatch, {Path(__file__).resolve().parent})")
+        foreign = foreign_rlwatch()
+        if foreign:
+            print(f"rlwatch: warning: {conflict_message(foreign)}", file=sys.stderr)
+        parser.exit()
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help unless the help already names its default or
+    there is none to show (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" not in text and action.option_strings and action.default is not None
+                and action.default is not False and action.default != argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlwatch", formatter_class=_HelpFormatter,
+        description="Health signals for RL post-training of LLMs: a hook in the trainer exports them to "
+                    "Prometheus, with alert rules, Grafana dashboards and a post-mortem.",
+        epilog="Start with `rlwatch demo`; `rlwatch COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and where rlwatch is installed")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="train a tiny RL policy that collapses, watched live, then explained",
+                       formatter_class=_HelpFormatter,
+                       description="Train a tiny GRPO policy on CPU under a scenario (by default its sampler is 8 "
+                                   "updates stale and it collapses), serve its signals on /metrics, show the "
+                                   "signals and alerts live, and end with the post-mortem.")
     p.add_argument("--scenario", default="collapse",
-                   help="collapse (lag 8, default), healthy, lag2, rescued (TIS), mis, hack, temperature_fault, "
+                   help="collapse (lag 8), healthy, lag2, rescued (TIS), mis, hack, temperature_fault, "
                         "top_p_fault, partial")
-    p.add_argument("--steps", type=int, help="training steps (default: the scenario's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, help="training steps (default: the scenario's own)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the policy, prompts and sampling")
     p.add_argument("--port", type=int, default=9400, help="metrics port (the next free one if taken)")
     p.add_argument("--out", default="rlwatch-demo", help="directory for the run store, checkpoints and report")
     p.add_argument("--with-prometheus", action="store_true",
-                   help="also run a real local Prometheus + Alertmanager with rlwatch's rules")
-    p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
+                   help="also run a real local Prometheus + Alertmanager with rlwatch's rules (Debian packages "
+                        "prometheus, prometheus-alertmanager); steps are paced for its scrapes")
+    p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live terminal view")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("up", help="start a local Prometheus + Alertmanager (+ Grafana) with rlwatch's rules")
-    p.add_argument("--dir", default=".rlwatch-stack", help="where configs, data and logs go")
+    p = sub.add_parser("up", help="start a local Prometheus + Alertmanager (+ Grafana) with rlwatch's rules",
+                       formatter_class=_HelpFormatter,
+                       description="Start Prometheus and Alertmanager (and Grafana when grafana-server is on PATH) "
+                                   "with rlwatch's rules and dashboards, bound to --addr, in the background. "
+                                   "Stop them with `rlwatch down` (from any directory).")
+    p.add_argument("--dir", default=DEFAULT_STACK_DIR, help="where configs, data, logs and PIDs go")
     p.add_argument("--addr", default="127.0.0.1", help="bind address of the servers")
-    p.add_argument("--prometheus-port", type=int, default=9090)
-    p.add_argument("--alertmanager-port", type=int, default=9093)
-    p.add_argument("--grafana-port", type=int, default=3000)
-    p.add_argument("--target", action="append", help="host:port to scrape (repeatable; default 127.0.0.1:9400-9407)")
-    p.add_argument("--webhook", help="deliver every alert to this webhook URL")
+    p.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus' port")
+    p.add_argument("--alertmanager-port", type=int, default=9093, help="Alertmanager's port")
+    p.add_argument("--grafana-port", type=int, default=3000, help="Grafana's port (when grafana-server is on PATH)")
+    p.add_argument("--target", action="append", metavar="HOST:PORT",
+                   help="exporter to scrape (repeatable; default 127.0.0.1:9400-9407, plus the exporters "
+                        "registered in DIR/targets)")
+    p.add_argument("--scrape-interval", default="5s", help="Prometheus' scrape and rule evaluation interval")
+    p.add_argument("--webhook", metavar="URL",
+                   help="deliver every alert to this webhook URL (default: none, alerts stay in Alertmanager's UI)")
+    p.add_argument("--runbook-url", metavar="URL",
+                   help="base URL of the runbook the alerts link to (default: $RLWATCH_RUNBOOK_URL, else "
+                        "http://127.0.0.1:9400/runbook, served by every rlwatch exporter)")
     p.set_defaults(func=_cmd_up)
 
+    p = sub.add_parser("down", help="stop what `rlwatch up` started", formatter_class=_HelpFormatter,
+                       description="Stop the servers `rlwatch up` started. Without --dir: the stack in "
+                                   f"./{DEFAULT_STACK_DIR} if it runs, else the one running stack listed in "
+                                   "$RLWATCH_STATE_DIR (default ~/.local/state/rlwatch).")
+    p.add_argument("--dir", default=None, help="the stack's directory (as given to rlwatch up)")
+    p.add_argument("--all", action="store_true", help="stop every running stack")
+    p.set_defaults(func=_cmd_down)
+
     p = sub.add_parser("run", help="run a training command with rlwatch attached (no code change)",
+                       formatter_class=_HelpFormatter,
                        description="Run COMMAND with rlwatch installed in every Python process it starts "
-                                   "(and in its Ray workers): supported trainers get a Watch automatically.")
-    p.add_argument("--run", help="run name (RLWATCH_RUN)")
-    p.add_argument("--port", type=int, help="metrics port (RLWATCH_PORT, default 9400 with fallback)")
-    p.add_argument("--addr", help="bind address (RLWATCH_ADDR, default 127.0.0.1)")
-    p.add_argument("--store", help="run-store path (RLWATCH_STORE)")
+                                   "(and in its Ray workers): supported trainers (TRL GRPOTrainer, verl, OpenRLHF) "
+                                   "get a Watch automatically, which says where its metrics and store are. "
+                                   "Afterwards: what was watched, or why nothing was.")
+    p.add_argument("--run", help="run name (RLWATCH_RUN; default: the trainer's own name)")
+    p.add_argument("--port", type=int, help="metrics port (RLWATCH_PORT; default 9400, the next free one if taken)")
+    p.add_argument("--addr", help="bind address (RLWATCH_ADDR; default 127.0.0.1)")
+    p.add_argument("--store", help="run-store path, or none for no store (RLWATCH_STORE; default: next to "
+                                   "the checkpoints for TRL, else rlwatch-runs/<run>.db)")
     p.add_argument("--sd-dir", dest="sd_dir", help="Prometheus file_sd directory to register in (RLWATCH_SD_DIR)")
-    p.add_argument("--frameworks", help="comma list of trl,verl,openrlhf to hook (default all)")
+    p.add_argument("--frameworks", help="comma list of trl,verl,openrlhf to hook (default: all)")
     p.add_argument("--strict", action="store_true", help="raise on rlwatch errors (tests)")
+    p.add_argument("--quiet", action="store_true", help="no start and summary lines from rlwatch run itself")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(func=_cmd_run)
 
@@ -145,15 +332,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "rlwatch-probe-rollouts.safetensors the TRL integration keeps in the output directory")
     p.set_defaults(func=_cmd_postmortem)
 
-    p = sub.add_parser("down", help="stop what `rlwatch up` started")
-    p.add_argument("--dir", default=".rlwatch-stack")
-    p.set_defaults(func=_cmd_down)
+    p = sub.add_parser("files", help="where the shipped rules, runbook, dashboards and examples are",
+                       formatter_class=_HelpFormatter)
+    p.add_argument("--copy", metavar="DIR", help="copy alerts/, dashboards/ and examples/ into DIR")
+    p.set_defaults(func=_cmd_files)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:          # bare `rlwatch`
+        parser.print_help()
+        return 0
+    from .distribution import conflict_message, foreign_rlwatch
+
+    foreign = foreign_rlwatch()
+    if foreign:
+        print(f"rlwatch: warning: {conflict_message(foreign)}", file=sys.stderr)
     return args.func(args)
 
 

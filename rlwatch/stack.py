@@ -3,7 +3,9 @@
 ``up`` writes everything into one directory (Prometheus config with a static scrape of the usual
 ports and a file_sd job for registered exporters, the rlwatch rules, an Alertmanager config, and
 Grafana provisioning when a Grafana binary exists), starts the binaries bound to 127.0.0.1 unless
-told otherwise, and records their PIDs; ``down`` stops exactly those PIDs.
+told otherwise, and records their PIDs; ``down`` stops exactly those PIDs. Each running stack is
+also listed under a well-known state directory (:func:`state_dir`), so that ``rlwatch down`` run
+from any other directory finds it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import resources
 from .alerts import render
 
 class StackError(RuntimeError):
@@ -42,6 +45,7 @@ class StackConfig:
     targets: list[str] = field(default_factory=lambda: [f"127.0.0.1:{p}" for p in range(9400, 9408)])
     scrape_interval: str = "5s"
     webhook: str | None = None
+    runbook_url: str | None = None       # None: $RLWATCH_RUNBOOK_URL, else render.DEFAULT_RUNBOOK_URL
 
     def __post_init__(self) -> None:
         # Prometheus resolves rule and file_sd paths against its config file's directory, so a
@@ -84,8 +88,7 @@ def _grafana_provisioning(cfg: StackConfig) -> Path:
     (prov / "dashboards").mkdir(parents=True, exist_ok=True)
     dash_dir = cfg.directory / "grafana" / "dashboards"
     dash_dir.mkdir(parents=True, exist_ok=True)
-    source = Path(__file__).resolve().parents[1] / "dashboards"
-    for path in sorted(source.glob("*.json")):
+    for path in resources.dashboards():          # shipped in the package (rlwatch/_data/dashboards)
         shutil.copy(path, dash_dir / path.name)
     (prov / "datasources" / "rlwatch.yaml").write_text(render.to_yaml({
         "apiVersion": 1,
@@ -101,7 +104,8 @@ def _grafana_provisioning(cfg: StackConfig) -> Path:
 def write_configs(cfg: StackConfig) -> None:
     cfg.directory.mkdir(parents=True, exist_ok=True)
     cfg.sd_dir.mkdir(exist_ok=True)
-    (cfg.directory / render.RULES_FILE).write_text(render.rules_yaml())
+    (cfg.directory / render.RULES_FILE).write_text(render.rules_yaml(render.runbook_base(cfg.runbook_url)))
+    (cfg.directory / render.RUNBOOK_FILE).write_text(resources.runbook_markdown())
     (cfg.directory / "prometheus.yml").write_text(render.to_yaml(prometheus_config(cfg)))
     (cfg.directory / "alertmanager.yml").write_text(render.to_yaml(alertmanager_config(cfg)))
 
@@ -170,6 +174,7 @@ def up(cfg: StackConfig) -> dict[str, dict]:
     except Exception:
         down(cfg.directory)
         raise
+    _register(cfg.directory)
     return started
 
 
@@ -214,6 +219,7 @@ def down(directory: Path, timeout: float = 10.0) -> list[str]:
             _reap(pid)
         stopped.append(name)
     path.unlink()
+    _unregister(Path(directory))
     return stopped
 
 
@@ -222,3 +228,59 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)          # when `up` ran in this same process (tests)
     except ChildProcessError:
         pass
+
+
+# --- finding a stack from anywhere -----------------------------------------------------------------
+
+def state_dir() -> Path:
+    """Where running stacks are listed: $RLWATCH_STATE_DIR, else $XDG_STATE_HOME/rlwatch, else
+    ~/.local/state/rlwatch."""
+    explicit = os.environ.get("RLWATCH_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "rlwatch"
+
+
+def _entry(directory: Path) -> Path:
+    import hashlib
+
+    digest = hashlib.sha256(str(Path(os.path.abspath(directory))).encode()).hexdigest()[:16]
+    return state_dir() / "stacks" / f"{digest}.json"
+
+
+def _register(directory: Path) -> None:
+    try:
+        entry = _entry(directory)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        entry.write_text(json.dumps({"directory": os.path.abspath(directory)}))
+    except OSError:
+        pass             # the stack runs all the same; `down` then needs --dir
+
+
+def _unregister(directory: Path) -> None:
+    try:
+        _entry(directory).unlink()
+    except OSError:
+        pass
+
+
+def running_stacks() -> dict[Path, dict[str, dict]]:
+    """Every stack ``up`` started that still has a live process: {directory: running(directory)}.
+    Entries of stacks that stopped on their own are removed."""
+    stacks: dict[Path, dict[str, dict]] = {}
+    for entry in sorted((state_dir() / "stacks").glob("*.json")):
+        try:
+            directory = Path(json.loads(entry.read_text())["directory"])
+            alive = running(directory)
+        except (OSError, ValueError, KeyError):
+            alive = {}
+            directory = None
+        if alive and directory is not None:
+            stacks[directory] = alive
+        else:
+            try:
+                entry.unlink()
+            except OSError:
+                pass
+    return stacks

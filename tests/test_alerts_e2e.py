@@ -156,7 +156,7 @@ def test_kl_spike_pages_within_15_seconds(stack):
     assert arrived - spike <= 15
     assert path == "/pager"                                   # critical routes to the pager receiver
     assert alert["labels"]["run"] == "e2e" and alert["labels"]["severity"] == "critical"
-    assert alert["annotations"]["runbook_url"].endswith("runbook.md#rlwatchklspike")
+    assert alert["annotations"]["runbook_url"].endswith("/runbook#rlwatchklspike")
     expected = math.exp(0.6) - 1.6
     assert f"{expected:.4g}" in alert["annotations"]["description"]
     early = [(p, a["labels"]["alertname"]) for t, p, a in receiver.alerts(None)

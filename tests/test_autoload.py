@@ -70,6 +70,11 @@ def test_zero_code_trl_run_gets_watched(tmp_path):
     """))
     result = rlwatch_run(sys.executable, str(script), extra=("--port", "0"), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    # It says where the metrics and the store are, while the run starts and again at the end.
+    store_path = tmp_path / "out" / "rlwatch.db"
+    assert f"rlwatch: watching trl run 'out': metrics http://127.0.0.1:" in result.stderr
+    assert "rlwatch run: watched trl run 'out'" in result.stderr
+    assert f"store {store_path} (rlwatch postmortem {store_path})" in result.stderr
     from rlwatch.store import StoreReader
 
     with StoreReader(str(tmp_path / "out" / "rlwatch.db")) as store:

@@ -86,7 +86,7 @@ def test_dashboard_uids_are_unique():
 def test_alert_runbooks_are_linked_from_panels():
     text = "".join(p.read_text() for p in DASHBOARDS)
     for alert in ("RLWatchKLSpike", "RLWatchESSLow", "RLWatchRewardHackRateRising", "RLWatchMismatchDrift"):
-        assert f"runbook.md#{alert.lower()}" in text
+        assert f"/runbook#{alert.lower()}" in text
 
 
 def substitute(expr: str, run: str) -> str:

@@ -185,11 +185,13 @@ def checkpoints(watch: Watch) -> list[tuple[int, str]]:
 
 @versions
 def test_training_steps_observed_values_equal_compute(ray_session, watch, tmp_path):
-    run = build(tmp_path, ARGV_IS)
+    run = build(tmp_path, [*ARGV_IS, "--logger.tensorboard_dir", str(tmp_path / "tb")])
     config = SignalConfig(group_size=N)
+    k3 = {}
     for step in (1, 2, 3):
         status, (samples, experiences) = mini.run_step(run)
         values = ro.INSTRUMENTOR.last_values
+        k3[step] = values["mismatch_kl_k3"][()]
         want = compute(config, step=step, **expected_fields(run, samples, experiences, (step - 1, step - 1), step - 1))
         assert_values_equal(values, want)
         # Sync mode: every sample comes from the weights broadcast after the previous step.
@@ -210,6 +212,17 @@ def test_training_steps_observed_values_equal_compute(ray_session, watch, tmp_pa
     assert checkpoints(watch) == [(2, str(tmp_path / "ckpt" / "_actor" / "global_step2"))]
     assert run.group.saved == [str(tmp_path / "ckpt" / "_actor" / "global_step2")]
     assert watch.errors.total() == 0
+    # The headline signals reached OpenRLHF's own TensorBoard logs, under rlwatch/, each step's values.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run.trainer.tensorboard_logger.close()
+    (events,) = {p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents.*")}
+    board = EventAccumulator(str(events))
+    board.Reload()
+    assert {e.step: e.value for e in board.Scalars("train/rlwatch/kl_k3")} == pytest.approx(k3)
+    tags = set(board.Tags()["scalars"])
+    assert {"train/rlwatch/is_ess", "train/rlwatch/version_lag_max", "train/policy_loss"} <= tags
+    assert not any(name.startswith("rlwatch/") for name in scalars(watch, 3))     # not stored back
 
 
 def test_lag_counts_weight_broadcasts_between_generation_and_training(ray_session, watch, tmp_path):

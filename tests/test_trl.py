@@ -201,7 +201,8 @@ def trl_logs(trainer) -> dict[int, dict]:
 
 
 def strip_timing(history: list[dict]) -> list[dict]:
-    return [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history]
+    """Without the timing keys and without the headline signals rlwatch adds (``rlwatch/``)."""
+    return [{k: v for k, v in h.items() if k not in TIMING_KEYS and not k.startswith("rlwatch/")} for h in history]
 
 
 # --- tests ---------------------------------------------------------------------------------------------
@@ -250,6 +251,13 @@ def test_grpo_run_exports_what_trl_computed(model_path, tmp_path, caplog):
         assert (row.get("env_episodes", ("math",)) or 0) + (row.get("env_episodes", ("code",)) or 0) == 8
     assert {labels for labels in rows[1].values["env_episodes"]} <= {("math",), ("code",)}
     assert not any("zero-variance group signals are not computed" in r.message for r in caplog.records)
+    # The headline signals in TRL's own log (hence W&B/TensorBoard), this step's values (computed inline).
+    for s in (1, 2, 3, 4):
+        assert logs[s]["rlwatch/version_lag_max"] == rows[s].get("version_lag_max")
+        assert logs[s]["rlwatch/version_lag_over_bound_frac"] == rows[s].get("version_lag_over_bound_ratio")
+        all_fail = rows[s].get("zero_variance_groups_ratio", ("all_fail",))
+        assert logs[s]["rlwatch/zero_variance_all_fail_frac"] == all_fail
+        assert logs[s]["rlwatch/alerts_firing"] == 0 and "rlwatch/kl_k3" not in logs[s]   # no sampler log-probs
 
     # The endpoint: last step's gauges, counters summed over the steps, lag histogram over all tokens.
     totals = {"tokens_total": sum(e["tokens"][()] for e in expected.values()),
@@ -333,8 +341,15 @@ def test_sampler_logprobs_flow_from_rollout_func(model_path, tmp_path):
     assert sample(samples, "rlwatch_mismatch_kl_k3", run="trl-rollout") == pytest.approx(
         expected[3]["mismatch_kl_k3"][()], rel=1e-9)
     assert ("rlwatch_sampler_info", (("logprobs_mode", "processed_logprobs"), ("run", "trl-rollout"))) not in samples
+    # The headline signals in TRL's log: computed in the background, so this step's or the one before.
+    for key, name in (("kl_k3", "mismatch_kl_k3"), ("abs_log_ratio_p99", "mismatch_abs_log_ratio_p99"),
+                      ("is_ess", "is_ess_ratio"), ("is_tis_truncated_frac", "is_tis_high_ratio")):
+        mirrored = [s for s in (2, 3) if f"rlwatch/{key}" in logs[s]]
+        assert mirrored, key
+        assert all(logs[s][f"rlwatch/{key}"] in (rows[s].get(name), rows[s - 1].get(name)) for s in mirrored), key
     assert watch.errors.total() == 0, watch.errors.snapshot()
     rltrl.unwatch(trainer)
+    assert "log" not in vars(trainer)                              # unwatch restores trainer.log
 
 
 def test_split_generation_batch_through_the_callback(model_path, tmp_path, caplog):

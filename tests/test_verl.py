@@ -470,6 +470,37 @@ def test_tracking_log_is_mirrored_and_checkpoints_recorded(config, instrumented,
     assert scalars == {"actor/grad_norm": 0.5, "critic/score/mean": 0.25}
 
 
+def test_headline_signals_join_verls_metrics_dict(config, instrumented, tmp_path, monkeypatch):
+    """What verl logs to its trackers (here its own file backend) carries rlwatch/ headline keys."""
+    import json
+
+    from prometheus_client import generate_latest
+
+    from verl.utils.tracking import Tracking
+
+    instr, watch = instrumented
+    trainer = separation_trainer(config, global_steps=5)
+    trainer._fit_collect_metrics(make_batch(seed=1, versions=([3] * 8 + [2] * 8, [4] * 8 + [3] * 8)))
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "metrics.jsonl"))
+    tracking = Tracking(project_name="p", experiment_name="e", default_backend=["file"])
+    tracking.log(data=dict(trainer.metrics), step=5)
+    monkeypatch.setenv("RLWATCH_TRAINER_LOGS", "0")
+    tracking.log(data=dict(trainer.metrics), step=6)
+    first, off = [json.loads(line)["data"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    values = instr.last_values
+    for key, name in (("kl_k3", "mismatch_kl_k3"), ("abs_log_ratio_p99", "mismatch_abs_log_ratio_p99"),
+                      ("is_ess", "is_ess_ratio"), ("is_tis_truncated_frac", "is_tis_high_ratio"),
+                      ("version_lag_max", "version_lag_max"),
+                      ("version_lag_over_bound_frac", "version_lag_over_bound_ratio")):
+        assert first[f"rlwatch/{key}"] == pytest.approx(values[name][()]), key
+    assert first["rlwatch/version_lag_max"] == 2
+    all_pass = values["zero_variance_groups_ratio"][("all_pass",)]
+    assert first["rlwatch/zero_variance_all_pass_frac"] == pytest.approx(all_pass)
+    assert {k: v for k, v in first.items() if not k.startswith("rlwatch/")} == off     # verl's own keys unchanged
+    assert not any(k.startswith("rlwatch/") for k in off)                              # RLWATCH_TRAINER_LOGS=0
+    assert 'name="rlwatch/kl_k3"' not in generate_latest(watch.registry).decode()      # not stored back
+
+
 def test_fully_async_actor_class_is_never_patched_and_wrappers_pickle(config):
     import cloudpickle
 

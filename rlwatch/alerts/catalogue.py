@@ -23,7 +23,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-RUNBOOK_BASE = "https://github.com/rlwatch/rlwatch/blob/main/alerts/runbook.md"
+#: the runbook every rlwatch exporter serves (the copy shipped in the package); RLWATCH_RUNBOOK_URL
+#: overrides it (rlwatch.alerts.render.runbook_base)
+RUNBOOK_BASE = "http://127.0.0.1:9400/runbook"
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,9 @@ class Alert:
 
     @property
     def runbook_url(self) -> str:
-        return f"{RUNBOOK_BASE}#{self.name.lower()}"
+        from .render import runbook_base
+
+        return f"{runbook_base()}#{self.name.lower()}"
 
     @property
     def group(self) -> str:

@@ -2,7 +2,10 @@
 
 The collector yields every family of :data:`rlwatch.metrics.CATALOGUE` from one
 :class:`~rlwatch.state.Snapshot`, so a scrape reads one consistent step and computes nothing.
-The endpoint binds 127.0.0.1 unless told otherwise, and can serve TLS and HTTP basic auth.
+The endpoint binds 127.0.0.1 unless told otherwise, and can serve TLS and HTTP basic auth. It
+answers in the Prometheus text format or in OpenMetrics, as the scraper's ``Accept`` header asks
+(prometheus_client's negotiation), and serves the runbook shipped with the package at ``/runbook``
+(HTML, one anchor per alert: the default target of the alerts' ``runbook_url``) and ``/runbook.md``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import base64
 import errno
 import hmac
+import logging
 import socket
 import ssl
 import threading
@@ -23,6 +27,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from ..errors import PortInUseError
 from ..metrics import CATALOGUE, LAG_BUCKETS
 from ..state import MetricState
+
+logger = logging.getLogger("rlwatch")
 
 
 class RLWatchCollector:
@@ -71,7 +77,10 @@ class RLWatchCollector:
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
-    allow_reuse_address = False   # a taken port must fail loudly, not be shared
+    # SO_REUSEADDR, as every HTTP server sets it: the port of a run that just exited (its scraped
+    # connections in TIME-WAIT) can be bound again at once. On Linux it never lets two servers share
+    # a port that one of them still listens on: a taken port still fails with EADDRINUSE.
+    allow_reuse_address = True
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -79,9 +88,26 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+def _accepts_gzip(header: str) -> bool:
+    """Whether an Accept-Encoding header asks for gzip (``gzip;q=0`` refuses it)."""
+    for item in header.split(","):
+        name, *params = [part.strip() for part in item.split(";")]
+        if name.lower() == "gzip":
+            for param in params:
+                if param.lower().startswith("q="):
+                    try:
+                        return float(param[2:]) > 0
+                    except ValueError:
+                        return False
+            return True
+    return False
+
+
 class CachedExposition:
-    """A WSGI app serving the registry in the Prometheus text format, re-rendered only when the
-    state changed since the last scrape (a scrape between two steps costs a copy, not a render)."""
+    """A WSGI app serving the registry in the format the scraper's ``Accept`` header asks for
+    (Prometheus text or OpenMetrics, ``prometheus_client.exposition.choose_encoder``), re-rendered
+    only when the state changed since the last scrape in that format (a scrape between two steps
+    costs a copy, not a render). ``/runbook`` and ``/runbook.md`` serve the packaged runbook."""
 
     def __init__(self, registry: CollectorRegistry, state: MetricState | None = None,
                  refresh: Callable[[], None] | None = None) -> None:
@@ -89,41 +115,59 @@ class CachedExposition:
         self.state = state
         self.refresh = refresh
         self._lock = threading.Lock()
-        self._cached: tuple[int, bytes, bytes] | None = None     # (state version, text, gzip)
+        # content type -> (state version, body, gzip body)
+        self._cached: dict[str, tuple[int, bytes, bytes]] = {}
+        self._runbook: dict[str, bytes] = {}
 
-    def render(self) -> tuple[bytes, bytes]:
+    def render(self, accept: str = "") -> tuple[bytes, bytes, str]:
+        """(body, gzip body, content type) for an ``Accept`` header."""
         import gzip
 
-        from prometheus_client import generate_latest
+        from prometheus_client.exposition import choose_encoder
 
+        encoder, content_type = choose_encoder(accept)
         with self._lock:
             if self.refresh is not None:
                 self.refresh()
             version = self.state.version if self.state is not None else None
-            if version is None or self._cached is None or self._cached[0] != version:
-                text = generate_latest(self.registry)
-                self._cached = (version if version is not None else -1, text, gzip.compress(text, 5))
-            return self._cached[1], self._cached[2]
+            cached = self._cached.get(content_type)
+            if version is None or cached is None or cached[0] != version:
+                text = encoder(self.registry)
+                cached = (version if version is not None else -1, text, gzip.compress(text, 5))
+                self._cached[content_type] = cached
+            return cached[1], cached[2], content_type
+
+    def _runbook_page(self, path: str) -> tuple[bytes, str]:
+        from .. import resources
+
+        if path not in self._runbook:
+            self._runbook[path] = (resources.runbook_html() if path == "/runbook"
+                                   else resources.runbook_markdown()).encode("utf-8")
+        kind = "text/html" if path == "/runbook" else "text/markdown"
+        return self._runbook[path], f"{kind}; charset=utf-8"
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         path = environ.get("PATH_INFO", "/")
         if path == "/favicon.ico":
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b""]
-        if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method not in ("GET", "HEAD"):
             start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
             return [b""]
-        text, compressed = self.render()
-        headers = [("Content-Type", CONTENT_TYPE_LATEST)]
+        if path.rstrip("/") in ("/runbook", "/runbook.md"):
+            page, content_type = self._runbook_page(path.rstrip("/"))
+            start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(page)))])
+            return [b"" if method == "HEAD" else page]
+        text, compressed, content_type = self.render(environ.get("HTTP_ACCEPT", ""))
+        headers = [("Content-Type", content_type), ("Vary", "Accept, Accept-Encoding")]
         body = text
-        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+        if _accepts_gzip(environ.get("HTTP_ACCEPT_ENCODING", "")):
             headers.append(("Content-Encoding", "gzip"))
             body = compressed
         headers.append(("Content-Length", str(len(body))))
         start_response("200 OK", headers)
-        return [body]
+        return [b"" if method == "HEAD" else body]
 
 
 def _with_basic_auth(app: Callable, username: str, password: str) -> Callable:
@@ -165,6 +209,10 @@ class MetricsServer:
                 last_error = exc
                 if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
                     break
+        if self._server is not None and candidates[0] != self._server.server_address[1] and port:
+            reason = last_error.strerror if last_error is not None else "in use"
+            logger.warning("rlwatch: cannot serve /metrics on %s:%d (%s: another process listens there); serving on "
+                           "port %d instead (port_fallback)", addr, port, reason, self._server.server_address[1])
         if self._server is None:
             raise PortInUseError(
                 f"cannot serve /metrics on {addr}:{port}: {last_error}. Pass port=0 for any free port, "

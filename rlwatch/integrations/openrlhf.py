@@ -109,6 +109,7 @@ from types import ModuleType
 from typing import Any, Callable, Mapping
 
 from ._base import RayActorInstrumentor, env_watch_options, guarded, installed_version, run_setup_hook
+from ._trainer_logs import merged
 
 logger = logging.getLogger("rlwatch")
 
@@ -625,11 +626,14 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
 
         def save_logs_and_checkpoints(self: Any, global_step: Any, logs_dict: Any = None, *args: Any,
                                       **kwargs: Any) -> Any:
-            result = original(self, global_step, logs_dict, *args, **kwargs)
-            if instr.is_instrumented:
-                watch = instr._get_watch(getattr(self, "args", None))
-                if watch is not None:
-                    guarded(watch, "openrlhf_save_logs")(instr._logs_and_checkpoint)(self, global_step, logs_dict)
+            if not instr.is_instrumented:
+                return original(self, global_step, logs_dict, *args, **kwargs)
+            watch = instr._get_watch(getattr(self, "args", None))
+            # the headline signals join the logs OpenRLHF sends to W&B / TensorBoard (rlwatch/ prefix)
+            mirrored = guarded(watch, "openrlhf_trainer_logs")(merged)(logs_dict, watch) if watch is not None else None
+            result = original(self, global_step, logs_dict if mirrored is None else mirrored, *args, **kwargs)
+            if watch is not None:
+                guarded(watch, "openrlhf_save_logs")(instr._logs_and_checkpoint)(self, global_step, logs_dict)
             return result
 
         return save_logs_and_checkpoints

@@ -82,7 +82,7 @@ from typing import Any, Callable
 import torch
 
 from ..postmortem.probe import ROLLOUTS_FILE
-from . import _base
+from . import _base, _trainer_logs
 from ._base import Instrumentor, guarded
 
 try:  # TRL pulls in transformers; the callback base class is all this module needs from it.
@@ -600,7 +600,7 @@ class RLWatchCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs:
-            self.watch.log_scalars(int(state.global_step), logs)
+            self.watch.log_scalars(int(state.global_step), _trainer_logs.without_headline(logs))
         return self._apply(control)
 
     def on_save(self, args, state, control, **kwargs):
@@ -670,12 +670,13 @@ _attached: "weakref.WeakKeyDictionary[Any, _Attachment]" = weakref.WeakKeyDictio
 
 
 def attach(trainer: Any, watch: Any, callback: RLWatchCallback | None = None, owns_watch: bool = False,
-           sync_guard: bool = False, probe_rollouts: bool = True) -> bool:
+           sync_guard: bool = False, probe_rollouts: bool = True, trainer_logs: bool = True) -> bool:
     """Attach an existing Watch to ``trainer``. False (one warning, nothing patched) when the
     installed TRL is outside the supported range or the trainer is already watched.
 
     ``probe_rollouts``: keep the first 32 sequences of the first generation batch in
-    ``<output_dir>/rlwatch-probe-rollouts.safetensors`` for ``rlwatch postmortem --probe``."""
+    ``<output_dir>/rlwatch-probe-rollouts.safetensors`` for ``rlwatch postmortem --probe``.
+    ``trainer_logs``: add the headline signals to TRL's own logs (:func:`mirror_into_log`)."""
     if trainer in _attached:
         logger.warning("rlwatch: this trainer is already watched; ignoring the second call")
         return False
@@ -702,16 +703,43 @@ def attach(trainer: Any, watch: Any, callback: RLWatchCallback | None = None, ow
     else:
         callback.instrumentor, callback.trainer = instrumentor, trainer
     _attached[trainer] = _Attachment(watch, callback, instrumentor, added, owns_watch)
+    if trainer_logs and _trainer_logs.enabled():
+        mirror_into_log(trainer, watch)
     return True
+
+
+def mirror_into_log(trainer: Any, watch: Any) -> None:
+    """Add the headline signals (``rlwatch/kl_k3``, ``rlwatch/is_ess``, ...; see
+    ``rlwatch.integrations._trainer_logs``) to every training log of ``trainer``: its ``log`` is
+    wrapped on the instance, so they reach ``state.log_history`` and every ``report_to`` backend
+    (W&B, TensorBoard, MLflow). Evaluation logs and the end-of-training summary are left alone.
+    Undone by :func:`unwatch`."""
+    original = trainer.log
+    if getattr(original, "__rlwatch_mirror__", False):
+        return
+
+    def log(logs: dict, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(logs, dict) and "train_runtime" not in logs and not any(str(k).startswith("eval_") for k in logs):
+            logs = guarded(watch, "trl_trainer_logs")(_trainer_logs.merged)(logs, watch) or logs
+        return original(logs, *args, **kwargs)
+
+    log.__rlwatch_mirror__ = True
+    trainer.log = log
+
+
+def _unmirror_log(trainer: Any) -> None:
+    if getattr(vars(trainer).get("log"), "__rlwatch_mirror__", False):
+        del trainer.log
 
 
 def watch(trainer: Any, **watch_options: Any):
     """Create a :class:`rlwatch.Watch` for a TRL ``GRPOTrainer`` and attach it. Returns the Watch.
 
     ``watch_options`` go to ``Watch`` (``run``, ``port``, ``store``, ``guard``, ...), except
-    ``probe_rollouts`` (default True, see :func:`attach`); defaults here: ``background=True`` when
-    the trainer runs on an accelerator (each step is assembled and computed on rlwatch's thread, so
-    the training thread never waits for the device's queue), False on CPU (where that thread would
+    ``probe_rollouts`` (default True, see :func:`attach`) and ``trainer_logs`` (default True: the
+    headline signals join TRL's logs under ``rlwatch/``, see :func:`mirror_into_log`); defaults
+    here: ``background=True`` when the trainer runs on an accelerator (each step is assembled and
+    computed on rlwatch's thread, so the training thread never waits for the device's queue), False on CPU (where that thread would
     only compete with the trainer's own threads for the same cores: measured slower, see
     ``bench/bench_trl_overhead.py``) and with a ``guard`` (which must act at the step that fired),
     ``framework="trl"``, the installed TRL version, ``group_size=num_generations`` and the TRL
@@ -740,9 +768,11 @@ def watch(trainer: Any, **watch_options: Any):
     metadata = dict(watch_options.pop("metadata", None) or {})
     metadata.setdefault("trl", trainer_metadata(trainer))
     probe_rollouts = bool(watch_options.pop("probe_rollouts", True))
+    trainer_logs = bool(watch_options.pop("trainer_logs", True))
     watch_options.setdefault("background", not watch_options.get("guard") and trainer_device(trainer) != "cpu")
     w = Watch(metadata=metadata, **watch_options)
-    attach(trainer, w, owns_watch=True, sync_guard=bool(watch_options.get("guard")), probe_rollouts=probe_rollouts)
+    attach(trainer, w, owns_watch=True, sync_guard=bool(watch_options.get("guard")), probe_rollouts=probe_rollouts,
+           trainer_logs=trainer_logs)
     return w
 
 
@@ -763,6 +793,7 @@ def unwatch(trainer: Any, close: bool = True) -> None:
     attachment = _attached.pop(trainer, None)
     if attachment is None:
         return
+    _unmirror_log(trainer)
     if attachment.instrumentor is not None:
         attachment.instrumentor.uninstrument()
     attachment.callback.instrumentor = None

@@ -75,6 +75,7 @@ from types import FrameType, ModuleType
 from typing import Any, Callable, Iterable, Mapping
 
 from ._base import RayActorInstrumentor, env_watch_options, guarded, installed_version, run_setup_hook
+from ._trainer_logs import merged, without_headline
 
 logger = logging.getLogger("rlwatch")
 
@@ -573,7 +574,6 @@ class VerlInstrumentor(RayActorInstrumentor):
         instr = self
 
         def log(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
             data = kwargs.get("data", args[0] if args else None)
             step = kwargs.get("step", args[1] if len(args) > 1 else None)
             if instr.is_instrumented and isinstance(data, Mapping) and step is not None:
@@ -581,8 +581,15 @@ class VerlInstrumentor(RayActorInstrumentor):
                 instr._hook_trainer(trainer)
                 watch = instr._get_watch(trainer)
                 if watch is not None:
-                    guarded(watch, "verl_tracking_log")(watch.log_scalars)(int(step), data)
-            return result
+                    guarded(watch, "verl_tracking_log")(watch.log_scalars)(int(step), without_headline(data))
+                    # the headline signals join verl's metrics dict, hence its trackers (rlwatch/ prefix)
+                    mirrored = guarded(watch, "verl_trainer_logs")(merged)(data, watch)
+                    if mirrored is not None and mirrored is not data:
+                        if "data" in kwargs:
+                            kwargs["data"] = mirrored
+                        else:
+                            args = (mirrored, *args[1:])
+            return original(self, *args, **kwargs)
 
         return log
 

@@ -1,0 +1,80 @@
+"""The headline signals, mirrored into the trainer's own logs under an ``rlwatch/`` prefix.
+
+Teams read W&B, TensorBoard or MLflow first. Each integration adds these keys to what the
+framework logs itself (TRL: ``trainer.log``, so ``log_history`` and every ``report_to`` backend;
+verl: the metrics dict that ``Tracking.log`` receives; OpenRLHF: the ``logs_dict`` of
+``save_logs_and_checkpoints``). On by default; ``RLWATCH_TRAINER_LOGS=0`` turns it off everywhere
+(TRL also takes ``watch(trainer, trainer_logs=False)``).
+
+The values are those of the latest step the Watch computed: the step being logged when rlwatch
+computes on the training thread (the default on CPU), possibly the one before when it computes in
+the background. A key is absent while its signal is (no sampler log-probs: no k3, ESS, TIS
+fraction; no versions: no lag; no groups: no zero-variance fractions).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping
+
+from ._base import env_flag
+
+PREFIX = "rlwatch/"
+VARIABLE = "RLWATCH_TRAINER_LOGS"
+
+#: (key after the prefix, gauge in rlwatch.metrics, its label values)
+HEADLINE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("kl_k3", "mismatch_kl_k3", ()),
+    ("abs_log_ratio_p99", "mismatch_abs_log_ratio_p99", ()),
+    ("is_ess", "is_ess_ratio", ()),
+    ("is_tis_truncated_frac", "is_tis_high_ratio", ()),
+    ("version_lag_max", "version_lag_max", ()),
+    ("version_lag_over_bound_frac", "version_lag_over_bound_ratio", ()),
+    ("zero_variance_all_pass_frac", "zero_variance_groups_ratio", ("all_pass",)),
+    ("zero_variance_all_fail_frac", "zero_variance_groups_ratio", ("all_fail",)),
+)
+ALERTS_KEY = PREFIX + "alerts_firing"
+KEYS = frozenset([PREFIX + key for key, _, _ in HEADLINE] + [ALERTS_KEY])
+
+
+def enabled() -> bool:
+    """RLWATCH_TRAINER_LOGS: unset or anything but 0/false/no/off means on."""
+    return env_flag(os.environ, VARIABLE, True)
+
+
+def headline(watch: Any) -> dict[str, float]:
+    """``{"rlwatch/kl_k3": ..., ...}`` from the Watch's latest step; empty before the first step,
+    on a Watch that exports nothing (not rank 0) and for None. ``rlwatch/alerts_firing`` counts the
+    alerts the in-process evaluator has firing (present when alerts are on)."""
+    if watch is None or not getattr(watch, "active", False):
+        return {}
+    snap = watch.state.snapshot()
+    if snap.step is None:
+        return {}
+    out: dict[str, float] = {}
+    for key, name, labels in HEADLINE:
+        value = snap.gauges.get(name, {}).get(labels)
+        if value is not None and math.isfinite(value):
+            out[PREFIX + key] = float(value)
+    evaluator = getattr(watch, "evaluator", None)
+    if evaluator is not None:
+        out[ALERTS_KEY] = float(len(evaluator.firing()))
+    return out
+
+
+def without_headline(logs: Mapping[str, Any]) -> dict[str, Any]:
+    """``logs`` less the keys rlwatch added (so that they are not stored back as framework scalars)."""
+    return {k: v for k, v in logs.items() if k not in KEYS}
+
+
+def merged(logs: Any, watch: Any) -> Any:
+    """``logs`` with the headline keys added (a new dict; ``logs`` itself when it is not a mapping,
+    when mirroring is off or when there is nothing to add), appended after the framework's own
+    keys, which win on a clash."""
+    if not isinstance(logs, Mapping) or not enabled():
+        return logs
+    extra = headline(watch)
+    if not extra:
+        return logs
+    return {**logs, **{k: v for k, v in extra.items() if k not in logs}}

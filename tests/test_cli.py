@@ -1,0 +1,153 @@
+"""The `rlwatch` command as a new user meets it: help, version, option texts and defaults,
+`rlwatch down` from another directory, what `rlwatch run` says, and the unrelated PyPI project
+that shares the import name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import rlwatch
+from rlwatch.cli import build_parser
+
+from .conftest import ROOT, free_port, need_binary
+
+
+def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120
+        ) -> subprocess.CompletedProcess:
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "rlwatch.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=full)
+
+
+def test_bare_command_prints_help_and_version_names_the_distribution():
+    bare = cli()
+    assert bare.returncode == 0 and "usage: rlwatch" in bare.stdout and "demo" in bare.stdout
+    assert "required" not in bare.stderr
+    version = cli("--version")
+    assert version.returncode == 0
+    assert version.stdout.strip().startswith(f"rlwatch-llm {rlwatch.__version__} (import name rlwatch, ")
+
+
+def test_every_option_of_up_down_demo_run_has_help_and_shows_its_default():
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name in ("up", "down", "demo", "run"):
+        formatter = commands[name]._get_formatter()
+        for action in commands[name]._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            option = f"rlwatch {name} {action.option_strings[0]}"
+            assert action.help, f"{option} has no help text"
+            if action.default is not None and action.default is not False:
+                assert "default" in formatter._get_help_string(action), f"{option} does not show its default"
+    assert "(default: 9090)" in commands["up"].format_help().replace("\n", " ").replace("  ", " ")
+
+
+def test_rlwatch_run_says_when_nothing_was_instrumented_and_store_none_means_no_store(tmp_path):
+    probe = ("import json, rlwatch.autoload as a; "
+             "print(json.dumps(a.watch_options_from_env()))")
+    result = cli("run", "--store", "none", "--port", "0", "--", sys.executable, "-c", probe, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    options = json.loads(result.stdout.strip().splitlines()[-1])
+    assert options["store"] is None                                  # no store, not a file named "none"
+    assert "rlwatch run: watching supported trainers" in result.stderr
+    assert "rlwatch run: nothing was instrumented: no process of the command imported a supported framework" \
+        in result.stderr
+    assert not list(tmp_path.iterdir())
+    quiet = cli("run", "--quiet", "--", sys.executable, "-c", "print('hi')", cwd=tmp_path)
+    assert quiet.stdout.strip() == "hi" and "rlwatch run" not in quiet.stderr
+
+
+def test_rlwatch_run_names_the_framework_it_saw_imported(tmp_path):
+    """A program that imports a supported framework but builds no trainer: the summary says so."""
+    pytest.importorskip("trl")
+    result = cli("run", "--", sys.executable, "-c", "import trl", cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "nothing was instrumented: it imported trl" in result.stderr
+
+
+def test_rlwatch_run_reports_the_watch_a_ray_actor_integration_creates(tmp_path):
+    """verl/OpenRLHF create their Watch inside the trainer actor on its first step; `rlwatch run`
+    announces it there and lists it at the end (here the first step is the instrumentor's own call)."""
+    pytest.importorskip("verl")
+    script = ("from rlwatch.integrations import verl; w = verl.INSTRUMENTOR._get_watch(None); "
+              "print(w.url); w.close()")
+    result = cli("run", "--run", "actor-run", "--port", "0", "--store", str(tmp_path / "s.db"), "--",
+                 sys.executable, "-c", script, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    url = result.stdout.strip().splitlines()[-1]
+    assert f"rlwatch: watching verl run 'actor-run': metrics {url}, store {tmp_path / 's.db'}" in result.stderr
+    assert "rlwatch run: watched verl run 'actor-run'" in result.stderr
+    assert "nothing was instrumented" not in result.stderr
+
+
+@pytest.mark.servers
+def test_down_finds_the_stack_from_another_directory(tmp_path):
+    need_binary("prometheus")
+    need_binary("prometheus-alertmanager")
+    env = {"RLWATCH_STATE_DIR": str(tmp_path / "state")}
+    stacks = {}
+    try:
+        for name in ("a", "b"):
+            directory = tmp_path / name / "stack"
+            directory.parent.mkdir()
+            up = cli("up", "--dir", "stack", "--prometheus-port", str(free_port()), "--alertmanager-port",
+                     str(free_port()), "--target", "127.0.0.1:1", cwd=directory.parent, env=env)
+            assert up.returncode == 0, up.stdout + up.stderr
+            stacks[name] = directory
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        both = cli("down", cwd=elsewhere, env=env)
+        assert both.returncode == 1                                      # which one? never a silent guess
+        assert all(f"rlwatch down --dir {d}" in both.stderr for d in stacks.values())
+        wrong = cli("down", "--dir", str(elsewhere), cwd=elsewhere, env=env)
+        assert wrong.returncode == 1 and "nothing was running from" in wrong.stderr and str(stacks["a"]) in wrong.stderr
+        pids = [i["pid"] for i in json.loads((stacks["a"] / "pids.json").read_text()).values()]
+        first = cli("down", "--dir", str(stacks["a"]), cwd=elsewhere, env=env)
+        assert first.returncode == 0 and "prometheus" in first.stdout
+        last = cli("down", cwd=elsewhere, env=env)                       # the only one left
+        assert last.returncode == 0 and f"(stack in {stacks['b']})" in last.stdout
+        time.sleep(0.3)
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        none = cli("down", cwd=elsewhere, env=env)
+        assert none.returncode == 0 and "nothing was running" in none.stdout
+        assert not list((tmp_path / "state" / "stacks").glob("*.json"))
+    finally:
+        from rlwatch.stack import down
+
+        for directory in stacks.values():
+            down(directory)
+
+
+def test_the_unrelated_rlwatch_project_is_detected(tmp_path):
+    """Installed side by side, the other project's files land in rlwatch/ and its metadata says
+    Name: rlwatch; import, the CLI and `rlwatch run` say what happened and how to fix it."""
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "rlwatch", site / "rlwatch", ignore=shutil.ignore_patterns("__pycache__", "_data"))
+    (site / "rlwatch" / "detectors.py").write_text("# the other project's module\n")
+    info = site / "rlwatch-0.5.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.4\nName: rlwatch\nVersion: 0.5.1\n"
+                                   "Summary: Real-time GRPO/PPO training instability detection for ML teams\n")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    imported = subprocess.run([sys.executable, "-c", "import rlwatch"], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=60)
+    assert imported.returncode == 0
+    assert "rlwatch 0.5.1 is installed in this environment as well as rlwatch-llm" in imported.stderr
+    assert "pip uninstall -y rlwatch rlwatch-llm && pip install rlwatch-llm" in imported.stderr
+    files = subprocess.run([sys.executable, "-m", "rlwatch.cli", "files"], capture_output=True, text=True,
+                           env=env, cwd=tmp_path, timeout=60)
+    assert "warning: rlwatch 0.5.1 is installed" in files.stderr
+    clean = cli("files")
+    assert clean.returncode == 0 and "warning" not in clean.stderr and "runbook" in clean.stdout

@@ -1,0 +1,44 @@
+"""The runnable examples, as a user runs them: paced by default, `--pace 0` for tests, no store
+with `--store none`, and the TRL example shows the headline signals on CPU (its rollout_func
+reports the sampler's log-probs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, need_module
+
+
+def run_example(name: str, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True,
+                            cwd=cwd, env=env, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_custom_loop_store_none_and_pace(tmp_path):
+    result = run_example("custom_loop.py", "--steps", "2", "--pace", "0", "--store", "none", "--port", "0",
+                         cwd=tmp_path)
+    assert "run store none; 2 steps, at least 0 s each" in result.stdout
+    assert not list(tmp_path.iterdir())                          # no rlwatch-runs/, no files named none*
+    helptext = run_example("custom_loop.py", "--help", cwd=tmp_path).stdout
+    assert "--pace" in helptext and "default 0.5" in helptext
+
+
+@pytest.mark.slow
+def test_trl_example_shows_the_headline_signals_on_cpu(tmp_path):
+    need_module("trl")
+    result = run_example("trl_grpo.py", "--steps", "2", "--pace", "0", "--port", "0", "--output-dir",
+                         str(tmp_path / "run"), cwd=tmp_path)
+    (line,) = [l for l in result.stdout.splitlines() if l.startswith("rlwatch: headline signals")]
+    values = dict(item.split("=") for item in line.split(": ", 2)[2].split(", "))
+    assert {"kl_k3", "abs_log_ratio_p99", "is_ess", "is_tis_truncated_frac", "version_lag_max",
+            "zero_variance_all_fail_frac", "alerts_firing"} <= set(values)
+    assert float(values["kl_k3"]) < 1e-3 and float(values["is_ess"]) > 0.99      # a sampler in sync
+    assert (tmp_path / "run" / "out" / "rlwatch.db").exists()
