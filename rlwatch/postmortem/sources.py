@@ -59,6 +59,11 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 STORE_TABLES = ("runs", "steps", "scalars", "alerts", "checkpoints", "events", "hack_examples")
 #: A read that takes longer than this is stopped (a crafted store could make a query run forever).
 READ_DEADLINE_S = 60.0
+PROGRESS_EVERY = 10_000    # SQLite VM instructions between deadline checks
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
 _READ_ERRORS = (sqlite3.DatabaseError, ValueError, TypeError, KeyError, AttributeError, IndexError,
                 UnicodeDecodeError, OverflowError, RecursionError)
 
@@ -120,7 +125,8 @@ def from_store(path: str | Path, run: str | None = None) -> RunData:
         raise PostmortemInputError(f"{path}: not a readable rlwatch run store ({exc})") from None
     deadline = time.monotonic() + READ_DEADLINE_S
     conn = store._conn
-    conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, 10_000)
+    conn.text_factory = _text          # invalid UTF-8 in a text column: kept (escaped on output), not fatal
+    conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, PROGRESS_EVERY)
     try:
         kinds = {r[0]: r[1] for r in conn.execute("SELECT name, type FROM sqlite_master")}
         if kinds.get("steps") != "table":
