@@ -40,6 +40,11 @@ def safe(value: Any, limit: int | None = None) -> str:
     return "".join(out)
 
 
+def code(value: Any, limit: int | None = None) -> str:
+    """Untrusted text as a markdown code span (nothing inside is markup)."""
+    return "`" + safe(value, limit).replace("`", "'").replace("|", "\\|") + "`"
+
+
 _MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()<>#+!|~])")
 
 
@@ -179,7 +184,7 @@ def text_report(report: Report) -> str:
             for e in h["examples"][:2]:
                 lines.append(f"    step {e['step']}: {safe(e['reason'], 120)}: {safe(repr(e['response']), 80)}")
     if report.probe:
-        lines.append("checkpoint probe (how far each update moved the policy on the stored rollouts):")
+        lines.append("Checkpoint probe (how far each update moved the policy on the stored rollouts):")
         lines += probe_lines(report)
     lines.append(resume_line(report))
     lines += coverage_lines(report)
@@ -323,7 +328,7 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
               "values; noise: robust, floored at the smallest meaningful shift).", ""]
     if report.first_signals:
         lines += ["| from step | confirmed | signal | before | after | size | lead |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {c.step} | {c.alarm_step} | `{safe(c.name).replace('`', '')}` | {_fmt(c.before)} | "
+        lines += [f"| {c.step} | {c.alarm_step} | {code(c.name)} | {_fmt(c.before)} | "
                   f"{_fmt(c.after)} | {_size(c)}{'' if c.concerning else ' (not a trouble direction)'} | "
                   f"{_lead(c.lead)} |" for c in report.first_signals]
     else:
@@ -349,12 +354,12 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
                   "Mean log-prob of the stored rollouts' response tokens under each checkpoint, and the mean "
                   "per-token KL to the next checkpoint (how far that update moved the policy).", "",
                   "| step | mean log p | KL to next | checkpoint | error |", "|---|---|---|---|---|"]
-        lines += [f"| {r['step']} | {_fmt(r.get('mean_logp'))} | {_fmt(r.get('kl_to_next'))} | {md(r['path'])} | "
+        lines += [f"| {r['step']} | {_fmt(r.get('mean_logp'))} | {_fmt(r.get('kl_to_next'))} | {code(r['path'])} | "
                   f"{md(r.get('error') or '', 300)} |" for r in report.probe]
     r = report.resume
     lines += ["", "## Resume from", ""]
     if r is not None and r.checkpoint:
-        lines.append(f"{md(r.checkpoint[1])} (step {r.checkpoint[0]}): {md(r.reason)}.")
+        lines.append(f"{code(r.checkpoint[1])} (step {r.checkpoint[0]}): {md(r.reason)}.")
     else:
         lines.append(f"Nothing recommended: {md(r.reason) if r else 'no analysis'}.")
     cov = report.coverage
@@ -373,7 +378,7 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
             if c.divergences:
                 lines += ["| from step | confirmed | signal | this run | good run | difference | size |",
                           "|---|---|---|---|---|---|---|"]
-                lines += [f"| {d.step} | {d.alarm_step} | `{safe(d.name).replace('`', '')}` | {_fmt(d.bad)} | "
+                lines += [f"| {d.step} | {d.alarm_step} | {code(d.name)} | {_fmt(d.bad)} | "
                           f"{_fmt(d.good)} | {_fmt(d.difference)} | {_size(d)} |" for d in c.divergences]
             else:
                 lines.append("Diverged: none (no signal left the good run's by more than its noise).")
