@@ -14,7 +14,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from .analysis import NO_CAUSE, Change, Comparison, Report
+from .analysis import NO_CAUSE, REFERENCE_POINTS, Change, Comparison, Report
 from .sources import RunData
 
 PLOTTED = [("quality", "Run quality"), ("mismatch_kl_k3", "KL(mu||pi_old), k3"),
@@ -165,6 +165,9 @@ def text_report(report: Report) -> str:
         lines += ["  " + change_line(c) for c in report.first_signals[:SHOWN_CHANGES]]
         if len(report.first_signals) > SHOWN_CHANGES:
             lines.append(f"  ... and {len(report.first_signals) - SHOWN_CHANGES} more (see --out or --json)")
+    elif report.steps is not None and report.steps[1] - report.steps[0] + 1 < REFERENCE_POINTS + 2:
+        lines.append(f"signals that changed first: none can be dated (steps {report.steps[0]}..{report.steps[1]}; "
+                     f"the change test needs at least {REFERENCE_POINTS + 2} steps)")
     else:
         lines.append("signals that changed first: none (no signal moved by more than its noise)")
     if report.alerts:
