@@ -13,9 +13,9 @@ CUSUM change-time estimate), so a ramp that starts at step 0 is dated at its sta
 fixed baseline window. The reference ``mu_0`` is the median of the first :data:`REFERENCE_POINTS`
 values (a single run) or 0 (the difference between two runs that should agree). The noise scale
 ``sigma`` is robust to the changes themselves: 1.4826 * MAD of the first differences / sqrt(2)
-(a level shift or a ramp moves few first differences, or moves them all alike; with a trimmed
-mean of the absolute differences as a second estimate for series that are constant on most
-steps, see :func:`robust_noise`), floored at the
+(a level shift or a ramp moves few first differences, or moves them all alike; a trimmed mean
+of the absolute differences where that MAD is 0, for series that are constant on most steps:
+:func:`robust_noise`), floored at the
 signal's smallest meaningful shift (:data:`LEADING_SIGNALS`), so a signal that sits at exactly 0
 (sigma 0) does not count one group in 32 as a departure. An alarm is kept only when the level
 after the change (median from the alarm to ``CONFIRM_STEPS`` steps past it) differs from
@@ -102,19 +102,20 @@ def _label_name(signal: str, labels: tuple[str, ...]) -> str:
 
 def robust_noise(values: list[float], trim: float = 0.1) -> float:
     """Step-to-step noise of a series (the standard deviation of white noise around a level that
-    shifts or ramps), robust to the shifts themselves: the larger of 1.4826 * MAD of the first
-    differences / sqrt(2) and sqrt(pi)/2 * the mean absolute first difference once its largest
-    ``trim`` share is dropped (the MAD is 0 for a mostly constant series, e.g. a share of groups
-    that is 0 on most steps and jumps by one group on others; the trimmed mean still sees those)."""
+    shifts or ramps), robust to the shifts themselves: 1.4826 * MAD of the first differences /
+    sqrt(2). When more than half the differences are equal (the MAD is 0: a share of groups that
+    is 0 on most steps and jumps by one group on others, a lag that ramps then holds), it is
+    sqrt(pi)/2 * the mean absolute first difference once its largest ``trim`` share is dropped."""
     diffs = [b - a for a, b in zip(values, values[1:])]
     if len(diffs) < 2:
         return 0.0
     centre = statistics.median(diffs)
     mad = 1.4826 * statistics.median(abs(d - centre) for d in diffs) / math.sqrt(2)
+    if mad > 0:
+        return mad
     absolute = sorted(abs(d - centre) for d in diffs)
     kept = absolute[:max(1, len(absolute) - int(trim * len(absolute)))]
-    mean_abs = math.sqrt(math.pi) / 2 * sum(kept) / len(kept)
-    return max(mad, mean_abs)
+    return math.sqrt(math.pi) / 2 * sum(kept) / len(kept)
 
 
 @dataclass
