@@ -30,9 +30,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`rlwatch postmortem ARGS` as a user runs it, in its own process."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture
+def inproc(capsys):
+    """The same command line in this process (no interpreter start-up per call)."""
+    from rlwatch.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        rc = main(["postmortem", *args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, rc, out, err)
+    return run
 
 
 def synthetic_run(path: str, seed: int, steps: int = 60, planted: int | None = None, run: str = "syn",
@@ -59,25 +72,25 @@ def steady_store(tmp_path_factory) -> str:
 
 # --- inputs that are not what they claim ---------------------------------------------------------
 
-def test_missing_path_says_not_found(tmp_path):
+def test_missing_path_says_not_found(tmp_path, inproc):
     result = cli(str(tmp_path / "nope.db"))
     assert result.returncode == 1 and "not found" in result.stderr and "Traceback" not in result.stderr
-    result = cli(str(tmp_path / "run.db"), "--baseline", str(tmp_path / "good.db"))
+    result = inproc(str(tmp_path / "run.db"), "--baseline", str(tmp_path / "good.db"))
     assert result.returncode == 1 and "not found" in result.stderr
 
 
-def test_a_file_that_is_not_sqlite_is_refused_in_one_line(tmp_path):
+def test_a_file_that_is_not_sqlite_is_refused_in_one_line(tmp_path, inproc):
     for name, content in (("text.db", b"hello, I am not a database\n" * 10), ("empty.db", b""),
                           ("truncated.db", b"SQLite format 3\x00" + b"\x00" * 50)):
         path = tmp_path / name
         path.write_bytes(content)
-        result = cli(str(path))
+        result = inproc(str(path))
         assert result.returncode == 1, (name, result.stdout)
         assert "Traceback" not in result.stderr and "rlwatch postmortem:" in result.stderr, (name, result.stderr)
         assert "store" in result.stderr or "database" in result.stderr
 
 
-def test_malformed_rows_cost_those_rows_only(tmp_path, steady_store):
+def test_malformed_rows_cost_those_rows_only(tmp_path, steady_store, inproc):
     path = tmp_path / "run.db"
     path.write_bytes(Path(steady_store).read_bytes())
     conn = sqlite3.connect(path)
@@ -95,7 +108,7 @@ def test_malformed_rows_cost_those_rows_only(tmp_path, steady_store):
     assert data.series("reward_mean") and all(s not in (5, 6) for s, _ in data.series("reward_mean"))
     notes = [e["detail"] for e in data.events if e["kind"] == "unreadable"]
     assert "4 malformed step rows skipped" in notes and any("alert" in n for n in notes), notes
-    result = cli(str(path), "--json")
+    result = inproc(str(path), "--json")
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert any("malformed" in n for n in doc["coverage"]["notes"])
@@ -112,7 +125,7 @@ def test_a_recursive_view_is_refused_not_run(tmp_path):
     """))
     conn.close()
     start = time.monotonic()
-    result = cli(str(path), timeout=60)
+    result = cli(str(path), timeout=60)           # its own process: a hang would be killed by the timeout
     assert result.returncode == 1 and "steps is a view" in result.stderr, result.stderr
     assert time.monotonic() - start < 30
 
@@ -127,17 +140,17 @@ def test_a_query_that_runs_too_long_is_stopped(tmp_path, monkeypatch, steady_sto
         load(steady_store)
 
 
-def test_a_malformed_trainer_state_is_one_line(tmp_path):
+def test_a_malformed_trainer_state_is_one_line(tmp_path, inproc):
     (tmp_path / "checkpoint-5").mkdir()
     (tmp_path / "checkpoint-5" / "trainer_state.json").write_text("{oops")
-    result = cli(str(tmp_path))
+    result = inproc(str(tmp_path))
     assert result.returncode == 1 and "trainer state" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_an_unreachable_prometheus_is_one_line():
+def test_an_unreachable_prometheus_is_one_line(inproc):
     from .conftest import free_port
 
-    result = cli("--prometheus", f"http://127.0.0.1:{free_port()}", "--run", "x", timeout=60)
+    result = inproc("--prometheus", f"http://127.0.0.1:{free_port()}", "--run", "x")
     assert result.returncode == 1 and "cannot query Prometheus" in result.stderr
 
 
@@ -247,23 +260,24 @@ def test_comparison_of_two_seeds_of_one_configuration_finds_nothing(tmp_path, st
     assert comparison.divergences == []
 
 
-def test_baseline_on_the_command_line(tmp_path, steady_store):
+def test_baseline_on_the_command_line(tmp_path, steady_store, inproc):
     bad = str(tmp_path / "bad.db")
     synthetic_run(bad, seed=7, planted=25)
-    result = cli(bad, "--baseline", steady_store, "--out", str(tmp_path / "report"), "--json")
+    result = inproc(bad, "--baseline", steady_store, "--out", str(tmp_path / "report"), "--json")
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert abs(doc["comparison"]["divergences"][0]["step"] - 25) <= 2
     assert any(Path(p).name.startswith("compare-") for p in doc["report"]["plots"])
     assert "## Against a good run" in (tmp_path / "report" / "postmortem.md").read_text()
-    text = cli(bad, "--baseline", steady_store).stdout
+    text = inproc(bad, "--baseline", steady_store).stdout
     assert "compared with syn" in text and "diverged: none" not in text
-    same = cli(steady_store, "--baseline", steady_store).stdout
+    same = inproc(steady_store, "--baseline", steady_store).stdout
     assert "diverged: none" in same
 
 
 # --- --probe checks weights before building what config.json describes ---------------------------------
 
+@pytest.mark.slow
 def test_probe_refuses_weights_that_do_not_fit_the_config_before_allocating(tmp_path):
     pytest.importorskip("transformers")
     script = textwrap.dedent(f"""
