@@ -304,3 +304,23 @@ def test_probe_refuses_weights_that_do_not_fit_the_config_before_allocating(tmp_
     assert "REFUSED" in result.stdout and "config.json describes" in result.stdout, result.stdout + result.stderr
     grew = float(result.stdout.split("GREW_MB")[1])
     assert grew < 400, grew            # the model the config describes would take ~1,100 MB
+
+
+def test_a_hacked_run_names_the_hack_not_a_confident_none():
+    """The hack demo's shape: no mismatch at all, the buggy environment's hack rate rising."""
+    from rlwatch.postmortem import RunData
+
+    data = RunData(run="hack", source="memory")
+    for step in range(40):
+        rate = 0.02 if step < 10 else min(0.9, 0.05 * (step - 8))
+        data.steps.append((step, {"env_hack_ratio": {("reverse", "verifier_disagreement"): rate,
+                                                     ("copy", "verifier_disagreement"): 0.0},
+                                  "mismatch_abs_log_ratio_mean": {(): 0.0}, "mismatch_log_ratio_mean": {(): 0.0},
+                                  "reward_mean": {(): 0.5}}))
+    report = analyse(data)
+    doc = report.as_json()
+    assert doc["cause"] == "reward_hacking" and doc["mismatch_diagnosis"] == "none"
+    assert doc["evidence"][0].startswith("hack rate of reverse / verifier_disagreement rose")
+    change = next(c for c in report.first_signals if c.signal == "env_hack_ratio")
+    assert change.labels == ("reverse", "verifier_disagreement") and 9 <= change.step <= 12
+    assert all(c.labels[0] != "copy" for c in report.first_signals if c.signal == "env_hack_ratio")

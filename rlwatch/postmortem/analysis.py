@@ -291,6 +291,15 @@ class Report:
     comparison: "Comparison | None" = None
 
     @property
+    def evidence(self) -> list[str]:
+        """Why the cause was named (or none was): the diagnosis' evidence, the hack rates."""
+        if self.cause == self.diagnosis.cause:
+            return list(self.diagnosis.evidence)
+        lines = [f"hack rate of {h['env']} / {h['detector']} rose from {h['early_rate']:.1%} to {h['late_rate']:.1%}"
+                 for h in self.hacks] if self.cause == "reward_hacking" else []
+        return lines + [f"sampler-learner mismatch: {e}" for e in self.diagnosis.evidence]
+
+    @property
     def first_critical(self) -> dict[str, Any] | None:
         firing = [a for a in self.alerts if a.get("severity") == "critical" and a.get("state", "firing") == "firing"
                   and a.get("step") is not None]
@@ -312,10 +321,9 @@ class Report:
                                  if critical is not None and self.collapse_step is not None else None),
             "first_signals": [c.as_json() for c in self.first_signals],
             "cause": self.cause,
-            "cause_confidence": self.diagnosis.confidence if found and self.cause == self.diagnosis.cause else
-            ("medium" if found else None),
+            "cause_confidence": self.diagnosis.confidence if found and self.cause == self.diagnosis.cause else None,
             "mismatch_diagnosis": self.diagnosis.cause,
-            "evidence": self.diagnosis.evidence,
+            "evidence": self.evidence,
             "last_healthy_checkpoint": ({"step": self.last_healthy_checkpoint[0],
                                          "path": self.last_healthy_checkpoint[1]}
                                         if self.last_healthy_checkpoint else None),

@@ -159,7 +159,7 @@ def text_report(report: Report) -> str:
     if report.peak:
         lines.append(f"peak {report.quality_signal} {_fmt(report.peak[1])} at step {report.peak[0]}")
     lines.append(cause_line(report))
-    lines += [f"  - {safe(e)}" for e in report.diagnosis.evidence]
+    lines += [f"  - {safe(e)}" for e in report.evidence]
     if report.first_signals:
         lines.append("signals that changed first:")
         lines += ["  " + change_line(c) for c in report.first_signals[:SHOWN_CHANGES]]
@@ -325,7 +325,7 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
     else:
         lines += ["## Cause", "", f"**{md(report.cause)}**" + (
             f" ({report.diagnosis.confidence} confidence)" if report.cause == report.diagnosis.cause else ""), ""]
-    lines += [f"- {md(e)}" for e in report.diagnosis.evidence] + [""]
+    lines += [f"- {md(e)}" for e in report.evidence] + [""]
     lines += ["## Signals that changed first", "",
               "Each signal's first change found by a two-sided CUSUM over the whole run (reference: its first "
               "values; noise: robust, floored at the smallest meaningful shift).", ""]
