@@ -79,7 +79,7 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
     try:
         run_postmortem(args.path, prometheus=args.prometheus, run=args.run, out_dir=args.out,
                        as_json=args.json, probe_file=args.probe, baseline=args.baseline,
-                       baseline_run=args.baseline_run)
+                       baseline_run=args.baseline_run, since=args.since, resolution=args.resolution)
     except FileNotFoundError as exc:
         text = str(exc) if str(exc).startswith(("not found", "--probe")) else f"not found: {exc.filename or exc}"
         print(f"rlwatch postmortem: {safe(text)}", file=sys.stderr)
@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a good run to compare with, aligned by step: a run store, a TRL or verl output directory, "
                         "or a Prometheus URL (with --baseline-run)")
     p.add_argument("--baseline-run", help="run name in the baseline (stores with several runs, or Prometheus)")
+    p.add_argument("--since", type=float, metavar="SECONDS",
+                   help="Prometheus range: read the last SECONDS (default 7 days)")
+    p.add_argument("--resolution", type=float, metavar="SECONDS",
+                   help="Prometheus range: seconds between points (default 15, coarser for long ranges)")
     p.add_argument("--prometheus", help="query a live Prometheus instead (needs --run)")
     p.add_argument("--run", help="run name (stores with several runs, or --prometheus)")
     p.add_argument("--out", help="write postmortem.md, postmortem.json and PNG plots here")

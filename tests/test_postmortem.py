@@ -115,7 +115,7 @@ def test_live_prometheus_source(tmp_path):
                           f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
                          prom_port, tmp_path / "prom.log")
     try:
-        with rlwatch.Watch(run="live", port=exporter_port, store=None) as w:
+        with rlwatch.Watch(run="live", port=exporter_port, store=str(tmp_path / "live.db")) as w:
             import urllib.request
             deadline = time.time() + 30
             while time.time() < deadline:               # wait for the first scrape before stepping
@@ -131,6 +131,10 @@ def test_live_prometheus_source(tmp_path):
         from rlwatch.postmortem.sources import from_prometheus
 
         data = from_prometheus(prom.url, "live", lookback_seconds=120, step_seconds=1)
+        # The same run from its store, against its Prometheus range as the baseline: aligned by
+        # step, the two sources agree (any combination of sources works).
+        doc = run_postmortem(str(tmp_path / "live.db"), baseline=prom.url, baseline_run="live", since=120,
+                             resolution=1, quiet=True)
     finally:
         prom.stop()
     steps = [s for s, _ in data.steps]
@@ -138,6 +142,9 @@ def test_live_prometheus_source(tmp_path):
     assert data.series("mismatch_kl_k3") and data.series("reward_mean")
     report = analyse(data)
     assert report.collapse_step is not None and 10 <= report.collapse_step <= 12
+    comparison = doc["comparison"]
+    assert comparison["common_steps"][2] >= 12 and len(comparison["compared"]) >= 5
+    assert comparison["divergences"] == [], comparison["divergences"]
 
 
 def tiny_hf_checkpoint(directory: Path, seed: int, scale: float = 0.0) -> None:

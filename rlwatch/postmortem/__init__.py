@@ -9,28 +9,32 @@ __all__ = ["Comparison", "PostmortemInputError", "Report", "RunData", "analyse",
            "load_source", "run_postmortem"]
 
 
-def load_source(source: str | None, run: str | None = None, prometheus: str | None = None) -> RunData:
+def load_source(source: str | None, run: str | None = None, prometheus: str | None = None,
+                **prometheus_range: float | None) -> RunData:
     """A run from a store / TRL / verl directory path, or from Prometheus: ``prometheus`` (a URL) with
     ``run``, or ``source`` itself an ``http(s)://`` URL of a Prometheus (then ``run`` is required)."""
     if source is not None and source.startswith(("http://", "https://")) and prometheus is None:
         prometheus, source = source, None
-    return load(source, prometheus=prometheus, run=run)
+    return load(source, prometheus=prometheus, run=run, **prometheus_range)
 
 
 def run_postmortem(path: str | None = None, *, prometheus: str | None = None, run: str | None = None,
                    out_dir: str | None = None, as_json: bool = False, probe_file: str | None = None,
-                   quiet: bool = False, baseline: str | None = None, baseline_run: str | None = None) -> dict:
+                   quiet: bool = False, baseline: str | None = None, baseline_run: str | None = None,
+                   since: float | None = None, resolution: float | None = None) -> dict:
     """Load, analyse and report; returns the JSON document (also what ``--json`` prints).
 
     ``baseline``: a good run to compare with (a store, a TRL/verl directory, or a Prometheus URL
-    with ``baseline_run``)."""
+    with ``baseline_run``). ``since``/``resolution``: the Prometheus range read, in seconds (the
+    last ``since`` seconds at ``resolution``), for ``prometheus`` and a Prometheus baseline."""
     import json
     from pathlib import Path
 
     from . import report as render
 
-    data = load(path, prometheus=prometheus, run=run)
-    good = load_source(baseline, run=baseline_run) if baseline else None
+    prometheus_range = {"lookback_seconds": since, "resolution_seconds": resolution}
+    data = load(path, prometheus=prometheus, run=run, **prometheus_range)
+    good = load_source(baseline, run=baseline_run, **prometheus_range) if baseline else None
     result = analyse(data)
     if good is not None:
         result.comparison = compare(data, good)

@@ -336,17 +336,22 @@ def from_prometheus(url: str, run: str, lookback_seconds: float = 7 * 86400, ste
     import time
 
     data = RunData(run=run, source=f"Prometheus {url}")
-    if not _prom(url, "/api/v1/series", **{"match[]": f'rlwatch_step{{run="{run}"}}'}):
+    run_q = json.dumps(run)            # a PromQL string literal: quotes and backslashes escaped
+    if not _prom(url, "/api/v1/series", **{"match[]": f'rlwatch_step{{run={run_q}}}'}):
         raise PostmortemInputError(f"Prometheus at {url} has no series for run {run!r}")
     end = end or time.time()
     start = end - lookback_seconds
     step = max(step_seconds, lookback_seconds / 10000)
+    if step > step_seconds:
+        data.events.append({"time": None, "kind": "resolution", "detail": (
+            f"Prometheus range read at {step:.0f} s resolution over {lookback_seconds:.0f} s (11,000 points per "
+            "series at most): steps closer together than that are missed; shorten --since")})
 
     def range_query(expr: str) -> list[dict]:
         return _prom(url, "/api/v1/query_range", query=expr, start=start, end=end, step=step)["result"]
 
     step_at: dict[float, int] = {}
-    for series in range_query(f'rlwatch_step{{run="{run}"}}'):
+    for series in range_query(f'rlwatch_step{{run={run_q}}}'):
         for ts, value in series["values"]:
             if math.isfinite(float(value)):
                 step_at[float(ts)] = int(float(value))
@@ -354,7 +359,7 @@ def from_prometheus(url: str, run: str, lookback_seconds: float = 7 * 86400, ste
     for spec in CATALOGUE:
         if spec.kind != "gauge" or spec.group in ("config",):
             continue
-        for series in range_query(f'{spec.full_name}{{run="{run}"}}'):
+        for series in range_query(f'{spec.full_name}{{run={run_q}}}'):
             labels = tuple(series["metric"].get(label, "") for label in spec.labels)
             for ts, value in series["values"]:
                 s = step_at.get(float(ts))
@@ -362,7 +367,7 @@ def from_prometheus(url: str, run: str, lookback_seconds: float = 7 * 86400, ste
                 if s is not None and math.isfinite(v):
                     by_step.setdefault(s, {}).setdefault(spec.name, {})[labels] = v
     data.steps = sorted(by_step.items())
-    for series in range_query(f'ALERTS{{run="{run}", alertstate="firing"}}'):
+    for series in range_query(f'ALERTS{{run={run_q}, alertstate="firing"}}'):
         firing = [float(ts) for ts, _ in series["values"]]
         if not firing:
             continue
@@ -370,14 +375,15 @@ def from_prometheus(url: str, run: str, lookback_seconds: float = 7 * 86400, ste
         at = min(firing)
         data.alerts.append(dict(name=labels.pop("alertname", "?"), severity=labels.pop("severity", ""),
                                 state="firing", step=step_at.get(at), time=at, labels=labels))
-    for name, points in _framework_scalars(range_query, run, step_at).items():
+    for name, points in _framework_scalars(range_query, run_q, step_at).items():
         data.scalars[name] = points
     return data
 
 
-def _framework_scalars(range_query: Any, run: str, step_at: dict[float, int]) -> dict[str, list[tuple[int, float]]]:
+def _framework_scalars(range_query: Any, run_q: str, step_at: dict[float, int]
+                       ) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
-    for series in range_query(f'rlwatch_framework_metric{{run="{run}"}}'):
+    for series in range_query(f'rlwatch_framework_metric{{run={run_q}}}'):
         name = series["metric"].get("name", "")
         for ts, value in series["values"]:
             s = step_at.get(float(ts))
@@ -386,12 +392,15 @@ def _framework_scalars(range_query: Any, run: str, step_at: dict[float, int]) ->
     return out
 
 
-def load(path: str | None = None, prometheus: str | None = None, run: str | None = None) -> RunData:
-    """Detect the kind of ``path`` (or query ``prometheus`` for ``run``) and load it."""
+def load(path: str | None = None, prometheus: str | None = None, run: str | None = None,
+         lookback_seconds: float | None = None, resolution_seconds: float | None = None) -> RunData:
+    """Detect the kind of ``path`` (or query ``prometheus`` for ``run``, over the last
+    ``lookback_seconds`` at ``resolution_seconds``) and load it."""
     if prometheus:
         if not run:
             raise PostmortemInputError("--prometheus needs --run")
-        return from_prometheus(prometheus, run)
+        return from_prometheus(prometheus, run, **({"lookback_seconds": lookback_seconds} if lookback_seconds else {}),
+                               **({"step_seconds": resolution_seconds} if resolution_seconds else {}))
     if path is None:
         raise PostmortemInputError("give a run store, a TRL output directory, a verl checkpoint directory, "
                                    "or --prometheus")
