@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import rlwatch
-from rlwatch.postmortem import PostmortemInputError, analyse, compare, load, run_postmortem
+from rlwatch.postmortem import PostmortemInputError, analyse, compare, load
 from rlwatch.postmortem.analysis import detect_change
 from rlwatch.postmortem.report import markdown, safe, terminal
 
