@@ -164,12 +164,21 @@ def _run_summary(events: list[dict], frameworks: str) -> str:
 
 def _cmd_postmortem(args: argparse.Namespace) -> int:
     from .postmortem import run_postmortem
+    from .postmortem.report import safe
 
+    if args.baseline and args.baseline.startswith(("http://", "https://")) and not args.baseline_run:
+        print("rlwatch postmortem: a Prometheus --baseline needs --baseline-run", file=sys.stderr)
+        return 2
     try:
         run_postmortem(args.path, prometheus=args.prometheus, run=args.run, out_dir=args.out,
-                       as_json=args.json, probe_file=args.probe)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"rlwatch postmortem: {exc}", file=sys.stderr)
+                       as_json=args.json, probe_file=args.probe, baseline=args.baseline,
+                       baseline_run=args.baseline_run, since=args.since, resolution=args.resolution)
+    except FileNotFoundError as exc:
+        text = str(exc) if str(exc).startswith(("not found", "--probe")) else f"not found: {exc.filename or exc}"
+        print(f"rlwatch postmortem: {safe(text)}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:       # PostmortemInputError and other unreadable inputs
+        print(f"rlwatch postmortem: {safe(exc)}", file=sys.stderr)
         return 1
     return 0
 
@@ -321,8 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser("postmortem", help="explain a run: collapse, first signals, alerts, cause, checkpoint")
+    p = sub.add_parser("postmortem", help="explain a run: collapse, first changes, alerts, cause, resume point, "
+                                          "coverage, and divergence from a good run")
     p.add_argument("path", nargs="?", help="run store, TRL output directory or verl checkpoint directory")
+    p.add_argument("--baseline", metavar="GOOD",
+                   help="a good run to compare with, aligned by step: a run store, a TRL or verl output directory, "
+                        "or a Prometheus URL (with --baseline-run)")
+    p.add_argument("--baseline-run", help="run name in the baseline (stores with several runs, or Prometheus)")
+    p.add_argument("--since", type=float, metavar="SECONDS",
+                   help="Prometheus range: read the last SECONDS (default 7 days)")
+    p.add_argument("--resolution", type=float, metavar="SECONDS",
+                   help="Prometheus range: seconds between points (default 15, coarser for long ranges)")
     p.add_argument("--prometheus", help="query a live Prometheus instead (needs --run)")
     p.add_argument("--run", help="run name (stores with several runs, or --prometheus)")
     p.add_argument("--out", help="write postmortem.md, postmortem.json and PNG plots here")

@@ -54,9 +54,10 @@ def test_demo_pages_before_the_collapse_and_explains_it(tmp_path):
     assert collapse - fired == steps_before > 0
     assert doc["demo"]["collapse_step"] == collapse and name.startswith("RLWatch")
     assert "Cause: stale_weights." in text and doc["cause"] == "stale_weights"
-    checkpoint = doc["last_healthy_checkpoint"]
-    path = Path(checkpoint["path"])                       # stored absolute: found from any directory
-    assert checkpoint and checkpoint["step"] <= fired and path.is_absolute() and path.is_dir()
+    resume = doc["resume"]                                # the lag was there from the first steps:
+    assert resume["trouble_step"] <= fired and resume["checkpoint"] is None   # no checkpoint predates it
+    path = Path(resume["fallback"]["path"])               # stored absolute: found from any directory
+    assert resume["fallback"]["step"] < doc["collapse_step"] and path.is_absolute() and path.is_dir()
     assert (path / "model.safetensors").exists()
     report = tmp_path / doc["demo"]["directory"] / "report"     # the demo's --out was relative
     assert (report / "postmortem.md").exists() and (report / "mismatch_kl_k3.png").stat().st_size > 0

@@ -1,23 +1,43 @@
-"""``rlwatch postmortem``: when the run degraded, which signals moved first, the alert timeline,
-the likely cause, the last healthy checkpoint; as a terminal report, markdown with plots, or JSON."""
+"""``rlwatch postmortem``: when the run degraded, which signals changed first, the alert timeline,
+the likely cause, where to resume, what the run could not measure, and (``--baseline``) where it
+diverged from a good run; as a terminal report, markdown with plots, or JSON."""
 
-from .analysis import Report, analyse
-from .sources import RunData, load
+from .analysis import Comparison, Report, analyse, compare
+from .sources import PostmortemInputError, RunData, load
 
-__all__ = ["Report", "RunData", "analyse", "load", "run_postmortem"]
+__all__ = ["Comparison", "PostmortemInputError", "Report", "RunData", "analyse", "compare", "load",
+           "load_source", "run_postmortem"]
+
+
+def load_source(source: str | None, run: str | None = None, prometheus: str | None = None,
+                **prometheus_range: float | None) -> RunData:
+    """A run from a store / TRL / verl directory path, or from Prometheus: ``prometheus`` (a URL) with
+    ``run``, or ``source`` itself an ``http(s)://`` URL of a Prometheus (then ``run`` is required)."""
+    if source is not None and source.startswith(("http://", "https://")) and prometheus is None:
+        prometheus, source = source, None
+    return load(source, prometheus=prometheus, run=run, **prometheus_range)
 
 
 def run_postmortem(path: str | None = None, *, prometheus: str | None = None, run: str | None = None,
                    out_dir: str | None = None, as_json: bool = False, probe_file: str | None = None,
-                   quiet: bool = False) -> dict:
-    """Load, analyse and report; returns the JSON document (also what ``--json`` prints)."""
+                   quiet: bool = False, baseline: str | None = None, baseline_run: str | None = None,
+                   since: float | None = None, resolution: float | None = None) -> dict:
+    """Load, analyse and report; returns the JSON document (also what ``--json`` prints).
+
+    ``baseline``: a good run to compare with (a store, a TRL/verl directory, or a Prometheus URL
+    with ``baseline_run``). ``since``/``resolution``: the Prometheus range read, in seconds (the
+    last ``since`` seconds at ``resolution``), for ``prometheus`` and a Prometheus baseline."""
     import json
     from pathlib import Path
 
     from . import report as render
 
-    data = load(path, prometheus=prometheus, run=run)
+    prometheus_range = {"lookback_seconds": since, "resolution_seconds": resolution}
+    data = load(path, prometheus=prometheus, run=run, **prometheus_range)
+    good = load_source(baseline, run=baseline_run, **prometheus_range) if baseline else None
     result = analyse(data)
+    if good is not None:
+        result.comparison = compare(data, good)
     if probe_file:
         from .probe import ROLLOUTS_FILE, probe
 
@@ -28,11 +48,14 @@ def run_postmortem(path: str | None = None, *, prometheus: str | None = None, ru
             if not found:
                 raise FileNotFoundError(f"--probe: no {ROLLOUTS_FILE} next to {path}; pass the rollouts file")
             probe_file = str(found[0])
+        elif not Path(probe_file).exists():
+            raise FileNotFoundError(f"--probe: not found: {probe_file}")
         result.probe = [dict(r.__dict__) for r in probe(data.checkpoints, probe_file)]
     document = result.as_json()
     if out_dir:
         directory = Path(out_dir)
-        images = render.plots(result, data, directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        images = render.plots(result, data, directory, baseline=good)
         md = render.markdown(result, images, directory)
         (directory / "postmortem.json").write_text(json.dumps(document, indent=2, default=str))
         document["report"] = {"markdown": str(md), "plots": [str(p) for p in images]}
@@ -41,5 +64,5 @@ def run_postmortem(path: str | None = None, *, prometheus: str | None = None, ru
     elif not quiet:
         render.terminal(result)
         if out_dir:
-            print(f"report and plots: {document['report']['markdown']}")
+            print(f"report and plots: {render.safe(document['report']['markdown'])}")
     return document

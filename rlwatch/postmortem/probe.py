@@ -7,8 +7,10 @@ Checkpoints are loaded without executing anything they contain: weights come fro
 ``model.safetensors`` (safetensors cannot carry code), or, when a directory has only a pickled
 ``pytorch_model.bin``, through ``torch.load(weights_only=True)``, which refuses any object that
 is not a tensor; the model class comes from ``config.json`` through transformers' own registry
-(never ``trust_remote_code``). A checkpoint that cannot be loaded that way is refused and
-reported, never unpickled.
+(never ``trust_remote_code``), and the weights are checked against that config on the meta
+device (no memory) before the model is built, so a few-byte checkpoint whose config claims a
+large model is refused without allocating it. A checkpoint that cannot be loaded that way is
+refused and reported, never unpickled.
 """
 
 from __future__ import annotations
@@ -89,13 +91,34 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
 LOADERS: list[Callable[[Path, dict], LogitsFn | None]] = []
 
 
+def check_weights(skeleton: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """Refuse weights that do not fill the model ``config.json`` describes: every parameter present
+    (a tied ``lm_head`` may be absent) with the declared shape. ``skeleton`` lives on the meta
+    device: checking costs no memory, whatever size the config claims."""
+    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    missing = [k for k in expected if k not in state and "lm_head" not in k]
+    if missing:
+        raise ValueError(f"{directory}: config.json describes {len(expected)} tensors; the weights lack "
+                         f"{len(missing)} of them ({', '.join(missing[:3])})")
+    wrong = [(k, tuple(state[k].shape), shape) for k, shape in expected.items()
+             if k in state and tuple(state[k].shape) != shape]
+    if wrong:
+        k, got, want = wrong[0]
+        raise ValueError(f"{directory}: {len(wrong)} weights do not have the shape config.json declares "
+                         f"({k}: {list(got)} stored, {list(want)} declared)")
+
+
 def _hf_loader(directory: Path, config: dict) -> LogitsFn | None:
-    if "model_type" not in config or config.get("model_type", "").startswith("rlwatch"):
+    if "model_type" not in config or str(config.get("model_type", "")).startswith("rlwatch"):
         return None
     from transformers import AutoConfig, AutoModelForCausalLM
 
     state = read_state_dict(directory)       # first: refuse unsafe weights before building anything
     hf_config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
+    with torch.device("meta"):               # then: check them against the config without allocating it
+        skeleton = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
+    check_weights(skeleton, state, directory)
+    del skeleton
     model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
     missing, unexpected = model.load_state_dict(state, strict=False)
     real_missing = [k for k in missing if "lm_head" not in k]     # tied embeddings are not stored twice
@@ -116,7 +139,12 @@ LOADERS.append(_hf_loader)
 def load_policy(directory: str | Path) -> LogitsFn:
     directory = Path(directory)
     config_path = directory / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    try:
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{config_path}: not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path}: not a JSON object")
     for loader in LOADERS:
         fn = loader(directory, config)
         if fn is not None:

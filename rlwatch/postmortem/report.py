@@ -1,192 +1,392 @@
-"""Render a post-mortem: a terminal report (rich), a markdown report with PNG plots, JSON."""
+"""Render a post-mortem: a terminal report (rich), a markdown report with PNG plots, JSON.
+
+Every string that came from a run (run, environment, detector, alert and label names, paths,
+hack examples, event details) is untrusted: :func:`safe` shows control characters, escape
+sequences (ESC, OSC), bidirectional overrides and lone surrogates as visible escapes; rich gets
+``Text`` objects (never markup); markdown escapes its own syntax; matplotlib its mathtext.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 from pathlib import Path
 from typing import Any
 
-from .analysis import Report
+from .analysis import NO_CAUSE, REFERENCE_POINTS, Change, Comparison, Report
 from .sources import RunData
 
 PLOTTED = [("quality", "Run quality"), ("mismatch_kl_k3", "KL(mu||pi_old), k3"),
            ("mismatch_abs_log_ratio_p99", "|log ratio| p99"), ("is_ess_ratio", "Effective sample size"),
            ("version_lag_max", "Max version lag"), ("entropy_mean", "Entropy"),
            ("env_hack_ratio", "Hack rate by environment")]
+SHOWN_CHANGES = 10        # rows of the first-movers table in the terminal (all of them in markdown / JSON)
+PLOTTED_CHANGES = 8       # signals that get their own plot with the change marked
+
+
+def safe(value: Any, limit: int | None = None) -> str:
+    """``value`` as one printable line: control/format characters and lone surrogates escaped."""
+    text = str(value)
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + "..."
+    out = []
+    for ch in text:
+        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn") and ch != " ":
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def code(value: Any, limit: int | None = None) -> str:
+    """Untrusted text as a markdown code span (nothing inside is markup)."""
+    return "`" + safe(value, limit).replace("`", "'").replace("|", "\\|") + "`"
+
+
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()<>#+!|~])")
+
+
+def md(value: Any, limit: int | None = None) -> str:
+    """Untrusted text for markdown: safe, then markdown's syntax characters escaped."""
+    return _MD_SPECIAL.sub(r"\\\1", safe(value, limit))
+
+
+def _mpl(value: Any) -> str:
+    """Untrusted text for matplotlib: safe, and no mathtext."""
+    return safe(value, 80).replace("$", r"\$")
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return "0" if value == 0 else f"{value:.4g}"
+
+
+def _lead(lead: int | None) -> str:
+    if lead is None:
+        return "-"
+    return f"{lead} before the collapse" if lead > 0 else "at the collapse" if lead == 0 else \
+        f"{-lead} after the collapse"
+
+
+def _size(change: Any) -> str:
+    size = change.size
+    return "above its floor" if size != size or abs(size) == float("inf") else f"{size:+.1f}x noise"
 
 
 def headline(report: Report) -> str:
     critical = report.first_critical
     if report.collapse_step is None:
-        text = f"run {report.run}: no collapse of {report.quality_signal or 'quality'} detected"
+        text = (f"run {report.run}: no collapse of {report.quality_signal} detected" if report.quality_signal else
+                f"run {report.run}: no quality signal (held-out score or reward), so no collapse can be dated")
     else:
         text = f"run {report.run}: {report.quality_signal} collapsed at step {report.collapse_step}"
         if critical is not None:
             lead = report.collapse_step - critical["step"]
             text += (f"; {critical['name']} fired {lead} steps before the collapse (step {critical['step']})"
-                     if lead >= 0 else f"; the first critical alert came {-lead} steps after it")
+                     if lead > 0 else f"; {critical['name']} fired at the collapse step" if lead == 0
+                     else f"; the first critical alert came {-lead} steps after it")
         else:
             text += "; no critical alert fired before it"
-    return text
+    return safe(text)
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
+def cause_line(report: Report) -> str:
+    if report.cause == NO_CAUSE:
+        return "cause: no cause found"
+    confidence = report.diagnosis.confidence if report.cause == report.diagnosis.cause else None
+    return f"cause: {report.cause}" + (f" ({confidence} confidence)" if confidence else "")
+
+
+def resume_line(report: Report) -> str:
+    r = report.resume
+    if r is None:
+        return "resume: nothing recommended"
+    if r.checkpoint:
+        return f"resume from: {safe(r.checkpoint[1])} (step {r.checkpoint[0]}): {safe(r.reason)}"
+    return f"resume: nothing recommended: {safe(r.reason)}"
+
+
+def change_line(c: Change) -> str:
+    return (f"step {c.step:>5}  {safe(c.name)}: {_fmt(c.before)} -> {_fmt(c.after)} ({_size(c)}"
+            f"{'' if c.concerning else ', not a trouble direction'})"
+            + (f", {_lead(c.lead)}" if c.lead is not None else ""))
 
 
 def probe_lines(report: Report) -> list[str]:
     """One line per probed checkpoint: mean log-prob of the stored responses, KL to the next one."""
     return [f"  step {r['step']:>5}  mean log p {_fmt(r.get('mean_logp'))}  KL to next {_fmt(r.get('kl_to_next'))}"
-            + (f"  ERROR {r['error']}" if r.get("error") else "") + f"  {r['path']}" for r in report.probe]
+            + (f"  ERROR {safe(r['error'], 300)}" if r.get("error") else "") + f"  {safe(r['path'])}"
+            for r in report.probe]
 
 
-def terminal(report: Report, console: Any = None) -> str:
-    """Print (with rich when installed) and return the plain-text report."""
-    lines = [headline(report), f"source: {report.source}"]
+def comparison_lines(c: Comparison) -> list[str]:
+    lines = [f"compared with {safe(c.good)}:"]
+    if c.common_steps is None:
+        return lines + ["  the two runs have no step in common"]
+    lines.append(f"  steps {c.common_steps[0]}..{c.common_steps[1]} in common ({c.common_steps[2]} steps), "
+                 f"{len(c.compared)} signals compared")
+    if not c.divergences:
+        lines.append("  diverged: none (no signal left the good run's by more than its noise)")
+    for d in c.divergences:
+        lines.append(f"  step {d.step:>5}  {safe(d.name)}: {_fmt(d.bad)} against {_fmt(d.good)} "
+                     f"(difference {_fmt(d.difference)}, {_size(d)})")
+    if c.only_bad:
+        lines.append(f"  only in this run: {safe(', '.join(c.only_bad), 400)}")
+    if c.only_good:
+        lines.append(f"  only in the good run: {safe(', '.join(c.only_good), 400)}")
+    return lines
+
+
+def coverage_lines(report: Report) -> list[str]:
+    cov = report.coverage
+    lines = ["coverage:"]
+    lines += [f"  carried: {c['family']} ({c['steps']} steps)" for c in cov.carried]
+    lines += [f"  not carried: {m['family']}: {m['why']}" for m in cov.missing]
+    lines += [f"  note: {safe(n, 300)}" for n in cov.notes]
+    return lines
+
+
+def text_report(report: Report) -> str:
+    """The whole report as plain text (what the terminal shows, without colour)."""
+    lines = [headline(report), f"source: {safe(report.source)}"]
     if report.steps:
         lines.append(f"steps {report.steps[0]}..{report.steps[1]}")
     if report.peak:
-        lines.append(f"peak {report.quality_signal} {report.peak[1]:.4g} at step {report.peak[0]}")
-    lines.append(f"cause: {report.diagnosis.cause} ({report.diagnosis.confidence})")
-    lines += [f"  - {e}" for e in report.diagnosis.evidence]
-    lines.append("signals that moved first:")
-    for f in report.first_signals[:8]:
-        lead = f", {f.lead} steps before the collapse" if f.lead is not None else ""
-        lines.append(f"  step {f.step:>5}  {f.name}: {f.baseline:.4g} -> {f.value:.4g}{lead}")
-    lines.append("alerts:")
-    for a in report.alerts[:20]:
-        labels = ",".join(f"{k}={v}" for k, v in sorted(a.get("labels", {}).items()))
-        lines.append(f"  step {a.get('step')!s:>5}  {a.get('severity', ''):<8} {a['name']} {labels}")
+        lines.append(f"peak {report.quality_signal} {_fmt(report.peak[1])} at step {report.peak[0]}")
+    lines.append(cause_line(report))
+    lines += [f"  - {safe(e)}" for e in report.evidence]
+    if report.first_signals:
+        lines.append("signals that changed first:")
+        lines += ["  " + change_line(c) for c in report.first_signals[:SHOWN_CHANGES]]
+        if len(report.first_signals) > SHOWN_CHANGES:
+            lines.append(f"  ... and {len(report.first_signals) - SHOWN_CHANGES} more (see --out or --json)")
+    elif report.steps is not None and report.steps[1] - report.steps[0] + 1 < REFERENCE_POINTS + 2:
+        lines.append(f"signals that changed first: none can be dated (steps {report.steps[0]}..{report.steps[1]}; "
+                     f"the change test needs at least {REFERENCE_POINTS + 2} steps)")
+    else:
+        lines.append("signals that changed first: none (no signal moved by more than its noise)")
+    if report.alerts:
+        lines.append("alerts:")
+        for a in report.alerts[:20]:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(a.get("labels", {}).items()))
+            lines.append(f"  step {_fmt(a.get('step')):>5}  {safe(a.get('severity', '')):<8} {safe(a['name'])} "
+                         f"{safe(labels, 200)}")
+        if len(report.alerts) > 20:
+            lines.append(f"  ... and {len(report.alerts) - 20} more")
+    else:
+        lines.append("alerts: none fired")
     if report.hacks:
         lines.append("reward hacks:")
         for h in report.hacks:
-            lines.append(f"  {h['env']} / {h['detector']}: {h['early_rate']:.1%} -> {h['late_rate']:.1%}")
+            lines.append(f"  {safe(h['env'])} / {safe(h['detector'])}: {h['early_rate']:.1%} -> {h['late_rate']:.1%}")
             for e in h["examples"][:2]:
-                lines.append(f"    step {e['step']}: {e['reason']}: {e['response'][:80]!r}")
+                lines.append(f"    step {e['step']}: {safe(e['reason'], 120)}: {safe(repr(e['response']), 80)}")
     if report.probe:
-        lines.append("checkpoint probe (how far each update moved the policy on the stored rollouts):")
+        lines.append("Checkpoint probe (how far each update moved the policy on the stored rollouts):")
         lines += probe_lines(report)
-    ckpt = report.last_healthy_checkpoint
-    lines.append(f"last healthy checkpoint: {ckpt[1]} (step {ckpt[0]})" if ckpt else
-                 "last healthy checkpoint: none recorded before the trouble")
-    text = "\n".join(lines)
+    lines.append(resume_line(report))
+    lines += coverage_lines(report)
+    if report.comparison is not None:
+        lines += comparison_lines(report.comparison)
+    return "\n".join(lines)
+
+
+def terminal(report: Report, console: Any = None) -> str:
+    """Print (with rich when installed) and return the plain-text report. Nothing from the run is
+    ever read as rich markup."""
+    text = text_report(report)
     try:
         from rich.console import Console
         from rich.panel import Panel
-        from rich.table import Table
-
-        console = console or Console()
-        style = "red" if report.collapse_step is not None else "green"
-        console.print(Panel(headline(report), style=style, title="rlwatch post-mortem"))
-        table = Table(title="Signals that moved first")
-        for col in ("step", "signal", "baseline", "value", "lead (steps)"):
-            table.add_column(col)
-        for f in report.first_signals[:8]:
-            table.add_row(str(f.step), f.name, f"{f.baseline:.4g}", f"{f.value:.4g}", str(f.lead))
-        console.print(table)
-        alerts = Table(title="Alert timeline")
-        for col in ("step", "severity", "alert", "labels"):
-            alerts.add_column(col)
-        for a in report.alerts[:20]:
-            alerts.add_row(str(a.get("step")), a.get("severity", ""), a["name"],
-                           ",".join(f"{k}={v}" for k, v in sorted(a.get("labels", {}).items())))
-        console.print(alerts)
-        console.print(f"[bold]Cause:[/bold] {report.diagnosis.cause} ({report.diagnosis.confidence})")
-        for e in report.diagnosis.evidence:
-            console.print(f"  - {e}")
-        for h in report.hacks:
-            console.print(f"[bold]Reward hack[/bold] {h['env']} / {h['detector']}: "
-                          f"{h['early_rate']:.1%} -> {h['late_rate']:.1%}")
-        if report.probe:
-            probe = Table(title="Checkpoint probe (on the stored rollouts)")
-            for col in ("step", "mean log p", "KL to next", "checkpoint", "error"):
-                probe.add_column(col, overflow="fold")
-            for r in report.probe:
-                probe.add_row(str(r["step"]), _fmt(r.get("mean_logp")), _fmt(r.get("kl_to_next")), r["path"],
-                              r.get("error") or "")
-            console.print(probe)
-        console.print("[bold]Last healthy checkpoint:[/bold] " + (f"{ckpt[1]} (step {ckpt[0]})" if ckpt else "none"))
+        from rich.text import Text
     except ImportError:
         print(text)
+        return text
+    console = console or Console(highlight=False)
+    style = "red" if report.collapse_step is not None else "green"
+    body = text.split("\n", 1)[1] if "\n" in text else ""
+    console.print(Panel(Text(headline(report)), style=style, title="rlwatch post-mortem"))
+    console.print(Text(body), markup=False, highlight=False)
     return text
 
 
-def plots(report: Report, data: RunData, directory: Path) -> list[Path]:
-    """PNG plots of the key signals with alert (red) and checkpoint (grey) markers."""
-    import matplotlib
+# --- plots --------------------------------------------------------------------------------------------
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")[:80] or "signal"
 
+
+def _events(ax: Any, report: Report, data: RunData) -> None:
+    """Alerts, checkpoints and the collapse, each with a legend entry."""
+    warnings = sorted({a["step"] for a in report.alerts if a.get("step") is not None
+                       and a.get("severity") != "critical"})
+    critical = sorted({a["step"] for a in report.alerts if a.get("step") is not None
+                       and a.get("severity") == "critical"})
+    for i, step in enumerate(warnings):
+        ax.axvline(step, color="orange", lw=0.8, ls=":", label="warning alert fired" if i == 0 else None)
+    for i, step in enumerate(critical):
+        ax.axvline(step, color="red", lw=1.0, ls="--", label="critical alert fired" if i == 0 else None)
+    for i, (step, _) in enumerate(data.checkpoints):
+        ax.axvline(step, color="grey", lw=0.5, alpha=0.5, label="checkpoint" if i == 0 else None)
+    if report.collapse_step is not None:
+        ax.axvspan(report.collapse_step, report.steps[1] if report.steps else report.collapse_step,
+                   color="red", alpha=0.07, label="after the collapse")
+
+
+def plots(report: Report, data: RunData, directory: Path, baseline: RunData | None = None) -> list[Path]:
+    """PNG plots: the overview signals, each first mover with its change marked, and (with a
+    baseline) both runs' curves of every diverged signal. Returns the written paths."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
     from .analysis import quality_series
 
     directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    critical = [a["step"] for a in report.alerts if a.get("severity") == "critical" and a.get("step") is not None]
-    warnings = [a["step"] for a in report.alerts if a.get("severity") == "warning" and a.get("step") is not None]
+    written: list[Path] = []
+
+    def save(fig: Any, ax: Any, title: str, name: str) -> None:
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        handles, _ = ax.get_legend_handles_labels()
+        if handles:
+            ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        path = directory / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
     for key, title in PLOTTED:
         if key == "quality":
-            label, series_list = quality_series(data)
-            series_list = [(label or "quality", series_list)] if series_list else []
+            qk, series = quality_series(data)
+            series_list = [(qk or "quality", series)]
         else:
-            label_sets = sorted(data.label_sets(key)) or [()]
             series_list = [(",".join(l for l in labels if l) or key, data.series(key, labels))
-                           for labels in label_sets]
-            series_list = [(n, s) for n, s in series_list if s]
+                           for labels in sorted(data.label_sets(key))] or [(key, data.series(key))]
+        series_list = [(n, s) for n, s in series_list if s]
         if not series_list:
             continue
         fig, ax = plt.subplots(figsize=(8, 3))
         for name, series in series_list:
-            ax.plot([s for s, _ in series], [v for _, v in series], label=name, lw=1.2)
-        for step in sorted(set(warnings)):
-            ax.axvline(step, color="orange", lw=0.8, ls=":")
-        for step in sorted(set(critical)):
-            ax.axvline(step, color="red", lw=1.0, ls="--")
-        for step, _ in data.checkpoints:
-            ax.axvline(step, color="grey", lw=0.5, alpha=0.5)
+            ax.plot([s for s, _ in series], [v for _, v in series], label=_mpl(name), lw=1.2)
+        _events(ax, report, data)
+        save(fig, ax, title, key)
+
+    for i, change in enumerate(report.first_signals[:PLOTTED_CHANGES]):
+        series = data.series(change.signal, change.labels)
+        fig, ax = plt.subplots(figsize=(8, 3))
+        ax.plot([s for s, _ in series], [v for _, v in series], lw=1.2, color="C0", label=_mpl(change.name))
+        ax.axhline(change.before, color="C2", lw=0.8, ls="--", label=f"reference level {_fmt(change.before)}")
+        ax.axhspan(change.before - change.noise, change.before + change.noise, color="C2", alpha=0.1,
+                   label=f"+/- noise {_fmt(change.noise)}")
+        ax.axvline(change.step, color="C3", lw=1.5, label=f"change from step {change.step}")
+        ax.axvline(change.alarm_step, color="C3", lw=0.8, ls=":", label=f"confirmed at step {change.alarm_step}")
         if report.collapse_step is not None:
-            ax.axvspan(report.collapse_step, report.steps[1] if report.steps else report.collapse_step,
-                       color="red", alpha=0.07)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        if len(series_list) > 1 or key == "quality":
-            ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        path = directory / f"{key}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+            ax.axvline(report.collapse_step, color="k", lw=1.0, ls="-.", label=f"collapse at {report.collapse_step}")
+        save(fig, ax, f"{_mpl(change.name)}: changed at step {change.step}", f"change-{i + 1:02d}-{_slug(change.name)}")
+
+    if baseline is not None and report.comparison is not None:
+        good_label = _mpl(f"good: {baseline.run}")
+        bad_label = _mpl(f"this run: {data.run}")
+        keys = [(d.signal, d.labels, d.step) for d in report.comparison.divergences[:PLOTTED_CHANGES]]
+        qk, _ = quality_series(data)
+        if qk and qk not in {k[0] for k in keys}:
+            keys.append((qk, (), None))
+        for i, (signal, labels, step) in enumerate(keys):
+            mine, theirs = data.series(signal, labels), baseline.series(signal, labels)
+            if not mine or not theirs:
+                continue
+            fig, ax = plt.subplots(figsize=(8, 3))
+            ax.plot([s for s, _ in theirs], [v for _, v in theirs], lw=1.2, color="C2", label=good_label)
+            ax.plot([s for s, _ in mine], [v for _, v in mine], lw=1.2, color="C3", label=bad_label)
+            if step is not None:
+                ax.axvline(step, color="k", lw=1.0, ls="--", label=f"diverged from step {step}")
+            name = signal + (f"{{{','.join(l for l in labels if l)}}}" if any(labels) else "")
+            save(fig, ax, f"{_mpl(name)}: this run against the good run", f"compare-{i + 1:02d}-{_slug(name)}")
     return written
 
 
+# --- markdown -----------------------------------------------------------------------------------------
+
 def markdown(report: Report, images: list[Path], directory: Path) -> Path:
-    lines = [f"# Post-mortem: {report.run}", "", f"**{headline(report)}.**", "", f"Source: {report.source}.", ""]
-    lines += ["## Cause", "", f"**{report.diagnosis.cause}** ({report.diagnosis.confidence} confidence)", ""]
-    lines += [f"- {e}" for e in report.diagnosis.evidence] + [""]
-    lines += ["## Signals that moved first", "", "| step | signal | baseline | value | lead (steps) |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {f.step} | `{f.name}` | {f.baseline:.4g} | {f.value:.4g} | {f.lead} |" for f in report.first_signals]
-    lines += ["", "## Alert timeline", "", "| step | severity | alert | labels |", "|---|---|---|---|"]
-    lines += [f"| {a.get('step')} | {a.get('severity', '')} | {a['name']} | "
-              f"{', '.join(f'{k}={v}' for k, v in sorted(a.get('labels', {}).items()))} |" for a in report.alerts]
+    lines = [f"# Post-mortem: {md(report.run)}", "", f"**{md(headline(report))}.**", "",
+             f"Source: {md(report.source)}.", ""]
+    if report.cause == NO_CAUSE:
+        lines += ["## Cause", "", "**No cause found.**", ""]
+    else:
+        lines += ["## Cause", "", f"**{md(report.cause)}**" + (
+            f" ({report.diagnosis.confidence} confidence)" if report.cause == report.diagnosis.cause else ""), ""]
+    lines += [f"- {md(e)}" for e in report.evidence] + [""]
+    lines += ["## Signals that changed first", "",
+              "Each signal's first change found by a two-sided CUSUM over the whole run (reference: its first "
+              "values; noise: robust, floored at the smallest meaningful shift).", ""]
+    if report.first_signals:
+        lines += ["| from step | confirmed | signal | before | after | size | lead |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {c.step} | {c.alarm_step} | {code(c.name)} | {_fmt(c.before)} | "
+                  f"{_fmt(c.after)} | {_size(c)}{'' if c.concerning else ' (not a trouble direction)'} | "
+                  f"{_lead(c.lead)} |" for c in report.first_signals]
+    else:
+        lines.append("None: no signal moved by more than its noise.")
+    lines += ["", "## Alert timeline", ""]
+    if report.alerts:
+        lines += ["| step | severity | alert | labels |", "|---|---|---|---|"]
+        lines += [f"| {_fmt(a.get('step'))} | {md(a.get('severity', ''))} | {md(a['name'])} | "
+                  f"{md(', '.join(f'{k}={v}' for k, v in sorted(a.get('labels', {}).items())), 300)} |"
+                  for a in report.alerts]
+    else:
+        lines.append("None fired.")
     if report.hacks:
         lines += ["", "## Reward hacks", ""]
         for h in report.hacks:
-            lines.append(f"- **{h['env']} / {h['detector']}**: {h['early_rate']:.1%} early, "
+            lines.append(f"- **{md(h['env'])} / {md(h['detector'])}**: {h['early_rate']:.1%} early, "
                          f"{h['late_rate']:.1%} late")
             for e in h["examples"]:
-                lines.append(f"  - step {e['step']}, reward {e['reward']}: {e['reason']} - `{e['response'][:120]}`")
+                lines.append(f"  - step {e['step']}, reward {_fmt(e.get('reward'))}: {md(e['reason'], 200)}: "
+                             f"{md(e['response'], 120)}")
     if report.probe:
         lines += ["", "## Checkpoint probe", "",
                   "Mean log-prob of the stored rollouts' response tokens under each checkpoint, and the mean "
                   "per-token KL to the next checkpoint (how far that update moved the policy).", "",
                   "| step | mean log p | KL to next | checkpoint | error |", "|---|---|---|---|---|"]
-        lines += [f"| {r['step']} | {_fmt(r.get('mean_logp'))} | {_fmt(r.get('kl_to_next'))} | `{r['path']}` | "
-                  f"{r.get('error') or ''} |" for r in report.probe]
-    ckpt = report.last_healthy_checkpoint
-    lines += ["", "## Resume from", "", f"`{ckpt[1]}` (step {ckpt[0]})" if ckpt else "No checkpoint before the trouble.",
-              "", "## Plots", ""]
-    lines += [f"![{p.stem}]({p.name})" for p in images]
+        lines += [f"| {r['step']} | {_fmt(r.get('mean_logp'))} | {_fmt(r.get('kl_to_next'))} | {code(r['path'])} | "
+                  f"{md(r.get('error') or '', 300)} |" for r in report.probe]
+    r = report.resume
+    lines += ["", "## Resume from", ""]
+    if r is not None and r.checkpoint:
+        lines.append(f"{code(r.checkpoint[1])} (step {r.checkpoint[0]}): {md(r.reason)}.")
+    else:
+        lines.append(f"Nothing recommended: {md(r.reason) if r else 'no analysis'}.")
+    cov = report.coverage
+    lines += ["", "## Coverage", ""]
+    lines += [f"- carried: {c['family']} ({c['steps']} steps)" for c in cov.carried]
+    lines += [f"- **not carried: {m['family']}**: {m['why']}" for m in cov.missing]
+    lines += [f"- note: {md(n, 300)}" for n in cov.notes]
+    if report.comparison is not None:
+        c = report.comparison
+        lines += ["", "## Against a good run", "", f"Good run: {md(c.good)}.", ""]
+        if c.common_steps is None:
+            lines.append("The two runs have no step in common.")
+        else:
+            lines += [f"Aligned by step: {c.common_steps[0]}..{c.common_steps[1]} ({c.common_steps[2]} steps in "
+                      f"common), {len(c.compared)} signals compared (CUSUM on the per-step difference).", ""]
+            if c.divergences:
+                lines += ["| from step | confirmed | signal | this run | good run | difference | size |",
+                          "|---|---|---|---|---|---|---|"]
+                lines += [f"| {d.step} | {d.alarm_step} | {code(d.name)} | {_fmt(d.bad)} | "
+                          f"{_fmt(d.good)} | {_fmt(d.difference)} | {_size(d)} |" for d in c.divergences]
+            else:
+                lines.append("Diverged: none (no signal left the good run's by more than its noise).")
+    lines += ["", "## Plots", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in images] if images else ["None (matplotlib is not installed)."]
     path = directory / "postmortem.md"
     path.write_text("\n".join(lines) + "\n")
     return path

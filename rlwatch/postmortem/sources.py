@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sqlite3
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -50,28 +51,171 @@ class RunData:
 
 # --- rlwatch run store ------------------------------------------------------------------------------
 
+class PostmortemInputError(ValueError):
+    """An input the post-mortem cannot read: said in one line, never a traceback."""
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+STORE_TABLES = ("runs", "steps", "scalars", "alerts", "checkpoints", "events", "hack_examples")
+#: A read that takes longer than this is stopped (a crafted store could make a query run forever).
+READ_DEADLINE_S = 60.0
+PROGRESS_EVERY = 10_000    # SQLite VM instructions between deadline checks
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+_READ_ERRORS = (sqlite3.DatabaseError, ValueError, TypeError, KeyError, AttributeError, IndexError,
+                UnicodeDecodeError, OverflowError, RecursionError)
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None for anything else (strings, booleans, NaN, nested values)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _values(raw: Any) -> Values:
+    """Validate one decoded step: {name: {labels: finite float}}; anything malformed is left out."""
+    out: Values = {}
+    if not isinstance(raw, dict):
+        raise TypeError(f"a step is a JSON object, not {type(raw).__name__}")
+    for name, rows in raw.items():
+        if not isinstance(name, str) or not isinstance(rows, list):
+            continue
+        family = {}
+        for row in rows:
+            if isinstance(row, list) and row and all(isinstance(l, str) for l in row[:-1]):
+                value = _number(row[-1])
+                if value is not None:
+                    family[tuple(row[:-1])] = value
+        if family:
+            out[name] = family
+    return out
+
+
+def check_store_file(path: Path) -> None:
+    """Refuse what is not an SQLite file with a one-line reason."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except IsADirectoryError:
+        raise PostmortemInputError(f"{path}: a directory, not a run store") from None
+    except OSError as exc:
+        raise PostmortemInputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if head != SQLITE_MAGIC:
+        raise PostmortemInputError(f"{path}: not an rlwatch run store (not an SQLite database)")
+
+
 def from_store(path: str | Path, run: str | None = None) -> RunData:
+    """Read one run of a store; a damaged or crafted store ends in :class:`PostmortemInputError`,
+    a malformed row costs that row (counted in the run's events), never the report."""
+    import time
+
     from ..store import StoreReader
 
-    with StoreReader(str(path)) as store:
-        runs = store.runs()
-        if not runs:
-            raise ValueError(f"{path}: the store holds no run")
-        if run is None:
-            run = runs[-1]
-        elif run not in runs:
-            raise ValueError(f"{path}: no run {run!r} (runs: {', '.join(runs)})")
-        data = RunData(run=run, source=f"store {path}")
-        data.steps = [(row.step, row.values) for row in store.steps(run)]
-        data.scalars = store.scalars(run)
-        data.alerts = store.alerts(run)
-        data.checkpoints = store.checkpoints(run)
-        data.events = store.events(run)
-        data.meta = store.meta(run)
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"not found: {path}")
+    check_store_file(path)
+    try:
+        store = StoreReader(str(path))
+    except sqlite3.DatabaseError as exc:
+        raise PostmortemInputError(f"{path}: not a readable rlwatch run store ({exc})") from None
+    deadline = time.monotonic() + READ_DEADLINE_S
+    conn = store._conn
+    conn.text_factory = _text          # invalid UTF-8 in a text column: kept (escaped on output), not fatal
+    conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, PROGRESS_EVERY)
+    try:
+        kinds = {r[0]: r[1] for r in conn.execute("SELECT name, type FROM sqlite_master")}
+        if kinds.get("steps") != "table":
+            raise PostmortemInputError(f"{path}: not an rlwatch run store (no steps table)" if "steps" not in kinds
+                                       else f"{path}: not an rlwatch run store (steps is a {kinds['steps']}, "
+                                            "not a table)")
+        foreign = [t for t in STORE_TABLES if t in kinds and kinds[t] != "table"]
+        if foreign:
+            raise PostmortemInputError(f"{path}: not an rlwatch run store ({', '.join(foreign)} not tables)")
+        return _read_store(store, path, run, kinds)
+    except sqlite3.OperationalError as exc:
+        if "interrupt" in str(exc):
+            raise PostmortemInputError(f"{path}: reading the store took over {READ_DEADLINE_S:.0f} s; "
+                                       "stopped (a damaged or crafted store)") from None
+        raise PostmortemInputError(f"{path}: not a readable rlwatch run store ({exc})") from None
+    except sqlite3.DatabaseError as exc:
+        raise PostmortemInputError(f"{path}: not a readable rlwatch run store ({exc})") from None
+    finally:
+        store.close()
+
+
+def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) -> RunData:
+    runs = [str(r) for r in store.runs() if r is not None]
+    if not runs:
+        raise PostmortemInputError(f"{path}: the store holds no run")
+    if run is None:
+        run = runs[-1]
+    elif run not in runs:
+        raise PostmortemInputError(f"{path}: no run {run!r} (runs: {', '.join(runs)})")
+    data = RunData(run=run, source=f"store {path}")
+    skipped: dict[str, int] = {}
+
+    def note(what: str, count: int = 1) -> None:
+        skipped[what] = skipped.get(what, 0) + count
+
+    by_step: dict[int, Values] = {}
+    for row in store._rows("SELECT step, data FROM steps WHERE run = ? ORDER BY step", (run,)):
         try:
-            data.hack_examples = store.hack_examples(run)
-        except Exception:  # noqa: BLE001 - a store written before hack examples existed
-            data.hack_examples = []
+            step = int(row["step"])
+            by_step[step] = _values(json.loads(row["data"]))
+        except _READ_ERRORS:
+            note("malformed step rows")
+    data.steps = sorted(by_step.items())
+    if "scalars" in kinds:
+        for row in store._rows("SELECT step, name, value FROM scalars WHERE run = ? ORDER BY step", (run,)):
+            value = _number(row["value"])
+            try:
+                data.scalars.setdefault(str(row["name"]), []).append((int(row["step"]), value))
+            except _READ_ERRORS:
+                note("malformed scalar rows")
+        data.scalars = {k: [(s, v) for s, v in pts if v is not None] for k, pts in data.scalars.items()}
+        data.scalars = {k: pts for k, pts in data.scalars.items() if pts}
+    if "alerts" in kinds:
+        for row in store._rows("SELECT * FROM alerts WHERE run = ? ORDER BY id", (run,)):
+            try:
+                labels = json.loads(row["labels"] or "{}")
+                if not isinstance(labels, dict):
+                    raise TypeError("labels")
+                step = row["step"]
+                data.alerts.append(dict(step=None if step is None else int(step), time=_number(row["time"]),
+                                        name=str(row["name"]), severity=str(row["severity"] or ""),
+                                        state=str(row["state"] or "firing"), value=_number(row["value"]),
+                                        labels={str(k): str(v) for k, v in labels.items()}))
+            except _READ_ERRORS:
+                note("malformed alert rows")
+    if "checkpoints" in kinds:
+        for row in store._rows("SELECT step, path FROM checkpoints WHERE run = ? ORDER BY step", (run,)):
+            try:
+                data.checkpoints.append((int(row["step"]), str(row["path"])))
+            except _READ_ERRORS:
+                note("malformed checkpoint rows")
+    if "events" in kinds:
+        for row in store._rows("SELECT time, kind, detail FROM events WHERE run = ? ORDER BY id", (run,)):
+            data.events.append(dict(time=_number(row["time"]), kind=str(row["kind"]), detail=str(row["detail"])))
+    if "hack_examples" in kinds:
+        for row in store._rows("SELECT * FROM hack_examples WHERE run = ? ORDER BY id", (run,)):
+            try:
+                data.hack_examples.append(dict(step=int(row["step"]), env=str(row["env"]),
+                                               detector=str(row["detector"]), reason=str(row["reason"]),
+                                               prompt=str(row["prompt"]), response=str(row["response"]),
+                                               reward=_number(row["reward"])))
+            except _READ_ERRORS:
+                note("malformed hack example rows")
+    try:
+        data.meta = store.meta(run)
+    except _READ_ERRORS:
+        note("malformed run metadata")
+    for what, count in skipped.items():
+        data.events.append({"time": None, "kind": "unreadable", "detail": f"{count} {what} skipped"})
     return data
 
 
@@ -95,18 +239,24 @@ def from_trl(directory: str | Path) -> RunData:
     if checkpoints:
         state = checkpoints[-1][1] / "trainer_state.json"
         if state.exists():
-            history = json.loads(state.read_text()).get("log_history", [])
+            try:
+                history = json.loads(state.read_text()).get("log_history", [])
+            except (ValueError, AttributeError, OSError) as exc:
+                raise PostmortemInputError(f"{state}: not a readable trainer state ({exc})") from None
+            if not isinstance(history, list):
+                raise PostmortemInputError(f"{state}: log_history is not a list")
     by_step: dict[int, Values] = {s: v for s, v in data.steps}
     for entry in history:
-        step = entry.get("step")
-        if step is None:
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
             continue
         for key, value in entry.items():
-            if not isinstance(value, (int, float)) or key == "step":
+            value = _number(value)
+            if value is None or key == "step":
                 continue
-            data.scalars.setdefault(key, []).append((int(step), float(value)))
+            data.scalars.setdefault(str(key), []).append((step, value))
             if key in TRL_KEYS and not data.steps:
-                by_step.setdefault(int(step), {})[TRL_KEYS[key]] = {(): float(value)}
+                by_step.setdefault(step, {})[TRL_KEYS[key]] = {(): value}
     if not data.steps:
         data.steps = sorted(by_step.items())
     known = {p for _, p in data.checkpoints}
@@ -138,19 +288,23 @@ def from_verl(directory: str | Path) -> RunData:
     data.source = f"verl {directory}" + (f" + store {stores[0]}" if stores else "")
     by_step: dict[int, Values] = {}
     for log in logs:
-        for line in log.read_text().splitlines():
+        for line in log.read_text(errors="replace").splitlines():
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if not isinstance(entry, dict) or "step" not in entry:
+            if not isinstance(entry, dict) or not isinstance(entry.get("step"), int) \
+                    or isinstance(entry.get("step"), bool):
                 continue
             step, payload = int(entry["step"]), entry.get("data", entry)
+            if not isinstance(payload, dict):
+                continue
             for key, value in payload.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    data.scalars.setdefault(key, []).append((step, float(value)))
+                value = _number(value)
+                if value is not None:
+                    data.scalars.setdefault(str(key), []).append((step, value))
                     if key in VERL_KEYS:
-                        by_step.setdefault(step, {})[VERL_KEYS[key]] = {(): float(value)}
+                        by_step.setdefault(step, {})[VERL_KEYS[key]] = {(): value}
     if not data.steps:
         data.steps = sorted(by_step.items())
     for path in directory.glob("global_step_*"):
@@ -165,10 +319,13 @@ def from_verl(directory: str | Path) -> RunData:
 
 def _prom(url: str, path: str, **params: Any) -> Any:
     query = urllib.parse.urlencode(params)
-    with urllib.request.urlopen(f"{url.rstrip('/')}{path}?{query}", timeout=30) as resp:
-        body = json.loads(resp.read())
-    if body.get("status") != "success":
-        raise RuntimeError(f"Prometheus: {body}")
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}{path}?{query}", timeout=30) as resp:
+            body = json.loads(resp.read())
+    except (OSError, ValueError) as exc:      # URLError, refused, timeout, not JSON
+        raise PostmortemInputError(f"cannot query Prometheus at {url}: {getattr(exc, 'reason', exc)}") from None
+    if not isinstance(body, dict) or body.get("status") != "success":
+        raise PostmortemInputError(f"Prometheus at {url} answered {str(body)[:200]}")
     return body["data"]
 
 
@@ -179,24 +336,30 @@ def from_prometheus(url: str, run: str, lookback_seconds: float = 7 * 86400, ste
     import time
 
     data = RunData(run=run, source=f"Prometheus {url}")
-    if not _prom(url, "/api/v1/series", **{"match[]": f'rlwatch_step{{run="{run}"}}'}):
-        raise ValueError(f"Prometheus at {url} has no series for run {run!r}")
+    run_q = json.dumps(run)            # a PromQL string literal: quotes and backslashes escaped
+    if not _prom(url, "/api/v1/series", **{"match[]": f'rlwatch_step{{run={run_q}}}'}):
+        raise PostmortemInputError(f"Prometheus at {url} has no series for run {run!r}")
     end = end or time.time()
     start = end - lookback_seconds
     step = max(step_seconds, lookback_seconds / 10000)
+    if step > step_seconds:
+        data.events.append({"time": None, "kind": "resolution", "detail": (
+            f"Prometheus range read at {step:.0f} s resolution over {lookback_seconds:.0f} s (11,000 points per "
+            "series at most): steps closer together than that are missed; shorten --since")})
 
     def range_query(expr: str) -> list[dict]:
         return _prom(url, "/api/v1/query_range", query=expr, start=start, end=end, step=step)["result"]
 
     step_at: dict[float, int] = {}
-    for series in range_query(f'rlwatch_step{{run="{run}"}}'):
+    for series in range_query(f'rlwatch_step{{run={run_q}}}'):
         for ts, value in series["values"]:
-            step_at[float(ts)] = int(float(value))
+            if math.isfinite(float(value)):
+                step_at[float(ts)] = int(float(value))
     by_step: dict[int, Values] = {}
     for spec in CATALOGUE:
         if spec.kind != "gauge" or spec.group in ("config",):
             continue
-        for series in range_query(f'{spec.full_name}{{run="{run}"}}'):
+        for series in range_query(f'{spec.full_name}{{run={run_q}}}'):
             labels = tuple(series["metric"].get(label, "") for label in spec.labels)
             for ts, value in series["values"]:
                 s = step_at.get(float(ts))
@@ -204,7 +367,7 @@ def from_prometheus(url: str, run: str, lookback_seconds: float = 7 * 86400, ste
                 if s is not None and math.isfinite(v):
                     by_step.setdefault(s, {}).setdefault(spec.name, {})[labels] = v
     data.steps = sorted(by_step.items())
-    for series in range_query(f'ALERTS{{run="{run}", alertstate="firing"}}'):
+    for series in range_query(f'ALERTS{{run={run_q}, alertstate="firing"}}'):
         firing = [float(ts) for ts, _ in series["values"]]
         if not firing:
             continue
@@ -212,14 +375,15 @@ def from_prometheus(url: str, run: str, lookback_seconds: float = 7 * 86400, ste
         at = min(firing)
         data.alerts.append(dict(name=labels.pop("alertname", "?"), severity=labels.pop("severity", ""),
                                 state="firing", step=step_at.get(at), time=at, labels=labels))
-    for name, points in _framework_scalars(range_query, run, step_at).items():
+    for name, points in _framework_scalars(range_query, run_q, step_at).items():
         data.scalars[name] = points
     return data
 
 
-def _framework_scalars(range_query: Any, run: str, step_at: dict[float, int]) -> dict[str, list[tuple[int, float]]]:
+def _framework_scalars(range_query: Any, run_q: str, step_at: dict[float, int]
+                       ) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
-    for series in range_query(f'rlwatch_framework_metric{{run="{run}"}}'):
+    for series in range_query(f'rlwatch_framework_metric{{run={run_q}}}'):
         name = series["metric"].get("name", "")
         for ts, value in series["values"]:
             s = step_at.get(float(ts))
@@ -228,19 +392,23 @@ def _framework_scalars(range_query: Any, run: str, step_at: dict[float, int]) ->
     return out
 
 
-def load(path: str | None = None, prometheus: str | None = None, run: str | None = None) -> RunData:
-    """Detect the kind of ``path`` (or query ``prometheus`` for ``run``) and load it."""
+def load(path: str | None = None, prometheus: str | None = None, run: str | None = None,
+         lookback_seconds: float | None = None, resolution_seconds: float | None = None) -> RunData:
+    """Detect the kind of ``path`` (or query ``prometheus`` for ``run``, over the last
+    ``lookback_seconds`` at ``resolution_seconds``) and load it."""
     if prometheus:
         if not run:
-            raise ValueError("--prometheus needs --run")
-        return from_prometheus(prometheus, run)
+            raise PostmortemInputError("--prometheus needs --run")
+        return from_prometheus(prometheus, run, **({"lookback_seconds": lookback_seconds} if lookback_seconds else {}),
+                               **({"step_seconds": resolution_seconds} if resolution_seconds else {}))
     if path is None:
-        raise ValueError("give a run store, a TRL output directory, a verl checkpoint directory, or --prometheus")
+        raise PostmortemInputError("give a run store, a TRL output directory, a verl checkpoint directory, "
+                                   "or --prometheus")
     p = Path(path)
     if p.is_file():
         return from_store(p, run)
     if not p.is_dir():
-        raise FileNotFoundError(path)
+        raise FileNotFoundError(f"not found: {path}")
     if any(p.glob("checkpoint-*/trainer_state.json")):
         return from_trl(p)
     if any(p.glob("global_step_*")) or any(p.rglob("*.jsonl")):
@@ -248,4 +416,4 @@ def load(path: str | None = None, prometheus: str | None = None, run: str | None
     stores = sorted(p.glob("*.db"))
     if stores:
         return from_store(stores[0], run)
-    raise ValueError(f"{path}: not a run store, TRL output directory or verl checkpoint directory")
+    raise PostmortemInputError(f"{path}: not a run store, TRL output directory or verl checkpoint directory")
