@@ -652,6 +652,55 @@ def test_pure_helpers():
     assert padded.shape == (3, 5) and padded[:2, 3:].eq(0).all() and padded[2].eq(1).all()
 
 
+def test_episode_data_is_gathered_over_processes(monkeypatch):
+    """Rank 0 of two: the generation batch's episode data (truncation, lengths counting only the
+    model's tokens when a tool_mask is present, environment labels) is gathered as TRL gathers its
+    own, and the group ids span the whole batch. The collectives are stand-ins that return this
+    rank's rows followed by the other rank's (the CPU tests run one process)."""
+    import accelerate.utils
+    from types import SimpleNamespace
+
+    other = {"table": torch.tensor([[1, 3], [0, 2]]), "env": ["code", "code"]}
+    calls = []
+
+    def gather(t):
+        calls.append("gather")
+        return torch.cat([t, other["table"]])
+
+    def gather_object(items):
+        calls.append("gather_object")
+        return list(items) + other["env"]
+
+    monkeypatch.setattr(accelerate.utils, "gather_object", gather_object)
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), state=SimpleNamespace(global_step=5), num_generations=2,
+        accelerator=SimpleNamespace(num_processes=2, process_index=0, device=torch.device("cpu"), gather=gather),
+        eos_token_ids=[EOS], _tokenizer=SimpleNamespace(pad_token_id=PAD), reward_weights=torch.tensor([1.0, 2.0]),
+        reward_func_names=["a", "b"], train_dataset=SimpleNamespace(column_names=["prompt", "environment"]),
+        args=SimpleNamespace(steps_per_generation=1))
+    watch = rlwatch.Watch(run="trl-gather", port=None, store=None, hack_detectors=False, strict=True)
+    instrumentor = rltrl.GRPOInstrumentor(trainer, watch)
+    rewards = torch.tensor([[1.0, 0.0], [1.0, math.nan], [math.nan, math.nan], [0.5, 0.5]])   # both ranks' rows
+    instrumentor._on_rewards([{"environment": "math"}] * 2, [[5, 6, 7, EOS], [5, 6, 7, 8, 9]], rewards)
+    tool_mask = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 0, 0, 1]])          # padded with 1 past each completion
+    output = {"completion_ids": torch.zeros(2, 5, dtype=torch.long), "tool_mask": tool_mask}
+    instrumentor._gather_episodes(output)
+    instrumentor._on_generation(output)
+    assert calls == ["gather", "gather_object"]
+    (g,) = instrumentor.capture.generations
+    assert g.truncated.tolist() == [False, True, True, False]
+    assert g.lengths.tolist() == [3, 3, 3, 2]                  # this rank's: model tokens within each length
+    assert g.env == ["math", "math", "code", "code"]
+    assert g.group_ids.tolist() == [0, 0, 1, 1] and g.version == 5 and g.serial == 1
+    assert g.rewards[:2].tolist() == [1.0, 1.0] and math.isnan(g.rewards[2]) and g.rewards[3] == 1.5
+    assert g.failed == [None, None, "unscorable", None]
+    assert output[rltrl.VERSION_KEY].tolist() == [5, 5]
+    values = instrumentor.generation_values(6, [g])
+    assert values["groups"][()] == 2 and values["env_episodes"] == {("math",): 2.0, ("code",): 2.0}
+    assert values["truncated_ratio"][()] == 0.5 and values["generation"][()] == 1
+    watch.close()
+
+
 def test_postmortem_and_probe_on_a_trl_output_directory(model_path, tmp_path):
     """`rlwatch postmortem OUT --probe` on what a real TRL run left: the store the one-line hook
     wrote next to the checkpoints, TRL's log history, the checkpoint directories, and the fixed
