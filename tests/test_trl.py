@@ -698,6 +698,20 @@ def test_episode_data_is_gathered_over_processes(monkeypatch):
     values = instrumentor.generation_values(6, [g])
     assert values["groups"][()] == 2 and values["env_episodes"] == {("math",): 2.0, ("code",): 2.0}
     assert values["truncated_ratio"][()] == 0.5 and values["generation"][()] == 1
+    assert instrumentor.listener.unavailable == {}
+
+    # What a batch cannot give is counted with its reason, and the step still gets every family.
+    bare = rltrl.Generation(serial=2, version=6, rewards=torch.full((2,), math.nan), per_func=torch.full((2, 1), math.nan),
+                            func_names=["a"], truncated=torch.zeros(2, dtype=torch.bool),
+                            lengths=torch.tensor([2, 3]), group_ids=torch.tensor([4, 4]), env=None)
+    instrumentor.listener.submit(instrumentor.generation_values(7, [bare]))
+    extra = instrumentor.listener.on_step(7, {"env_episodes": {("default",): 2.0}})
+    assert extra["signal_unavailable_total"] == {("env", "no_environment_column"): 1.0,
+                                                 ("reward", "all_unscorable"): 1.0}
+    assert extra["generation"] == {(): 2.0} and extra["env_episodes"] == {("default",): 2.0}
+    assert extra["groups"] == {(): 0.0} and extra["reward_mean"] == {(): None}
+    again = instrumentor.listener.on_step(8, {})                 # no new batch: gauges again, no counters
+    assert again["generation"] == {(): 2.0} and "episodes_total" not in again and "signal_unavailable_total" not in again
     watch.close()
 
 

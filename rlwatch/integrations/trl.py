@@ -401,12 +401,13 @@ class GRPOInstrumentor(Instrumentor):
             table, env = captured["gathered"]
         else:
             table, env = self._local_episode_table(output, captured)
-        if bool((table < 0).any()):
-            raise RuntimeError("the episode data of a generation batch could not be captured")
+        N = int(per_func.shape[0])
+        if bool((table < 0).any()) or table.shape[0] != N or (env is not None and len(env) != N):
+            raise RuntimeError(f"the episode data of a generation batch could not be captured whole ({N} "
+                               f"rewards, {table.shape[0]} rows of truncation and lengths)")
         weights = trainer.reward_weights.detach().to("cpu", torch.float64)
         rewards = (per_func * weights).nansum(dim=1)
         rewards[torch.isnan(per_func).all(dim=1)] = float("nan")
-        N = int(per_func.shape[0])
         G = max(int(trainer.num_generations), 1)
         self._serial += 1
         self.capture.generations.append(Generation(
@@ -499,13 +500,19 @@ class GRPOInstrumentor(Instrumentor):
 
     def generation_values(self, step: int, generations: list[Generation]) -> dict:
         """Every episode-level signal of the batches, computed together on the whole (gathered) batches."""
+        import contextlib
+
         from ..signals import compute_step
+        from ..watch import _few_threads_for
 
         record = self._builder.build(step, self.generation_fields(generations))
         if record is None:
             return {}
-        values = {name: family for name, family in compute_step(record, self.watch.config).items()
-                  if name in GENERATION_FAMILIES}
+        # A few hundred rows: on the training thread (no rlwatch thread) one intra-op thread, as observe does.
+        inline = getattr(self.watch, "_worker", None) is None
+        with _few_threads_for(record.mask) if inline else contextlib.nullcontext():
+            computed = compute_step(record, self.watch.config)
+        values = {name: family for name, family in computed.items() if name in GENERATION_FAMILIES}
         values["generation"] = {(): float(generations[-1].serial)}
         values["generation_policy_version"] = {(): float(generations[-1].version)}
         if any(g.env is None for g in generations):
