@@ -240,7 +240,8 @@ class GRPOInstrumentor(Instrumentor):
         self._env_scalars: set[str] = set()
         self.listener = GenerationSignals()
         # Episode records of the generation batches (own label caps; built on rlwatch's thread, in order).
-        self._builder = RecordBuilder(watch.errors)
+        env_cap = getattr(getattr(getattr(watch, "_builder", None), "envs", None), "cap", 64)
+        self._builder = RecordBuilder(watch.errors, env_cap=env_cap)
         #: Where to keep a fixed sample of the first generation batch for ``rlwatch postmortem --probe``.
         self.probe_path: str | None = None
         self.probe_rows = PROBE_ROWS
