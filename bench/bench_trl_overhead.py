@@ -21,7 +21,8 @@ Designs (the default is ``cycles``):
   questions but at the mercy of the machine's drift between trainings.
 
 ``--sidecar`` is an experiment (``bench/_sidecar.py``): the training thread captures and assembles
-each step as usual, then pickles its fields to a child process that computes and exports them.
+each step as usual, then pickles its fields to a child process that computes and exports them (the
+token-level record only: the episode-level values of the generation batches are left out there).
 
 Also reported: the time inside rlwatch's hooks on the training thread and the CPU time of
 rlwatch's thread per watched step. The first ``WARMUP_STEPS`` steps of each training are dropped.
