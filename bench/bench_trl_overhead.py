@@ -5,7 +5,9 @@ Every training is watched with the default one-line setup (``rlwatch.integration
 on the training thread, ``--background`` computes it on rlwatch's own thread instead), and
 rlwatch's work is switched on for some optimizer steps only. On an "off" step the wrappers still run
 but return at once, so no sample is stamped or captured, nothing is observed and no logs are
-forwarded. A step runs from one ``on_step_begin`` to the next.
+forwarded. A step runs from one ``on_step_begin`` to the next. The tiny trainer generates one batch
+per step, so a watched step carries both of the hook's computations: the step's token-level signals
+and the generation batch's episode-level ones.
 
 Designs (the default is ``cycles``):
 
@@ -19,7 +21,8 @@ Designs (the default is ``cycles``):
   questions but at the mercy of the machine's drift between trainings.
 
 ``--sidecar`` is an experiment (``bench/_sidecar.py``): the training thread captures and assembles
-each step as usual, then pickles its fields to a child process that computes and exports them.
+each step as usual, then pickles its fields to a child process that computes and exports them (the
+token-level record only: the episode-level values of the generation batches are left out there).
 
 Also reported: the time inside rlwatch's hooks on the training thread and the CPU time of
 rlwatch's thread per watched step. The first ``WARMUP_STEPS`` steps of each training are dropped.

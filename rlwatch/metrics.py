@@ -69,6 +69,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _c("tokens_total", "Response tokens observed (mask sum).", "step"),
     _c("sequences_total", "Sequences (episodes) observed.", "step"),
     _c("hook_compute_seconds_total", "rlwatch's own compute time, summed over steps.", "hook", unit="seconds"),
+    _c("signal_unavailable_total", "Steps on which a signal family could not be computed from what the "
+       "framework provides (e.g. no sampler log-probs), by family and reason.", "hook", ("signal", "reason")),
     _c("hook_errors_total", "Errors rlwatch caught in its own code or in the observed record, by stage and kind.",
        "hook", ("stage", "kind")),
     _g("store_queue_depth", "Steps waiting to be written to the run store.", "hook"),
@@ -146,6 +148,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("is_ess_ratio", "Normalised effective sample size (sum w)^2 / (N sum w^2) of the TIS-truncated weights "
        "min(w, C) (verl rollout_is_eff_sample_size).", "is"),
     _g("is_ess_raw_ratio", "Normalised effective sample size of the raw weights w.", "is"),
+    _g("is_ratio_min", "Minimum token importance ratio w = exp(r) = pi_old / mu, before any truncation or "
+       "masking (TRL sampling/importance_sampling_ratio/min in its token modes when nothing is clipped).", "is"),
+    _g("is_ratio_mean", "Mean token importance ratio w = exp(r), before any truncation or masking.", "is"),
+    _g("is_ratio_max", "Maximum token importance ratio w = exp(r), before any truncation or masking.", "is"),
     _c("is_tis_truncated_tokens_total", "Tokens with w > C (a TIS cap truncates them).", "is"),
     _c("is_mis_masked_tokens_total", "Tokens with w outside the MIS band (MIS masks them).", "is"),
     _c("mismatch_tokens_total", "Tokens with finite sampler and trainer log-probs.", "is"),
@@ -156,6 +162,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("zero_gradient_episodes_ratio", "Fraction of episodes in zero-variance groups (no GRPO gradient).", "groups"),
     _c("groups_total", "GRPO groups observed.", "groups"),
     _c("zero_variance_groups_total", "Zero-variance groups observed, by kind.", "groups", ("kind",)),
+    _g("generation", "Serial number (1-based) of the latest generation batch whose episode-level series "
+       "(groups, rewards, truncation, lengths, environments) are shown, where an integration computes them once "
+       "per generation batch (TRL); repeated until the next batch is scored.", "groups"),
+    _g("generation_policy_version", "Policy version (optimizer updates) that generated the batch named by "
+       "rlwatch_generation.", "groups"),
     _g("truncated_ratio", "Fraction of responses cut by the length limit or a timeout.", "length"),
     _g("response_length_mean", "Mean response length (tokens).", "length"),
     _g("response_length_p99", "99th percentile of response length (tokens).", "length"),

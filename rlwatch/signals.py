@@ -402,6 +402,7 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     cap = config.is_cap
     em1_t = torch.clamp(em1, max=cap - 1.0, out=tmp)                          # min(w, C) - 1
     out.derive("is_ess_ratio", _ess_ratio, em1_t.sum(), _dot(em1_t, em1_t), n)
+    importance_ratio_signals(out, r, valid, sum_em1, n)
 
     # Threshold counts on w, exact and strict (see _SCALE): w > C, w < 1/C, w outside the MIS band.
     scaled = torch.mul(em1, _SCALE, out=em1)
@@ -570,6 +571,26 @@ def put_lag_histogram(out: Pending, hist: torch.Tensor, n_ok: torch.Tensor, lag_
 def _bucket_counts(cumulative: list[float], total: float) -> list[float]:
     """Per-bucket counts from cumulative counts at the bucket bounds, then the rest up to ``total``."""
     return [b - a for a, b in zip([0.0, *cumulative], [*cumulative, total])]
+
+
+def importance_ratio_signals(out: Pending, r: torch.Tensor, valid: torch.Tensor, sum_em1: torch.Tensor,
+                             n: torch.Tensor) -> None:
+    """Minimum, mean and maximum of the token importance ratio w = exp(r) over the valid tokens (r clamped
+    to [-SAFETY_BOUND, SAFETY_BOUND] as everywhere): what TRL logs as sampling/importance_sampling_ratio/*
+    before its correction truncates or masks. r, valid: [B, T], r 0 and valid 0 off the valid set;
+    sum_em1: sum of exp(r) - 1 over them; n: their count. Two reductions; exp on the host."""
+    if r.numel():
+        keep = valid > 0
+        low, high = torch.where(keep, r, torch.inf).amin(), torch.where(keep, r, -torch.inf).amax()
+    else:
+        low = high = torch.zeros((), dtype=r.dtype, device=r.device)
+
+    def ratio(x: float, count: float) -> float | None:
+        return math.exp(min(max(x, -SAFETY_BOUND), SAFETY_BOUND)) if count > 0 else None
+
+    out.derive("is_ratio_min", ratio, low, n)
+    out.derive("is_ratio_max", ratio, high, n)
+    out.derive("is_ratio_mean", lambda s, count: _div(count + s, count), sum_em1, n)
 
 
 # --- groups, lengths, rewards, environments ----------------------------------------------------

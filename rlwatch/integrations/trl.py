@@ -10,59 +10,68 @@ What is read, and where (only instance attributes of the one trainer are patched
 untouched; every wrapper calls the original and only reads its inputs and outputs):
 
 - ``_calculate_rewards(inputs, prompts, completions, completion_ids_list)``: the rewards per reward
-  function (gathered over processes; this process's rows are kept), the dataset rows (for the
-  ``environment`` / ``env`` / ``data_source`` column) and the unpadded completion ids (truncation:
-  last token is not EOS or pad, TRL's own ``completions/clipped_ratio`` rule, so a completion that
-  ended on EOS before the padded width is not truncated).
-- ``_generate_and_score_completions(inputs)``: stamps each sample with the policy version, i.e.
-  ``state.global_step`` at generation time, as a ``[B]`` tensor (``rlwatch_version``), plus its row
-  in the generation batch as a list (``rlwatch_row``). Both keys have one entry per sample, so they
-  follow TRL's ``shuffle_sequence_dict`` / ``split_tensor_dict``; TRL's loss reads neither.
+  function of the whole generation batch (TRL gathers them over processes), the dataset rows (for
+  the ``environment`` / ``env`` / ``data_source`` column) and the unpadded completion ids
+  (truncation: last token is not EOS or pad, TRL's own ``completions/clipped_ratio`` rule).
+- ``_generate_and_score_completions(inputs)``: the generation batch once it is scored. Its
+  episode-level data (rewards, truncation, completion lengths as TRL counts them, environments) is
+  gathered over processes as TRL gathers its own (``accelerator.gather``; ``gather_object`` for the
+  labels). Each sample is stamped with the policy version, ``state.global_step`` at generation
+  time, as a ``[B]`` tensor (``rlwatch_version``); it follows TRL's ``shuffle_sequence_dict`` /
+  ``split_tensor_dict`` and TRL's loss never reads it.
 - ``_compute_loss(model, inputs)`` and the ``_get_per_token_logps_and_entropies`` call it makes for
   the policy: per micro-batch, the loss mask (``completion_mask * tool_mask``), the sampler
   log-probs ``sampling_per_token_logps`` (vLLM or a ``rollout_func``; absent with transformers
   generation), the trainer's log-probs of the same tokens, and the per-token entropy TRL computes
   for its own ``entropy`` metric (no extra forward pass).
 
+**Two granularities.** Token-level signals (version lag, sampler-learner mismatch, importance
+sampling, entropy) are computed once per optimizer step over every micro-batch that entered that
+step's loss. Episode-level signals (zero-variance groups by kind, rewards, truncation, response
+lengths, everything per environment) are computed once per generation batch, on the whole gathered
+batch, i.e. on whole GRPO groups whatever ``steps_per_generation``, ``num_iterations`` and the
+gradient accumulation are; they are exported with the optimizer step during which the batch was
+scored (several batches scored in one step are computed together, as TRL averages its logs over
+them), and their gauges are repeated on the steps that score none, so that ``/metrics`` never has a
+gap. ``rlwatch_generation`` (and the store's ``generation`` value) names the batch the episode-level
+series belong to, ``rlwatch_generation_policy_version`` the version that generated it; the counters
+(``groups_total``, ``episodes_total``, ...) count each batch once.
+
 **Trainer log-probs.** ``trainer_logp`` is exactly the π_old that TRL's loss uses:
 ``old_per_token_logps`` when TRL computed it at generation time; otherwise (TRL skips it when every
 use of a generation falls inside one optimizer step, so no update happened in between) the
 current policy's per-token log-probs, detached, which TRL itself substitutes for π_old and which
-are then equal to it. The mismatch signals therefore compare μ (sampler) with π_old on the same
-rows and tokens.
+are then equal to it.
 
-**One observe per optimizer step**, from the ``on_step_end`` callback, over every sample that
-entered that step's loss (all its gradient-accumulation micro-batches, right-padded to a common
-width). ``step`` is ``state.global_step`` after the update (the step TRL logs and names
-checkpoints by); ``trainer_version`` is ``state.global_step`` when the loss was computed, so
-``lag = trainer_version - version`` counts the optimizer updates between generation and use.
-With ``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps`` the lag is
+**Steps and versions.** ``step`` is ``state.global_step`` after the update (the step TRL logs and
+names checkpoints by); ``trainer_version`` is ``state.global_step`` when the loss was computed, so
+``lag = trainer_version - version`` counts the optimizer updates between generation and use. With
+``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps`` the lag is
 positive for reused or later-used samples.
 
-**Groups.** Consecutive blocks of ``num_generations`` samples of the global generation batch share
-a prompt (TRL's ``RepeatSampler``). The group ids are passed only when each step trains on whole
-groups: ``gradient_accumulation_steps`` divisible by ``steps_per_generation`` (the default) and each
-process's generation batch holding whole groups. Otherwise a step sees a shuffled part of each
-group, a zero-variance verdict on that part would be wrong, and the group signals are left out
-(logged once). A batch trained on twice within one step (``num_iterations`` passes inside one
-optimizer step) counts as two sets of groups, so every group keeps ``num_generations`` episodes.
+**Unavailable signals** are counted, never silently missing: ``rlwatch_signal_unavailable_total
+{signal, reason}`` grows by one per step for each family the run's inputs cannot give (no sampler
+log-probs with transformers generation; no environment column; a batch no reward function could
+score).
 
 Also: the reward per sample (weighted sum as TRL logs it; samples that every reward function
 scored ``None`` are ``failed="unscorable"`` and kept out of the reward statistics), per-function
-reward means as framework scalars (``rlwatch/rewards/<func>/mean`` and, with an environment
-column, ``rlwatch/rewards/<func>/<env>/mean``), sampling parameters, TRL's logged scalars
+reward means of each batch as framework scalars (``rlwatch/rewards/<func>/mean`` and, with an
+environment column, ``rlwatch/rewards/<func>/<env>/mean``), the episodes for the reward-hack
+detectors once per batch (this process's completions), sampling parameters, TRL's logged scalars
 (``on_log``) and checkpoints (``on_save``).
 
 Guard actions :func:`stop_on_critical` and :func:`save_on_critical` turn a critical alert into
 ``control.should_training_stop`` / ``control.should_save`` at the trainer's next callback.
 
-Multi-process runs: a rank captures only if its Watch exports (rank 0 by default, every rank with
-``Watch(all_ranks=True)``), and it observes its own samples. With guard actions the stop/save
-request is all-reduced across ranks at each step end so that every rank stops together (not
-exercised by the CPU tests).
+Multi-process runs: a rank captures token-level data only if its Watch exports (rank 0 by default,
+every rank with ``Watch(all_ranks=True)``) and observes its own micro-batches; every rank takes part
+in the one gather of episode-level data per generation batch. With guard actions the stop/save
+request is all-reduced across ranks at each step end so that every rank stops together. (The CPU
+tests run one process.)
 
-Cost: one host transfer per step (``Watch.observe``) besides a copy of the rewards to the host
-where TRL reads them anyway.
+Cost: one host transfer per step (``Watch.observe``) and one per generation batch (its episode
+signals), besides a copy of the rewards to the host where TRL reads them anyway.
 
 ``trl.experimental.async_grpo.AsyncGRPOTrainer`` is a different trainer (packed tree-attention
 batches from a vLLM server); only its logs, checkpoints and guards are handled here.
@@ -94,31 +103,44 @@ logger = logging.getLogger("rlwatch")
 
 #: Dataset columns read as the environment label, first match wins.
 ENV_COLUMNS = ("environment", "env", "data_source")
-#: Keys added to TRL's generation batch (one entry per sample, so they survive shuffling/splitting).
+#: Key added to TRL's generation batch (one entry per sample, so it survives shuffling/splitting).
 VERSION_KEY = "rlwatch_version"
-ROW_KEY = "rlwatch_row"
 UNSCORABLE = "unscorable"
 #: Per-environment per-function reward scalars kept per run (the Watch keeps 256 scalar names).
 MAX_ENV_SCALARS = 64
 #: Sequences of the first generation batch kept for ``rlwatch postmortem --probe``.
 PROBE_ROWS = 32
 
+#: Families computed once per generation batch (whole groups); gauges among them are repeated on
+#: steps that score no batch, counters count each batch once.
+GENERATION_FAMILIES = frozenset({
+    "reward_mean", "reward_std", "groups", "groups_total", "zero_variance_groups_ratio",
+    "zero_variance_groups_total", "zero_gradient_episodes_ratio", "truncated_ratio", "response_length_mean",
+    "response_length_p99", "response_length_max", "env_episodes", "env_reward_mean", "env_truncated_ratio",
+    "env_zero_variance_groups_ratio", "env_reward_length_corr", "env_failure_ratio", "episodes_total",
+    "episodes_truncated_total", "episodes_failed_total", "generation", "generation_policy_version",
+})
+#: What the token-level step record says about its own episodes; replaced by the generation's values.
+STEP_EPISODE_FAMILIES = frozenset({"response_length_mean", "response_length_p99", "response_length_max",
+                                   "env_episodes", "episodes_total"})
+
 
 # --- host-side records --------------------------------------------------------------------------
 
 @dataclass
 class Generation:
-    """Episode-level data of one generation batch on this process (B rows, host tensors)."""
+    """Episode-level data of one whole generation batch, gathered over processes (N rows, host)."""
 
-    version: int
-    rewards: torch.Tensor                 # [B] float64, weighted sum over reward functions (NaN: unscorable)
-    per_func: torch.Tensor                # [B, F] float64, NaN where a function returned None
+    serial: int                           # 1-based count of this run's generation batches
+    version: int                          # state.global_step when it was generated
+    rewards: torch.Tensor                 # [N] float64, weighted sum over reward functions (NaN: unscorable)
+    per_func: torch.Tensor                # [N, F] float64, NaN where a function returned None
     func_names: list[str]
-    truncated: torch.Tensor               # [B] bool
-    group_ids: torch.Tensor               # [B] int64, unique within the run
-    env: list[str] | None = None          # [B] labels, or None without an environment column
-    failed: list[str | None] = field(default_factory=list)   # [B] "unscorable" or None
-    consumed: int = 0                     # micro-batches of this batch trained on so far
+    truncated: torch.Tensor               # [N] bool
+    lengths: torch.Tensor                 # [N] int64, completion tokens as TRL counts them
+    group_ids: torch.Tensor               # [N] int64, unique within the run
+    env: list[str] | None = None          # [N] labels, or None without an environment column
+    failed: list[str | None] = field(default_factory=list)   # [N] "unscorable" or None
 
     def __post_init__(self) -> None:
         if not self.failed:
@@ -134,10 +156,7 @@ class MicroBatch:
     sampler_logp: torch.Tensor | None
     entropy: torch.Tensor | None
     version: torch.Tensor                 # [b] int64
-    rows: list[int]                       # rows of ``generation``
-    generation: Generation
     trainer_version: int
-    iteration: int                        # pass over the generation batch (0 .. num_iterations - 1)
 
 
 @dataclass
@@ -148,6 +167,57 @@ class _Capture:
     in_loss: bool = False
     policy: tuple | None = None
     micro: list[MicroBatch] = field(default_factory=list)
+    generations: list[Generation] = field(default_factory=list)
+
+
+class GenerationSignals:
+    """A Watch step listener (placed first) that exports the episode-level values of the generation
+    batches with the optimizer step that scored them, repeats the latest batch's gauges on steps that
+    score none, and adds the step's ``signal_unavailable_total`` increments.
+
+    The token-level step record carries no episode fields; what it computes about its own episodes
+    (``STEP_EPISODE_FAMILIES``: lengths of the trained rows, ``env="default"`` counts) is dropped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[dict] = []
+        self._gauges: dict = {}
+        self.unavailable: dict[tuple[str, str], float] = {}
+
+    def submit(self, values: dict) -> None:
+        with self._lock:
+            self._pending.append(values)
+
+    def on_step(self, step: int, values: dict) -> dict:
+        from ..metrics import BY_NAME
+
+        for name in STEP_EPISODE_FAMILIES:
+            values.pop(name, None)
+        with self._lock:
+            pending, self._pending = self._pending, []
+        extra: dict = {}
+        for batch in pending:                  # normally one: a step's batches are computed together
+            for name, family in batch.items():
+                spec = BY_NAME.get(name)
+                if spec is not None and spec.kind == "counter":
+                    merged = extra.setdefault(name, {})
+                    for labels, v in family.items():
+                        merged[labels] = (merged.get(labels) or 0.0) + (v or 0.0)
+                else:
+                    extra[name] = dict(family)
+        if pending:
+            self._gauges = {name: family for name, family in extra.items()
+                            if BY_NAME.get(name) is None or BY_NAME[name].kind != "counter"}
+        else:
+            extra.update({name: dict(family) for name, family in self._gauges.items()})
+        if self.unavailable:
+            extra["signal_unavailable_total"] = dict(self.unavailable)
+            self.unavailable = {}
+        return extra
+
+    def close(self) -> None:
+        with self._lock:
+            self._pending.clear()
 
 
 # --- the instrumentor ------------------------------------------------------------------------------
@@ -160,15 +230,18 @@ class GRPOInstrumentor(Instrumentor):
     below = (1, 17)
 
     def __init__(self, trainer: Any, watch: Any) -> None:
+        from ..record import RecordBuilder
+
         super().__init__()
         self.trainer = trainer
         self.watch = watch
         self.capture = _Capture()
         self._serial = 0
-        self._current: Generation | None = None
-        self.whole_groups = whole_groups(trainer)
-        self._warned_groups = False
         self._env_scalars: set[str] = set()
+        self.listener = GenerationSignals()
+        # Episode records of the generation batches (own label caps; built on rlwatch's thread, in order).
+        env_cap = getattr(getattr(getattr(watch, "_builder", None), "envs", None), "cap", 64)
+        self._builder = RecordBuilder(watch.errors, env_cap=env_cap)
         #: Where to keep a fixed sample of the first generation batch for ``rlwatch postmortem --probe``.
         self.probe_path: str | None = None
         self.probe_rows = PROBE_ROWS
@@ -176,12 +249,9 @@ class GRPOInstrumentor(Instrumentor):
     # -- patches --
 
     def _instrument(self, **kwargs: Any) -> None:
-        if not self.watch.active:          # nothing is exported from this rank: capture nothing
-            return
         trainer, capture = self.trainer, self.capture
+        processes = int(getattr(getattr(trainer, "accelerator", None), "num_processes", 1) or 1)
         on_rewards = guarded(self.watch, "trl_rewards")(self._on_rewards)
-        on_generation = guarded(self.watch, "trl_generation")(self._on_generation)
-        on_loss = guarded(self.watch, "trl_loss")(self._on_loss)
 
         def rewards_wrapper(original: Callable) -> Callable:
             def wrapper(inputs, prompts, completions, completion_ids_list, *args, **kw):
@@ -190,17 +260,31 @@ class GRPOInstrumentor(Instrumentor):
                 return rewards_per_func
             return wrapper
 
+        if not self.watch.active:
+            if processes > 1:              # take part in the episode gather, export nothing
+                self.patch(trainer, "_calculate_rewards", rewards_wrapper)
+                self.patch(trainer, "_generate_and_score_completions", self._gather_only_wrapper)
+            return
+        listeners = getattr(self.watch, "listeners", None)
+        if isinstance(listeners, list) and self.listener not in listeners:
+            listeners.insert(0, self.listener)       # before drift, diagnosis and the alert evaluator
+        on_generation = guarded(self.watch, "trl_generation")(self._on_generation)
+        on_loss = guarded(self.watch, "trl_loss")(self._on_loss)
+        gather = guarded(self.watch, "trl_gather")(self._gather_episodes)
+
         def generate_wrapper(original: Callable) -> Callable:
             def wrapper(inputs, *args, **kw):
                 capture.rewards = None
                 output = original(inputs, *args, **kw)
+                if processes > 1 and trainer.model.training:
+                    gather(output)                         # every rank, same order: never skipped
                 on_generation(output)
                 return output
             return wrapper
 
         def loss_wrapper(original: Callable) -> Callable:
             def wrapper(model, inputs, *args, **kw):
-                wanted = trainer.model.training and ROW_KEY in inputs
+                wanted = trainer.model.training and VERSION_KEY in inputs
                 capture.in_loss, capture.policy = wanted, None
                 try:
                     loss = original(model, inputs, *args, **kw)
@@ -225,36 +309,86 @@ class GRPOInstrumentor(Instrumentor):
         self.patch(trainer, "_compute_loss", loss_wrapper)
         self.patch(trainer, "_get_per_token_logps_and_entropies", logps_wrapper)
 
+    def _gather_only_wrapper(self, original: Callable) -> Callable:
+        trainer = self.trainer
+
+        def wrapper(inputs, *args, **kw):
+            self.capture.rewards = None
+            output = original(inputs, *args, **kw)
+            if trainer.model.training:
+                guarded(self.watch, "trl_gather")(self._gather_episodes)(output)
+            self.capture.rewards = None
+            return output
+        return wrapper
+
     def _uninstrument(self) -> None:
         self.capture.micro.clear()
+        self.capture.generations.clear()
         self.capture.rewards = self.capture.policy = None
-        self._current = None
+        listeners = getattr(self.watch, "listeners", None)
+        if isinstance(listeners, list) and self.listener in listeners:
+            listeners.remove(self.listener)
 
     # -- what the wrappers do --
 
     def _on_rewards(self, inputs: list[dict], completion_ids_list: list, rewards_per_func: torch.Tensor,
                     prompts: list | None = None, completions: list | None = None) -> None:
-        """Keep this process's rewards, environment labels and truncation flags (host), and hand the
-        episodes to the Watch's reward-hack detectors (which run off the training thread)."""
+        """Keep the batch's rewards (every process's rows), this process's environment labels and
+        truncation flags (host), and hand this process's episodes to the Watch's reward-hack detectors
+        (which run off the training thread)."""
         trainer = self.trainer
         if not trainer.model.training:
             return
         B = len(completion_ids_list)
         start = trainer.accelerator.process_index * B
         # TRL reads these values on the host right after (.item(), .tolist()): no extra pipeline stall.
-        per_func = rewards_per_func[start:start + B].detach().to("cpu", torch.float64)
+        per_func = rewards_per_func.detach().to("cpu", torch.float64)
         truncated = truncation_flags(completion_ids_list, eos_and_pad(trainer))
         env = env_labels(inputs)
-        self.capture.rewards = {"per_func": per_func, "truncated": truncated, "env": env, "start": start}
+        self.capture.rewards = {"per_func": per_func, "truncated": truncated, "env": env, "start": start,
+                                "lengths": [len(ids) for ids in completion_ids_list]}
         if prompts is not None and completions is not None and self.watch.hack_detection:
             # The checkers' verdicts are read now (the next reward call replaces them); the episodes
             # are built and handed to the detectors on rlwatch's thread.
             step, verdicts = int(trainer.state.global_step), audit_verdicts(trainer, len(completions))
+            local = per_func[start:start + B]
             self.watch.defer(lambda: self.watch.submit_episodes(step, episodes(
-                trainer, prompts, completions, completion_ids_list, per_func, truncated, env, verdicts)))
+                trainer, prompts, completions, completion_ids_list, local, truncated, env, verdicts)))
+
+    def _local_episode_table(self, output: dict, captured: dict | None) -> tuple[torch.Tensor, list[str] | None]:
+        """[B, 2] int64 (truncated, completion length as TRL counts it) of this process's batch, and its
+        environment labels. Never raises: a gather that one rank skipped would hang every rank."""
+        B = int(output["completion_ids"].shape[0])
+        try:
+            lengths = torch.tensor(captured["lengths"], dtype=torch.int64)
+            tool_mask = output.get("tool_mask")
+            if tool_mask is not None:         # TRL counts only the model's own tokens (tool_mask = 1)
+                width = tool_mask.shape[1]
+                inside = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+                lengths = (tool_mask.detach().cpu().to(torch.int64) * inside).sum(1)
+            table = torch.stack([captured["truncated"].to(torch.int64), lengths], 1)
+            assert table.shape == (B, 2)
+            return table, captured["env"]
+        except Exception:  # noqa: BLE001 - reported by the caller (missing capture), shapes kept
+            return torch.full((B, 2), -1, dtype=torch.int64), (
+                ["?"] * B if captured is not None and captured.get("env") is not None else None)
+
+    def _gather_episodes(self, output: dict) -> None:
+        """All processes: gather the batch's truncation flags, lengths and labels as TRL gathers its own."""
+        from accelerate.utils import gather_object
+
+        accelerator = self.trainer.accelerator
+        table, env = self._local_episode_table(output, self.capture.rewards)
+        gathered = accelerator.gather(table.to(accelerator.device)).cpu()
+        if env_labels_present(self.trainer):
+            labels = gather_object(list(env) if env is not None else ["default"] * int(table.shape[0]))
+        else:
+            labels = None
+        if self.capture.rewards is not None:
+            self.capture.rewards["gathered"] = (gathered, labels)
 
     def _on_generation(self, output: dict) -> None:
-        """Stamp the batch with the policy version and its rows; remember its episode data."""
+        """Stamp the batch with the policy version; keep its episode-level data for the step's flush."""
         trainer, captured = self.trainer, self.capture.rewards
         self.capture.rewards = None
         if not trainer.model.training or captured is None:
@@ -262,21 +396,25 @@ class GRPOInstrumentor(Instrumentor):
         completion_ids = output["completion_ids"]
         B = int(completion_ids.shape[0])
         version = int(trainer.state.global_step)
+        output[VERSION_KEY] = torch.full((B,), version, dtype=torch.int64, device=completion_ids.device)
         per_func = captured["per_func"]
+        if "gathered" in captured:
+            table, env = captured["gathered"]
+        else:
+            table, env = self._local_episode_table(output, captured)
+        N = int(per_func.shape[0])
+        if bool((table < 0).any()) or table.shape[0] != N or (env is not None and len(env) != N):
+            raise RuntimeError(f"the episode data of a generation batch could not be captured whole ({N} "
+                               f"rewards, {table.shape[0]} rows of truncation and lengths)")
         weights = trainer.reward_weights.detach().to("cpu", torch.float64)
         rewards = (per_func * weights).nansum(dim=1)
         rewards[torch.isnan(per_func).all(dim=1)] = float("nan")
         G = max(int(trainer.num_generations), 1)
-        global_rows = torch.arange(B, dtype=torch.int64) + captured["start"]
-        span = B * trainer.accelerator.num_processes
-        generation = Generation(version=version, rewards=rewards, per_func=per_func,
-                                func_names=list(trainer.reward_func_names),
-                                truncated=captured["truncated"],
-                                group_ids=self._serial * span + global_rows // G, env=captured["env"])
         self._serial += 1
-        self._current = generation
-        output[VERSION_KEY] = torch.full((B,), version, dtype=torch.int64, device=completion_ids.device)
-        output[ROW_KEY] = list(range(B))
+        self.capture.generations.append(Generation(
+            serial=self._serial, version=version, rewards=rewards, per_func=per_func,
+            func_names=list(trainer.reward_func_names), truncated=table[:, 0].bool(), lengths=table[:, 1],
+            group_ids=(self._serial - 1) * N + torch.arange(N, dtype=torch.int64) // G, env=env))
         if self.probe_path is not None:
             self._keep_probe_rollouts(output)
 
@@ -308,28 +446,25 @@ class GRPOInstrumentor(Instrumentor):
 
     def _on_loss(self, inputs: dict) -> None:
         """Keep what this micro-batch trained on until the optimizer step ends."""
-        policy, generation = self.capture.policy, self._current
-        if policy is None or generation is None:
+        policy = self.capture.policy
+        if policy is None:
             return
         per_token_logps, entropies = policy[0], policy[1]
         mask = inputs["completion_mask"]
         if inputs.get("tool_mask") is not None:
             mask = mask * inputs["tool_mask"]
         old = inputs.get("old_per_token_logps")
-        iteration = generation.consumed // max(int(self.trainer.args.steps_per_generation), 1)
-        generation.consumed += 1
         self.capture.micro.append(MicroBatch(
             mask=mask.detach(),
             trainer_logp=(old if old is not None else per_token_logps).detach(),
             sampler_logp=inputs.get("sampling_per_token_logps"),
             entropy=entropies.detach() if entropies is not None else None,
-            version=inputs[VERSION_KEY], rows=[int(r) for r in inputs[ROW_KEY]], generation=generation,
-            trainer_version=int(self.trainer.state.global_step), iteration=iteration))
+            version=inputs[VERSION_KEY], trainer_version=int(self.trainer.state.global_step)))
 
     # -- one step --
 
     def step_fields(self, micro: list[MicroBatch]) -> dict[str, Any]:
-        """The fields of ``Watch.observe`` for one optimizer step's micro-batches."""
+        """The token-level fields of ``Watch.observe`` for one optimizer step's micro-batches."""
         width = max(int(m.mask.shape[1]) for m in micro)
         fields: dict[str, Any] = {
             "mask": _cat_tokens([m.mask for m in micro], width),
@@ -339,34 +474,62 @@ class GRPOInstrumentor(Instrumentor):
         }
         if all(m.sampler_logp is not None for m in micro):
             fields["sampler_logp"] = _cat_tokens([m.sampler_logp for m in micro], width)
+        else:
+            self.listener.unavailable[("mismatch", "no_sampler_logprobs")] = 1.0
         if all(m.entropy is not None for m in micro):
             fields["entropy"] = _cat_tokens([m.entropy for m in micro], width)
-        fields["rewards"] = torch.cat([m.generation.rewards[m.rows] for m in micro])
-        fields["truncated"] = torch.cat([m.generation.truncated[m.rows] for m in micro])
-        fields["failed"] = [f for m in micro for f in _take(m.generation.failed, m.rows)]
-        if all(m.generation.env is not None for m in micro):
-            fields["env"] = [e for m in micro for e in _take(m.generation.env, m.rows)]
-        if self.whole_groups:
-            # A group trained twice in one step (num_iterations passes inside one optimizer step) counts
-            # once per pass, so that every group keeps num_generations episodes.
-            passes = max(int(self.trainer.num_iterations), 1)
-            fields["group_ids"] = torch.cat([m.generation.group_ids[m.rows] * passes + m.iteration for m in micro])
-        elif not self._warned_groups:
-            self._warned_groups = True
-            logger.warning("rlwatch: each optimizer step trains on part of each GRPO group (steps_per_generation "
-                           "does not divide gradient_accumulation_steps, or groups span processes); the "
-                           "zero-variance group signals are not computed for this run")
+        else:
+            self.listener.unavailable[("entropy", "not_computed")] = 1.0
         fields.update(sampling_fields(self.trainer))
         return fields
 
-    def reward_scalars(self, micro: list[MicroBatch]) -> dict[str, float]:
-        """Per-function reward means of the step's samples (functions that returned None excluded),
-        overall and, with an environment column, per environment (at most ``MAX_ENV_SCALARS`` names
-        per run, so that TRL's own logged scalars keep their place under the Watch's name cap)."""
-        names = micro[0].generation.func_names
-        rows = [r for m in micro for r in m.generation.per_func[m.rows].tolist()]          # N x F floats
-        envs = [e for m in micro for e in _take(m.generation.env, m.rows)] if all(
-            m.generation.env is not None for m in micro) else None
+    def generation_fields(self, generations: list[Generation]) -> dict[str, Any]:
+        """Episode-level fields of the generation batches scored in one step, as one record: a mask of
+        each completion's length, rewards, group ids, truncation, failures, environments."""
+        lengths = torch.cat([g.lengths for g in generations])
+        width = max(int(lengths.max()) if lengths.numel() else 0, 1)
+        fields: dict[str, Any] = {
+            "mask": torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1),
+            "rewards": torch.cat([g.rewards for g in generations]),
+            "group_ids": torch.cat([g.group_ids for g in generations]),
+            "truncated": torch.cat([g.truncated for g in generations]),
+            "failed": [f for g in generations for f in g.failed],
+        }
+        if all(g.env is not None for g in generations):
+            fields["env"] = [e for g in generations for e in g.env]
+        return fields
+
+    def generation_values(self, step: int, generations: list[Generation]) -> dict:
+        """Every episode-level signal of the batches, computed together on the whole (gathered) batches."""
+        import contextlib
+
+        from ..signals import compute_step
+        from ..watch import _few_threads_for
+
+        record = self._builder.build(step, self.generation_fields(generations))
+        if record is None:
+            return {}
+        # A few hundred rows: on the training thread (no rlwatch thread) one intra-op thread, as observe does.
+        inline = getattr(self.watch, "_worker", None) is None
+        with _few_threads_for(record.mask) if inline else contextlib.nullcontext():
+            computed = compute_step(record, self.watch.config)
+        values = {name: family for name, family in computed.items() if name in GENERATION_FAMILIES}
+        values["generation"] = {(): float(generations[-1].serial)}
+        values["generation_policy_version"] = {(): float(generations[-1].version)}
+        if any(g.env is None for g in generations):
+            self.listener.unavailable[("env", "no_environment_column")] = 1.0
+        if all(torch.isnan(g.rewards).all() for g in generations):
+            self.listener.unavailable[("reward", "all_unscorable")] = 1.0
+        return values
+
+    def reward_scalars(self, generations: list[Generation]) -> dict[str, float]:
+        """Per-function reward means of the batches (functions that returned None excluded, as TRL's
+        ``rewards/<func>/mean``), overall and, with an environment column, per environment (at most
+        ``MAX_ENV_SCALARS`` names per run, so that TRL's own logged scalars keep their place under the
+        Watch's name cap)."""
+        names = generations[0].func_names
+        rows = [r for g in generations for r in g.per_func.tolist()]          # N x F floats
+        envs = [e for g in generations for e in g.env] if all(g.env is not None for g in generations) else None
         out: dict[str, float] = {}
         for j, name in enumerate(names):
             _put_mean(out, f"rlwatch/rewards/{name}/mean", [r[j] for r in rows])
@@ -384,25 +547,24 @@ class GRPOInstrumentor(Instrumentor):
 
     def flush(self, step: int) -> None:
         """Observe the optimizer step that just ended: the training thread only takes the step's
-        micro-batches; assembling and computing them is deferred (``Watch(background=True)``)."""
+        micro-batches and scored generation batches; assembling and computing them is deferred
+        (``Watch(background=True)``)."""
         micro, self.capture.micro = self.capture.micro, []
-        if micro:
-            self.watch.defer(lambda: guarded(self.watch, "trl_observe")(self.observe_step)(step, micro))
+        generations, self.capture.generations = self.capture.generations, []
+        if micro or generations:
+            self.watch.defer(lambda: guarded(self.watch, "trl_observe")(self.observe_step)(step, micro, generations))
 
-    def observe_step(self, step: int, micro: list[MicroBatch]) -> None:
-        self.watch.observe(step, **self.step_fields(micro))
-        self.watch.log_scalars(step, self.reward_scalars(micro))
+    def observe_step(self, step: int, micro: list[MicroBatch], generations: list[Generation] | None = None) -> None:
+        if generations:
+            values = guarded(self.watch, "trl_generation_signals")(self.generation_values)(step, generations)
+            if values:
+                self.listener.submit(values)
+            self.watch.log_scalars(step, self.reward_scalars(generations))
+        if micro:
+            self.watch.observe(step, **self.step_fields(micro))
 
 
 # --- small pure helpers ------------------------------------------------------------------------------
-
-def whole_groups(trainer: Any) -> bool:
-    """True when every optimizer step trains on whole GRPO groups of this process."""
-    args = trainer.args
-    per_process = args.per_device_train_batch_size * args.steps_per_generation
-    return (args.gradient_accumulation_steps % args.steps_per_generation == 0
-            and per_process % max(int(trainer.num_generations), 1) == 0)
-
 
 def eos_and_pad(trainer: Any) -> set[int]:
     """Token ids that end a completion normally (TRL's ``eos_and_pad``)."""
@@ -501,6 +663,12 @@ def env_labels(inputs: list[dict]) -> list[str] | None:
     return None
 
 
+def env_labels_present(trainer: Any) -> bool:
+    """Whether the training dataset has an environment column (the same answer on every process)."""
+    columns = getattr(getattr(trainer, "train_dataset", None), "column_names", None) or []
+    return any(column in columns for column in ENV_COLUMNS)
+
+
 def sampling_fields(trainer: Any) -> dict[str, Any]:
     """Sampling parameters of the trainer's generation (and vLLM's log-prob mode when it is TRL's)."""
     out: dict[str, Any] = {}
@@ -518,10 +686,6 @@ def _cat_tokens(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
     padded = [t if t.shape[1] == width else torch.nn.functional.pad(t, (0, width - t.shape[1]))
               for t in tensors]
     return padded[0] if len(padded) == 1 else torch.cat(padded)
-
-
-def _take(items: list, rows: list[int]) -> list:
-    return [items[r] for r in rows]
 
 
 def _put_mean(out: dict[str, float], name: str, values: list[float]) -> bool:
