@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 from . import __version__
 from ._queues import OrderedWorker
 from .errors import HookErrors, RLWatchError
-from .record import LabelRegistry, RecordBuilder
+from .record import LabelRegistry, RecordBuilder, clean_text
 from .signals import SignalConfig, Values, Workspace, compute_step
 from .state import MetricState
 
@@ -113,7 +113,8 @@ class Watch:
         rank, local_rank, world = _rank()
         self.rank = rank
         self.active = rank == 0 or all_ranks
-        base_run = run or default_run_name()
+        base_run = clean_text(run) if run else default_run_name()
+        framework, framework_version = clean_text(framework), clean_text(framework_version)
         self.run = f"{base_run}-rank{rank}" if all_ranks and world > 1 else base_run
         self.config = SignalConfig(staleness_bound=staleness_bound, is_cap=is_cap, mis_band=tuple(mis_band),
                                    reward_bounds=reward_bounds, group_size=group_size)
@@ -225,7 +226,9 @@ class Watch:
 
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RLWatchCollector(self.state, self._refresh_health))
-        self.exposition = CachedExposition(self.registry, self.state, self._refresh_health)
+        self.exposition = CachedExposition(self.registry, self.state, self._refresh_health, on_error=lambda exc:
+                                           self.errors.report("export", "exposition", f"{type(exc).__name__}: "
+                                                              f"{exc}", exc=exc, raise_in_strict=False))
         if port is None:
             return
         from .exporters.prometheus import MetricsServer
@@ -402,6 +405,7 @@ class Watch:
         self.state.set_counter("hook_errors_total", {k: float(v) for k, v in self.errors.snapshot().items()})
         if self.store is not None:
             self.state.set_counter("store_dropped_steps_total", {(): float(self.store.dropped)})
+            self.state.set_counter("store_step_conflicts_total", {(): float(self.store.step_conflicts)})
             self.state.set_gauge("store_queue_depth", float(self.store.queue_depth))
 
     def log_scalars(self, step: int, mapping: Mapping[str, Any]) -> None:
@@ -441,8 +445,10 @@ class Watch:
         if self.store is not None and self.active:
             def submit() -> None:
                 location = os.fspath(path)
-                self.store.submit_checkpoint(self.run, step, location if "://" in location else
-                                             os.path.abspath(location))
+                location = location if "://" in str(location) else os.path.abspath(location)
+                # A path that is not UTF-8 keeps its raw bytes visible: b"\xff" -> "\\xff".
+                self.store.submit_checkpoint(self.run, step, os.fsencode(location).decode("utf-8", "backslashreplace")
+                                             if "://" not in str(location) else clean_text(location))
             self._guard("store", "checkpoint", submit)
 
     def note(self, kind: str, detail: str) -> None:
@@ -490,9 +496,14 @@ class Watch:
         if self.server is not None:
             self._guard("export", "server", self.server.close)
         if self.store is not None:
+            self.store.flush(10.0)
             lost = self.store.dropped
             if lost:
                 self.store.submit_event(self.run, "data_loss", f"{lost} store rows dropped during the run")
+            if self.store.step_conflicts:
+                self.store.submit_event(self.run, "step_conflicts", f"{self.store.step_conflicts} steps of attempt "
+                                        f"{self.store.attempt} were observed before; the earlier rows are kept "
+                                        "in step_history")
             self.store.close()
 
     def __enter__(self) -> "Watch":

@@ -81,27 +81,50 @@ class _QuietHandler(WSGIRequestHandler):
 
 class CachedExposition:
     """A WSGI app serving the registry in the Prometheus text format, re-rendered only when the
-    state changed since the last scrape (a scrape between two steps costs a copy, not a render)."""
+    state changed since the last scrape (a scrape between two steps costs a copy, not a render).
+
+    A scrape never fails because of what the run exported: when rendering raises, the error is
+    counted through ``on_error`` (``rlwatch_hook_errors_total{stage="export",kind="exposition"}``)
+    and the families that still render are served, the failing ones left out."""
 
     def __init__(self, registry: CollectorRegistry, state: MetricState | None = None,
-                 refresh: Callable[[], None] | None = None) -> None:
+                 refresh: Callable[[], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self.registry = registry
         self.state = state
         self.refresh = refresh
+        self.on_error = on_error
         self._lock = threading.Lock()
         self._cached: tuple[int, bytes, bytes] | None = None     # (state version, text, gzip)
 
+    def _generate(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        try:
+            return generate_latest(self.registry)
+        except Exception as exc:  # noqa: BLE001 - one bad family must not take /metrics down
+            if self.on_error is not None:
+                try:
+                    self.on_error(exc)
+                except Exception:  # noqa: BLE001
+                    pass
+        parts = []
+        for metric in self.registry.collect():      # family by family: serve all that render
+            try:
+                parts.append(generate_latest(_OneFamily(metric)))
+            except Exception:  # noqa: BLE001
+                continue
+        return b"".join(parts)
+
     def render(self) -> tuple[bytes, bytes]:
         import gzip
-
-        from prometheus_client import generate_latest
 
         with self._lock:
             if self.refresh is not None:
                 self.refresh()
             version = self.state.version if self.state is not None else None
             if version is None or self._cached is None or self._cached[0] != version:
-                text = generate_latest(self.registry)
+                text = self._generate()
                 self._cached = (version if version is not None else -1, text, gzip.compress(text, 5))
             return self._cached[1], self._cached[2]
 
@@ -124,6 +147,16 @@ class CachedExposition:
         headers.append(("Content-Length", str(len(body))))
         start_response("200 OK", headers)
         return [body]
+
+
+class _OneFamily:
+    """A registry-like holder of one collected family (for rendering families one by one)."""
+
+    def __init__(self, metric: Metric) -> None:
+        self._metric = metric
+
+    def collect(self) -> Iterable[Metric]:
+        return [self._metric]
 
 
 def _with_basic_auth(app: Callable, username: str, password: str) -> Callable:
