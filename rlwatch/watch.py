@@ -236,7 +236,8 @@ class Watch:
         actual = port + offset if port else port
         self.server = self._guard("export", "port", lambda: MetricsServer(
             self.registry, addr, actual, port_fallback=fallback, certfile=certfile, keyfile=keyfile,
-            basic_auth=basic_auth, app=self.exposition))
+            basic_auth=basic_auth, app=self.exposition, on_error=lambda kind, exc: self.errors.report(
+                "export", kind, f"{type(exc).__name__}: {exc}", raise_in_strict=False)))
         if self.server is not None:
             logger.info("rlwatch: serving %s (run %r)", self.server.url, self.run)
             sd_dir = sd_dir if sd_dir is not None else os.environ.get("RLWATCH_SD_DIR")

@@ -428,3 +428,88 @@ def test_a_stuck_background_thread_never_blocks_the_trainer_for_long():
     assert watch.errors.counts[("background", "TimeoutError")] >= 1
     release.set()
     watch.close()
+
+
+def test_an_idle_tls_client_neither_stops_scrapes_nor_hangs_close(tmp_path):
+    """A TCP client that connects to the TLS endpoint and never starts the handshake: other scrapes
+    are served at once and close() returns promptly (the handshake runs on the connection's thread,
+    with a timeout, not inside accept on the server's only thread)."""
+    import socket
+    import ssl
+    import time
+
+    cert, key = _self_signed(tmp_path)
+    watch = rlwatch.Watch(run="tlsidle", port=0, store=None, alerts=False, tls_certfile=cert, tls_keyfile=key)
+    idle = socket.create_connection(("127.0.0.1", watch.port))
+    try:
+        watch.observe(0, **make_step())
+        time.sleep(0.2)                                    # the idle client is accepted first
+        context = ssl.create_default_context(cafile=cert)
+        start = time.perf_counter()
+        body = urllib.request.urlopen(watch.url, context=context, timeout=5).read().decode()
+        assert time.perf_counter() - start < 2
+        assert 'rlwatch_steps_total{run="tlsidle"} 1.0' in body
+        start = time.perf_counter()
+        watch.close()
+        assert time.perf_counter() - start < 3
+    finally:
+        idle.close()
+        watch.close()
+
+
+def _threads_named(prefix: str) -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith(prefix))
+
+
+def test_idle_plain_http_clients_time_out_and_are_capped():
+    """Many clients that connect and say nothing: at most max_connections threads exist at any
+    time, scrapes still succeed once the idle ones time out, and every thread ends."""
+    import socket
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from rlwatch.exporters.prometheus import MetricsServer
+
+    before = threading.active_count()
+    server = MetricsServer(CollectorRegistry(), "127.0.0.1", 0, idle_timeout=1.0, max_connections=8)
+    clients = []
+    try:
+        most = 0
+        for _ in range(30):
+            clients.append(socket.create_connection(("127.0.0.1", server.port)))
+            most = max(most, threading.active_count())
+        assert most <= before + 1 + 8                          # the server thread and 8 connections
+        deadline = time.monotonic() + 10
+        while True:                                        # the idle ones time out; a scrape then gets a slot
+            try:
+                assert urllib.request.urlopen(server.url, timeout=2).status == 200
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while threading.active_count() > before + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= before + 1          # the server thread only
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+
+
+def test_a_non_ascii_basic_auth_header_is_refused_quietly(capfd):
+    """An Authorization header with non-ASCII bytes: 401, and nothing printed to the trainer's stderr."""
+    import socket
+
+    with rlwatch.Watch(run="auth", port=0, store=None, alerts=False, basic_auth=("prom", "s3cret")) as watch:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", watch.port), timeout=5) as sock:
+                sock.sendall(b"GET /metrics HTTP/1.0\r\nAuthorization: Basic \xc3\xbc\xff==\r\n\r\n")
+                answer = b""
+                while chunk := sock.recv(4096):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.0 401"), answer[:80]
+        assert not any(stage == "export" and kind == "server" for stage, kind in watch.errors.counts)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "TypeError" not in err, err

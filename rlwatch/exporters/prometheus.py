@@ -70,13 +70,85 @@ class RLWatchCollector:
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """One thread per connection, at most ``max_connections`` at a time (later connections are
+    closed at once: a scraper retries, a flood of idle clients cannot grow the trainer's threads)."""
+
     daemon_threads = True
     allow_reuse_address = False   # a taken port must fail loudly, not be shared
+    idle_timeout = 10.0           # seconds a connection may stay silent (TLS handshake included)
+    max_connections = 64
+    on_error: Callable[[str, BaseException], None] | None = None
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        super().server_activate()
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client that stalls, resets or fails the handshake costs its own connection only;
+        nothing is printed to the trainer's stderr."""
+        import sys
+
+        exc = sys.exc_info()[1]
+        if self.on_error is not None and exc is not None and not isinstance(exc, (OSError, ssl.SSLError)):
+            self.on_error("server", exc)
 
 
 class _QuietHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        """Bound every read and write of the connection, and run the TLS handshake here, on the
+        connection's own thread, rather than in ``accept`` on the server's only thread."""
+        self.timeout = self.server.idle_timeout
+        self.request.settimeout(self.timeout)
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.do_handshake()
+        super().setup()
+
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - wsgiref's signature
         pass
+
+    def get_stderr(self) -> "_Discard":
+        return _Discard()
+
+
+class _Discard:
+    """wsgi.errors: application errors are counted by :func:`_never_raise`, not printed."""
+
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def _never_raise(app: Callable, on_error: Callable[[str, BaseException], None] | None) -> Callable:
+    """A WSGI app that answers 500 (counted) instead of raising into wsgiref, which would print a
+    traceback to the trainer's stderr on every request."""
+    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        try:
+            return app(environ, start_response)
+        except Exception as exc:  # noqa: BLE001
+            if on_error is not None:
+                on_error("server", exc)
+            start_response("500 Internal Server Error", [("Content-Type", "text/plain")], __import__("sys").exc_info())
+            return [b"internal error\n"]
+
+    return guarded
 
 
 class CachedExposition:
@@ -160,12 +232,14 @@ class _OneFamily:
 
 
 def _with_basic_auth(app: Callable, username: str, password: str) -> Callable:
-    expected = base64.b64encode(f"{username}:{password}".encode()).decode()
+    expected = base64.b64encode(f"{username}:{password}".encode()).decode().encode("ascii")
 
     def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
         header = environ.get("HTTP_AUTHORIZATION", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "basic" or not hmac.compare_digest(token.strip(), expected):
+        # WSGI hands headers over as latin-1 strings: compare bytes (any header, never a TypeError).
+        given = token.strip().encode("latin-1", "replace")
+        if scheme.lower() != "basic" or not hmac.compare_digest(given, expected):
             start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="rlwatch"'),
                                                 ("Content-Type", "text/plain")])
             return [b"unauthorized\n"]
@@ -183,16 +257,23 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, addr: str = "127.0.0.1", port: int = 9400, *,
                  port_fallback: bool = False, certfile: str | None = None, keyfile: str | None = None,
-                 basic_auth: tuple[str, str] | None = None, app: Callable | None = None) -> None:
+                 basic_auth: tuple[str, str] | None = None, app: Callable | None = None,
+                 idle_timeout: float = 10.0, max_connections: int = 64,
+                 on_error: Callable[[str, BaseException], None] | None = None) -> None:
         app = app or make_wsgi_app(registry)
         if basic_auth is not None:
             app = _with_basic_auth(app, *basic_auth)
+        app = _never_raise(app, on_error)
+        server_class = type("_Server", (_ThreadingServer,), dict(idle_timeout=idle_timeout,
+                                                                  max_connections=max_connections,
+                                                                  on_error=staticmethod(on_error) if on_error
+                                                                  else None))
         candidates = [port] if (port == 0 or not port_fallback) else list(range(port, port + 33))
         last_error: OSError | None = None
         self._server = None
         for candidate in candidates:
             try:
-                self._server = make_server(addr, candidate, app, _ThreadingServer, handler_class=_QuietHandler)
+                self._server = make_server(addr, candidate, app, server_class, handler_class=_QuietHandler)
                 break
             except OSError as exc:
                 last_error = exc
@@ -205,7 +286,8 @@ class MetricsServer:
         if certfile:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(certfile, keyfile)
-            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True,
+                                                      do_handshake_on_connect=False)
         self.addr = addr
         self.port = self._server.server_address[1]
         self.scheme = "https" if certfile else "http"
