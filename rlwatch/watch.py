@@ -250,9 +250,11 @@ class Watch:
     def _start_push(self, gateway: str, interval: float) -> None:
         from .exporters.prometheus import PushLoop
 
-        def on_error(kind: str, exc: BaseException) -> None:
-            self.errors.report("export", kind, f"pushgateway {gateway}: {type(exc).__name__}: {exc}",
-                               raise_in_strict=False)
+        from .alerts.notify import redact, scrub
+
+        def on_error(kind: str, exc: BaseException) -> None:   # the URL may carry credentials: never shown
+            self.errors.report("export", kind, f"pushgateway {redact(gateway)}: {type(exc).__name__}: "
+                               f"{scrub(str(exc), gateway)}", raise_in_strict=False)
 
         self.push = PushLoop(self.registry, gateway, "rlwatch", self.run, interval, on_error)
 

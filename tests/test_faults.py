@@ -308,3 +308,94 @@ def test_two_processes_writing_the_same_run_lose_no_step(tmp_path):
     assert len(rows) == 150 and len(history) == 150
     assert a.store.step_conflicts + b.store.step_conflicts == 150
     assert a.store.dropped == b.store.dropped == 0
+
+
+def test_slack_text_from_a_run_is_inert():
+    """<!channel>, <url|text> links and control characters in a label reach Slack escaped."""
+    from rlwatch.alerts.notify import AlertEvent, SlackNotifier
+
+    event = AlertEvent("RLWatchKLSpike", "critical", "firing", "run", 3, {"env": "<!channel>"}, 0.5, "summary",
+                       "KL spike in env <!channel> <https://evil.example|click> & \x1b]8;;x\x07 \udcff",
+                       "https://example.com/runbook#kl")
+    text = SlackNotifier.text([event])
+    assert "<!channel>" not in text and "<https://evil" not in text and "\x1b" not in text and "\x07" not in text
+    assert "&lt;!channel&gt;" in text and "&lt;https://evil.example|click&gt; &amp;" in text
+    assert text.endswith("<https://example.com/runbook#kl|runbook>")
+    text.encode("utf-8")                                   # sendable
+
+
+def test_pushgateway_credentials_never_reach_logs_or_errors(caplog):
+    """A Pushgateway URL with user:password and a token: failed pushes are counted, and neither the
+    password nor the token appears in any log line."""
+    import logging
+    import socket
+
+    with socket.socket() as s:                            # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://pushuser:hunter2-secret@127.0.0.1:{port}/gw/TOKEN-abc123?key=QUERY-xyz"
+    caplog.set_level(logging.DEBUG, logger="rlwatch")
+    with rlwatch.Watch(run="pg", port=None, store=None, alerts=False, pushgateway=url, push_interval=0.05) as watch:
+        watch.observe(0, **make_step())
+        time.sleep(0.3)
+    assert watch.errors.counts[("export", "push")] >= 1
+    logged = "\n".join(r.getMessage() + str(r.exc_info or "") for r in caplog.records)
+    assert "127.0.0.1" in logged
+    for secret in ("hunter2-secret", "pushuser", "TOKEN-abc123", "QUERY-xyz"):
+        assert secret not in logged, logged
+
+
+def test_pushgateway_credentials_in_the_url_are_sent_as_basic_auth(pushgateway):
+    url = pushgateway.url.replace("http://", "http://pushuser:hunter2@")
+    with rlwatch.Watch(run="pgauth", port=None, store=None, alerts=False, pushgateway=url) as watch:
+        watch.observe(0, **make_step())
+        assert watch.push.gateway == pushgateway.url.rstrip("/") or watch.push.gateway == pushgateway.url
+    assert watch.push.pushes >= 1 and ("export", "push") not in watch.errors.counts
+
+
+class _Trickle(BaseHTTPRequestHandler):
+    """A receiver that reads the request, then answers one byte every 0.2 s."""
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-Slow: " + b"x" * 200 + b"\r\n\r\n":
+            try:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.2)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_trickling_webhook_receiver_is_cut_off_at_the_request_timeout():
+    """The timeout bounds the whole request, not each socket read: a receiver sending a byte every
+    0.2 s costs about one timeout per notification, and the dispatcher closes promptly."""
+    from http.server import ThreadingHTTPServer
+
+    from rlwatch.alerts.notify import AlertEvent, Dispatcher, NotifyError, WebhookNotifier
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/hook/SECRET"
+    try:
+        notifier = WebhookNotifier(url, timeout=1.0)
+        event = AlertEvent("A", "warning", "firing", "run", 1, {}, 1.0, "s", "d", "u")
+        start = time.perf_counter()
+        with pytest.raises(NotifyError) as info:
+            notifier.send([event])
+        assert time.perf_counter() - start < 2.0
+        assert "SECRET" not in str(info.value)
+        errors = []
+        dispatcher = Dispatcher([notifier], lambda kind, msg: errors.append(kind))
+        dispatcher.submit(event)
+        time.sleep(0.1)
+        start = time.perf_counter()
+        dispatcher.close(timeout=10)
+        assert time.perf_counter() - start < 2.0
+        assert errors == ["send"]
+    finally:
+        server.shutdown()

@@ -324,7 +324,15 @@ class PushLoop:
 
     def __init__(self, registry: CollectorRegistry, gateway: str, job: str, run: str, interval: float,
                  on_error: Callable[[str, BaseException], None], timeout: float = 5.0) -> None:
+        from urllib.parse import unquote, urlsplit, urlunsplit
+
         self.registry = registry
+        parts = urlsplit(gateway if "://" in gateway else f"http://{gateway}")
+        self._credentials = None
+        if parts.username is not None:      # user:password@host: sent as basic auth, never in the URL
+            self._credentials = (unquote(parts.username), unquote(parts.password or ""))
+            host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+            gateway = urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
         self.gateway = gateway
         self.job = job
         self.grouping_key = {"run": run}
@@ -340,9 +348,16 @@ class PushLoop:
     def push_now(self) -> bool:
         from prometheus_client import push_to_gateway
 
+        extra = {}
+        if self._credentials is not None:
+            from prometheus_client.exposition import basic_auth_handler
+
+            username, password = self._credentials
+            extra["handler"] = lambda url, method, timeout, headers, data: basic_auth_handler(
+                url, method, timeout, headers, data, username, password)
         try:
             push_to_gateway(self.gateway, job=self.job, registry=self.registry,
-                            grouping_key=self.grouping_key, timeout=self.timeout)
+                            grouping_key=self.grouping_key, timeout=self.timeout, **extra)
             self.pushes += 1
             return True
         except Exception as exc:  # noqa: BLE001 - a down gateway must never reach the trainer
