@@ -513,3 +513,111 @@ def test_a_non_ascii_basic_auth_header_is_refused_quietly(capfd):
         assert not any(stage == "export" and kind == "server" for stage, kind in watch.errors.counts)
     err = capfd.readouterr().err
     assert "Traceback" not in err and "TypeError" not in err, err
+
+
+def test_background_queue_is_bounded_by_bytes():
+    """Steps of 4 MiB of tensors each, observed faster than a slow rlwatch thread computes them:
+    the queue never holds more than background_max_bytes (plus one step), and every step's tensors
+    are freed once it ran (checked with weak references, as memory on an accelerator would be)."""
+    import time
+    import weakref
+
+    slow = threading.Event()
+
+    class Slow:
+        def on_step(self, step, values):
+            slow.wait(0.05)
+
+        def close(self):
+            pass
+
+    step_bytes = 4 << 20
+    watch = rlwatch.Watch(run="bytes", port=None, store=None, alerts=False, background=True,
+                          background_max_bytes=4 * step_bytes, listeners=(Slow(),))
+    alive: list = []
+    most = 0
+    try:
+        for i in range(20):
+            step = make_step(B=2, T=8, seed=i)
+            step["entropy"] = torch.rand(2, 8)
+            step["filler"] = torch.zeros(step_bytes // 4)           # an unknown field: held, never used
+            alive.append(weakref.ref(step["filler"]))
+            watch.observe(i, **step)
+            del step
+            most = max(most, sum(ref() is not None for ref in alive))
+        assert watch.flush(30)
+    finally:
+        watch.close()
+    assert most <= 5, most                         # 4 queued + the one being submitted
+    assert watch._worker.peak_bytes <= 4 * step_bytes + step_bytes
+    assert sum(ref() is not None for ref in alive) == 0
+
+
+def test_close_while_other_threads_observe_is_prompt_and_counts_what_it_refused():
+    """Threads keep observing while the background Watch closes: close() returns in seconds, every
+    step is either computed or counted as refused after close."""
+    import time
+
+    watch = rlwatch.Watch(run="closing", port=None, store=None, alerts=False, background=True)
+    step = make_step(B=4, T=8)
+    stop = threading.Event()
+    submitted = [0, 0, 0]
+
+    def observe_forever(k):
+        i = 0
+        while not stop.is_set():
+            watch.observe(k * 1_000_000 + i, **step)
+            submitted[k] += 1
+            i += 1
+
+    threads = [threading.Thread(target=observe_forever, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    start = time.perf_counter()
+    watch.close()
+    closing = time.perf_counter() - start
+    stop.set()
+    for t in threads:
+        t.join()
+    assert closing < 5, closing
+    computed = int(watch.state.snapshot().counters["steps_total"][()])
+    refused = watch.errors.counts[("observe", "after_close")]
+    assert computed + refused == sum(submitted), (computed, refused, submitted)
+    assert refused > 0
+
+
+_KILL_AFTER = textwrap.dedent("""
+    import os, signal, sys
+    import rlwatch
+    from tests.conftest import make_step
+    path, steps, background, point = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+    watch = rlwatch.Watch(run="durable", port=None, store=path, alerts=False, background=background)
+    for i in range(steps):
+        watch.observe(i, **make_step(B=4, T=8, seed=i))
+    if point == "checkpoint":
+        watch.record_checkpoint(steps - 1, "/tmp/ckpt")
+    else:
+        assert watch.flush()
+    os.kill(os.getpid(), signal.SIGKILL)         # right after: nothing else runs
+""")
+
+
+@pytest.mark.parametrize("point,background", [("checkpoint", False), ("checkpoint", True), ("flush", True)])
+def test_steps_before_flush_or_a_checkpoint_survive_sigkill_right_after(tmp_path, point, background):
+    """What observe promises: a step is in the store once flush() returned True, and
+    record_checkpoint() flushes; a SIGKILL right after loses none of those steps."""
+    import sqlite3
+
+    root = Path(__file__).resolve().parents[1]
+    for trial, steps in enumerate((13,)):
+        path = str(tmp_path / f"d{trial}.db")
+        proc = subprocess.run([sys.executable, "-c", _KILL_AFTER, path, str(steps), str(int(background)), point],
+                              cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+        with sqlite3.connect(path) as conn:
+            stored = [r[0] for r in conn.execute("SELECT step FROM steps WHERE run = 'durable' ORDER BY step")]
+            checkpoints = conn.execute("SELECT step FROM checkpoints").fetchall()
+        assert stored == list(range(steps)), (trial, stored)
+        if point == "checkpoint":
+            assert checkpoints == [(steps - 1,)]
