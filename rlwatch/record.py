@@ -139,9 +139,11 @@ class RecordBuilder:
         for name in unknown:
             self._bad(name, "unknown_field", f"unknown field (known: {', '.join(sorted(FIELDS))})")
         try:
-            step = int(step)
-        except (TypeError, ValueError):
-            self._bad("step", "type", f"step must be an int, got {type(step).__name__}")
+            step = int(step.item() if isinstance(step, torch.Tensor) else step)
+            if not -2 ** 63 <= step < 2 ** 63:
+                raise ValueError(f"{step} is outside int64")
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            self._bad("step", "type", f"step must be an int, got {type(step).__name__} ({exc})")
             return None
         mask = self._mask(fields.get("mask"), ws)
         if mask is None:
@@ -244,6 +246,8 @@ class RecordBuilder:
                 tv_f = float(tv.item() if isinstance(tv, torch.Tensor) else tv)
                 if not math.isfinite(tv_f):
                     raise ValueError("not finite")
+                if abs(tv_f) >= 2.0 ** 53:             # past exact integers (and int64, for the lag)
+                    raise ValueError(f"{tv_f:g} is out of range (|version| < 2^53)")
                 rec.trainer_version = int(tv_f)
             except (TypeError, ValueError, RuntimeError) as exc:
                 self._bad("trainer_version", "type", f"expected an int: {exc}")

@@ -71,6 +71,8 @@ def bindable(value: Any) -> Any:
     scalars become numbers, bools ints, paths and other objects encodable strings."""
     from .record import clean_text
 
+    if isinstance(value, int) and not -2 ** 63 <= value < 2 ** 63:
+        return float(value)                    # SQLite integers are 64-bit
     if value is None or isinstance(value, (int, float, bytes)):
         return int(value) if isinstance(value, bool) else value
     if isinstance(value, str):
@@ -83,7 +85,7 @@ def bindable(value: Any) -> Any:
         if isinstance(number, bool):
             return int(number)
         if isinstance(number, (int, float)):
-            return number
+            return bindable(number)
     if isinstance(value, os.PathLike):
         return clean_text(os.fsdecode(value))
     return clean_text(value)
@@ -188,12 +190,12 @@ class RunStore:
 
     def submit_step(self, run: str, step: int, values: dict[str, dict[tuple[str, ...], float | None]],
                     when: float | None = None) -> None:
-        self._put(("step", (bindable(run), int(step), float(when or time.time()), encode_values(values),
+        self._put(("step", (bindable(run), bindable(int(step)), float(when or time.time()), encode_values(values),
                             self.attempt), "step"))
 
     def submit_scalars(self, run: str, step: int, mapping: dict[str, float]) -> None:
         run = bindable(run)
-        rows = [(run, int(step), bindable(str(k)), _finite(v)) for k, v in mapping.items()]
+        rows = [(run, bindable(int(step)), bindable(str(k)), _finite(v)) for k, v in mapping.items()]
         if rows:
             self._put(("INSERT OR REPLACE INTO scalars VALUES (?, ?, ?, ?)", rows, "many"))
 
@@ -206,8 +208,9 @@ class RunStore:
                     _finite(value), json.dumps(annotations, default=str))))
 
     def submit_checkpoint(self, run: str, step: int, path: str) -> None:
-        self._put(("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)", (bindable(run), int(step),
-                                                                            bindable(path), time.time())))
+        self._put(("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)", (bindable(run),
+                                                                            bindable(int(step)), bindable(path),
+                                                                            time.time())))
 
     def submit_hack_examples(self, run: str, examples: list) -> None:
         run = bindable(run)

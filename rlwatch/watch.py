@@ -471,9 +471,11 @@ class Watch:
             def submit() -> None:
                 location = os.fspath(path)
                 location = location if "://" in str(location) else os.path.abspath(location)
-                # A path that is not UTF-8 keeps its raw bytes visible: b"\xff" -> "\\xff".
-                self.store.submit_checkpoint(self.run, step, os.fsencode(location).decode("utf-8", "backslashreplace")
-                                             if "://" not in str(location) else clean_text(location))
+                try:        # a path that is not UTF-8 keeps its raw bytes visible: b"\xff" -> "\\xff"
+                    location = os.fsencode(location).decode("utf-8", "backslashreplace")
+                except UnicodeError:            # a surrogate that no file name decodes to
+                    pass
+                self.store.submit_checkpoint(self.run, step, clean_text(location))
             self._guard("store", "checkpoint", submit)
             if not self.flush(timeout=flush_timeout):
                 self.errors.report("store", "checkpoint_flush", f"steps before checkpoint {step} were not all "
