@@ -92,6 +92,8 @@ def bindable(value: Any) -> Any:
 
 
 def _finite(value: Any) -> float | None:
+    if type(value) is float:                     # the common case, on the training thread
+        return value if math.isfinite(value) else None
     number = bindable(value)
     if isinstance(number, (int, float)) and math.isfinite(number):
         return float(number)

@@ -324,6 +324,20 @@ def test_slack_text_from_a_run_is_inert():
     text.encode("utf-8")                                   # sendable
 
 
+def test_console_alert_lines_escape_control_characters(caplog):
+    """An ESC sequence or a newline in a label does not reach the trainer's terminal raw."""
+    import logging
+
+    from rlwatch.alerts.notify import AlertEvent, log_event
+
+    caplog.set_level(logging.INFO, logger="rlwatch")
+    log_event(AlertEvent("A", "warning", "firing", "run", 1, {"env": "x\x1b]8;;http://e\x07y\nFAKE LINE"}, 1.0,
+                         "s", "d", "u"))
+    line = caplog.records[-1].getMessage()
+    assert "\x1b" not in line and "\x07" not in line and "\n" not in line
+    assert "x\\x1b]8;;http://e\\x07y\\x0aFAKE LINE" in line
+
+
 def test_pushgateway_credentials_never_reach_logs_or_errors(caplog):
     """A Pushgateway URL with user:password and a token: failed pushes are counted, and neither the
     password nor the token appears in any log line."""

@@ -290,10 +290,18 @@ class Dispatcher:
         self._thread.join(timeout=timeout)
 
 
+def _printable(text: Any) -> str:
+    """A label value for a console line: control characters (ESC sequences, newlines) escaped."""
+    return _CONTROL_ALL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
+
+_CONTROL_ALL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def log_event(event: AlertEvent) -> None:
     """The console side of an event: one log line."""
     level = logging.WARNING if event.state == "firing" else logging.INFO
-    labels = ", ".join(f"{k}={v}" for k, v in sorted(event.labels.items()))
+    labels = ", ".join(f"{k}={_printable(v)}" for k, v in sorted(event.labels.items()))
     value = "" if event.value is None else f" value={event.value:.4g}"
     logger.log(level, "rlwatch alert %s %s [%s] run=%s step=%s%s%s - %s (%s)", event.state.upper(), event.name,
                event.severity, event.run, event.step, f" {labels}" if labels else "", value, event.summary,
