@@ -123,7 +123,7 @@ class Watch:
         rank, local_rank, world = _rank()
         self.rank = rank
         self.active = rank == 0 or all_ranks
-        base_run = clean_text(run) if run else default_run_name()
+        base_run = clean_text(run or default_run_name())     # $RLWATCH_RUN may hold surrogate escapes
         framework, framework_version = clean_text(framework), clean_text(framework_version)
         self.run = f"{base_run}-rank{rank}" if all_ranks and world > 1 else base_run
         self.config = SignalConfig(staleness_bound=staleness_bound, is_cap=is_cap, mis_band=tuple(mis_band),
