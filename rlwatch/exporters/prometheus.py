@@ -12,6 +12,7 @@ import errno
 import hmac
 import socket
 import ssl
+import sys
 import threading
 from socketserver import ThreadingMixIn
 from typing import Callable, Iterable
@@ -102,8 +103,6 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     def handle_error(self, request: object, client_address: object) -> None:
         """A client that stalls, resets or fails the handshake costs its own connection only;
         nothing is printed to the trainer's stderr."""
-        import sys
-
         exc = sys.exc_info()[1]
         if self.on_error is not None and exc is not None and not isinstance(exc, (OSError, ssl.SSLError)):
             self.on_error("server", exc)
@@ -145,7 +144,7 @@ def _never_raise(app: Callable, on_error: Callable[[str, BaseException], None] |
         except Exception as exc:  # noqa: BLE001
             if on_error is not None:
                 on_error("server", exc)
-            start_response("500 Internal Server Error", [("Content-Type", "text/plain")], __import__("sys").exc_info())
+            start_response("500 Internal Server Error", [("Content-Type", "text/plain")], sys.exc_info())
             return [b"internal error\n"]
 
     return guarded
