@@ -4,7 +4,8 @@ Each round starts a trainer process (a resumed run: same run name, same store) t
 steps with a TLS endpoint, the in-process alert evaluator and a webhook notifier, while
 - another connection locks the store for a second at a time (the writer's busy timeout is
   0.1 s, so every lock costs retries),
-- a scraper reads /metrics over TLS every 50 ms, and an idle TCP client sits on the TLS port,
+- a real Prometheus scrapes it over TLS every 0.5 s (found through a file_sd directory, as on a
+  cluster), a scraper thread reads /metrics every 50 ms, and an idle TCP client sits on the TLS port,
 - the webhook receiver answers one byte every 0.2 s (the notifier's timeout is 0.5 s),
 - the round ends with SIGKILL: from outside at a random moment, or from inside right after
   ``observe`` returned, or right after ``flush()`` returned.
@@ -29,11 +30,16 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import json
+
 import pytest
+
+from .conftest import free_port, need_binary, start_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,9 +50,9 @@ TRAINER = textwrap.dedent("""
     from rlwatch.alerts.notify import WebhookNotifier
     from tests.conftest import make_step
 
-    path, cert, key, hook, first, kill_at, mode = sys.argv[1:8]
+    path, cert, key, hook, first, kill_at, mode, sd_dir, go = sys.argv[1:10]
     first, kill_at = int(first), int(kill_at)
-    watch = rlwatch.Watch(run="chaos", port=0, store=path, tls_certfile=cert, tls_keyfile=key,
+    watch = rlwatch.Watch(run="chaos", port=0, store=path, tls_certfile=cert, tls_keyfile=key, sd_dir=sd_dir,
                           notifiers=(WebhookNotifier(hook, timeout=0.5),), alert_overrides={"truncated_max": 0.0})
     watch.store._put(("PRAGMA busy_timeout = 100", ()))
     print("PORT", watch.port, flush=True)
@@ -57,12 +63,12 @@ TRAINER = textwrap.dedent("""
         record["truncated"] = torch.arange(8) == 0 if step % 12 < 6 else torch.zeros(8, dtype=torch.bool)
         watch.observe(step, **record)
         print("O", step, flush=True)
-        if step == kill_at and mode == "after_observe":
+        if step >= kill_at and mode == "after_observe" and os.path.exists(go):
             os.kill(os.getpid(), signal.SIGKILL)
         if step % 10 == 9:
             if watch.flush(timeout=5.0):
                 print("F", step, watch.store.dropped, watch.store.retries, flush=True)
-                if step >= kill_at and mode == "after_flush":
+                if step >= kill_at and mode == "after_flush" and os.path.exists(go):
                     os.kill(os.getpid(), signal.SIGKILL)
         step += 1
         time.sleep(0.01)
@@ -128,6 +134,19 @@ def _scrape(rnd: _Round, context: ssl.SSLContext, stop: threading.Event) -> None
         stop.wait(0.05)
 
 
+def _wait_for_a_scrape(prometheus: str, port: int, timeout: float = 60.0) -> None:
+    """Until Prometheus scraped the trainer on ``port`` once (file_sd updates reach the scrape
+    loop every 5 s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        targets = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/targets", timeout=10).read())
+        if any(t["labels"].get("instance") == f"127.0.0.1:{port}" and t["health"] == "up"
+               for t in targets["data"]["activeTargets"]):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"Prometheus never scraped 127.0.0.1:{port}")
+
+
 def _lock_store(path: str, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
@@ -151,6 +170,16 @@ def test_sigkill_under_every_fault_loses_no_step_unexplained(tmp_path):
     receiver.daemon_threads = True
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     hook = f"http://127.0.0.1:{receiver.server_address[1]}/hook"
+    sd_dir = tmp_path / "sd"
+    sd_dir.mkdir()
+    prom_port = free_port()
+    (tmp_path / "prometheus.yml").write_text(json.dumps({
+        "global": {"scrape_interval": "500ms", "scrape_timeout": "400ms"},
+        "scrape_configs": [{"job_name": "chaos", "scheme": "https", "tls_config": {"ca_file": cert},
+                            "file_sd_configs": [{"files": [str(sd_dir / "*.json")]}]}]}))
+    prometheus = start_process([need_binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+                                f"--storage.tsdb.path={tmp_path / 'data'}",
+                                f"--web.listen-address=127.0.0.1:{prom_port}"], prom_port, tmp_path / "prometheus.log")
     stop = threading.Event()
     locker = None
     rounds: list[_Round] = []
@@ -161,8 +190,9 @@ def test_sigkill_under_every_fault_loses_no_step_unexplained(tmp_path):
             rnd = _Round()
             rounds.append(rnd)
             kill_at = next_step + rng.randint(12, 35)
+            go = tmp_path / f"go-{len(rounds)}"          # the trainer may die once Prometheus scraped it
             proc = subprocess.Popen([sys.executable, "-c", TRAINER, path, cert, key, hook, str(next_step), str(kill_at),
-                                     mode], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                     mode, str(sd_dir), str(go)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             reader = threading.Thread(target=_read, args=(proc, rnd), daemon=True)
             reader.start()
@@ -177,6 +207,8 @@ def test_sigkill_under_every_fault_loses_no_step_unexplained(tmp_path):
             if locker is None and os.path.exists(path):
                 locker = threading.Thread(target=_lock_store, args=(path, stop), daemon=True)
                 locker.start()
+            _wait_for_a_scrape(prometheus.url, rnd.port)
+            go.touch()
             if mode == "outside":
                 while len(rnd.observed) < kill_at - next_step and proc.poll() is None:
                     time.sleep(0.005)
@@ -191,9 +223,17 @@ def test_sigkill_under_every_fault_loses_no_step_unexplained(tmp_path):
             # The next round resumes after the last step this one made durable: the steps in between
             # are observed again (a resumed run), the earlier rows kept in step_history.
             next_step = rnd.flushed + 1 if rnd.flushed is not None else next_step
+        time.sleep(1.0)                                  # Prometheus records the last target as down
+        query = urllib.parse.urlencode({"query": 'sum_over_time(up{job="chaos"}[10m])'})
+        result = json.loads(urllib.request.urlopen(f"{prometheus.url}/api/v1/query?{query}", timeout=10).read())
+        prometheus_ok = {r["metric"]["instance"]: int(float(r["value"][1])) for r in result["data"]["result"]}
+        targets = json.loads(urllib.request.urlopen(f"{prometheus.url}/api/v1/targets?state=any", timeout=10).read())
+        target_errors = sorted({t["lastError"] for t in targets["data"]["activeTargets"]   # a dead trainer: refused
+                                if t["lastError"] and "connection refused" not in t["lastError"]})
     finally:
         stop.set()
         receiver.shutdown()
+        prometheus.stop()
     if locker is not None:
         locker.join(timeout=10)
 
@@ -215,7 +255,7 @@ def test_sigkill_under_every_fault_loses_no_step_unexplained(tmp_path):
         lines.append(f"{mode:14s} observed {len(rnd.observed):3d} stored {len(rnd.observed) - len(missing):3d} "
                      f"dropped(counted) {rnd.dropped} lost in flight at the kill {len(in_flight):2d} "
                      f"unexplained {unexplained} lock retries {rnd.retries} scrapes ok {rnd.scrapes_ok} "
-                     f"failed {rnd.scrapes_failed}")
+                     f"failed {rnd.scrapes_failed}, by Prometheus ok {prometheus_ok.get(f'127.0.0.1:{rnd.port}', 0)}")
         totals["observed"] += len(rnd.observed)
         totals["stored"] += len(rnd.observed) - len(missing)
         totals["dropped"] += rnd.dropped
@@ -223,8 +263,11 @@ def test_sigkill_under_every_fault_loses_no_step_unexplained(tmp_path):
         totals["unexplained"] += unexplained
         totals["retries"] += rnd.retries
         assert rnd.flushed is not None and rnd.scrapes_ok > 0, lines[-1]
-    report = "\n".join(lines + [f"total {totals} webhook posts {_Trickle.posts}"])
+    report = "\n".join(lines + [f"total {totals} webhook posts {_Trickle.posts} "
+                                  f"Prometheus successful scrapes {sum(prometheus_ok.values())}, last errors other than a "
+                                  f"dead trainer's refused connection: {target_errors}"])
     print(report)
     assert totals["unexplained"] == 0, report
     assert totals["stored"] > 0.8 * totals["observed"], report
     assert totals["retries"] > 0 and _Trickle.posts > 0, report          # the faults really happened
+    assert all(prometheus_ok.get(f"127.0.0.1:{rnd.port}", 0) > 0 for rnd in rounds), report
