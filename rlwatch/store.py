@@ -43,7 +43,7 @@ from ._queues import wait_drained
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (run TEXT PRIMARY KEY, started REAL, meta TEXT);
-CREATE TABLE IF NOT EXISTS steps (run TEXT NOT NULL, step INTEGER NOT NULL, time REAL, data TEXT,
+CREATE TABLE IF NOT EXISTS steps (run TEXT NOT NULL, step INTEGER NOT NULL, time REAL, data TEXT, attempt TEXT,
                                   PRIMARY KEY (run, step));
 CREATE TABLE IF NOT EXISTS scalars (run TEXT NOT NULL, step INTEGER NOT NULL, name TEXT NOT NULL, value REAL,
                                     PRIMARY KEY (run, step, name));

@@ -413,3 +413,23 @@ def test_a_trickling_webhook_receiver_is_cut_off_at_the_request_timeout():
         assert errors == ["send"]
     finally:
         server.shutdown()
+
+
+def test_a_store_from_before_step_history_is_migrated_in_place(tmp_path):
+    """An existing store (steps without the attempt column, no step_history) is resumed: its row
+    for step 0 moves to step_history, readers see one row per step."""
+    import sqlite3
+
+    path = str(tmp_path / "old.db")
+    with sqlite3.connect(path) as conn:
+        conn.executescript("CREATE TABLE steps (run TEXT NOT NULL, step INTEGER NOT NULL, time REAL, data TEXT, "
+                           "PRIMARY KEY (run, step)); INSERT INTO steps VALUES ('old', 0, 1.0, '{}');")
+    with StoreReader(path) as store:
+        assert [r.step for r in store.steps("old")] == [0] and store.step_history("old") == []
+    with rlwatch.Watch(run="old", port=None, store=path, alerts=False) as watch:
+        watch.observe(0, **make_step())
+        watch.observe(1, **make_step())
+    with StoreReader(path) as store:
+        assert [r.step for r in store.steps("old")] == [0, 1]
+        assert [(r.step, attempt) for r, attempt, _ in store.step_history("old")] == [(0, None)]
+        assert store.steps("old")[0].get("steps_total") == 1.0
