@@ -75,6 +75,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "hook", ("stage", "kind")),
     _g("store_queue_depth", "Steps waiting to be written to the run store.", "hook"),
     _c("store_dropped_steps_total", "Steps the run store could not write (queue full or write error).", "hook"),
+    _c("store_step_conflicts_total", "Steps observed again (resumed run, two processes on one run); the earlier "
+       "row is kept in the store's step_history.", "hook"),
     _g("staleness_bound", "Configured staleness bound (policy updates).", "config"),
     _g("is_cap", "Configured truncated-IS cap C.", "config"),
     _g("mis_low", "Configured lower edge of the masked-IS band.", "config"),

@@ -33,6 +33,25 @@ DEFAULT_LABEL = "default"
 OTHER_LABEL = "other"
 
 
+def clean_text(value: Any) -> str:
+    """``value`` as a string that every sink can encode: labels, the store, notifiers, logs.
+
+    Code points UTF-8 cannot encode (lone surrogates, as ``json.loads('"\\udcff"')`` or
+    ``os.fsdecode(b"\\xff")`` produce) become backslash escapes (``\\udcff``); bytes are decoded as
+    UTF-8 with the same escapes. Everything else, control characters included, is kept: the
+    Prometheus text format escapes what it must, and each text sink escapes for its own syntax.
+    The one place every string from the trainer goes through before it reaches a sink."""
+    if isinstance(value, (bytes, bytearray)):
+        text = bytes(value).decode("utf-8", "backslashreplace")
+    else:
+        text = value if isinstance(value, str) else str(value)
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 @dataclass
 class StepRecord:
     """A validated step. Tensors live on ``mask.device``; ``mask`` is float 0/1 [B, T]."""
@@ -70,7 +89,11 @@ class LabelRegistry:
     def clean(self, value: Any) -> tuple[str, bool]:
         """(label, was_bad): non-strings and over-long strings are converted and flagged."""
         bad = not isinstance(value, str)
-        text = value if isinstance(value, str) else str(value)
+        try:
+            text = clean_text(value)
+        except Exception:  # noqa: BLE001 - a __str__ that raises still gives a label
+            text, bad = f"<{type(value).__name__}>", True
+        bad |= text is not value and isinstance(value, str)      # a string that needed escaping
         if len(text) > MAX_LABEL_LENGTH:
             text, bad = text[:MAX_LABEL_LENGTH], True
         return (text if text else DEFAULT_LABEL), bad
@@ -116,9 +139,11 @@ class RecordBuilder:
         for name in unknown:
             self._bad(name, "unknown_field", f"unknown field (known: {', '.join(sorted(FIELDS))})")
         try:
-            step = int(step)
-        except (TypeError, ValueError):
-            self._bad("step", "type", f"step must be an int, got {type(step).__name__}")
+            step = int(step.item() if isinstance(step, torch.Tensor) else step)
+            if not -2 ** 63 <= step < 2 ** 63:
+                raise ValueError(f"{step} is outside int64")
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            self._bad("step", "type", f"step must be an int, got {type(step).__name__} ({exc})")
             return None
         mask = self._mask(fields.get("mask"), ws)
         if mask is None:
@@ -221,6 +246,8 @@ class RecordBuilder:
                 tv_f = float(tv.item() if isinstance(tv, torch.Tensor) else tv)
                 if not math.isfinite(tv_f):
                     raise ValueError("not finite")
+                if abs(tv_f) >= 2.0 ** 53:             # past exact integers (and int64, for the lag)
+                    raise ValueError(f"{tv_f:g} is out of range (|version| < 2^53)")
                 rec.trainer_version = int(tv_f)
             except (TypeError, ValueError, RuntimeError) as exc:
                 self._bad("trainer_version", "type", f"expected an int: {exc}")
@@ -306,7 +333,8 @@ class RecordBuilder:
             labels.append(label)
             index.append(names.setdefault(label, len(names)))
         if bad_label:
-            self._bad("env", "label", f"non-string or over-long ({MAX_LABEL_LENGTH}+ chars) labels converted")
+            self._bad("env", "label", f"non-string, unencodable or over-long ({MAX_LABEL_LENGTH}+ chars) "
+                                    "labels converted")
         if overflow:
             self._bad("env", "label_cap", f"more than {self.envs.cap} distinct environments; the rest "
                                           f"are counted as '{OTHER_LABEL}'")

@@ -3,8 +3,13 @@
 Tables:
 
 - ``runs``: one row per run (start time, metadata JSON: config, framework, versions).
-- ``steps``: one row per step; ``data`` is JSON ``{metric name: [[label..., value], ...]}`` holding
-  every signal of the step (gauges, counter increments, histogram bucket counts).
+- ``steps``: one row per step, the latest observation of it; ``data`` is JSON ``{metric name:
+  [[label..., value], ...]}`` holding every signal of the step (gauges, counter increments,
+  histogram bucket counts); ``attempt`` names the process that wrote it (``attempts.id``).
+- ``step_history``: every earlier observation of a step that was observed again (a resumed run,
+  a re-run segment, two processes writing the same run), moved there with the time it was
+  replaced: nothing observed is overwritten. Counted as conflicts (``step_conflicts``).
+- ``attempts``: one row per process that wrote a run (id, run, start time, pid, host).
 - ``scalars``: a framework's own logged scalars per step (``Watch.log_scalars``).
 - ``alerts``: alert events (firing / resolved) with labels, value and annotations.
 - ``checkpoints``: which checkpoint directory belongs to which step.
@@ -13,8 +18,13 @@ Tables:
 
 Writes go through a bounded queue to one writer thread, which commits after every batch; a
 process killed at any moment leaves a store that opens and holds every committed step. Readers
-may open the file while the run writes it (WAL). When the queue is full or a write fails, the
-row is dropped and counted (``dropped``), never blocking or raising into the trainer.
+may open the file while the run writes it (WAL). Every value is converted at submission (0-d
+tensors and numpy scalars to numbers, strings made encodable). A batch that fails is written
+again row by row, so that a row the database refuses costs that row only; a database locked by
+another process is retried with backoff for up to ``retry_seconds`` (the trainer never waits:
+the queue absorbs the steps meanwhile). When the queue is full or a row finally fails, the row
+is dropped and counted (``dropped``), never blocking or raising into the trainer. ``flush()``
+returning True means every row submitted before it is committed (and the WAL synced).
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from ._queues import wait_drained
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (run TEXT PRIMARY KEY, started REAL, meta TEXT);
-CREATE TABLE IF NOT EXISTS steps (run TEXT NOT NULL, step INTEGER NOT NULL, time REAL, data TEXT,
+CREATE TABLE IF NOT EXISTS steps (run TEXT NOT NULL, step INTEGER NOT NULL, time REAL, data TEXT, attempt TEXT,
                                   PRIMARY KEY (run, step));
 CREATE TABLE IF NOT EXISTS scalars (run TEXT NOT NULL, step INTEGER NOT NULL, name TEXT NOT NULL, value REAL,
                                     PRIMARY KEY (run, step, name));
@@ -44,11 +54,55 @@ CREATE TABLE IF NOT EXISTS checkpoints (run TEXT, step INTEGER, path TEXT, time 
                                         PRIMARY KEY (run, step, path));
 CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, run TEXT, time REAL, kind TEXT,
                                    detail TEXT);
+CREATE TABLE IF NOT EXISTS step_history (run TEXT NOT NULL, step INTEGER NOT NULL, time REAL, data TEXT,
+                                         attempt TEXT, replaced REAL);
+CREATE INDEX IF NOT EXISTS step_history_run_step ON step_history (run, step);
+CREATE TABLE IF NOT EXISTS attempts (id TEXT PRIMARY KEY, run TEXT, started REAL, pid INTEGER, host TEXT);
 CREATE TABLE IF NOT EXISTS hack_examples (id INTEGER PRIMARY KEY AUTOINCREMENT, run TEXT, step INTEGER, env TEXT,
                                           detector TEXT, reason TEXT, prompt TEXT, response TEXT, reward REAL);
 """
 
 _STOP = object()
+_SYNC = ("PRAGMA wal_checkpoint(PASSIVE)", (), "sync")     # syncs the WAL: flush() is durable
+
+
+def bindable(value: Any) -> Any:
+    """A value SQLite can bind: None, int, float, encodable str or bytes. 0-d tensors and numpy
+    scalars become numbers, bools ints, paths and other objects encodable strings."""
+    from .record import clean_text
+
+    if isinstance(value, int) and not -2 ** 63 <= value < 2 ** 63:
+        return float(value)                    # SQLite integers are 64-bit
+    if value is None or isinstance(value, (int, float, bytes)):
+        return int(value) if isinstance(value, bool) else value
+    if isinstance(value, str):
+        return clean_text(value)
+    if callable(getattr(value, "item", None)):         # 0-d tensors, numpy scalars
+        try:
+            number = value.item()
+        except Exception:  # noqa: BLE001 - several elements: stored as text below
+            number = None
+        if isinstance(number, bool):
+            return int(number)
+        if isinstance(number, (int, float)):
+            return bindable(number)
+    if isinstance(value, os.PathLike):
+        return clean_text(os.fsdecode(value))
+    return clean_text(value)
+
+
+def _finite(value: Any) -> float | None:
+    if type(value) is float:                     # the common case, on the training thread
+        return value if math.isfinite(value) else None
+    number = bindable(value)
+    if isinstance(number, (int, float)) and math.isfinite(number):
+        return float(number)
+    return None
+
+
+def _locked(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text)
 
 
 def encode_values(values: dict[str, dict[tuple[str, ...], float | None]]) -> str:
@@ -59,10 +113,9 @@ def encode_values(values: dict[str, dict[tuple[str, ...], float | None]]) -> str
             continue
         rows = []
         for labels, value in family.items():
-            v = None if value is None or not math.isfinite(value) else value
-            rows.append([*labels, v])
+            rows.append([*labels, _finite(value)])
         out[name] = rows
-    return json.dumps(out, separators=(",", ":"))
+    return json.dumps(out, separators=(",", ":"), default=str)
 
 
 def decode_values(text: str) -> dict[str, dict[tuple[str, ...], float | None]]:
@@ -74,45 +127,77 @@ class RunStore:
     """Asynchronous writer for one store file. ``submit_*`` never block; ``flush`` waits."""
 
     def __init__(self, path: str, on_error: Callable[[str, BaseException], None] | None = None,
-                 max_queue: int = 4096) -> None:
+                 max_queue: int = 4096, busy_timeout: float = 5.0, retry_seconds: float = 120.0) -> None:
         self.path = os.fspath(path)
         self._on_error = on_error or (lambda kind, exc: None)
-        self.dropped = 0
+        self.dropped = 0              # steps lost (queue full, refused after close, or a failed write)
+        self.dropped_rows = 0         # rows of any table lost
         self.written_steps = 0
+        self.step_conflicts = 0       # steps observed again: the earlier row moved to step_history
+        self.retries = 0              # batch writes retried because another connection held the lock
+        self.retry_seconds = retry_seconds
+        self.attempt = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
+        self._closed = False
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        self._conn = self._connect(self.path)    # raises on an unusable path: the caller disables the store
+        self._conn = self._connect(self.path, busy_timeout)   # raises on an unusable path: no store
         self._thread = threading.Thread(target=self._run, name="rlwatch-store", daemon=True)
         self._thread.start()
 
     @staticmethod
-    def _connect(path: str) -> sqlite3.Connection:
-        conn = sqlite3.connect(path, timeout=5.0, check_same_thread=False, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.executescript(SCHEMA)
-        return conn
+    def _connect(path: str, busy_timeout: float = 5.0) -> sqlite3.Connection:
+        conn = sqlite3.connect(path, timeout=busy_timeout, check_same_thread=False, isolation_level=None)
+        deadline = time.monotonic() + 30.0
+        while True:                       # another process may hold the lock while we set up
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+                conn.executescript(SCHEMA)
+                columns = {row[1] for row in conn.execute("PRAGMA table_info(steps)")}
+                if "attempt" not in columns:          # a store written before attempts existed
+                    conn.execute("ALTER TABLE steps ADD COLUMN attempt TEXT")
+                return conn
+            except sqlite3.OperationalError as exc:
+                if not _locked(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     # --- submissions (training thread) --------------------------------------------------------
 
     def _put(self, item: tuple) -> None:
+        steps = sum(1 for _ in _step_rows(item))
+        if self._closed:
+            self._lose(item, "closed", RuntimeError("store closed; row refused"))
+            return
         try:
             self._queue.put_nowait(item)
         except queue.Full:
-            self.dropped += 1
-            self._on_error("queue_full", RuntimeError(f"store queue full ({self._queue.maxsize}); row dropped"))
+            self._lose(item, "queue_full", RuntimeError(f"store queue full ({self._queue.maxsize}); "
+                                                        f"{'step' if steps else 'row'} dropped"))
+
+    def _lose(self, item: tuple, kind: str, exc: BaseException) -> None:
+        rows = len(item[1]) if len(item) > 2 and item[2] == "many" else 1
+        self.dropped += sum(1 for _ in _step_rows(item))
+        self.dropped_rows += rows
+        self._on_error(kind, exc)
 
     def submit_run(self, run: str, meta: dict[str, Any]) -> None:
+        import socket
+
+        run = bindable(run)
         self._put(("INSERT OR REPLACE INTO runs VALUES (?, ?, ?)", (run, time.time(), json.dumps(meta, default=str))))
+        self._put(("INSERT OR REPLACE INTO attempts VALUES (?, ?, ?, ?, ?)",
+                   (self.attempt, run, time.time(), os.getpid(), bindable(socket.gethostname()))))
 
     def submit_step(self, run: str, step: int, values: dict[str, dict[tuple[str, ...], float | None]],
                     when: float | None = None) -> None:
-        self._put(("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?)",
-                   (run, int(step), when or time.time(), encode_values(values)), "step"))
+        self._put(("step", (bindable(run), bindable(int(step)), float(when or time.time()), encode_values(values),
+                            self.attempt), "step"))
 
     def submit_scalars(self, run: str, step: int, mapping: dict[str, float]) -> None:
-        rows = [(run, int(step), str(k), float(v)) for k, v in mapping.items()]
+        run = bindable(run)
+        rows = [(run, bindable(int(step)), bindable(str(k)), _finite(v)) for k, v in mapping.items()]
         if rows:
             self._put(("INSERT OR REPLACE INTO scalars VALUES (?, ?, ?, ?)", rows, "many"))
 
@@ -120,22 +205,27 @@ class RunStore:
                      labels: dict[str, str], value: float | None, annotations: dict[str, str]) -> None:
         self._put(("INSERT INTO alerts (run, step, time, name, severity, state, labels, value, annotations) "
                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                   (run, step, time.time(), name, severity, state, json.dumps(labels, sort_keys=True),
-                    value if value is None or math.isfinite(value) else None, json.dumps(annotations))))
+                   (bindable(run), None if step is None else int(step), time.time(), bindable(name),
+                    bindable(severity), bindable(state), json.dumps(labels, sort_keys=True, default=str),
+                    _finite(value), json.dumps(annotations, default=str))))
 
     def submit_checkpoint(self, run: str, step: int, path: str) -> None:
-        self._put(("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)", (run, int(step), os.fspath(path),
+        self._put(("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)", (bindable(run),
+                                                                            bindable(int(step)), bindable(path),
                                                                             time.time())))
 
     def submit_hack_examples(self, run: str, examples: list) -> None:
-        rows = [(run, e.step, e.env, e.detector, e.reason, e.prompt, e.response, e.reward) for e in examples]
+        run = bindable(run)
+        rows = [(run, None if e.step is None else int(e.step), bindable(e.env), bindable(e.detector),
+                 bindable(e.reason), bindable(e.prompt), bindable(e.response), _finite(e.reward))
+                for e in examples]
         if rows:
             self._put(("INSERT INTO hack_examples (run, step, env, detector, reason, prompt, response, reward) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows, "many"))
 
     def submit_event(self, run: str, kind: str, detail: str) -> None:
         self._put(("INSERT INTO events (run, time, kind, detail) VALUES (?, ?, ?, ?)",
-                   (run, time.time(), kind, detail)))
+                   (bindable(run), time.time(), bindable(kind), bindable(detail))))
 
     # --- writer thread --------------------------------------------------------------------------
 
@@ -156,27 +246,90 @@ class RunStore:
                 return
 
     def _write(self, batch: list[tuple]) -> None:
+        """Write ``batch`` in one transaction; when it fails, retry while another connection holds
+        the lock (bounded), then fall back to one row at a time so that only the rows the
+        database refuses are lost (counted, and noted in ``events``)."""
         if not batch:
             return
-        try:
-            self._conn.execute("BEGIN")
-            steps = 0
-            for sql, params, *mode in batch:
-                if mode and mode[0] == "many":
-                    self._conn.executemany(sql, params)
-                else:
-                    self._conn.execute(sql, params)
-                    steps += bool(mode and mode[0] == "step")
-            self._conn.execute("COMMIT")
-            self.written_steps += steps
-        except Exception as exc:  # noqa: BLE001 - disk full, read-only, locked: count and carry on
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
             try:
-                self._conn.execute("ROLLBACK")
-            except Exception:  # noqa: BLE001
-                pass
-            lost = sum(1 for _, _, *mode in batch if mode and mode[0] == "step")
-            self.dropped += lost
-            self._on_error("write", exc)
+                self._transaction(batch)
+                return
+            except Exception as exc:  # noqa: BLE001 - disk full, read-only, locked, unbindable
+                self._rollback()
+                if _locked(exc) and time.monotonic() < deadline:
+                    self.retries += 1
+                    if self.retries == 1:
+                        self._on_error("locked", exc)        # once: the retries are counted in .retries
+                    time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                    delay = min(delay * 2, 1.0)
+                    continue
+                if len(batch) == 1 and not _is_many(batch[0]):
+                    self._drop(batch[0], exc)
+                    return
+                break
+        for item in batch:                  # one row at a time: a bad row costs itself only
+            for row in ([(item[0], row, "row") for row in item[1]] if _is_many(item) else [item]):
+                self._write([row])
+
+    def _transaction(self, batch: list[tuple]) -> None:
+        conn = self._conn
+        conn.execute("BEGIN")
+        steps = conflicts = 0
+        first_conflict = None
+        for sql, params, *mode in batch:
+            kind = mode[0] if mode else None
+            if kind == "many":
+                conn.executemany(sql, params)
+            elif kind == "step":
+                moved = conn.execute("INSERT INTO step_history SELECT run, step, time, data, attempt, ? FROM steps "
+                                     "WHERE run = ? AND step = ?", (time.time(), params[0], params[1])).rowcount
+                if moved > 0:
+                    conflicts += 1
+                    first_conflict = first_conflict or params
+                conn.execute("INSERT OR REPLACE INTO steps (run, step, time, data, attempt) VALUES (?, ?, ?, ?, ?)",
+                             params)
+                steps += 1
+            elif kind == "sync":
+                continue
+            else:
+                conn.execute(sql, params)
+        if conflicts and self.step_conflicts == 0:
+            conn.execute("INSERT INTO events (run, time, kind, detail) VALUES (?, ?, ?, ?)",
+                         (first_conflict[0], time.time(), "step_conflict",
+                          f"step {first_conflict[1]} was observed again (attempt {self.attempt}); the earlier "
+                          "row is kept in step_history, later re-observed steps are counted"))
+        conn.execute("COMMIT")
+        self.written_steps += steps
+        self.step_conflicts += conflicts
+        if any(mode and mode[0] == "sync" for _, _, *mode in batch):
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")      # syncs the WAL before copying
+
+    def _rollback(self) -> None:
+        try:
+            self._conn.execute("ROLLBACK")
+        except Exception:  # noqa: BLE001 - no transaction open
+            pass
+
+    def _drop(self, item: tuple, exc: BaseException) -> None:
+        """Count one row the database refused and note it in ``events`` (when that can be written)."""
+        if item[0] == "PRAGMA wal_checkpoint(PASSIVE)":
+            self._on_error("sync", exc)
+            return
+        self.dropped += sum(1 for _ in _step_rows(item))
+        self.dropped_rows += 1
+        self._on_error("write", exc)
+        step = item[1][1] if item[0] == "step" else None
+        what = f"step {step}" if step is not None else "a row (" + item[0].split("(")[0].strip()[:40] + ")"
+        try:
+            self._conn.execute("INSERT INTO events (run, time, kind, detail) VALUES (?, ?, ?, ?)",
+                               (item[1][0] if item[1] and isinstance(item[1][0], str) else None, time.time(),
+                                "store_row_dropped",
+                                f"{what} could not be written: {type(exc).__name__}: {bindable(str(exc))[:200]}"))
+        except Exception:  # noqa: BLE001 - the database refuses everything (disk full): counted above
+            pass
 
     # --- control ------------------------------------------------------------------------------
 
@@ -185,10 +338,21 @@ class RunStore:
         return self._queue.qsize()
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every submitted row is written (or failed). False on timeout."""
+        """Wait until every row submitted before the call is committed and the WAL synced (or
+        failed and counted). True means a process killed afterwards keeps those rows; False on
+        timeout (the writer is behind, e.g. retrying a locked database)."""
+        if self._closed or not self._thread.is_alive():
+            return not self._thread.is_alive() and self._queue.unfinished_tasks == 0
+        try:
+            self._queue.put(_SYNC, timeout=timeout)
+        except queue.Full:
+            return False
         return wait_drained(self._queue, timeout, self._thread.is_alive)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued (up to ``timeout`` s) and close; rows submitted later are refused
+        and counted."""
+        self._closed = True
         if self._thread.is_alive():
             try:
                 self._queue.put(_STOP, timeout=timeout)
@@ -199,6 +363,15 @@ class RunStore:
             self._conn.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _is_many(item: tuple) -> bool:
+    return len(item) > 2 and item[2] == "many"
+
+
+def _step_rows(item: tuple) -> Iterable[None]:
+    if item is not _STOP and len(item) > 2 and item[2] == "step":
+        yield None
 
 
 @dataclass
@@ -242,8 +415,26 @@ class StoreReader:
         return json.loads(rows[0]["meta"]) if rows else {}
 
     def steps(self, run: str) -> list[StepRow]:
+        """One row per step: its latest observation."""
         return [StepRow(r["step"], r["time"], decode_values(r["data"]))
                 for r in self._rows("SELECT step, time, data FROM steps WHERE run = ? ORDER BY step", (run,))]
+
+    def step_history(self, run: str) -> list[tuple[StepRow, str | None, float]]:
+        """Earlier observations of re-observed steps: (row, attempt that wrote it, time replaced)."""
+        if not self._has_table("step_history"):
+            return []
+        return [(StepRow(r["step"], r["time"], decode_values(r["data"])), r["attempt"], r["replaced"])
+                for r in self._rows("SELECT * FROM step_history WHERE run = ? ORDER BY replaced, step", (run,))]
+
+    def attempts(self, run: str) -> list[dict[str, Any]]:
+        """The processes that wrote ``run``, oldest first (id, started, pid, host)."""
+        if not self._has_table("attempts"):
+            return []
+        return [dict(id=r["id"], started=r["started"], pid=r["pid"], host=r["host"])
+                for r in self._rows("SELECT * FROM attempts WHERE run = ? ORDER BY started", (run,))]
+
+    def _has_table(self, name: str) -> bool:
+        return bool(self._rows("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)))
 
     def series(self, run: str, name: str, labels: tuple[str, ...] = ()) -> list[tuple[int, float]]:
         """(step, value) pairs of one signal, skipping steps where it is absent."""

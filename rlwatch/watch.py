@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 from . import __version__
 from ._queues import OrderedWorker
 from .errors import HookErrors, RLWatchError
-from .record import LabelRegistry, RecordBuilder
+from .record import LabelRegistry, RecordBuilder, clean_text
 from .signals import SignalConfig, Values, Workspace, compute_step
 from .state import MetricState
 
@@ -94,6 +94,15 @@ class Watch:
             than computing inline, ``bench/bench_trl_overhead.py``). The tensors passed must
             not be modified in place afterwards. ``flush()`` waits for the queued steps; guards
             and ``on_alert`` callbacks then run on that thread, a step or so later. Off in strict mode.
+        background_max_bytes: bytes of input tensors the background queue may hold (default 256 MiB;
+            a queued step keeps its tensors alive, on an accelerator in device memory): when full,
+            ``observe`` waits for rlwatch's thread (at most 5 s, then the step is dropped, counted).
+
+    Durability: ``observe`` returns once the step is exported (computed, or queued with
+    ``background=True``); the store writes it a moment later on its own thread, so a process killed
+    right after ``observe`` may lose the last steps. ``flush()`` returning True is the point to rely
+    on: every step observed before it is committed to the store, and survives the process being
+    killed. ``record_checkpoint`` flushes, so the steps that led to a checkpoint are stored with it.
     """
 
     def __init__(self, run: str | None = None, *, port: int | None = DEFAULT_PORT, addr: str = "127.0.0.1",
@@ -107,13 +116,15 @@ class Watch:
                  framework_version: str = "", metadata: Mapping[str, Any] | None = None,
                  alert_overrides: Mapping[str, float] | None = None, guard: tuple[Callable, ...] = (),
                  sd_dir: str | None = None, hack_detectors: Any = None,
-                 listeners: tuple[StepListener, ...] = (), background: bool = False) -> None:
+                 listeners: tuple[StepListener, ...] = (), background: bool = False,
+                 background_max_bytes: int = 256 << 20) -> None:
         self.errors = HookErrors(strict=strict)
         self.strict = strict
         rank, local_rank, world = _rank()
         self.rank = rank
         self.active = rank == 0 or all_ranks
-        base_run = run or default_run_name()
+        base_run = clean_text(run or default_run_name())     # $RLWATCH_RUN may hold surrogate escapes
+        framework, framework_version = clean_text(framework), clean_text(framework_version)
         self.run = f"{base_run}-rank{rank}" if all_ranks and world > 1 else base_run
         self.config = SignalConfig(staleness_bound=staleness_bound, is_cap=is_cap, mis_band=tuple(mis_band),
                                    reward_bounds=reward_bounds, group_size=group_size)
@@ -125,6 +136,7 @@ class Watch:
         self._last_time: float | None = None
         self._compute_total = 0.0
         self._closed = False
+        self._closing = False
         self.background = background and not strict
         self._worker: OrderedWorker | None = None
         self.server = None
@@ -171,7 +183,7 @@ class Watch:
         if self.background:
             self._worker = OrderedWorker("rlwatch-steps", lambda exc: self.errors.report(
                 "background", type(exc).__name__, f"{type(exc).__name__}: {exc}", exc=exc),
-                initializer=_one_intra_op_thread_here)
+                initializer=_one_intra_op_thread_here, max_bytes=background_max_bytes)
 
     # --- start-up of the optional parts ---------------------------------------------------------
 
@@ -225,7 +237,9 @@ class Watch:
 
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RLWatchCollector(self.state, self._refresh_health))
-        self.exposition = CachedExposition(self.registry, self.state, self._refresh_health)
+        self.exposition = CachedExposition(self.registry, self.state, self._refresh_health, on_error=lambda exc:
+                                           self.errors.report("export", "exposition", f"{type(exc).__name__}: "
+                                                              f"{exc}", exc=exc, raise_in_strict=False))
         if port is None:
             return
         from .exporters.prometheus import MetricsServer
@@ -233,7 +247,8 @@ class Watch:
         actual = port + offset if port else port
         self.server = self._guard("export", "port", lambda: MetricsServer(
             self.registry, addr, actual, port_fallback=fallback, certfile=certfile, keyfile=keyfile,
-            basic_auth=basic_auth, app=self.exposition))
+            basic_auth=basic_auth, app=self.exposition, on_error=lambda kind, exc: self.errors.report(
+                "export", kind, f"{type(exc).__name__}: {exc}", raise_in_strict=False)))
         if self.server is not None:
             logger.info("rlwatch: serving %s (run %r)", self.server.url, self.run)
             sd_dir = sd_dir if sd_dir is not None else os.environ.get("RLWATCH_SD_DIR")
@@ -246,9 +261,11 @@ class Watch:
     def _start_push(self, gateway: str, interval: float) -> None:
         from .exporters.prometheus import PushLoop
 
-        def on_error(kind: str, exc: BaseException) -> None:
-            self.errors.report("export", kind, f"pushgateway {gateway}: {type(exc).__name__}: {exc}",
-                               raise_in_strict=False)
+        from .alerts.notify import redact, scrub
+
+        def on_error(kind: str, exc: BaseException) -> None:   # the URL may carry credentials: never shown
+            self.errors.report("export", kind, f"pushgateway {redact(gateway)}: {type(exc).__name__}: "
+                               f"{scrub(str(exc), gateway)}", raise_in_strict=False)
 
         self.push = PushLoop(self.registry, gateway, "rlwatch", self.run, interval, on_error)
 
@@ -274,22 +291,31 @@ class Watch:
     def observe(self, step: int, **fields: Any) -> Values | None:
         """Compute and export one step. Returns the step's values, or None if it could not be used,
         or at once with None when ``background=True`` (the step is computed on rlwatch's thread)."""
-        if not self.active or self._closed:
+        if not self.active:
+            return None
+        if self._closing:
+            self._refused_after_close()
             return None
         if self._worker is not None:
             if self._worker.is_current():             # a deferred job observing: compute in place
                 return self._observe(step, fields, on_training_thread=False)
-            self._worker.submit(lambda: self._observe(step, fields, on_training_thread=False))
+            if not self._worker.submit(lambda: self._observe(step, fields, on_training_thread=False),
+                                       _tensor_bytes(fields)) and self._closing:
+                self._refused_after_close()
             return None
         return self._observe(step, fields, on_training_thread=True)
+
+    def _refused_after_close(self) -> None:
+        self.errors.report("observe", "after_close", "a step observed after close() was not used",
+                           raise_in_strict=False)
 
     def defer(self, job: Callable[[], Any]) -> None:
         """Run ``job`` after the steps observed so far: on rlwatch's thread with ``background=True``,
         else now. Integrations hand their per-step work here; errors are counted, never raised."""
-        if self._worker is not None and not self._closed and not self._worker.is_current():
-            self._worker.submit(job)
-        else:
-            self._guard("integration", "deferred", job)
+        if self._worker is not None and not self._closing and not self._worker.is_current():
+            if self._worker.submit(job) or not self._closing:
+                return
+        self._guard("integration", "deferred", job)
 
     def _observe(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> Values | None:
         with self._lock:
@@ -402,6 +428,7 @@ class Watch:
         self.state.set_counter("hook_errors_total", {k: float(v) for k, v in self.errors.snapshot().items()})
         if self.store is not None:
             self.state.set_counter("store_dropped_steps_total", {(): float(self.store.dropped)})
+            self.state.set_counter("store_step_conflicts_total", {(): float(self.store.step_conflicts)})
             self.state.set_gauge("store_queue_depth", float(self.store.queue_depth))
 
     def log_scalars(self, step: int, mapping: Mapping[str, Any]) -> None:
@@ -435,15 +462,24 @@ class Watch:
         if self.evaluator is not None:
             self.evaluator.subscribers.append(callback)
 
-    def record_checkpoint(self, step: int, path: str) -> None:
+    def record_checkpoint(self, step: int, path: str, flush_timeout: float = 10.0) -> None:
         """Note that checkpoint directory ``path`` holds the weights after ``step``. A local path is
-        stored absolute, so that the post-mortem finds it from any directory; a URL is kept as given."""
+        stored absolute, so that the post-mortem finds it from any directory; a URL is kept as given.
+        Then flushes (at most ``flush_timeout`` s): the steps observed so far and the checkpoint row
+        are in the store when this returns, even if the process is killed during the save."""
         if self.store is not None and self.active:
             def submit() -> None:
                 location = os.fspath(path)
-                self.store.submit_checkpoint(self.run, step, location if "://" in location else
-                                             os.path.abspath(location))
+                location = location if "://" in str(location) else os.path.abspath(location)
+                try:        # a path that is not UTF-8 keeps its raw bytes visible: b"\xff" -> "\\xff"
+                    location = os.fsencode(location).decode("utf-8", "backslashreplace")
+                except UnicodeError:            # a surrogate that no file name decodes to
+                    pass
+                self.store.submit_checkpoint(self.run, step, clean_text(location))
             self._guard("store", "checkpoint", submit)
+            if not self.flush(timeout=flush_timeout):
+                self.errors.report("store", "checkpoint_flush", f"steps before checkpoint {step} were not all "
+                                   f"stored within {flush_timeout:g} s (still queued)", raise_in_strict=False)
 
     def note(self, kind: str, detail: str) -> None:
         """Record an event about the run (shown by the post-mortem)."""
@@ -465,18 +501,31 @@ class Watch:
         return self.store.path if self.store is not None else None
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait for the steps computed in the background, then for the store writer."""
-        drained = self._worker.drain(timeout) if self._worker is not None else True
-        return (self.store.flush(timeout) if self.store is not None else True) and drained
+        """Wait until every step observed before the call is computed and committed to the store.
+
+        True: those steps survive the process being killed (the store's WAL is synced). False:
+        ``timeout`` seconds passed first (say a database locked by another process); the steps are
+        still queued, not lost."""
+        deadline = time.monotonic() + timeout
+        # From rlwatch's own thread (a deferred job), the steps before it already ran.
+        drained = self._worker.drain(timeout) if self._worker is not None and not self._worker.is_current() \
+            else True
+        if self.store is None:
+            return drained
+        return self.store.flush(max(0.0, deadline - time.monotonic())) and drained
 
     def close(self) -> None:
-        """Stop the endpoint, push a last time, and flush the store. Idempotent."""
-        if self._closed:
+        """Stop the endpoint, push a last time, and flush the store. Idempotent. Steps observed
+        by other threads once close() started are refused and counted
+        (``rlwatch_hook_errors_total{stage="observe",kind="after_close"}``), never lost silently."""
+        if self._closing:
             return
+        self._closing = True              # observe() refuses from here on
         if self._worker is not None:     # the steps still queued are computed and exported first
             if not self._worker.close(timeout=30.0):
                 self.errors.report("background", "close", "steps still queued after 30 s were not computed")
-        self._closed = True
+        with self._lock:                  # an observe() computing on another thread finishes first
+            self._closed = True
         for listener in self.listeners:
             self._guard("alerts", "close", listener.close)
         if self.hacks is not None:
@@ -490,9 +539,14 @@ class Watch:
         if self.server is not None:
             self._guard("export", "server", self.server.close)
         if self.store is not None:
+            self.store.flush(10.0)
             lost = self.store.dropped
             if lost:
                 self.store.submit_event(self.run, "data_loss", f"{lost} store rows dropped during the run")
+            if self.store.step_conflicts:
+                self.store.submit_event(self.run, "step_conflicts", f"{self.store.step_conflicts} steps of attempt "
+                                        f"{self.store.attempt} were observed before; the earlier rows are kept "
+                                        "in step_history")
             self.store.close()
 
     def __enter__(self) -> "Watch":
@@ -500,6 +554,22 @@ class Watch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tensor_bytes(fields: Mapping[str, Any]) -> int:
+    """Bytes held by the tensors (and arrays) of an observed step's fields, one level of nesting."""
+    total = 0
+    for value in fields.values():
+        items = value.values() if isinstance(value, Mapping) else (value,)
+        for item in items:
+            if hasattr(item, "element_size") and hasattr(item, "numel"):
+                try:
+                    total += item.element_size() * item.numel()
+                except Exception:  # noqa: BLE001
+                    pass
+            elif isinstance(getattr(item, "nbytes", None), int):
+                total += item.nbytes
+    return total
 
 
 SMALL_BATCH = 1 << 18      # [B, T] positions below which CPU signals run on one intra-op thread

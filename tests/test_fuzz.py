@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import warnings
 from collections import Counter
 
 import pytest
@@ -247,3 +248,120 @@ def test_label_values_cannot_inject_series_or_break_the_exposition(labels, detec
     assert seen == expected                                                # exactly the labels given
     runs = {s.labels["run"] for f in families.values() for s in f.samples}
     assert runs == {"inject"}
+
+
+# --- every string field with the full Unicode range, every dtype where a number is expected ----------
+
+#: Any code point, with lone surrogates and C0/C1 control characters drawn often on purpose.
+ANY_CHAR = st.one_of(st.characters(min_codepoint=0, max_codepoint=0x10FFFF),
+                     st.integers(0xD800, 0xDFFF).map(chr), st.integers(0, 0x1F).map(chr),
+                     st.integers(0x7F, 0x9F).map(chr), st.sampled_from(list('"\\{}<>&|=\n\r\t')))
+ANY_TEXT = st.text(alphabet=ANY_CHAR, min_size=0, max_size=30)
+
+
+def _constructible_dtypes() -> list[torch.dtype]:
+    out = []
+    for dtype in {d for d in vars(torch).values() if isinstance(d, torch.dtype)}:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")              # complex32 is "experimental"
+                torch.tensor(1).to(dtype).item()
+            out.append(dtype)
+        except Exception:  # noqa: BLE001 - quantized, sub-byte and packed dtypes hold no scalars
+            continue
+    return sorted(out, key=str)
+
+
+DTYPES = _constructible_dtypes()
+
+
+@st.composite
+def number_like(draw):
+    """A number as a trainer may pass it: Python, 0-d or one-element tensor of any dtype, numpy."""
+    value = draw(st.one_of(st.integers(-3, 100), st.floats(allow_nan=True, allow_infinity=True)))
+    kind = draw(st.sampled_from(["python", "tensor0d", "tensor1", "numpy"]))
+    if kind == "python":
+        return value
+    if kind == "numpy":
+        import numpy as np
+
+        return np.float32(value) if isinstance(value, float) else np.int64(value)
+    dtype = draw(st.sampled_from(DTYPES))
+    try:
+        t = torch.tensor(value).to(dtype)
+    except Exception:  # noqa: BLE001 - e.g. inf into an integer dtype
+        t = torch.tensor(1).to(dtype)
+    return t if kind == "tensor0d" else t.reshape(1)
+
+
+class StringTally:
+    examples = 0
+    observed = 0
+
+
+@pytest.fixture(scope="module")
+def any_string_watch(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("fuzz") / "strings.db")
+    w = rlwatch.Watch(run="fuzz\udcff\x00", port=0, store=path, alerts=True, framework="f\ud800",
+                      metadata={"k\udcff": "v\x1b"})
+    yield w
+    w.close()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning")
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(env=st.lists(ANY_TEXT, min_size=1, max_size=4), failed=ANY_TEXT, detector=ANY_TEXT, mode=ANY_TEXT,
+       scalar=ANY_TEXT, note=st.tuples(ANY_TEXT, ANY_TEXT), path=ANY_TEXT,
+       numbers=st.fixed_dictionaries({k: number_like() for k in ("trainer_version", "temperature", "top_p", "top_k",
+                                                                   "scalar", "reward", "step")}),
+       prompt=ANY_TEXT)
+def test_any_string_and_any_number_type_never_breaks_labels_store_or_scrapes(any_string_watch, env, failed, detector,
+                                                                            mode, scalar, note, path, numbers,
+                                                                            prompt):
+    import urllib.request
+
+    w = any_string_watch
+    B = 4
+    rec = base(B, 5, StringTally.examples)
+    rec.update(env=[env[i % len(env)] for i in range(B)], failed=[failed or None, None, failed, None],
+               hacked={detector: torch.tensor([True, False, True, False])}, logprobs_mode=mode,
+               trainer_version=numbers["trainer_version"], temperature=numbers["temperature"],
+               top_p=numbers["top_p"], top_k=numbers["top_k"],
+               episodes=[dict(prompt=prompt, response=prompt[::-1], env=env[0], reward=numbers["reward"])
+                         for _ in range(B)])
+    step = StringTally.examples
+    if w.observe(step, **rec) is not None:
+        StringTally.observed += 1
+    w.observe(numbers["step"], **base(B, 5, 0)) if StringTally.examples % 10 == 0 else None
+    w.log_scalars(step, {scalar: numbers["scalar"], "ok": 1.0})
+    w.note(*note)
+    w.record_checkpoint(step, path or ".", flush_timeout=5) if StringTally.examples % 25 == 0 else None
+    if StringTally.examples % 15 == 0:
+        with urllib.request.urlopen(w.url, timeout=10) as resp:
+            assert resp.status == 200
+            list(text_string_to_metric_families(resp.read().decode()))
+    StringTally.examples += 1
+
+
+def test_after_any_strings_the_store_holds_every_step_and_nothing_failed_to_render(any_string_watch):
+    from rlwatch.store import StoreReader
+
+    w = any_string_watch
+    assert StringTally.examples >= 300
+    assert w.flush(30)
+    counts = w.errors.snapshot()
+    assert not [k for k in counts if k[0] in ("store", "export", "compute")], counts
+    assert w.store.dropped == 0
+    promtool = need_binary("promtool")
+    text = generate_latest(w.registry)
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with StoreReader(w.store_path) as store:
+        run = store.runs()[0]
+        assert run == "fuzz\\udcff\x00"
+        observed = len(store.steps(run)) + len(store.step_history(run))
+        assert observed >= StringTally.observed
+        for event in store.events(run):
+            event["kind"].encode("utf-8"), event["detail"].encode("utf-8")
+        for example in store.hack_examples(run):
+            example["prompt"].encode("utf-8")

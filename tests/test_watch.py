@@ -428,3 +428,196 @@ def test_a_stuck_background_thread_never_blocks_the_trainer_for_long():
     assert watch.errors.counts[("background", "TimeoutError")] >= 1
     release.set()
     watch.close()
+
+
+def test_an_idle_tls_client_neither_stops_scrapes_nor_hangs_close(tmp_path):
+    """A TCP client that connects to the TLS endpoint and never starts the handshake: other scrapes
+    are served at once and close() returns promptly (the handshake runs on the connection's thread,
+    with a timeout, not inside accept on the server's only thread)."""
+    import socket
+    import ssl
+    import time
+
+    cert, key = _self_signed(tmp_path)
+    watch = rlwatch.Watch(run="tlsidle", port=0, store=None, alerts=False, tls_certfile=cert, tls_keyfile=key)
+    idle = socket.create_connection(("127.0.0.1", watch.port))
+    try:
+        watch.observe(0, **make_step())
+        time.sleep(0.2)                                    # the idle client is accepted first
+        context = ssl.create_default_context(cafile=cert)
+        start = time.perf_counter()
+        body = urllib.request.urlopen(watch.url, context=context, timeout=5).read().decode()
+        assert time.perf_counter() - start < 2
+        assert 'rlwatch_steps_total{run="tlsidle"} 1.0' in body
+        start = time.perf_counter()
+        watch.close()
+        assert time.perf_counter() - start < 3
+    finally:
+        idle.close()
+        watch.close()
+
+
+def _threads_named(prefix: str) -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith(prefix))
+
+
+def test_idle_plain_http_clients_time_out_and_are_capped():
+    """Many clients that connect and say nothing: at most max_connections threads exist at any
+    time, scrapes still succeed once the idle ones time out, and every thread ends."""
+    import socket
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from rlwatch.exporters.prometheus import MetricsServer
+
+    before = threading.active_count()
+    server = MetricsServer(CollectorRegistry(), "127.0.0.1", 0, idle_timeout=1.0, max_connections=8)
+    clients = []
+    try:
+        most = 0
+        for _ in range(30):
+            clients.append(socket.create_connection(("127.0.0.1", server.port)))
+            most = max(most, threading.active_count())
+        assert most <= before + 1 + 8                          # the server thread and 8 connections
+        deadline = time.monotonic() + 10
+        while True:                                        # the idle ones time out; a scrape then gets a slot
+            try:
+                assert urllib.request.urlopen(server.url, timeout=2).status == 200
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while threading.active_count() > before + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= before + 1          # the server thread only
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+
+
+def test_a_non_ascii_basic_auth_header_is_refused_quietly(capfd):
+    """An Authorization header with non-ASCII bytes: 401, and nothing printed to the trainer's stderr."""
+    import socket
+
+    with rlwatch.Watch(run="auth", port=0, store=None, alerts=False, basic_auth=("prom", "s3cret")) as watch:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", watch.port), timeout=5) as sock:
+                sock.sendall(b"GET /metrics HTTP/1.0\r\nAuthorization: Basic \xc3\xbc\xff==\r\n\r\n")
+                answer = b""
+                while chunk := sock.recv(4096):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.0 401"), answer[:80]
+        assert not any(stage == "export" and kind == "server" for stage, kind in watch.errors.counts)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "TypeError" not in err, err
+
+
+def test_background_queue_is_bounded_by_bytes():
+    """Steps of 4 MiB of tensors each, observed faster than a slow rlwatch thread computes them:
+    the queue never holds more than background_max_bytes (plus one step), and every step's tensors
+    are freed once it ran (checked with weak references, as memory on an accelerator would be)."""
+    import time
+    import weakref
+
+    slow = threading.Event()
+
+    class Slow:
+        def on_step(self, step, values):
+            slow.wait(0.05)
+
+        def close(self):
+            pass
+
+    step_bytes = 4 << 20
+    watch = rlwatch.Watch(run="bytes", port=None, store=None, alerts=False, background=True,
+                          background_max_bytes=4 * step_bytes, listeners=(Slow(),))
+    alive: list = []
+    most = 0
+    try:
+        for i in range(20):
+            step = make_step(B=2, T=8, seed=i)
+            step["entropy"] = torch.rand(2, 8)
+            step["filler"] = torch.zeros(step_bytes // 4)           # an unknown field: held, never used
+            alive.append(weakref.ref(step["filler"]))
+            watch.observe(i, **step)
+            del step
+            most = max(most, sum(ref() is not None for ref in alive))
+        assert watch.flush(30)
+    finally:
+        watch.close()
+    assert most <= 5, most                         # 4 queued + the one being submitted
+    assert watch._worker.peak_bytes <= 4 * step_bytes + step_bytes
+    assert sum(ref() is not None for ref in alive) == 0
+
+
+def test_close_while_other_threads_observe_is_prompt_and_counts_what_it_refused():
+    """Threads keep observing while the background Watch closes: close() returns in seconds, every
+    step is either computed or counted as refused after close."""
+    import time
+
+    watch = rlwatch.Watch(run="closing", port=None, store=None, alerts=False, background=True)
+    step = make_step(B=4, T=8)
+    stop = threading.Event()
+    submitted = [0, 0, 0]
+
+    def observe_forever(k):
+        i = 0
+        while not stop.is_set():
+            watch.observe(k * 1_000_000 + i, **step)
+            submitted[k] += 1
+            i += 1
+
+    threads = [threading.Thread(target=observe_forever, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    start = time.perf_counter()
+    watch.close()
+    closing = time.perf_counter() - start
+    stop.set()
+    for t in threads:
+        t.join()
+    assert closing < 5, closing
+    computed = int(watch.state.snapshot().counters["steps_total"][()])
+    refused = watch.errors.counts[("observe", "after_close")]
+    assert computed + refused == sum(submitted), (computed, refused, submitted)
+    assert refused > 0
+
+
+_KILL_AFTER = textwrap.dedent("""
+    import os, signal, sys
+    import rlwatch
+    from tests.conftest import make_step
+    path, steps, background, point = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+    watch = rlwatch.Watch(run="durable", port=None, store=path, alerts=False, background=background)
+    for i in range(steps):
+        watch.observe(i, **make_step(B=4, T=8, seed=i))
+    if point == "checkpoint":
+        watch.record_checkpoint(steps - 1, "/tmp/ckpt")
+    else:
+        assert watch.flush()
+    os.kill(os.getpid(), signal.SIGKILL)         # right after: nothing else runs
+""")
+
+
+@pytest.mark.parametrize("point,background", [("checkpoint", False), ("checkpoint", True), ("flush", True)])
+def test_steps_before_flush_or_a_checkpoint_survive_sigkill_right_after(tmp_path, point, background):
+    """What observe promises: a step is in the store once flush() returned True, and
+    record_checkpoint() flushes; a SIGKILL right after loses none of those steps."""
+    import sqlite3
+
+    root = Path(__file__).resolve().parents[1]
+    for trial, steps in enumerate((13,)):
+        path = str(tmp_path / f"d{trial}.db")
+        proc = subprocess.run([sys.executable, "-c", _KILL_AFTER, path, str(steps), str(int(background)), point],
+                              cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+        with sqlite3.connect(path) as conn:
+            stored = [r[0] for r in conn.execute("SELECT step FROM steps WHERE run = 'durable' ORDER BY step")]
+            checkpoints = conn.execute("SELECT step FROM checkpoints").fetchall()
+        assert stored == list(range(steps)), (trial, stored)
+        if point == "checkpoint":
+            assert checkpoints == [(steps - 1,)]

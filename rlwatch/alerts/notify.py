@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import re
+import socket
 import threading
 import time
 import urllib.request
@@ -46,10 +48,39 @@ class AlertEvent:
 
 def redact(url: str) -> str:
     """scheme://host[:port]/… with path, query and credentials removed (paths carry tokens)."""
-    parts = urlsplit(url)
-    host = parts.hostname or "?"
-    port = f":{parts.port}" if parts.port else ""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or "?"
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:                # an invalid port: show nothing of it
+        return "<invalid URL>"
     return f"{parts.scheme}://{host}{port}/…"
+
+
+def scrub(message: str, url: str) -> str:
+    """``message`` without ``url`` or any secret part of it (credentials, path, query): error texts
+    of HTTP libraries sometimes quote the URL they were given."""
+    secrets = [url]
+    try:
+        parts = urlsplit(url)
+        secrets += [parts.username, parts.password, parts.path.strip("/"), parts.query]
+    except ValueError:
+        pass
+    for secret in sorted({s for s in secrets if s and len(s) >= 3}, key=len, reverse=True):
+        message = message.replace(secret, redact(url) if secret == url else "…")
+    return message
+
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def slack_escape(text: Any) -> str:
+    """Text from a run made inert in a Slack message: ``&``, ``<`` and ``>`` escaped as Slack
+    requires (no ``<!channel>``, no ``<url|text>`` links), control characters removed."""
+    from ..record import clean_text
+
+    text = _CONTROL.sub("", clean_text(text))
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 class Notifier(Protocol):
@@ -107,7 +138,8 @@ class SlackNotifier:
             icon = ":rotating_light:" if e.state == "firing" and e.severity == "critical" else (
                 ":warning:" if e.state == "firing" else ":white_check_mark:")
             value = "" if e.value is None else f" (value {e.value:.4g}, step {e.step})"
-            lines.append(f"{icon} [{e.state.upper()}] {e.name} - {e.description}{value} <{e.runbook_url}|runbook>")
+            lines.append(f"{icon} [{e.state.upper()}] {slack_escape(e.name)} - {slack_escape(e.description)}"
+                         f"{value} <{slack_escape(e.runbook_url).replace('|', '%7C')}|runbook>")
         return "\n".join(lines)
 
     def send(self, events: list[AlertEvent]) -> None:
@@ -115,18 +147,64 @@ class SlackNotifier:
 
 
 def _post_json(url: str, body: dict[str, Any], timeout: float, headers: dict[str, str]) -> None:
+    """POST ``body`` as JSON; the whole request (connect, send, response) ends within about
+    ``timeout`` seconds: a receiver that trickles its answer a byte at a time is cut off."""
+    import http.client
+
     data = json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            if resp.status >= 300:
-                raise NotifyError(f"{redact(url)} answered HTTP {resp.status}")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise NotifyError(f"{redact(url)}: only http(s) URLs are supported")
+        https = parts.scheme == "https"
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        proxy = None if urllib.request.proxy_bypass(parts.hostname) else \
+            urllib.request.getproxies().get(parts.scheme)
+        if proxy:                                              # honour http(s)_proxy like urllib
+            proxy_parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+            host, port = proxy_parts.hostname, proxy_parts.port or (443 if proxy_parts.scheme == "https" else 80)
+        else:
+            host, port = parts.hostname, parts.port
+        conn_class = http.client.HTTPSConnection if https and not proxy else http.client.HTTPConnection
+        conn = conn_class(host, port, timeout=timeout)
+        if proxy and https:
+            conn = http.client.HTTPSConnection(host, port, timeout=timeout)
+            conn.set_tunnel(parts.hostname, parts.port or 443)
+        elif proxy:
+            target = url
     except NotifyError:
         raise
+    except Exception as exc:  # noqa: BLE001
+        raise NotifyError(f"POST to {redact(url)} failed: {type(exc).__name__}") from None
+    expired = threading.Event()
+
+    def expire() -> None:                 # unblocks a read or write stuck on the socket
+        expired.set()
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        conn.request("POST", target, body=data, headers={"Content-Type": "application/json", **headers})
+        resp = conn.getresponse()
+        resp.read(1 << 20)
+        status = resp.status
     except Exception as exc:  # noqa: BLE001 - rewrap without the URL (it may carry a token)
-        reason = getattr(exc, "code", None) or type(exc).__name__
+        reason = f"no complete answer within {timeout:g} s" if expired.is_set() else type(exc).__name__
         raise NotifyError(f"POST to {redact(url)} failed: {reason}") from None
+    finally:
+        timer.cancel()
+        conn.close()
+    if expired.is_set():
+        raise NotifyError(f"POST to {redact(url)} failed: no complete answer within {timeout:g} s")
+    if status >= 300:
+        raise NotifyError(f"{redact(url)} answered HTTP {status}")
 
 
 class NotifyError(Exception):
@@ -212,10 +290,18 @@ class Dispatcher:
         self._thread.join(timeout=timeout)
 
 
+def _printable(text: Any) -> str:
+    """A label value for a console line: control characters (ESC sequences, newlines) escaped."""
+    return _CONTROL_ALL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
+
+_CONTROL_ALL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def log_event(event: AlertEvent) -> None:
     """The console side of an event: one log line."""
     level = logging.WARNING if event.state == "firing" else logging.INFO
-    labels = ", ".join(f"{k}={v}" for k, v in sorted(event.labels.items()))
+    labels = ", ".join(f"{k}={_printable(v)}" for k, v in sorted(event.labels.items()))
     value = "" if event.value is None else f" value={event.value:.4g}"
     logger.log(level, "rlwatch alert %s %s [%s] run=%s step=%s%s%s - %s (%s)", event.state.upper(), event.name,
                event.severity, event.run, event.step, f" {labels}" if labels else "", value, event.summary,

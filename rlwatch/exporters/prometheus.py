@@ -16,6 +16,7 @@ import hmac
 import logging
 import socket
 import ssl
+import sys
 import threading
 from socketserver import ThreadingMixIn
 from typing import Callable, Iterable
@@ -76,16 +77,86 @@ class RLWatchCollector:
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """One thread per connection, at most ``max_connections`` at a time (later connections are
+    closed at once: a scraper retries, a flood of idle clients cannot grow the trainer's threads)."""
+
     daemon_threads = True
     # SO_REUSEADDR, as every HTTP server sets it: the port of a run that just exited (its scraped
     # connections in TIME-WAIT) can be bound again at once. On Linux it never lets two servers share
     # a port that one of them still listens on: a taken port still fails with EADDRINUSE.
     allow_reuse_address = True
+    idle_timeout = 10.0           # seconds a connection may stay silent (TLS handshake included)
+    max_connections = 64
+    on_error: Callable[[str, BaseException], None] | None = None
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        super().server_activate()
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client that stalls, resets or fails the handshake costs its own connection only;
+        nothing is printed to the trainer's stderr."""
+        exc = sys.exc_info()[1]
+        if self.on_error is not None and exc is not None and not isinstance(exc, (OSError, ssl.SSLError)):
+            self.on_error("server", exc)
 
 
 class _QuietHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        """Bound every read and write of the connection, and run the TLS handshake here, on the
+        connection's own thread, rather than in ``accept`` on the server's only thread."""
+        self.timeout = self.server.idle_timeout
+        self.request.settimeout(self.timeout)
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.do_handshake()
+        super().setup()
+
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - wsgiref's signature
         pass
+
+    def get_stderr(self) -> "_Discard":
+        return _Discard()
+
+
+class _Discard:
+    """wsgi.errors: application errors are counted by :func:`_never_raise`, not printed."""
+
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def _never_raise(app: Callable, on_error: Callable[[str, BaseException], None] | None) -> Callable:
+    """A WSGI app that answers 500 (counted) instead of raising into wsgiref, which would print a
+    traceback to the trainer's stderr on every request."""
+    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        try:
+            return app(environ, start_response)
+        except Exception as exc:  # noqa: BLE001
+            if on_error is not None:
+                on_error("server", exc)
+            start_response("500 Internal Server Error", [("Content-Type", "text/plain")], sys.exc_info())
+            return [b"internal error\n"]
+
+    return guarded
 
 
 def _accepts_gzip(header: str) -> bool:
@@ -107,17 +178,42 @@ class CachedExposition:
     """A WSGI app serving the registry in the format the scraper's ``Accept`` header asks for
     (Prometheus text or OpenMetrics, ``prometheus_client.exposition.choose_encoder``), re-rendered
     only when the state changed since the last scrape in that format (a scrape between two steps
-    costs a copy, not a render). ``/runbook`` and ``/runbook.md`` serve the packaged runbook."""
+    costs a copy, not a render). ``/runbook`` and ``/runbook.md`` serve the packaged runbook.
+
+    A scrape never fails because of what the run exported: when rendering raises, the error is
+    counted through ``on_error`` (``rlwatch_hook_errors_total{stage="export",kind="exposition"}``)
+    and the families that still render are served, the failing ones left out."""
 
     def __init__(self, registry: CollectorRegistry, state: MetricState | None = None,
-                 refresh: Callable[[], None] | None = None) -> None:
+                 refresh: Callable[[], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self.registry = registry
         self.state = state
         self.refresh = refresh
+        self.on_error = on_error
         self._lock = threading.Lock()
         # content type -> (state version, body, gzip body)
         self._cached: dict[str, tuple[int, bytes, bytes]] = {}
         self._runbook: dict[str, bytes] = {}
+
+    def _generate(self, encoder: Callable[[CollectorRegistry], bytes]) -> bytes:
+        try:
+            return encoder(self.registry)
+        except Exception as exc:  # noqa: BLE001 - one bad family must not take /metrics down
+            if self.on_error is not None:
+                try:
+                    self.on_error(exc)
+                except Exception:  # noqa: BLE001
+                    pass
+        parts = []
+        for metric in self.registry.collect():      # family by family: serve all that render
+            try:
+                parts.append(encoder(_OneFamily(metric)))
+            except Exception:  # noqa: BLE001
+                continue
+        if parts and parts[0].endswith(b"# EOF\n"):  # OpenMetrics: one EOF marker, at the end
+            parts = [p[:-len(b"# EOF\n")] for p in parts] + [b"# EOF\n"]
+        return b"".join(parts)
 
     def render(self, accept: str = "") -> tuple[bytes, bytes, str]:
         """(body, gzip body, content type) for an ``Accept`` header."""
@@ -132,7 +228,7 @@ class CachedExposition:
             version = self.state.version if self.state is not None else None
             cached = self._cached.get(content_type)
             if version is None or cached is None or cached[0] != version:
-                text = encoder(self.registry)
+                text = self._generate(encoder)
                 cached = (version if version is not None else -1, text, gzip.compress(text, 5))
                 self._cached[content_type] = cached
             return cached[1], cached[2], content_type
@@ -170,13 +266,25 @@ class CachedExposition:
         return [b"" if method == "HEAD" else body]
 
 
+class _OneFamily:
+    """A registry-like holder of one collected family (for rendering families one by one)."""
+
+    def __init__(self, metric: Metric) -> None:
+        self._metric = metric
+
+    def collect(self) -> Iterable[Metric]:
+        return [self._metric]
+
+
 def _with_basic_auth(app: Callable, username: str, password: str) -> Callable:
-    expected = base64.b64encode(f"{username}:{password}".encode()).decode()
+    expected = base64.b64encode(f"{username}:{password}".encode()).decode().encode("ascii")
 
     def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
         header = environ.get("HTTP_AUTHORIZATION", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "basic" or not hmac.compare_digest(token.strip(), expected):
+        # WSGI hands headers over as latin-1 strings: compare bytes (any header, never a TypeError).
+        given = token.strip().encode("latin-1", "replace")
+        if scheme.lower() != "basic" or not hmac.compare_digest(given, expected):
             start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="rlwatch"'),
                                                 ("Content-Type", "text/plain")])
             return [b"unauthorized\n"]
@@ -194,16 +302,23 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, addr: str = "127.0.0.1", port: int = 9400, *,
                  port_fallback: bool = False, certfile: str | None = None, keyfile: str | None = None,
-                 basic_auth: tuple[str, str] | None = None, app: Callable | None = None) -> None:
+                 basic_auth: tuple[str, str] | None = None, app: Callable | None = None,
+                 idle_timeout: float = 10.0, max_connections: int = 64,
+                 on_error: Callable[[str, BaseException], None] | None = None) -> None:
         app = app or make_wsgi_app(registry)
         if basic_auth is not None:
             app = _with_basic_auth(app, *basic_auth)
+        app = _never_raise(app, on_error)
+        server_class = type("_Server", (_ThreadingServer,), dict(idle_timeout=idle_timeout,
+                                                                  max_connections=max_connections,
+                                                                  on_error=staticmethod(on_error) if on_error
+                                                                  else None))
         candidates = [port] if (port == 0 or not port_fallback) else list(range(port, port + 33))
         last_error: OSError | None = None
         self._server = None
         for candidate in candidates:
             try:
-                self._server = make_server(addr, candidate, app, _ThreadingServer, handler_class=_QuietHandler)
+                self._server = make_server(addr, candidate, app, server_class, handler_class=_QuietHandler)
                 break
             except OSError as exc:
                 last_error = exc
@@ -220,7 +335,8 @@ class MetricsServer:
         if certfile:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(certfile, keyfile)
-            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True,
+                                                      do_handshake_on_connect=False)
         self.addr = addr
         self.port = self._server.server_address[1]
         self.scheme = "https" if certfile else "http"
@@ -257,7 +373,15 @@ class PushLoop:
 
     def __init__(self, registry: CollectorRegistry, gateway: str, job: str, run: str, interval: float,
                  on_error: Callable[[str, BaseException], None], timeout: float = 5.0) -> None:
+        from urllib.parse import unquote, urlsplit, urlunsplit
+
         self.registry = registry
+        parts = urlsplit(gateway if "://" in gateway else f"http://{gateway}")
+        self._credentials = None
+        if parts.username is not None:      # user:password@host: sent as basic auth, never in the URL
+            self._credentials = (unquote(parts.username), unquote(parts.password or ""))
+            host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+            gateway = urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
         self.gateway = gateway
         self.job = job
         self.grouping_key = {"run": run}
@@ -273,9 +397,16 @@ class PushLoop:
     def push_now(self) -> bool:
         from prometheus_client import push_to_gateway
 
+        extra = {}
+        if self._credentials is not None:
+            from prometheus_client.exposition import basic_auth_handler
+
+            username, password = self._credentials
+            extra["handler"] = lambda url, method, timeout, headers, data: basic_auth_handler(
+                url, method, timeout, headers, data, username, password)
         try:
             push_to_gateway(self.gateway, job=self.job, registry=self.registry,
-                            grouping_key=self.grouping_key, timeout=self.timeout)
+                            grouping_key=self.grouping_key, timeout=self.timeout, **extra)
             self.pushes += 1
             return True
         except Exception as exc:  # noqa: BLE001 - a down gateway must never reach the trainer

@@ -117,6 +117,17 @@ def judge_batch(detectors: list[Detector], step: int, raw: list[Any], env: list[
     return result
 
 
+def _clean_keys(counts: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    """(env, detector) keys as label-safe strings (a detector's name is the user's string)."""
+    from ..record import clean_text
+
+    out: dict[tuple[str, str], float] = {}
+    for key, n in counts.items():
+        clean = tuple(clean_text(part) for part in key)
+        out[clean] = out.get(clean, 0.0) + n
+    return out
+
+
 def _importable(functions: Iterable[Any]) -> bool:
     """Whether another interpreter can load these functions by reference (no lambdas, closures, or
     functions of the training script's own ``__main__``)."""
@@ -250,6 +261,8 @@ class HackMonitor:
             self._judged, self._hacked = {}, {}
         if not judged:
             return None
+        judged = _clean_keys(judged)
+        hacked = _clean_keys(hacked)
         return {
             "episodes_judged_total": {(env, det): n for (env, det), n in judged.items()},
             "episodes_hacked_total": {(env, det): hacked.get((env, det), 0.0) for env, det in judged},
@@ -257,6 +270,7 @@ class HackMonitor:
         }
 
     def take_examples(self) -> list[Example]:
+        """The flagged episodes kept since the last call (detector and env names label-safe)."""
         with self._lock:
             out, self.examples = self.examples, []
         return out
