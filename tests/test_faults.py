@@ -195,6 +195,30 @@ def test_a_family_that_cannot_render_is_counted_and_the_rest_still_served():
         assert watch.errors.counts[("export", "exposition")] >= 1
 
 
+def test_a_family_that_cannot_render_in_openmetrics_leaves_one_eof_at_the_end():
+    """The per-family fallback in the OpenMetrics format: the families that render, then one ``# EOF``
+    (prometheus_client's strict parser reads the page)."""
+    import urllib.request
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    with rlwatch.Watch(run="x", port=0, store=None, alerts=False) as watch:
+        watch.observe(0, **make_step())
+        watch.state.set_gauge("framework_metric", 1.0, ("raw\udcff",))
+        request = urllib.request.Request(watch.url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("application/openmetrics-text")
+            text = resp.read().decode()
+        assert text.count("# EOF") == 1 and text.endswith("# EOF\n")
+        assert 'rlwatch_steps_total{run="x"} 1.0' in text
+        families = {f.name for f in text_string_to_metric_families(
+            "".join(line + "\n" for line in text.splitlines() if line.startswith(("rlwatch_steps", "# EOF",
+                                                                                 "# TYPE rlwatch_steps",
+                                                                                 "# HELP rlwatch_steps"))))}
+        assert "rlwatch_steps" in families
+        assert watch.errors.counts[("export", "exposition")] >= 1
+
+
 def test_a_row_the_store_refuses_costs_that_row_only(tmp_path):
     """Episodes whose reward is a 0-d tensor (converted at the boundary), and a step the database
     itself refuses (a trigger standing in for any per-row failure): every other step of the same
