@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
-from .metrics import LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS, ZERO_VARIANCE_KINDS
+from . import fused
+from ..metrics import LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS, ZERO_VARIANCE_KINDS
 
 if TYPE_CHECKING:
-    from .record import StepRecord
+    from ..record import StepRecord
 
 SAFETY_BOUND = 20.0  # |r| clamp before exp, as verl's rollout_corr_helper.SAFETY_BOUND
 
@@ -103,6 +104,8 @@ class Pending:
         self._entries: list[tuple[str, Any, Callable[..., Any] | None, tuple[Any, ...]]] = []
 
     def _part(self, value: Any) -> Any:
+        if isinstance(value, _Slot):                 # already registered with :meth:`vector`
+            return value
         if isinstance(value, torch.Tensor):
             if value.dim() == 0:
                 self._scalars.append(value)
@@ -110,6 +113,14 @@ class Pending:
             self._vectors.append(value if value.dim() == 1 else value.reshape(-1))
             return _Slot(len(self._vectors) - 1, value.numel())
         return value
+
+    def vector(self, values: torch.Tensor) -> Any:
+        """Register a 1-d tensor once; the returned handle can be a part of any number of entries."""
+        return self._part(values.reshape(-1) if values.dim() != 1 else values)
+
+    def host(self, fn: Callable[..., "Values"], *parts: Any) -> None:
+        """``fn(*parts)`` on the host returns several ``{name: {labels: value}}`` families at once."""
+        self._entries.append(("", None, fn, tuple(self._part(p) for p in parts)))
 
     def put(self, name: str, value: torch.Tensor | float, labels: tuple[str, ...] = ()) -> None:
         if isinstance(value, torch.Tensor) and value.dim():
@@ -165,6 +176,12 @@ class Pending:
         out: dict[str, dict[tuple[str, ...], float | None]] = {}
         for name, labels, fn, parts in self._entries:
             args = [value(p) for p in parts]
+            if labels is None:                      # a host() entry: several families at once
+                for family_name, rows in fn(*args).items():
+                    target = out.setdefault(family_name, {})
+                    for row, v in rows.items():
+                        target[row] = _finite(v)
+                continue
             family = out.setdefault(name, {})
             if isinstance(labels, tuple):
                 family[labels] = _finite(_apply(fn, args) if fn else args[0])
@@ -294,11 +311,14 @@ class Workspace:
 
     A fresh multi-megabyte CPU tensor page-faults on first touch, which costs more than the
     arithmetic on it; reusing buffers of the same shape makes every step after the first allocate
-    nothing. One workspace belongs to one caller at a time (``Watch`` holds a lock).
+    nothing. One workspace belongs to one caller at a time (``Watch`` holds a lock). ``compile``
+    chooses whether the token signals run compiled (see :mod:`rlwatch.signals.engine`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, compile: str | None = None) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self.compile = compile       # "auto", "always" or "never"; None: RLWATCH_COMPILE (see engine)
+        self.compiled_steps = 0      # steps whose token signals ran compiled
 
     def get(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
@@ -739,6 +759,121 @@ def failure_counts(env: Sequence[str], failed: Iterable[str | None]) -> dict[tup
     return counts
 
 
+# --- the fused token engine ---------------------------------------------------------------------
+
+# Eagerly, steps of up to this many [B, T] positions run the fused function (few, larger operations);
+# larger ones the in-place path above, whose scratch buffers are reused across steps (less memory,
+# no page faults). Once compiled (see :mod:`rlwatch.signals.engine`), the fused function runs at
+# every size.
+FUSED_EAGER_MAX_TOKENS = 8192
+
+_BAND_THRESHOLDS = tuple(math.log(edge) for edge in PROB_BIN_EDGES)
+
+
+def _fused_constants(config: SignalConfig, device: torch.device) -> tuple[torch.Tensor, ...]:
+    cap, (low, high) = config.is_cap, config.mis_band
+    thresholds = _constant((cap - 1.0, 1.0 / cap - 1.0, low - 1.0, high - 1.0, *_BAND_THRESHOLDS,
+                            math.log(cap), math.log(low), math.log(high)), device)
+    mids = _ABS_VALUES.get(device)
+    if mids is None:
+        _abs_bin_values(device, torch.zeros((), device=device))
+        mids = _ABS_VALUES[device]
+    return (thresholds, mids, _constant(LAG_BUCKETS, device, torch.int64), _constant((0.5, 0.99), device),
+            _constant((float(math.floor(config.staleness_bound)) + 1.0,), device).reshape(()))
+
+
+def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: Workspace | None) -> bool:
+    """The token-level signals (tokens, mismatch, importance sampling, version lag) from the fused
+    engine, compiled when ready, else eagerly on small steps. False when the caller should use the
+    in-place path (a large step with no compiled engine yet)."""
+    from . import engine
+
+    mask = record.mask
+    mismatch = record.trainer_logp is not None and record.sampler_logp is not None
+    lag = record.version is not None and record.trainer_version is not None
+    device = mask.device
+    n_all = mask.numel()
+    compile = ws.compile if ws is not None else "never"
+    if n_all > FUSED_EAGER_MAX_TOKENS and not engine.wants_compile(device, compile):
+        return False
+    exact = n_all <= EXACT_QUANTILE_MAX_TOKENS
+    trainer_version = (torch.tensor(float(record.trainer_version), dtype=torch.float64).to(device, non_blocking=True)
+                       if lag else None)
+    args = (mask, record.trainer_logp if mismatch else None, record.sampler_logp if mismatch else None,
+            record.version if lag else None, trainer_version, *_fused_constants(config, device))
+    vector, compiled = engine.run(args, exact, compile, eager=n_all <= FUSED_EAGER_MAX_TOKENS)
+    if vector is None:
+        return False
+    if ws is not None and compiled:
+        ws.compiled_steps += 1
+    pos = fused.layout(mismatch, lag, len(PROB_BIN_LABELS), len(LAG_BUCKETS))
+    out.host(lambda v: _finish_tokens(v, pos, mismatch, lag), out.vector(vector))
+    return True
+
+
+def _finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: bool) -> "Values":
+    """The host formulas of the token signals from :func:`fused.token_core`'s vector."""
+    def at(name: str) -> float:
+        return v[pos[name]]
+
+    tokens = at("tokens")
+    out: Values = {"tokens": {(): tokens}, "tokens_total": {(): tokens}}
+
+    def put(name: str, value: float | None, labels: tuple[str, ...] = ()) -> None:
+        out.setdefault(name, {})[labels] = value
+
+    if mismatch:
+        n, nonfinite = at("n"), at("nonfinite")
+        for name, value in (("nonfinite_tokens", nonfinite), ("nonfinite_tokens_total", nonfinite),
+                            ("mismatch_tokens", n), ("mismatch_tokens_total", n)):
+            put(name, value)
+        sum_r, max_a = at("sum_r"), at("max_a")
+        put("mismatch_log_ratio_mean", _div(sum_r, n))
+        put("mismatch_kl_k1", _div(-sum_r, n))
+        put("mismatch_kl_k2", _div(0.5 * at("sum_r2"), n))
+        put("mismatch_abs_log_ratio_mean", _div(at("sum_a"), n))
+        put("mismatch_abs_log_ratio_max", max_a if n > 0 else None)
+        put("mismatch_kl_k3", _div(at("sum_k3"), n))
+        sum_em1, sq_em1 = at("sum_em1"), at("sq_em1")
+        put("mismatch_chi2_token", _div(sq_em1 + 2 * sum_em1, n))
+        put("is_ess_raw_ratio", _ess_ratio(sum_em1, sq_em1, n))
+        put("is_ess_ratio", _ess_ratio(at("sum_em1t"), at("sq_em1t"), n))
+        high, masked = at("high"), at("mis_below") + at("mis_above")
+        put("is_tis_high_ratio", _div(high, n))
+        put("is_tis_low_ratio", _div(at("low"), n))
+        put("is_mis_masked_ratio", _div(masked, n))
+        put("is_tis_truncated_tokens_total", high)
+        put("is_mis_masked_tokens_total", masked)
+        put("mismatch_log_ratio_slope", _apply(_slope, [[at("rs"), at("ss")], at("s_sum"), sum_r, n]))
+        seq_n = at("seq_n")
+        for name, field in (("mismatch_seq_log_ratio_abs_mean", "seq_abs"), ("mismatch_chi2_sequence", "seq_chi2"),
+                            ("is_seq_tis_high_ratio", "seq_high"), ("is_seq_tis_low_ratio", "seq_low"),
+                            ("is_seq_mis_masked_ratio", "seq_mis")):
+            put(name, _div(at(field), seq_n))
+        put("mismatch_seq_log_ratio_abs_max", at("seq_max") if seq_n > 0 else None)
+        bands = v[pos["bands"]]
+        for k, label in enumerate(PROB_BIN_LABELS):
+            put("mismatch_abs_log_ratio_by_prob", _div(bands[2 * k], bands[2 * k + 1]), (label,))
+            put("mismatch_tokens_by_prob", bands[2 * k + 1], (label,))
+        for name, field in (("mismatch_abs_log_ratio_p50", "q50"), ("mismatch_abs_log_ratio_p99", "q99")):
+            put(name, min(at(field), max_a) if math.isfinite(at(field)) else None)
+    if lag:
+        n_ok, lag_sum, over, seq_n, spans = at("n_ok"), at("lag_sum"), at("over"), at("lag_seq_n"), at("spans")
+        put("negative_lag_tokens_total", at("negative"))
+        put("version_lag_mean", _div(lag_sum, n_ok))
+        put("version_lag_max", at("lag_max") if n_ok > 0 else None)
+        put("version_lag_p99", at("lag_p99"))
+        put("version_lag_over_bound_ratio", _div(over, n_ok))
+        put("tokens_over_staleness_bound_total", over)
+        put("version_lag_sequence_max_mean", _div(at("lag_seq_max_sum"), seq_n))
+        put("partial_rollout_ratio", _div(spans, seq_n))
+        put("partial_rollout_sequences_total", spans)
+        rows = [(str(b),) for b in LAG_BUCKETS] + [("+Inf",)]
+        out["token_version_lag"] = dict(zip(rows, _bucket_counts(v[pos["lag_cum"]], n_ok)))
+        put("token_version_lag_sum", lag_sum)
+    return out
+
+
 # --- one step ------------------------------------------------------------------------------------
 
 Values = dict[str, dict[tuple[str, ...], "float | None"]]
@@ -762,13 +897,14 @@ def _compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | No
     B = record.batch_size
     device = mask.device
     per_seq = mask.sum(-1)                                                     # [B] response lengths
-    tokens = per_seq.sum()
-    out.put("tokens", tokens)
-    out.put("tokens_total", tokens)
-    if record.trainer_logp is not None and record.sampler_logp is not None:
-        mismatch_signals(out, record.trainer_logp, record.sampler_logp, mask, config, ws, tokens)
-    if record.version is not None and record.trainer_version is not None:
-        lag_signals(out, record.version, record.trainer_version, mask, config, ws, per_seq)
+    if not token_signals(out, record, config, ws):
+        tokens = per_seq.sum()
+        out.put("tokens", tokens)
+        out.put("tokens_total", tokens)
+        if record.trainer_logp is not None and record.sampler_logp is not None:
+            mismatch_signals(out, record.trainer_logp, record.sampler_logp, mask, config, ws, tokens)
+        if record.version is not None and record.trainer_version is not None:
+            lag_signals(out, record.version, record.trainer_version, mask, config, ws, per_seq)
     if record.failed is not None:
         ok = torch.tensor([f is None for f in record.failed], dtype=torch.bool).to(device, non_blocking=True)
     else:
@@ -815,8 +951,8 @@ def compute(config: SignalConfig | None = None, **fields) -> Values:
     Takes the same fields as :meth:`rlwatch.Watch.observe` (``mask`` required, ``step`` optional)
     and raises :class:`~rlwatch.errors.InvalidFieldError` on a malformed field.
     """
-    from .errors import HookErrors
-    from .record import RecordBuilder
+    from ..errors import HookErrors
+    from ..record import RecordBuilder
 
     config = config or SignalConfig()
     step = fields.pop("step", 0)

@@ -1,0 +1,161 @@
+"""Runs :func:`~rlwatch.signals.fused.token_core` compiled when a compiled version is ready, eagerly
+otherwise, and compiles it off the caller's thread so that no step ever waits for a compilation.
+
+Compiled functions are shared by the whole process, one per *signature* (device, dtypes, which
+inputs are present, quantile method). Shapes are dynamic, so batch and sequence sizes do not
+recompile. The step's thread only ever runs code already compiled (``torch._dynamo.run``): a guard
+that fails there runs the eager function instead of compiling. A compilation that fails (no C++
+compiler, an unsupported backend) is remembered and its signature stays eager; the reason is kept
+in :func:`status`.
+
+The compiling thread is not a daemon: a process that exits while a compilation runs waits for it
+(seconds on a GPU host), because killing a thread inside the compiler aborts the interpreter.
+
+``RLWATCH_COMPILE`` chooses: ``auto`` (default: compile for CUDA tensors only), ``always`` (also on
+CPU; inductor emits C++ there and needs a compiler), ``never``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import types
+from typing import Any, Callable
+
+import torch
+
+from . import fused
+
+log = logging.getLogger("rlwatch.signals")
+
+_lock = threading.Lock()
+_compiled: dict[tuple, Callable[..., torch.Tensor]] = {}     # ready to run
+_pending: dict[tuple, threading.Thread] = {}                 # compiling in the background
+_failed: dict[tuple, str] = {}                               # signature -> why it stays eager
+
+
+def compile_mode(override: str | None = None) -> str:
+    """``auto``, ``always`` or ``never`` from ``override`` or ``RLWATCH_COMPILE``."""
+    value = (override or os.environ.get("RLWATCH_COMPILE") or "auto").strip().lower()
+    return {"1": "always", "true": "always", "yes": "always", "0": "never", "false": "never",
+            "no": "never"}.get(value, value if value in ("auto", "always", "never") else "auto")
+
+
+def wants_compile(device: torch.device, override: str | None = None) -> bool:
+    mode = compile_mode(override)
+    return mode == "always" or (mode == "auto" and device.type == "cuda")
+
+
+def signature(args: tuple[Any, ...], exact: bool) -> tuple | None:
+    """What a compiled function is specialised on; None when the inputs should run eagerly
+    (sizes 0 or 1, which dynamic shapes specialise, or non-contiguous tensors)."""
+    mask, trainer, sampler, version = args[:4]
+    B, T = mask.shape
+    if B < 2 or T < 2:
+        return None
+    key: list[Any] = [mask.device, mask.dtype, exact]
+    for t in (trainer, sampler, version):
+        if t is None:
+            key.append(None)
+            continue
+        if not t.is_contiguous() or t.device != mask.device:
+            return None
+        if t is version:
+            kind = "token" if t.shape == mask.shape else ("pair" if t.dim() == 2 else "seq")
+            if kind == "pair" and t.shape[-1] != 2:
+                return None
+            key.append((t.dtype, kind))
+        else:
+            key.append(t.dtype)
+    if not mask.is_contiguous():
+        return None
+    return tuple(key)
+
+
+def _fresh_core() -> Callable[..., torch.Tensor]:
+    """A copy of token_core with its own code object: dynamo keeps compiled code and its
+    recompilation limit per code object, so each signature gets its own."""
+    code = fused.token_core.__code__
+    fn = types.FunctionType(code.replace(), fused.token_core.__globals__, code.co_name,
+                            fused.token_core.__defaults__, fused.token_core.__closure__)
+    fn.__kwdefaults__ = fused.token_core.__kwdefaults__
+    return fn
+
+
+def _example(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Small inputs with the dtypes, devices and layout of ``args`` (B=3, T=5), so the compilation
+    neither reads nor keeps the caller's tensors."""
+    mask, trainer, sampler, version = args[:4]
+    B, T = 3, 5
+    device = mask.device
+    g = torch.Generator().manual_seed(0)
+    ex_mask = (torch.rand(B, T, generator=g) < 0.8).to(mask.dtype).to(device)
+
+    def like(t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if t.dtype.is_floating_point:
+            return (-torch.rand(shape, generator=g)).to(t.dtype).to(device)
+        return torch.randint(0, 3, shape, generator=g).to(t.dtype).to(device)
+
+    if version is None:
+        ex_version = None
+    elif version.shape == mask.shape:
+        ex_version = like(version, (B, T))
+    else:
+        ex_version = like(version, (B, 2) if version.dim() == 2 else (B,))
+    return (ex_mask, like(trainer, (B, T)), like(sampler, (B, T)), ex_version, *args[4:])
+
+
+def _compile(key: tuple, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    try:
+        fn = torch.compile(_fresh_core(), dynamic=True, fullgraph=True)
+        with torch.inference_mode():
+            fn(*example, **kwargs)
+        run_only = torch._dynamo.run(fn)
+        with _lock:
+            _compiled[key] = run_only
+    except Exception as exc:   # noqa: BLE001 -- a failed compilation leaves the eager path, never the run
+        with _lock:
+            _failed[key] = f"{type(exc).__name__}: {exc}"[:500]
+        log.warning("rlwatch: compiling the signal engine failed for %s; staying eager: %s", key, exc)
+    finally:
+        with _lock:
+            _pending.pop(key, None)
+
+
+def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, eager: bool = True,
+        wait: bool = False) -> tuple[torch.Tensor | None, bool]:
+    """token_core(*args[:-1], exact_quantiles=exact, over_from=args[-1]) and whether the compiled
+    version ran; (None, False) when no compiled version is ready and ``eager`` is False. Starts a
+    background compilation for the signature on first sight when compiling is wanted; ``wait``
+    blocks until it finishes (tests and benchmarks)."""
+    kwargs = dict(exact_quantiles=exact, over_from=args[-1])
+    call_args = args[:-1]
+    mask = args[0]
+    key = signature(args, exact) if wants_compile(mask.device, compile) else None
+    if key is not None:
+        with _lock:
+            fn = _compiled.get(key)
+            thread = _pending.get(key)
+            start = fn is None and thread is None and key not in _failed
+            if start:
+                thread = _pending[key] = threading.Thread(
+                    target=_compile, args=(key, _example(call_args), kwargs), name="rlwatch-compile")
+        if start:
+            thread.start()
+        if fn is None and wait and thread is not None:
+            thread.join()
+            fn = _compiled.get(key)
+        if fn is not None:
+            return fn(*call_args, **kwargs), True
+    if not eager:
+        return None, False
+    return fused.token_core(*call_args, **kwargs), False
+
+
+def status() -> dict[str, Any]:
+    """Signatures compiled, compiling and failed (with the reason), for diagnostics and tests."""
+    with _lock:
+        return {"compiled": list(_compiled), "compiling": list(_pending), "failed": dict(_failed)}
