@@ -339,15 +339,16 @@ def bin_counts(index: torch.Tensor, size: int, weights: torch.Tensor | None = No
     """Counts (or weight sums) of ``index`` values in [0, size), float64 [size], without a host sync.
 
     ``torch.bincount`` sizes its output from the data, which synchronises on accelerators; there a
-    scatter-add into a fixed-size tensor is used instead. Indices must already lie in [0, size).
+    scatter-add of integers into a fixed-size tensor is used instead. Indices must already lie in
+    [0, size); weights must be whole numbers there.
     """
     index = index.reshape(-1)
     if index.device.type == "cpu":
         w = None if weights is None else weights.reshape(-1).to(torch.float64)
         return torch.bincount(index, weights=w, minlength=size).to(torch.float64)[:size]
-    src = (torch.ones_like(index, dtype=torch.float64) if weights is None
-           else weights.reshape(-1).to(torch.float64))
-    return torch.zeros(size, dtype=torch.float64, device=index.device).scatter_add_(0, index.long(), src)
+    # Integer atomics: float64 atomics are slow on GPUs (the weights here are token counts).
+    src = torch.ones_like(index, dtype=torch.int64) if weights is None else weights.reshape(-1).to(torch.int64)
+    return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add_(0, index.long(), src).to(torch.float64)
 
 
 _ABS_VALUES: dict[torch.device, torch.Tensor] = {}
@@ -736,10 +737,18 @@ def env_signals(out: Pending, env_index: torch.Tensor, env_names: Sequence[str],
         out.put_vector("env_truncated_ratio", torch.where(episodes > 0, trunc / episodes, torch.nan), rows)
         out.put_vector("episodes_truncated_total", trunc, rows)
     if group_zero_var is not None and groups is not None:
-        index, exists = groups
-        group_env = torch.zeros_like(env_index).scatter_(0, index, env_index)      # a group's environment
-        per_env = torch.zeros(E, 2, dtype=torch.float64, device=env_index.device).index_add_(
-            0, group_env, torch.stack([exists, group_zero_var], 1).to(torch.float64))
+        # A group counts once for each environment among its episodes (a group whose episodes carry
+        # two environments counts in both). Distinct (group, environment) pairs come from one sort
+        # of group * E + environment; integer sums make the result independent of the device.
+        index = groups[0]
+        pair = (index * max(E, 1) + env_index).sort().values                           # [B]
+        first = torch.ones_like(pair, dtype=torch.bool)
+        if pair.numel() > 1:
+            torch.ne(pair[1:], pair[:-1], out=first[1:])
+        group_of, env_of = pair // max(E, 1), pair % max(E, 1)
+        counted = torch.stack([first, first & group_zero_var[group_of]], 1).to(torch.int64)
+        per_env = torch.zeros(E, 2, dtype=torch.int64, device=env_index.device).index_add_(
+            0, env_of, counted).to(torch.float64)
         n_groups, zero = per_env[:, 0], per_env[:, 1]
         out.put_vector("env_zero_variance_groups_ratio", torch.where(n_groups > 0, zero / n_groups, torch.nan), rows)
     for detector in hacked:
@@ -910,16 +919,24 @@ def _compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | No
     else:
         ok = torch.ones(B, dtype=torch.bool, device=device)
     groups = group_zero_var = None
+    ok_reward = ok
     if record.rewards is not None:
-        reward_signals(out, record.rewards, ok)
+        # A NaN or infinite reward is counted and its episode excluded from every reward signal (as
+        # a failed episode is), never read as 0.
+        finite = torch.isfinite(record.rewards)
+        nonfinite = (ok & ~finite).sum()
+        out.put("nonfinite_rewards", nonfinite)
+        out.put("nonfinite_rewards_total", nonfinite)
+        ok_reward = ok & finite
+        reward_signals(out, record.rewards, ok_reward)
         if record.group_ids is not None:
             groups = group_index(record.group_ids)
-            group_zero_var = group_signals(out, record.rewards, groups, ok, config)
+            group_zero_var = group_signals(out, record.rewards, groups, ok_reward, config)
     lengths = length_signals(out, mask, record.truncated, per_seq)
     if record.entropy is not None:
         entropy_signal(out, record.entropy, mask)
     if record.env_index is not None:
-        env_signals(out, record.env_index, record.env_names, record.rewards, ok, record.truncated,
+        env_signals(out, record.env_index, record.env_names, record.rewards, ok_reward, record.truncated,
                     groups, group_zero_var, record.hacked, lengths)
     values = out.resolve()
 
