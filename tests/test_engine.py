@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -61,8 +62,9 @@ def _wait_compiled(record, config, ws, exact) -> bool:
     mismatch = record.trainer_logp is not None and record.sampler_logp is not None
     lag = record.version is not None and record.trainer_version is not None
     tv = torch.tensor(float(record.trainer_version or 0), dtype=torch.float64, device=mask.device)
+    version = record.version.contiguous() if lag else None
     args = (mask, record.trainer_logp if mismatch else None, record.sampler_logp if mismatch else None,
-            record.version if lag else None, tv if lag else None, *signals._fused_constants(config, mask.device))
+            version, tv if lag else None, *signals._fused_constants(config, mask.device))
     if engine.signature(args, exact) is None:
         return False
     engine.run(args, exact, "always", eager=False, wait=True)
@@ -81,12 +83,13 @@ def assert_same(a: dict, b: dict, rel: float = 1e-4, abs_: float = 1e-5) -> None
 
 
 @st.composite
-def steps(draw, max_b: int = 12, max_t: int = 24):
+def steps(draw, max_b: int = 12, max_t: int = 24, dtypes=tuple(sorted(DTYPES)),
+          layouts=("token", "seq", "pair", "none"), min_size: int = 1):
     """A step with random shape, mask, non-finite log-probs, dtype, version layout, groups, envs."""
-    B, T = draw(st.integers(1, max_b)), draw(st.integers(1, max_t))
+    B, T = draw(st.integers(min_size, max_b)), draw(st.integers(min_size, max_t))
     seed = draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
-    dtype = DTYPES[draw(st.sampled_from(sorted(DTYPES)))]
+    dtype = DTYPES[draw(st.sampled_from(dtypes))]
     mask = torch.rand(B, T, generator=g) < draw(st.sampled_from([0.0, 0.5, 1.0]))
     sampler = -torch.rand(B, T, generator=g) * 4
     trainer = sampler + draw(st.sampled_from([0.0, 0.05, 1.0, 30.0])) * torch.randn(B, T, generator=g)
@@ -94,7 +97,7 @@ def steps(draw, max_b: int = 12, max_t: int = 24):
         holes = torch.rand(B, T, generator=g) < draw(st.sampled_from([0.0, 0.1]))
         t[holes] = draw(st.sampled_from([float("nan"), float("-inf"), float("inf")]))
     fields = dict(mask=mask, sampler_logp=sampler.to(dtype), trainer_logp=trainer.to(dtype))
-    layout = draw(st.sampled_from(["token", "seq", "pair", "none"]))
+    layout = draw(st.sampled_from(layouts))
     base = 50 - torch.randint(-1, 8, (B,), generator=g)
     if layout == "token":
         fields.update(token_version=(base[:, None] + (torch.rand(B, T, generator=g) < 0.3)).long(), trainer_version=50)
@@ -211,6 +214,27 @@ def test_compiled_equals_eager_without_graph_breaks():
             eager, _ = run(fields, path="inplace", exact=exact)
             assert_same(eager, compiled)
     assert not engine.status()["failed"]
+
+
+# Signatures the compiled property test covers: by default the two the test above compiles (a
+# compilation costs ~40 s of CPU); RLWATCH_ENGINE_SWEEP=1 sweeps every dtype and version layout.
+SWEEP = os.environ.get("RLWATCH_ENGINE_SWEEP") == "1"
+
+
+@pytest.mark.slow
+@settings(max_examples=40 if SWEEP else 15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_compiled_equals_eager_property(data):
+    exact = data.draw(st.booleans()) if SWEEP else None
+    if SWEEP:
+        fields = data.draw(steps(min_size=2))
+    else:
+        exact = data.draw(st.booleans())
+        fields = data.draw(steps(min_size=2, dtypes=("fp32",) if exact else ("bf16",),
+                                 layouts=("token",) if exact else ("seq",)))
+    compiled, _ = run(fields, path="compiled", exact=exact)
+    eager, _ = run(fields, path="inplace", exact=exact)
+    assert_same(eager, compiled)
 
 
 @pytest.mark.slow

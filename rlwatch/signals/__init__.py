@@ -770,11 +770,12 @@ def failure_counts(env: Sequence[str], failed: Iterable[str | None]) -> dict[tup
 
 # --- the fused token engine ---------------------------------------------------------------------
 
-# Eagerly, steps of up to this many [B, T] positions run the fused function (few, larger operations);
-# larger ones the in-place path above, whose scratch buffers are reused across steps (less memory,
-# no page faults). Once compiled (see :mod:`rlwatch.signals.engine`), the fused function runs at
+# Eagerly, steps of up to this many [B, T] positions run the fused function (fewer operations and
+# less Python per step); larger ones the in-place path above, whose scratch buffers are reused across
+# steps (less memory, no page faults). The bound keeps the fused function's stacked reductions
+# (15 columns) under the size at which torch starts its thread pool, which stalls on a busy host. Once compiled (see :mod:`rlwatch.signals.engine`), the fused function runs at
 # every size.
-FUSED_EAGER_MAX_TOKENS = 8192
+FUSED_EAGER_MAX_TOKENS = 2048
 
 _BAND_THRESHOLDS = tuple(math.log(edge) for edge in PROB_BIN_EDGES)
 
@@ -782,7 +783,7 @@ _BAND_THRESHOLDS = tuple(math.log(edge) for edge in PROB_BIN_EDGES)
 def _fused_constants(config: SignalConfig, device: torch.device) -> tuple[torch.Tensor, ...]:
     cap, (low, high) = config.is_cap, config.mis_band
     thresholds = _constant((cap - 1.0, 1.0 / cap - 1.0, low - 1.0, high - 1.0, *_BAND_THRESHOLDS,
-                            math.log(cap), math.log(low), math.log(high)), device)
+                            math.log(cap), -math.log(cap), math.log(low), math.log(high)), device)
     mids = _ABS_VALUES.get(device)
     if mids is None:
         _abs_bin_values(device, torch.zeros((), device=device))
@@ -808,8 +809,11 @@ def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: 
     exact = n_all <= EXACT_QUANTILE_MAX_TOKENS
     trainer_version = (torch.tensor(float(record.trainer_version), dtype=torch.float64).to(device, non_blocking=True)
                        if lag else None)
+    version = record.version if lag else None
+    if version is not None and version.shape != mask.shape:
+        version = version.contiguous()          # [B] or [B, 2], often a strided slice: cheap to copy
     args = (mask, record.trainer_logp if mismatch else None, record.sampler_logp if mismatch else None,
-            record.version if lag else None, trainer_version, *_fused_constants(config, device))
+            version, trainer_version, *_fused_constants(config, device))
     vector, compiled = engine.run(args, exact, compile, eager=n_all <= FUSED_EAGER_MAX_TOKENS)
     if vector is None:
         return False

@@ -159,3 +159,11 @@ def status() -> dict[str, Any]:
     """Signatures compiled, compiling and failed (with the reason), for diagnostics and tests."""
     with _lock:
         return {"compiled": list(_compiled), "compiling": list(_pending), "failed": dict(_failed)}
+
+
+def wait(timeout: float | None = None) -> None:
+    """Block until the background compilations started so far finish (benchmarks, tests)."""
+    with _lock:
+        threads = list(_pending.values())
+    for thread in threads:
+        thread.join(timeout)

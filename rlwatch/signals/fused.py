@@ -92,10 +92,9 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
                exact_quantiles: bool, over_from: torch.Tensor) -> torch.Tensor:
     """Every token-level sum of one step, packed as :func:`layout` says (float64 [size]).
 
-    trainer_version: 0-d float64. thresholds: float64 [10] = (C - 1, 1/C - 1, low - 1, high - 1,
-    log 0.1, log 0.5, log 0.9 (the probability band edges, any count before the last three),
-    log C, log low, log high) where C is the TIS cap and [low, high] the MIS band; the band edges
-    are ``thresholds[4:-3]``. abs_mids: float64 midpoints of the |r| histogram bins; bucket_index:
+    trainer_version: 0-d float64. thresholds: float64 [11] = (C - 1, 1/C - 1, low - 1, high - 1,
+    log 0.1, log 0.5, log 0.9 (the probability band edges, any number of them), log C, -log C,
+    log low, log high) where C is the TIS cap and [low, high] the MIS band. abs_mids: float64 midpoints of the |r| histogram bins; bucket_index:
     int64 lags at the histogram bucket bounds; qs: float64 (0.5, 0.99). ``exact_quantiles`` picks a
     sort for |r| quantiles (small steps) instead of the bit-pattern histogram; ``over_from`` (0-d float64) is
     the smallest lag above the staleness bound.
@@ -110,11 +109,8 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
         work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
         r = trainer_logp.to(work) - sampler_logp.to(work)
         finite = torch.isfinite(r)
-        bad = mask * (~finite).to(mask.dtype)                                 # masked and non-finite
-        valid = (mask - bad).to(work)
+        valid = (mask * finite).to(work)                                      # masked and finite: 0/1
         r = torch.where(finite, r, 0.0) * mask                                # 0 off the valid set
-        nonfinite = bad.sum()
-        n = tokens - nonfinite
         a = r.abs()
         max_a = a.amax() if n_all else torch.zeros((), dtype=work, device=device)
         em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1()                    # w - 1, 0 off the valid set
@@ -123,24 +119,25 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
         s = (sampler_logp * valid).to(work)
         s = torch.where(torch.isfinite(s), s, 0.0)                            # log mu on valid tokens
         # Per-token columns reduced together: one pass over the tokens once compiled.
-        sums = _sums([
-            r, r * r, a, em1 - r, em1, em1 * em1, em1_t, em1_t * em1_t,
-            (em1 > thr[0]).to(work), (em1 < thr[1]).to(work), (em1 < thr[2]).to(work), (em1 > thr[3]).to(work),
-            r * s, s * s, s]).double()
+        sums = _sums([valid, r, r * r, a, em1 - r, em1, em1 * em1, em1_t, em1_t * em1_t, r * s, s * s, s])
+        # w against the four IS thresholds (exact, strict): sign of w - 1 - t for each t.
+        dist = em1.unsqueeze(0) - thr[:4].reshape(4, *([1] * em1.dim()))
+        above, below = (dist > 0).sum((1, 2)), (dist < 0).sum((1, 2))
         # Sampler-probability bands: band k holds log mu in [edge k-1, edge k).
-        edges = thr[4:-3]
-        band = (s.unsqueeze(-1) >= edges).sum(-1)                             # [B, T] 0 .. bands-1
-        band_sums = _sums([x * (band == k).to(work) for k in range(edges.numel() + 1) for x in (a, valid)]).double()
+        edges = thr[4:-4]
+        band = (s.unsqueeze(-1) >= edges).sum(-1, keepdim=True)               # [B, T, 1] 0 .. bands-1
+        one_hot = band == torch.arange(edges.numel() + 1, device=device)      # [B, T, bands]
+        band_sums = (torch.stack([a, valid], -1).unsqueeze(-1) * one_hot.unsqueeze(-2)).sum((0, 1))   # [2, bands]
         # Sequence level: s_b = sum_t r over sequences with at least one valid token.
         seq_r = r.sum(-1).double()
         has = (valid.sum(-1) > 0).double()
         seq_abs = seq_r.abs()
-        t64 = thresholds
-        terms = torch.stack([has, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)),
-                             (seq_r > t64[-3]).double(), (seq_r < -t64[-3]).double(),
-                             ((seq_r < t64[-2]) | (seq_r > t64[-1])).double()])
-        seq_sums = (terms * has).sum(-1)
+        seq_dist = seq_r.unsqueeze(0) - thresholds[-4:].unsqueeze(-1)         # s_b - (log C, -log C, log lo, log hi)
+        terms = torch.cat([torch.stack([has, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))]),
+                           (seq_dist > 0).double(), (seq_dist < 0).double()])
+        seq_sums = (terms * has).sum(-1)                                      # [11]
         seq_max = (seq_abs * has).amax() if B else seq_abs.sum()
+        n = sums[0]
         # |r| quantiles: a sort on small steps, else the float32 bit-pattern histogram.
         if exact_quantiles or n_all == 0:
             if n_all == 0:
@@ -160,8 +157,11 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
             values = torch.cat([torch.zeros(1, dtype=torch.float64, device=device), abs_mids,
                                 max_a.double().reshape(1)])
             q = _from_counts(hist, values, n, qs)
-        parts += [torch.stack([nonfinite.double(), n.double()]), sums[:3], max_a.double().reshape(1), sums[3:],
-                  seq_sums, seq_max.reshape(1), q, band_sums]
+        counts = torch.stack([above[0], below[1], below[2], above[3]]).double()        # high, low, mis below/above
+        parts += [(tokens - n).double().reshape(1), n.double().reshape(1), sums[1:4].double(),
+                  max_a.double().reshape(1), sums[4:9].double(), counts, sums[9:].double(),
+                  seq_sums[:4], seq_sums[8:9], seq_sums[6:7] + seq_sums[9:10],
+                  seq_max.reshape(1), q, band_sums.t().reshape(-1).double()]
     if version is not None:
         parts.append(_lag_block(version, trainer_version, mask, per_seq, bucket_index, qs, over_from))
     return torch.cat(parts)
