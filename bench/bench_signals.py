@@ -124,8 +124,9 @@ def have_verl() -> bool:
     return True
 
 
-def interleaved(runners: dict, rounds: int, device: str) -> dict[str, float]:
-    """Median seconds per call of each runner, timed round by round in turn (after a warm-up)."""
+def interleaved(runners: dict, rounds: int, device: str, clock=time.perf_counter) -> dict[str, float]:
+    """Median seconds per call of each runner, timed round by round in turn (after a warm-up).
+    ``clock``: wall time by default; time.process_time gives the CPU time of every thread."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for run in runners.values():
         run()
@@ -134,10 +135,10 @@ def interleaved(runners: dict, rounds: int, device: str) -> dict[str, float]:
     for _ in range(rounds):
         for name, run in runners.items():
             sync()
-            start = time.perf_counter()
+            start = clock()
             run()
             sync()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -151,20 +152,23 @@ def tiny(args) -> None:
     from bench import _signals_baseline as baseline
 
     print(f"small steps, torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
-          f"{args.rounds} interleaved rounds of 20 steps (median per step)")
-    header = f"  {'B x T':>10} {'before (ms)':>12} {'now eager (ms)':>15} {'ratio':>6}"
-    print(header + (f" {'now compiled (ms)':>18} {'ratio':>6}" if args.compile else ""))
+          f"{args.rounds} interleaved rounds of 20 steps; per step: median CPU time of every thread "
+          f"(process_time; what the step costs the host) and median wall time")
+    cols = ["before", "eager", *(["compiled"] if args.compile else [])]
+    print(f"  {'B x T':>10} " + " ".join(f"{c + ' cpu/wall (ms)':>26}" for c in cols)
+          + "  eager/before cpu" + ("  compiled/before cpu" if args.compile else ""))
     for B, T in TINY_SHAPES:
         inputs = to_device(make_inputs(B, T), args.device)
         runners = {"before": rlwatch_runner(inputs, module=baseline), "eager": rlwatch_runner(inputs)}
         if args.compile:
             runners["compiled"] = rlwatch_runner(inputs, "always")
         batched = {name: (lambda run=run: [run() for _ in range(20)]) for name, run in runners.items()}
-        med = {k: v / 20 for k, v in interleaved(batched, args.rounds, args.device).items()}
-        line = f"  {f'{B} x {T}':>10} {med['before'] * 1e3:12.3f} {med['eager'] * 1e3:15.3f} " \
-               f"{med['eager'] / med['before']:6.2f}"
+        cpu = {k: v / 20 for k, v in interleaved(batched, args.rounds, args.device, time.process_time).items()}
+        wall = {k: v / 20 for k, v in interleaved(batched, args.rounds, args.device).items()}
+        line = f"  {f'{B} x {T}':>10} " + " ".join(f"{f'{cpu[c] * 1e3:.3f} / {wall[c] * 1e3:.3f}':>26}" for c in cols)
+        line += f"  {cpu['eager'] / cpu['before']:16.2f}"
         if args.compile:
-            line += f" {med['compiled'] * 1e3:18.3f} {med['compiled'] / med['before']:6.2f}"
+            line += f"  {cpu['compiled'] / cpu['before']:19.2f}"
         print(line)
 
 

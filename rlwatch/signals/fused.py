@@ -54,7 +54,11 @@ def layout(mismatch: bool, lag: bool, bands: int, buckets: int) -> dict[str, int
 
 def _count_into(counts: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """counts [K] int64 += occurrences (or integer ``weights``) of ``index`` values in [0, K)."""
-    index = index.reshape(-1).long()
+    index = index.reshape(-1)
+    if index.device.type == "cpu" and not torch.compiler.is_compiling():     # one operation, no atomics
+        found = torch.bincount(index, None if weights is None else weights.reshape(-1).double(), counts.numel())
+        return counts + found[:counts.numel()].long()
+    index = index.long()
     src = torch.ones_like(index) if weights is None else weights.reshape(-1).long()
     return counts.scatter_add(0, index, src)
 
@@ -76,14 +80,12 @@ def _quantiles(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return lo, (lo + 1).minimum(top), rank - lo
 
 
-def _from_counts(counts: torch.Tensor, values: torch.Tensor, n: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
-    """Quantiles [Q] of ``n`` items binned by ``counts`` [K], each bin represented by ``values`` [K]."""
+def _from_counts(cum: torch.Tensor, values: torch.Tensor, n: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Quantiles [Q] of ``n`` items binned by counts whose cumulative sum is ``cum`` [K] float64, each
+    bin represented by ``values`` [K]."""
     lo, hi, frac = _quantiles(n, qs)
-    cum = counts.double().cumsum(0)
-    last = counts.numel() - 1
-    v_lo = values[torch.searchsorted(cum, lo, right=True).clamp_max(last)]
-    v_hi = values[torch.searchsorted(cum, hi, right=True).clamp_max(last)]
-    return torch.where(n > 0, v_lo + frac * (v_hi - v_lo), torch.nan)
+    v = values[torch.searchsorted(cum, torch.stack([lo, hi]), right=True).clamp_max(cum.numel() - 1)]
+    return torch.where(n > 0, v[0] + frac * (v[1] - v[0]), torch.nan)
 
 
 def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_logp: torch.Tensor | None,
@@ -145,8 +147,8 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
             else:
                 ordered = torch.where(valid.reshape(-1) > 0, a.reshape(-1), torch.inf).sort().values
                 lo, hi, frac = _quantiles(n, qs)
-                v_lo, v_hi = ordered[lo.long()].double(), ordered[hi.long()].double()
-                q = torch.where(n > 0, v_lo + frac * (v_hi - v_lo), torch.nan)
+                v = ordered[torch.stack([lo, hi]).long()].double()
+                q = torch.where(n > 0, v[0] + frac * (v[1] - v[0]), torch.nan)
         else:
             a32 = a if work == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).float()
             bins = torch.bitwise_right_shift(a32.view(torch.int32), ABS_SHIFT)            # 0 .. 65535
@@ -156,12 +158,12 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
             hist = torch.cat([hist[:1] - (n_all - n.double()).round().long(), hist[1:]])   # bin 0: off-set zeros
             values = torch.cat([torch.zeros(1, dtype=torch.float64, device=device), abs_mids,
                                 max_a.double().reshape(1)])
-            q = _from_counts(hist, values, n, qs)
-        counts = torch.stack([above[0], below[1], below[2], above[3]]).double()        # high, low, mis below/above
-        parts += [(tokens - n).double().reshape(1), n.double().reshape(1), sums[1:4].double(),
-                  max_a.double().reshape(1), sums[4:9].double(), counts, sums[9:].double(),
-                  seq_sums[:4], seq_sums[8:9], seq_sums[6:7] + seq_sums[9:10],
-                  seq_max.reshape(1), q, band_sums.t().reshape(-1).double()]
+            q = _from_counts(hist.double().cumsum(0), values, n, qs)
+        counts = torch.stack([above[0], below[1], below[2], above[3]])        # high, low, mis below/above
+        # torch.cat promotes every part to float64 (exactly: float32 and int64 counts fit).
+        parts += [(tokens - n).reshape(1), sums[:4], max_a.reshape(1), sums[4:9], counts, sums[9:],
+                  seq_sums[:4], seq_sums[8:9], seq_sums[6:7] + seq_sums[9:10], seq_max.reshape(1), q,
+                  band_sums.t().reshape(-1)]
     if version is not None:
         parts.append(_lag_block(version, trainer_version, mask, per_seq, bucket_index, qs, over_from))
     return torch.cat(parts)
@@ -198,15 +200,15 @@ def _lag_block(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch
         counts = _count_into(counts, idx, per_seq)
         negative = ((seq_lag < 0).double() * per_seq.double()).sum()
         seq_max = torch.where(has, seq_lag, 0.0)
-    hist = counts[1:]
-    lag_values = torch.arange(hist.numel(), device=device, dtype=torch.float64)
-    histd = hist.double()
-    lag_sum = (histd * lag_values).sum()
+    histd = counts[1:].double()                                               # lags 0 .. LAG_EXACT_MAX
+    lag_values = torch.arange(histd.numel(), device=device, dtype=torch.float64)
+    # The lag sum and the tokens above the staleness bound in one product.
+    lag_sums = (histd * torch.stack([lag_values, (lag_values >= over_from).double()])).sum(-1)
     lag_max = seq_max.amax() if B else torch.zeros((), dtype=torch.float64, device=device)
     n_ok = n_mask - negative
-    over = (histd * (lag_values >= over_from)).sum()
     hasd = has.double()
     seq_sums = torch.stack([hasd, seq_max.clamp_min(0), spans]).mul(hasd).sum(-1)
-    p99 = _from_counts(hist, lag_values, n_ok, qs[1:])
-    cum_at = histd.cumsum(0)[bucket_index]
-    return torch.cat([torch.stack([negative, lag_sum, lag_max.double(), n_ok, over]), seq_sums, p99, cum_at])
+    cum = histd.cumsum(0)
+    p99 = _from_counts(cum, lag_values, n_ok, qs[1:])
+    return torch.cat([negative.reshape(1), lag_sums[:1], lag_max.reshape(1), n_ok.reshape(1), lag_sums[1:], seq_sums,
+                      p99, cum[bucket_index]])
