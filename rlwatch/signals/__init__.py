@@ -318,7 +318,7 @@ class Workspace:
     def __init__(self, compile: str | None = None) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self.compile = compile       # "auto", "always" or "never"; None: RLWATCH_COMPILE (see engine)
-        self.compiled_steps = 0      # steps whose token signals ran compiled
+        self.compiled_steps = 0      # steps whose token signals ran as compiled code
 
     def get(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
@@ -814,13 +814,16 @@ def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: 
         version = version.contiguous()          # [B] or [B, 2], often a strided slice: cheap to copy
     args = (mask, record.trainer_logp if mismatch else None, record.sampler_logp if mismatch else None,
             version, trainer_version, *_fused_constants(config, device))
-    vector, compiled = engine.run(args, exact, compile, eager=n_all <= FUSED_EAGER_MAX_TOKENS)
+    vector, _ = engine.run(args, exact, compile, eager=n_all <= FUSED_EAGER_MAX_TOKENS)
     if vector is None:
         return False
-    if ws is not None and compiled:
-        ws.compiled_steps += 1
     pos = fused.layout(mismatch, lag, len(PROB_BIN_LABELS), len(LAG_BUCKETS))
-    out.host(lambda v: _finish_tokens(v, pos, mismatch, lag), out.vector(vector))
+
+    def finish(v: list[float]) -> "Values":
+        if ws is not None and v[pos["compiled"]] == 1.0:
+            ws.compiled_steps += 1
+        return _finish_tokens(v, pos, mismatch, lag)
+    out.host(finish, out.vector(vector))
     return True
 
 

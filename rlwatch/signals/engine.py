@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import types
 from typing import Any, Callable
@@ -54,7 +55,9 @@ def signature(args: tuple[Any, ...], exact: bool) -> tuple | None:
     B, T = mask.shape
     if B < 2 or T < 2:
         return None
-    key: list[Any] = [mask.device, mask.dtype, exact]
+    # Dynamo guards on each tensor's dispatch keys: inference tensors and normal ones compile apart.
+    key: list[Any] = [mask.device, mask.dtype, exact,
+                      tuple(t.is_inference() for t in args[:5] if isinstance(t, torch.Tensor))]
     for t in (trainer, sampler, version):
         if t is None:
             key.append(None)
@@ -84,20 +87,23 @@ def _fresh_core() -> Callable[..., torch.Tensor]:
 
 
 def _example(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Small inputs with the dtypes, devices and layout of ``args`` (B=3, T=5), so the compilation
-    neither reads nor keeps the caller's tensors."""
+    """Small inputs with the dtypes, devices, layout and inference-ness of ``args`` (B=3, T=5), so
+    the compilation neither reads nor keeps the caller's tensors."""
     mask, trainer, sampler, version = args[:4]
     B, T = 3, 5
     device = mask.device
     g = torch.Generator().manual_seed(0)
-    ex_mask = (torch.rand(B, T, generator=g) < 0.8).to(mask.dtype).to(device)
 
     def like(t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
         if t is None:
             return None
-        if t.dtype.is_floating_point:
-            return (-torch.rand(shape, generator=g)).to(t.dtype).to(device)
-        return torch.randint(0, 3, shape, generator=g).to(t.dtype).to(device)
+        with torch.inference_mode(t.is_inference()):
+            if t.dtype.is_floating_point:
+                return (-torch.rand(shape, generator=g)).to(t.dtype).to(device)
+            return torch.randint(0, 3, shape, generator=g).to(t.dtype).to(device)
+
+    with torch.inference_mode(mask.is_inference()):
+        ex_mask = (torch.rand(B, T, generator=g) < 0.8).to(mask.dtype).to(device)
 
     if version is None:
         ex_version = None
@@ -111,7 +117,7 @@ def _example(args: tuple[Any, ...]) -> tuple[Any, ...]:
 def _compile(key: tuple, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     try:
         fn = torch.compile(_fresh_core(), dynamic=True, fullgraph=True)
-        with torch.inference_mode():
+        with torch.inference_mode():             # as compute_step runs
             fn(*example, **kwargs)
         run_only = torch._dynamo.run(fn)
         with _lock:
@@ -119,6 +125,8 @@ def _compile(key: tuple, example: tuple[Any, ...], kwargs: dict[str, Any]) -> No
     except Exception as exc:   # noqa: BLE001 -- a failed compilation leaves the eager path, never the run
         with _lock:
             _failed[key] = f"{type(exc).__name__}: {exc}"[:500]
+        if sys.is_finalizing() or "shutdown" in str(exc):     # the process is exiting: nothing to tell
+            return
         log.warning("rlwatch: compiling the signal engine failed for %s; staying eager: %s", key, exc)
     finally:
         with _lock:

@@ -38,7 +38,8 @@ LAG_FIELDS = ("negative", "lag_sum", "lag_max", "n_ok", "over", "lag_seq_n", "la
 
 def layout(mismatch: bool, lag: bool, bands: int, buckets: int) -> dict[str, int | slice]:
     """Positions in :func:`token_core`'s output: ``tokens`` first, then the mismatch block (with
-    ``bands`` as a slice of 2 * bands values) and the lag block (with ``lag_cum`` a slice)."""
+    ``bands`` as a slice of 2 * bands values), the lag block (with ``lag_cum`` a slice), and last
+    ``compiled`` (1 when compiled code produced the vector)."""
     at, pos = 1, {"tokens": 0}
     if mismatch:
         for name in MISMATCH_FIELDS:
@@ -48,6 +49,7 @@ def layout(mismatch: bool, lag: bool, bands: int, buckets: int) -> dict[str, int
         for name in LAG_FIELDS:
             pos[name], at = at, at + 1
         pos["lag_cum"], at = slice(at, at + buckets), at + buckets
+    pos["compiled"], at = at, at + 1
     pos["size"] = at
     return pos
 
@@ -166,6 +168,8 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
                   band_sums.t().reshape(-1)]
     if version is not None:
         parts.append(_lag_block(version, trainer_version, mask, per_seq, bucket_index, qs, over_from))
+    # 1 when this ran as compiled code, 0 eagerly (a guard that fails on the step's thread runs eagerly).
+    parts.append(tokens.new_full((1,), 1.0 if torch.compiler.is_compiling() else 0.0))
     return torch.cat(parts)
 
 
