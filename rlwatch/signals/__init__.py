@@ -702,7 +702,6 @@ def env_signals(out: Pending, env_index: torch.Tensor, env_names: Sequence[str],
     name -> [B] bool. Failure rates by kind are counted on the host from the string labels.
     """
     E = len(env_names)
-    rows = [(name,) for name in env_names]
     okf = ok.double()
     columns: dict[str, torch.Tensor] = {"episodes": torch.ones_like(okf)}
     if rewards is not None:
@@ -715,27 +714,10 @@ def env_signals(out: Pending, env_index: torch.Tensor, env_names: Sequence[str],
         columns["truncated"] = truncated.double()
     for detector, flags in hacked.items():
         columns["hacked/" + detector] = flags.double()
-    # Every per-environment sum in one scatter-add: [E, columns].
+    # Every per-environment sum in one scatter-add: [E, columns]; the ratios are finished on the host.
     sums = torch.zeros(E, len(columns), dtype=torch.float64, device=env_index.device).index_add_(
         0, env_index, torch.stack(list(columns.values()), 1))
-    col = {name: sums[:, i] for i, name in enumerate(columns)}
-    episodes = col["episodes"]
-    out.put_vector("env_episodes", episodes, rows)
-    out.put_vector("episodes_total", episodes, rows)
-    if rewards is not None:
-        ok_count, reward_sum = col["ok"], col["r"]
-        out.put_vector("env_reward_mean", torch.where(ok_count > 0, reward_sum / ok_count, torch.nan), rows)
-        if lengths is not None:
-            # Pearson correlation of reward with response length per environment (reward/length hack).
-            s_n, s_rr, s_nn, s_rn = col["n"], col["rr"], col["nn"], col["rn"]
-            cov = ok_count * s_rn - reward_sum * s_n
-            var = (ok_count * s_rr - reward_sum ** 2) * (ok_count * s_nn - s_n ** 2)
-            corr = torch.where((ok_count >= 4) & (var > 0), cov / var.clamp_min(1e-300).sqrt(), torch.nan)
-            out.put_vector("env_reward_length_corr", corr, rows)
-    if truncated is not None:
-        trunc = col["truncated"]
-        out.put_vector("env_truncated_ratio", torch.where(episodes > 0, trunc / episodes, torch.nan), rows)
-        out.put_vector("episodes_truncated_total", trunc, rows)
+    parts = [out.vector(sums)]
     if group_zero_var is not None and groups is not None:
         # A group counts once for each environment among its episodes (a group whose episodes carry
         # two environments counts in both). Distinct (group, environment) pairs come from one sort
@@ -747,16 +729,47 @@ def env_signals(out: Pending, env_index: torch.Tensor, env_names: Sequence[str],
             torch.ne(pair[1:], pair[:-1], out=first[1:])
         group_of, env_of = pair // max(E, 1), pair % max(E, 1)
         counted = torch.stack([first, first & group_zero_var[group_of]], 1).to(torch.int64)
-        per_env = torch.zeros(E, 2, dtype=torch.int64, device=env_index.device).index_add_(
-            0, env_of, counted).to(torch.float64)
-        n_groups, zero = per_env[:, 0], per_env[:, 1]
-        out.put_vector("env_zero_variance_groups_ratio", torch.where(n_groups > 0, zero / n_groups, torch.nan), rows)
-    for detector in hacked:
+        per_env = torch.zeros(E, 2, dtype=torch.int64, device=env_index.device).index_add_(0, env_of, counted)
+        parts.append(out.vector(per_env))
+    names = list(columns)
+    out.host(lambda flat, *zero: _finish_envs(flat, zero[0] if zero else None, names, list(env_names),
+                                              list(hacked)), *parts)
+
+
+def _finish_envs(flat: list[float], zero: list[float] | None, names: list[str], envs: list[str],
+                 detectors: list[str]) -> "Values":
+    """Per-environment families from the [E, columns] sums (row-major ``flat``) and the
+    [E, 2] (groups, zero-variance groups) counts."""
+    C = len(names)
+    col = {name: flat[i::C] for i, name in enumerate(names)}
+    rows = [(name,) for name in envs]
+    out: Values = {}
+    episodes = col["episodes"]
+    out["env_episodes"] = dict(zip(rows, episodes))
+    out["episodes_total"] = dict(zip(rows, episodes))
+    if "ok" in col:
+        ok, r = col["ok"], col["r"]
+        out["env_reward_mean"] = {row: _div(s, n) for row, s, n in zip(rows, r, ok)}
+        if "n" in col:
+            # Pearson correlation of reward with response length per environment (reward/length hack).
+            corr = {}
+            for row, k, s_r, s_n, s_rr, s_nn, s_rn in zip(rows, ok, r, col["n"], col["rr"], col["nn"], col["rn"]):
+                var = (k * s_rr - s_r * s_r) * (k * s_nn - s_n * s_n)
+                corr[row] = (k * s_rn - s_r * s_n) / math.sqrt(max(var, 1e-300)) if k >= 4 and var > 0 else None
+            out["env_reward_length_corr"] = corr
+    if "truncated" in col:
+        trunc = col["truncated"]
+        out["env_truncated_ratio"] = {row: _div(t, e) for row, t, e in zip(rows, trunc, episodes)}
+        out["episodes_truncated_total"] = dict(zip(rows, trunc))
+    if zero is not None:
+        out["env_zero_variance_groups_ratio"] = {row: _div(zero[2 * i + 1], zero[2 * i]) for i, row in enumerate(rows)}
+    for detector in detectors:
         count = col["hacked/" + detector]
-        det_rows = [(name, detector) for name in env_names]
-        out.put_vector("env_hack_ratio", torch.where(episodes > 0, count / episodes, torch.nan), det_rows)
-        out.put_vector("episodes_hacked_total", count, det_rows)
-        out.put_vector("episodes_judged_total", episodes, det_rows)
+        det_rows = [(name, detector) for name in envs]
+        out.setdefault("env_hack_ratio", {}).update({row: _div(c, e) for row, c, e in zip(det_rows, count, episodes)})
+        out.setdefault("episodes_hacked_total", {}).update(dict(zip(det_rows, count)))
+        out.setdefault("episodes_judged_total", {}).update(dict(zip(det_rows, episodes)))
+    return out
 
 
 def failure_counts(env: Sequence[str], failed: Iterable[str | None]) -> dict[tuple[str, str], int]:
