@@ -785,10 +785,10 @@ def failure_counts(env: Sequence[str], failed: Iterable[str | None]) -> dict[tup
 
 # Eagerly, steps of up to this many [B, T] positions run the fused function (fewer operations and
 # less Python per step); larger ones the in-place path above, whose scratch buffers are reused across
-# steps (less memory, no page faults). The bound keeps the fused function's stacked reductions
-# (15 columns) under the size at which torch starts its thread pool, which stalls on a busy host. Once compiled (see :mod:`rlwatch.signals.engine`), the fused function runs at
-# every size.
-FUSED_EAGER_MAX_TOKENS = 2048
+# steps (less memory, no page faults). Around 2,048 positions the in-place path becomes the cheaper
+# one (CPU time, measured side by side). Once compiled (see :mod:`rlwatch.signals.engine`), the
+# fused function runs at every size.
+FUSED_EAGER_MAX_TOKENS = 1024
 
 _BAND_THRESHOLDS = tuple(math.log(edge) for edge in PROB_BIN_EDGES)
 
