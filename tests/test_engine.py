@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 
 import pytest
 import torch
@@ -203,7 +204,7 @@ def test_compiled_equals_eager_without_graph_breaks():
     which the engine records. Two signatures (fp32 per-token versions with exact quantiles; bf16
     per-sequence versions with the histogram), on several shapes each without recompiling."""
     for dtype, layout, exact in ((torch.float32, "token", True), (torch.bfloat16, "seq", False)):
-        for B, T, seed in ((4, 7, 0), (33, 65, 1), (2, 300, 2)):
+        for B, T, seed in ((4, 7, 0), (33, 65, 1), (2, 300, 2), (3, 1500, 3)):   # 4,500 > 4,096: a size bound
             fields = make_step(B=B, T=T, seed=seed)
             fields["sampler_logp"] = fields["sampler_logp"].to(dtype)
             fields["trainer_logp"] = fields["trainer_logp"].to(dtype)
@@ -238,17 +239,25 @@ def test_compiled_equals_eager_property(data):
 
 
 @pytest.mark.slow
-def test_first_steps_do_not_wait_for_the_compilation():
+def test_first_steps_do_not_wait_for_the_compilation(monkeypatch):
+    """The compilation is held back until the step has returned: the step ran eagerly on its own."""
+    release = threading.Event()
+    real_compile = engine._compile
+
+    def held_compile(*args):
+        assert release.wait(600)
+        real_compile(*args)
+    monkeypatch.setattr(engine, "_compile", held_compile)
     fields = make_step(B=8, T=16, seed=5)
     fields["sampler_logp"] = fields["sampler_logp"].double()
     fields["trainer_logp"] = fields["trainer_logp"].double()
     ws = Workspace(compile="always")
     record = RecordBuilder(HookErrors(strict=True)).build(0, fields, ws)
-    values = compute_step(record, SignalConfig(), ws)          # returns at once, eagerly
+    values = compute_step(record, SignalConfig(), ws)          # returns while the compilation is held
     assert ws.compiled_steps == 0 and values["mismatch_tokens"][()] > 0
-    assert engine.status()["compiling"]                       # compiling in the background
-    for thread in list(engine._pending.values()):
-        thread.join()
+    assert engine.status()["compiling"]
+    release.set()
+    engine.wait()
     assert_same(values, compute_step(record, SignalConfig(), ws))
     assert ws.compiled_steps == 1
 

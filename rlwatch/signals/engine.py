@@ -86,11 +86,17 @@ def _fresh_core() -> Callable[..., torch.Tensor]:
     return fn
 
 
-def _example(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Small inputs with the dtypes, devices, layout and inference-ness of ``args`` (B=3, T=5), so
-    the compilation neither reads nor keeps the caller's tensors."""
+# Example sizes compiled for each signature. Inductor picks some lowerings by size (a scatter-add
+# into a 4,097-bin or 65,536-bin histogram is lowered differently when it has more indices than
+# bins), which dynamo guards as bounds on B * T; compiling one example on each side of those bounds
+# covers every step size.
+EXAMPLE_SIZES = ((3, 5), (2, 3000), (2, 40000))
+
+
+def _example(args: tuple[Any, ...], B: int = 3, T: int = 5) -> tuple[Any, ...]:
+    """Inputs [B, T] with the dtypes, devices, layout and inference-ness of ``args``, so the
+    compilation neither reads nor keeps the caller's tensors."""
     mask, trainer, sampler, version = args[:4]
-    B, T = 3, 5
     device = mask.device
     g = torch.Generator().manual_seed(0)
 
@@ -114,11 +120,28 @@ def _example(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (ex_mask, like(trainer, (B, T)), like(sampler, (B, T)), ex_version, *args[4:])
 
 
-def _compile(key: tuple, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _example_spec(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What :func:`_example` needs of ``args`` without keeping the caller's [B, T] tensors alive:
+    empty tensors of the same dtypes, devices, layout and inference-ness, and the rest as is."""
+    spec = []
+    for i, t in enumerate(args[:4]):
+        if t is None:
+            spec.append(None)
+            continue
+        with torch.inference_mode(t.is_inference()):
+            shape = (0, 0) if t.shape == args[0].shape else ((0, 2) if t.dim() == 2 else (0,))
+            spec.append(torch.empty(shape, dtype=t.dtype, device=t.device))
+    return (*spec, *args[4:])
+
+
+def _compile(key: tuple, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     try:
         fn = torch.compile(_fresh_core(), dynamic=True, fullgraph=True)
-        with torch.inference_mode():             # as compute_step runs
-            fn(*example, **kwargs)
+        for B, T in EXAMPLE_SIZES:
+            example = _example(args, B, T)
+            with torch.inference_mode():         # as compute_step runs
+                fn(*example, **kwargs)
+            del example
         run_only = torch._dynamo.run(fn)
         with _lock:
             _compiled[key] = run_only
@@ -150,7 +173,7 @@ def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, eager
             start = fn is None and thread is None and key not in _failed
             if start:
                 thread = _pending[key] = threading.Thread(
-                    target=_compile, args=(key, _example(call_args), kwargs), name="rlwatch-compile")
+                    target=_compile, args=(key, _example_spec(call_args), kwargs), name="rlwatch-compile")
         if start:
             thread.start()
         if fn is None and wait and thread is not None:
