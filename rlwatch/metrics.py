@@ -60,6 +60,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("sequences", "Sequences (episodes) in the latest step.", "step"),
     _g("entropy_mean", "Mean per-token policy entropy over response tokens (nats).", "step"),
     _g("reward_mean", "Mean episode reward in the latest step, infrastructure failures excluded.", "step"),
+    _g("nonfinite_rewards", "Episodes (not failed) whose reward is NaN or infinite in the latest step; excluded "
+       "from every reward signal.", "step"),
+    _c("nonfinite_rewards_total", "Episodes whose reward was NaN or infinite, excluded from the reward signals.",
+       "step"),
     _g("reward_std", "Standard deviation of episode rewards in the latest step, failures excluded.", "step"),
     _g("step_interval_seconds", "Wall time between the two latest observed steps.", "step", unit="seconds"),
     _g("last_step_timestamp_seconds", "Unix time at which the latest step was observed.", "step", unit="seconds"),

@@ -234,7 +234,7 @@ class RecordBuilder:
         if bool_:
             return t.to(torch.bool) if t.dtype == torch.bool else t != 0
         if float_:
-            return t.to(torch.float64).nan_to_num(0.0, 0.0, 0.0)
+            return t.to(torch.float64)      # NaN/inf kept: the signals count and exclude them
         return t
 
     def _versions(self, rec: StepRecord, fields: Mapping[str, Any], B: int, T: int, device: torch.device) -> None:

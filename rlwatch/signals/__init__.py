@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
-from .metrics import LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS, ZERO_VARIANCE_KINDS
+from . import fused
+from ..metrics import LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS, ZERO_VARIANCE_KINDS
 
 if TYPE_CHECKING:
-    from .record import StepRecord
+    from ..record import StepRecord
 
 SAFETY_BOUND = 20.0  # |r| clamp before exp, as verl's rollout_corr_helper.SAFETY_BOUND
 
@@ -103,6 +104,8 @@ class Pending:
         self._entries: list[tuple[str, Any, Callable[..., Any] | None, tuple[Any, ...]]] = []
 
     def _part(self, value: Any) -> Any:
+        if isinstance(value, _Slot):                 # already registered with :meth:`vector`
+            return value
         if isinstance(value, torch.Tensor):
             if value.dim() == 0:
                 self._scalars.append(value)
@@ -110,6 +113,14 @@ class Pending:
             self._vectors.append(value if value.dim() == 1 else value.reshape(-1))
             return _Slot(len(self._vectors) - 1, value.numel())
         return value
+
+    def vector(self, values: torch.Tensor) -> Any:
+        """Register a 1-d tensor once; the returned handle can be a part of any number of entries."""
+        return self._part(values.reshape(-1) if values.dim() != 1 else values)
+
+    def host(self, fn: Callable[..., "Values"], *parts: Any) -> None:
+        """``fn(*parts)`` on the host returns several ``{name: {labels: value}}`` families at once."""
+        self._entries.append(("", None, fn, tuple(self._part(p) for p in parts)))
 
     def put(self, name: str, value: torch.Tensor | float, labels: tuple[str, ...] = ()) -> None:
         if isinstance(value, torch.Tensor) and value.dim():
@@ -165,6 +176,12 @@ class Pending:
         out: dict[str, dict[tuple[str, ...], float | None]] = {}
         for name, labels, fn, parts in self._entries:
             args = [value(p) for p in parts]
+            if labels is None:                      # a host() entry: several families at once
+                for family_name, rows in fn(*args).items():
+                    target = out.setdefault(family_name, {})
+                    for row, v in rows.items():
+                        target[row] = _finite(v)
+                continue
             family = out.setdefault(name, {})
             if isinstance(labels, tuple):
                 family[labels] = _finite(_apply(fn, args) if fn else args[0])
@@ -294,11 +311,14 @@ class Workspace:
 
     A fresh multi-megabyte CPU tensor page-faults on first touch, which costs more than the
     arithmetic on it; reusing buffers of the same shape makes every step after the first allocate
-    nothing. One workspace belongs to one caller at a time (``Watch`` holds a lock).
+    nothing. One workspace belongs to one caller at a time (``Watch`` holds a lock). ``compile``
+    chooses whether the token signals run compiled (see :mod:`rlwatch.signals.engine`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, compile: str | None = None) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self.compile = compile       # "auto", "always" or "never"; None: RLWATCH_COMPILE (see engine)
+        self.compiled_steps = 0      # steps whose token signals ran as compiled code
 
     def get(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
@@ -319,15 +339,16 @@ def bin_counts(index: torch.Tensor, size: int, weights: torch.Tensor | None = No
     """Counts (or weight sums) of ``index`` values in [0, size), float64 [size], without a host sync.
 
     ``torch.bincount`` sizes its output from the data, which synchronises on accelerators; there a
-    scatter-add into a fixed-size tensor is used instead. Indices must already lie in [0, size).
+    scatter-add of integers into a fixed-size tensor is used instead. Indices must already lie in
+    [0, size); weights must be whole numbers there.
     """
     index = index.reshape(-1)
     if index.device.type == "cpu":
         w = None if weights is None else weights.reshape(-1).to(torch.float64)
         return torch.bincount(index, weights=w, minlength=size).to(torch.float64)[:size]
-    src = (torch.ones_like(index, dtype=torch.float64) if weights is None
-           else weights.reshape(-1).to(torch.float64))
-    return torch.zeros(size, dtype=torch.float64, device=index.device).scatter_add_(0, index.long(), src)
+    # Integer atomics: float64 atomics are slow on GPUs (the weights here are token counts).
+    src = torch.ones_like(index, dtype=torch.int64) if weights is None else weights.reshape(-1).to(torch.int64)
+    return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add_(0, index.long(), src).to(torch.float64)
 
 
 _ABS_VALUES: dict[torch.device, torch.Tensor] = {}
@@ -402,7 +423,6 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     cap = config.is_cap
     em1_t = torch.clamp(em1, max=cap - 1.0, out=tmp)                          # min(w, C) - 1
     out.derive("is_ess_ratio", _ess_ratio, em1_t.sum(), _dot(em1_t, em1_t), n)
-    importance_ratio_signals(out, r, valid, sum_em1, n)
 
     # Threshold counts on w, exact and strict (see _SCALE): w > C, w < 1/C, w outside the MIS band.
     scaled = torch.mul(em1, _SCALE, out=em1)
@@ -573,26 +593,6 @@ def _bucket_counts(cumulative: list[float], total: float) -> list[float]:
     return [b - a for a, b in zip([0.0, *cumulative], [*cumulative, total])]
 
 
-def importance_ratio_signals(out: Pending, r: torch.Tensor, valid: torch.Tensor, sum_em1: torch.Tensor,
-                             n: torch.Tensor) -> None:
-    """Minimum, mean and maximum of the token importance ratio w = exp(r) over the valid tokens (r clamped
-    to [-SAFETY_BOUND, SAFETY_BOUND] as everywhere): what TRL logs as sampling/importance_sampling_ratio/*
-    before its correction truncates or masks. r, valid: [B, T], r 0 and valid 0 off the valid set;
-    sum_em1: sum of exp(r) - 1 over them; n: their count. Two reductions; exp on the host."""
-    if r.numel():
-        keep = valid > 0
-        low, high = torch.where(keep, r, torch.inf).amin(), torch.where(keep, r, -torch.inf).amax()
-    else:
-        low = high = torch.zeros((), dtype=r.dtype, device=r.device)
-
-    def ratio(x: float, count: float) -> float | None:
-        return math.exp(min(max(x, -SAFETY_BOUND), SAFETY_BOUND)) if count > 0 else None
-
-    out.derive("is_ratio_min", ratio, low, n)
-    out.derive("is_ratio_max", ratio, high, n)
-    out.derive("is_ratio_mean", lambda s, count: _div(count + s, count), sum_em1, n)
-
-
 # --- groups, lengths, rewards, environments ----------------------------------------------------
 
 def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -702,7 +702,6 @@ def env_signals(out: Pending, env_index: torch.Tensor, env_names: Sequence[str],
     name -> [B] bool. Failure rates by kind are counted on the host from the string labels.
     """
     E = len(env_names)
-    rows = [(name,) for name in env_names]
     okf = ok.double()
     columns: dict[str, torch.Tensor] = {"episodes": torch.ones_like(okf)}
     if rewards is not None:
@@ -715,40 +714,62 @@ def env_signals(out: Pending, env_index: torch.Tensor, env_names: Sequence[str],
         columns["truncated"] = truncated.double()
     for detector, flags in hacked.items():
         columns["hacked/" + detector] = flags.double()
-    # Every per-environment sum in one scatter-add: [E, columns].
+    # Every per-environment sum in one scatter-add: [E, columns]; the ratios are finished on the host.
     sums = torch.zeros(E, len(columns), dtype=torch.float64, device=env_index.device).index_add_(
         0, env_index, torch.stack(list(columns.values()), 1))
-    col = {name: sums[:, i] for i, name in enumerate(columns)}
-    episodes = col["episodes"]
-    out.put_vector("env_episodes", episodes, rows)
-    out.put_vector("episodes_total", episodes, rows)
-    if rewards is not None:
-        ok_count, reward_sum = col["ok"], col["r"]
-        out.put_vector("env_reward_mean", torch.where(ok_count > 0, reward_sum / ok_count, torch.nan), rows)
-        if lengths is not None:
-            # Pearson correlation of reward with response length per environment (reward/length hack).
-            s_n, s_rr, s_nn, s_rn = col["n"], col["rr"], col["nn"], col["rn"]
-            cov = ok_count * s_rn - reward_sum * s_n
-            var = (ok_count * s_rr - reward_sum ** 2) * (ok_count * s_nn - s_n ** 2)
-            corr = torch.where((ok_count >= 4) & (var > 0), cov / var.clamp_min(1e-300).sqrt(), torch.nan)
-            out.put_vector("env_reward_length_corr", corr, rows)
-    if truncated is not None:
-        trunc = col["truncated"]
-        out.put_vector("env_truncated_ratio", torch.where(episodes > 0, trunc / episodes, torch.nan), rows)
-        out.put_vector("episodes_truncated_total", trunc, rows)
+    parts = [out.vector(sums)]
     if group_zero_var is not None and groups is not None:
-        index, exists = groups
-        group_env = torch.zeros_like(env_index).scatter_(0, index, env_index)      # a group's environment
-        per_env = torch.zeros(E, 2, dtype=torch.float64, device=env_index.device).index_add_(
-            0, group_env, torch.stack([exists, group_zero_var], 1).to(torch.float64))
-        n_groups, zero = per_env[:, 0], per_env[:, 1]
-        out.put_vector("env_zero_variance_groups_ratio", torch.where(n_groups > 0, zero / n_groups, torch.nan), rows)
-    for detector in hacked:
+        # A group counts once for each environment among its episodes (a group whose episodes carry
+        # two environments counts in both). Distinct (group, environment) pairs come from one sort
+        # of group * E + environment; integer sums make the result independent of the device.
+        index = groups[0]
+        pair = (index * max(E, 1) + env_index).sort().values                           # [B]
+        first = torch.ones_like(pair, dtype=torch.bool)
+        if pair.numel() > 1:
+            torch.ne(pair[1:], pair[:-1], out=first[1:])
+        group_of, env_of = pair // max(E, 1), pair % max(E, 1)
+        counted = torch.stack([first, first & group_zero_var[group_of]], 1).to(torch.int64)
+        per_env = torch.zeros(E, 2, dtype=torch.int64, device=env_index.device).index_add_(0, env_of, counted)
+        parts.append(out.vector(per_env))
+    names = list(columns)
+    out.host(lambda flat, *zero: _finish_envs(flat, zero[0] if zero else None, names, list(env_names),
+                                              list(hacked)), *parts)
+
+
+def _finish_envs(flat: list[float], zero: list[float] | None, names: list[str], envs: list[str],
+                 detectors: list[str]) -> "Values":
+    """Per-environment families from the [E, columns] sums (row-major ``flat``) and the
+    [E, 2] (groups, zero-variance groups) counts."""
+    C = len(names)
+    col = {name: flat[i::C] for i, name in enumerate(names)}
+    rows = [(name,) for name in envs]
+    out: Values = {}
+    episodes = col["episodes"]
+    out["env_episodes"] = dict(zip(rows, episodes))
+    out["episodes_total"] = dict(zip(rows, episodes))
+    if "ok" in col:
+        ok, r = col["ok"], col["r"]
+        out["env_reward_mean"] = {row: _div(s, n) for row, s, n in zip(rows, r, ok)}
+        if "n" in col:
+            # Pearson correlation of reward with response length per environment (reward/length hack).
+            corr = {}
+            for row, k, s_r, s_n, s_rr, s_nn, s_rn in zip(rows, ok, r, col["n"], col["rr"], col["nn"], col["rn"]):
+                var = (k * s_rr - s_r * s_r) * (k * s_nn - s_n * s_n)
+                corr[row] = (k * s_rn - s_r * s_n) / math.sqrt(max(var, 1e-300)) if k >= 4 and var > 0 else None
+            out["env_reward_length_corr"] = corr
+    if "truncated" in col:
+        trunc = col["truncated"]
+        out["env_truncated_ratio"] = {row: _div(t, e) for row, t, e in zip(rows, trunc, episodes)}
+        out["episodes_truncated_total"] = dict(zip(rows, trunc))
+    if zero is not None:
+        out["env_zero_variance_groups_ratio"] = {row: _div(zero[2 * i + 1], zero[2 * i]) for i, row in enumerate(rows)}
+    for detector in detectors:
         count = col["hacked/" + detector]
-        det_rows = [(name, detector) for name in env_names]
-        out.put_vector("env_hack_ratio", torch.where(episodes > 0, count / episodes, torch.nan), det_rows)
-        out.put_vector("episodes_hacked_total", count, det_rows)
-        out.put_vector("episodes_judged_total", episodes, det_rows)
+        det_rows = [(name, detector) for name in envs]
+        out.setdefault("env_hack_ratio", {}).update({row: _div(c, e) for row, c, e in zip(det_rows, count, episodes)})
+        out.setdefault("episodes_hacked_total", {}).update(dict(zip(det_rows, count)))
+        out.setdefault("episodes_judged_total", {}).update(dict(zip(det_rows, episodes)))
+    return out
 
 
 def failure_counts(env: Sequence[str], failed: Iterable[str | None]) -> dict[tuple[str, str], int]:
@@ -758,6 +779,128 @@ def failure_counts(env: Sequence[str], failed: Iterable[str | None]) -> dict[tup
         if kind:
             counts[(e, kind)] = counts.get((e, kind), 0) + 1
     return counts
+
+
+# --- the fused token engine ---------------------------------------------------------------------
+
+# Eagerly, steps of up to this many [B, T] positions run the fused function (fewer operations and
+# less Python per step); larger ones the in-place path above, whose scratch buffers are reused across
+# steps (less memory, no page faults). Around 2,048 positions the in-place path becomes the cheaper
+# one (CPU time, measured side by side). Once compiled (see :mod:`rlwatch.signals.engine`), the
+# fused function runs at every size.
+FUSED_EAGER_MAX_TOKENS = 1024
+
+_BAND_THRESHOLDS = tuple(math.log(edge) for edge in PROB_BIN_EDGES)
+
+
+def _fused_constants(config: SignalConfig, device: torch.device) -> tuple[torch.Tensor, ...]:
+    cap, (low, high) = config.is_cap, config.mis_band
+    thresholds = _constant((cap - 1.0, 1.0 / cap - 1.0, low - 1.0, high - 1.0, *_BAND_THRESHOLDS,
+                            math.log(cap), -math.log(cap), math.log(low), math.log(high)), device)
+    mids = _ABS_VALUES.get(device)
+    if mids is None:
+        _abs_bin_values(device, torch.zeros((), device=device))
+        mids = _ABS_VALUES[device]
+    return (thresholds, mids, _constant(LAG_BUCKETS, device, torch.int64), _constant((0.5, 0.99), device),
+            _constant((float(math.floor(config.staleness_bound)) + 1.0,), device).reshape(()))
+
+
+def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: Workspace | None) -> bool:
+    """The token-level signals (tokens, mismatch, importance sampling, version lag) from the fused
+    engine, compiled when ready, else eagerly on small steps. False when the caller should use the
+    in-place path (a large step with no compiled engine yet)."""
+    from . import engine
+
+    mask = record.mask
+    mismatch = record.trainer_logp is not None and record.sampler_logp is not None
+    lag = record.version is not None and record.trainer_version is not None
+    device = mask.device
+    n_all = mask.numel()
+    compile = ws.compile if ws is not None else "never"
+    if n_all > FUSED_EAGER_MAX_TOKENS and not engine.wants_compile(device, compile):
+        return False
+    exact = n_all <= EXACT_QUANTILE_MAX_TOKENS
+    trainer_version = (torch.tensor(float(record.trainer_version), dtype=torch.float64).to(device, non_blocking=True)
+                       if lag else None)
+    version = record.version if lag else None
+    if version is not None and version.shape != mask.shape:
+        version = version.contiguous()          # [B] or [B, 2], often a strided slice: cheap to copy
+    args = (mask, record.trainer_logp if mismatch else None, record.sampler_logp if mismatch else None,
+            version, trainer_version, *_fused_constants(config, device))
+    vector, _ = engine.run(args, exact, compile, eager=n_all <= FUSED_EAGER_MAX_TOKENS)
+    if vector is None:
+        return False
+    pos = fused.layout(mismatch, lag, len(PROB_BIN_LABELS), len(LAG_BUCKETS))
+
+    def finish(v: list[float]) -> "Values":
+        if ws is not None and v[pos["compiled"]] == 1.0:
+            ws.compiled_steps += 1
+        return _finish_tokens(v, pos, mismatch, lag)
+    out.host(finish, out.vector(vector))
+    return True
+
+
+def _finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: bool) -> "Values":
+    """The host formulas of the token signals from :func:`fused.token_core`'s vector."""
+    def at(name: str) -> float:
+        return v[pos[name]]
+
+    tokens = at("tokens")
+    out: Values = {"tokens": {(): tokens}, "tokens_total": {(): tokens}}
+
+    def put(name: str, value: float | None, labels: tuple[str, ...] = ()) -> None:
+        out.setdefault(name, {})[labels] = value
+
+    if mismatch:
+        n, nonfinite = at("n"), at("nonfinite")
+        for name, value in (("nonfinite_tokens", nonfinite), ("nonfinite_tokens_total", nonfinite),
+                            ("mismatch_tokens", n), ("mismatch_tokens_total", n)):
+            put(name, value)
+        sum_r, max_a = at("sum_r"), at("max_a")
+        put("mismatch_log_ratio_mean", _div(sum_r, n))
+        put("mismatch_kl_k1", _div(-sum_r, n))
+        put("mismatch_kl_k2", _div(0.5 * at("sum_r2"), n))
+        put("mismatch_abs_log_ratio_mean", _div(at("sum_a"), n))
+        put("mismatch_abs_log_ratio_max", max_a if n > 0 else None)
+        put("mismatch_kl_k3", _div(at("sum_k3"), n))
+        sum_em1, sq_em1 = at("sum_em1"), at("sq_em1")
+        put("mismatch_chi2_token", _div(sq_em1 + 2 * sum_em1, n))
+        put("is_ess_raw_ratio", _ess_ratio(sum_em1, sq_em1, n))
+        put("is_ess_ratio", _ess_ratio(at("sum_em1t"), at("sq_em1t"), n))
+        high, masked = at("high"), at("mis_below") + at("mis_above")
+        put("is_tis_high_ratio", _div(high, n))
+        put("is_tis_low_ratio", _div(at("low"), n))
+        put("is_mis_masked_ratio", _div(masked, n))
+        put("is_tis_truncated_tokens_total", high)
+        put("is_mis_masked_tokens_total", masked)
+        put("mismatch_log_ratio_slope", _apply(_slope, [[at("rs"), at("ss")], at("s_sum"), sum_r, n]))
+        seq_n = at("seq_n")
+        for name, field in (("mismatch_seq_log_ratio_abs_mean", "seq_abs"), ("mismatch_chi2_sequence", "seq_chi2"),
+                            ("is_seq_tis_high_ratio", "seq_high"), ("is_seq_tis_low_ratio", "seq_low"),
+                            ("is_seq_mis_masked_ratio", "seq_mis")):
+            put(name, _div(at(field), seq_n))
+        put("mismatch_seq_log_ratio_abs_max", at("seq_max") if seq_n > 0 else None)
+        bands = v[pos["bands"]]
+        for k, label in enumerate(PROB_BIN_LABELS):
+            put("mismatch_abs_log_ratio_by_prob", _div(bands[2 * k], bands[2 * k + 1]), (label,))
+            put("mismatch_tokens_by_prob", bands[2 * k + 1], (label,))
+        for name, field in (("mismatch_abs_log_ratio_p50", "q50"), ("mismatch_abs_log_ratio_p99", "q99")):
+            put(name, min(at(field), max_a) if math.isfinite(at(field)) else None)
+    if lag:
+        n_ok, lag_sum, over, seq_n, spans = at("n_ok"), at("lag_sum"), at("over"), at("lag_seq_n"), at("spans")
+        put("negative_lag_tokens_total", at("negative"))
+        put("version_lag_mean", _div(lag_sum, n_ok))
+        put("version_lag_max", at("lag_max") if n_ok > 0 else None)
+        put("version_lag_p99", at("lag_p99"))
+        put("version_lag_over_bound_ratio", _div(over, n_ok))
+        put("tokens_over_staleness_bound_total", over)
+        put("version_lag_sequence_max_mean", _div(at("lag_seq_max_sum"), seq_n))
+        put("partial_rollout_ratio", _div(spans, seq_n))
+        put("partial_rollout_sequences_total", spans)
+        rows = [(str(b),) for b in LAG_BUCKETS] + [("+Inf",)]
+        out["token_version_lag"] = dict(zip(rows, _bucket_counts(v[pos["lag_cum"]], n_ok)))
+        put("token_version_lag_sum", lag_sum)
+    return out
 
 
 # --- one step ------------------------------------------------------------------------------------
@@ -783,28 +926,37 @@ def _compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | No
     B = record.batch_size
     device = mask.device
     per_seq = mask.sum(-1)                                                     # [B] response lengths
-    tokens = per_seq.sum()
-    out.put("tokens", tokens)
-    out.put("tokens_total", tokens)
-    if record.trainer_logp is not None and record.sampler_logp is not None:
-        mismatch_signals(out, record.trainer_logp, record.sampler_logp, mask, config, ws, tokens)
-    if record.version is not None and record.trainer_version is not None:
-        lag_signals(out, record.version, record.trainer_version, mask, config, ws, per_seq)
+    if not token_signals(out, record, config, ws):
+        tokens = per_seq.sum()
+        out.put("tokens", tokens)
+        out.put("tokens_total", tokens)
+        if record.trainer_logp is not None and record.sampler_logp is not None:
+            mismatch_signals(out, record.trainer_logp, record.sampler_logp, mask, config, ws, tokens)
+        if record.version is not None and record.trainer_version is not None:
+            lag_signals(out, record.version, record.trainer_version, mask, config, ws, per_seq)
     if record.failed is not None:
         ok = torch.tensor([f is None for f in record.failed], dtype=torch.bool).to(device, non_blocking=True)
     else:
         ok = torch.ones(B, dtype=torch.bool, device=device)
     groups = group_zero_var = None
+    ok_reward = ok
     if record.rewards is not None:
-        reward_signals(out, record.rewards, ok)
+        # A NaN or infinite reward is counted and its episode excluded from every reward signal (as
+        # a failed episode is), never read as 0.
+        finite = torch.isfinite(record.rewards)
+        nonfinite = (ok & ~finite).sum()
+        out.put("nonfinite_rewards", nonfinite)
+        out.put("nonfinite_rewards_total", nonfinite)
+        ok_reward = ok & finite
+        reward_signals(out, record.rewards, ok_reward)
         if record.group_ids is not None:
             groups = group_index(record.group_ids)
-            group_zero_var = group_signals(out, record.rewards, groups, ok, config)
+            group_zero_var = group_signals(out, record.rewards, groups, ok_reward, config)
     lengths = length_signals(out, mask, record.truncated, per_seq)
     if record.entropy is not None:
         entropy_signal(out, record.entropy, mask)
     if record.env_index is not None:
-        env_signals(out, record.env_index, record.env_names, record.rewards, ok, record.truncated,
+        env_signals(out, record.env_index, record.env_names, record.rewards, ok_reward, record.truncated,
                     groups, group_zero_var, record.hacked, lengths)
     values = out.resolve()
 
@@ -836,8 +988,8 @@ def compute(config: SignalConfig | None = None, **fields) -> Values:
     Takes the same fields as :meth:`rlwatch.Watch.observe` (``mask`` required, ``step`` optional)
     and raises :class:`~rlwatch.errors.InvalidFieldError` on a malformed field.
     """
-    from .errors import HookErrors
-    from .record import RecordBuilder
+    from ..errors import HookErrors
+    from ..record import RecordBuilder
 
     config = config or SignalConfig()
     step = fields.pop("step", 0)

@@ -1,0 +1,272 @@
+"""The fused token engine: the same values as the in-place path (eager and compiled, every dtype,
+mask, NaN and group/environment layout), one host transfer per step, the compiled region without
+graph breaks, env zero-variance groups across environments, non-finite rewards."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlwatch import compute, signals
+from rlwatch.errors import HookErrors
+from rlwatch.record import RecordBuilder
+from rlwatch.signals import SignalConfig, Workspace, compute_step, engine
+
+from .conftest import make_step
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+@contextlib.contextmanager
+def patched(**values):
+    saved = {k: getattr(signals, k) for k in values}
+    for k, v in values.items():
+        setattr(signals, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(signals, k, v)
+
+
+def run(fields: dict, *, path: str, exact: bool = True, config: SignalConfig | None = None,
+        device: str = "cpu", wait: bool = False) -> tuple[dict, Workspace]:
+    """compute_step on ``fields`` by one path: ``inplace`` (the workspace path), ``fused`` (eager)
+    or ``compiled`` (waiting for the compilation)."""
+    config = config or SignalConfig()
+    fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+    ws = Workspace(compile="always" if path == "compiled" else "never")
+    record = RecordBuilder(HookErrors(strict=True)).build(0, fields, ws)
+    limits = dict(EXACT_QUANTILE_MAX_TOKENS=10**9 if exact else -1,
+                  FUSED_EAGER_MAX_TOKENS=-1 if path != "fused" else 10**9)
+    with patched(**limits):
+        if path == "compiled":
+            with torch.inference_mode():
+                args_ok = _wait_compiled(record, config, ws, exact)
+            assert args_ok, engine.status()
+        values = compute_step(record, config, ws)
+    if path == "compiled":
+        assert ws.compiled_steps == 1
+    return values, ws
+
+
+def _wait_compiled(record, config, ws, exact) -> bool:
+    """Compile the signature of ``record`` now (as the background thread would) and wait."""
+    mask = record.mask
+    mismatch = record.trainer_logp is not None and record.sampler_logp is not None
+    lag = record.version is not None and record.trainer_version is not None
+    tv = torch.tensor(float(record.trainer_version or 0), dtype=torch.float64, device=mask.device)
+    version = record.version.contiguous() if lag else None
+    args = (mask, record.trainer_logp if mismatch else None, record.sampler_logp if mismatch else None,
+            version, tv if lag else None, *signals._fused_constants(config, mask.device))
+    if engine.signature(args, exact) is None:
+        return False
+    engine.run(args, exact, "always", eager=False, wait=True)
+    return engine.signature(args, exact) in engine.status()["compiled"]
+
+
+def assert_same(a: dict, b: dict, rel: float = 1e-4, abs_: float = 1e-5) -> None:
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    for name in a:
+        assert a[name].keys() == b[name].keys(), name
+        for labels, x in a[name].items():
+            y = b[name][labels]
+            assert (x is None) == (y is None), (name, labels, x, y)
+            if x is not None:
+                assert math.isclose(x, y, rel_tol=rel, abs_tol=abs_), (name, labels, x, y)
+
+
+@st.composite
+def steps(draw, max_b: int = 12, max_t: int = 24, dtypes=tuple(sorted(DTYPES)),
+          layouts=("token", "seq", "pair", "none"), min_size: int = 1):
+    """A step with random shape, mask, non-finite log-probs, dtype, version layout, groups, envs."""
+    B, T = draw(st.integers(min_size, max_b)), draw(st.integers(min_size, max_t))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[draw(st.sampled_from(dtypes))]
+    mask = torch.rand(B, T, generator=g) < draw(st.sampled_from([0.0, 0.5, 1.0]))
+    sampler = -torch.rand(B, T, generator=g) * 4
+    trainer = sampler + draw(st.sampled_from([0.0, 0.05, 1.0, 30.0])) * torch.randn(B, T, generator=g)
+    for t in (sampler, trainer):
+        holes = torch.rand(B, T, generator=g) < draw(st.sampled_from([0.0, 0.1]))
+        t[holes] = draw(st.sampled_from([float("nan"), float("-inf"), float("inf")]))
+    fields = dict(mask=mask, sampler_logp=sampler.to(dtype), trainer_logp=trainer.to(dtype))
+    layout = draw(st.sampled_from(layouts))
+    base = 50 - torch.randint(-1, 8, (B,), generator=g)
+    if layout == "token":
+        fields.update(token_version=(base[:, None] + (torch.rand(B, T, generator=g) < 0.3)).long(), trainer_version=50)
+    elif layout == "seq":
+        fields.update(seq_version=base, trainer_version=50)
+    elif layout == "pair":
+        fields.update(seq_version=torch.stack([base, base + torch.randint(0, 2, (B,), generator=g)], 1),
+                      trainer_version=50)
+    groups = draw(st.integers(1, B))
+    fields.update(rewards=torch.randint(0, 3, (B,), generator=g).float(),
+                  group_ids=torch.randint(0, groups, (B,), generator=g),
+                  env=[draw(st.sampled_from(["math", "code", "chat"])) for _ in range(B)],
+                  truncated=torch.rand(B, generator=g) < 0.3)
+    return fields
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fields=steps(), exact=st.booleans())
+def test_fused_eager_equals_inplace(fields, exact):
+    inplace, _ = run(fields, path="inplace", exact=exact)
+    fused, _ = run(fields, path="fused", exact=exact)
+    assert_same(inplace, fused)
+
+
+def test_small_steps_take_the_fused_path_and_large_ones_the_inplace_path(monkeypatch):
+    calls = []
+    real = signals.fused.token_core
+    monkeypatch.setattr(signals.fused, "token_core", lambda *a, **k: calls.append(1) or real(*a, **k))
+    compute(**make_step(B=8, T=16))
+    assert calls == [1]
+    with patched(FUSED_EAGER_MAX_TOKENS=100):
+        compute(**make_step(B=8, T=16))
+    assert calls == [1]
+
+
+class _TransferCounter:
+    """Counts the ways a tensor's values reach the host (CPU has no sync debug mode)."""
+
+    METHODS = ("tolist", "item", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls: list[str] = []
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def wrapper(t, *args, _name=name, _original=original, **kwargs):
+                self.calls.append(_name)
+                return _original(t, *args, **kwargs)
+            monkeypatch.setattr(torch.Tensor, name, wrapper)
+
+
+@pytest.mark.parametrize("fused_max", [10**9, -1], ids=["fused", "inplace"])
+def test_one_host_transfer_per_step(monkeypatch, fused_max):
+    fields = make_step(B=16, T=32)
+    fields["entropy"] = torch.rand(16, 32)
+    fields["hacked"] = {"judge": torch.rand(16) < 0.2}
+    fields["failed"] = [None] * 15 + ["timeout"]
+    ws = Workspace(compile="never")
+    record = RecordBuilder(HookErrors(strict=True)).build(3, fields, ws)
+    with patched(FUSED_EAGER_MAX_TOKENS=fused_max):
+        compute_step(record, SignalConfig(), ws)           # warm caches (constants are built once)
+        counter = _TransferCounter(monkeypatch)
+        values = compute_step(record, SignalConfig(), ws)
+    assert counter.calls == ["tolist"]
+    assert values["mismatch_tokens"][()] > 0 and values["token_version_lag"]
+
+
+def test_env_zero_variance_groups_count_for_each_environment_of_their_episodes():
+    # Group 0: episodes in math and code, rewards constant (all pass); group 1: math only, mixed;
+    # group 2: code only, constant (all fail). math: groups {0, 1} -> 1/2; code: groups {0, 2} -> 2/2.
+    fields = dict(mask=torch.ones(6, 2, dtype=torch.bool), rewards=torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0]),
+                  group_ids=torch.tensor([0, 0, 1, 1, 2, 2]), env=["math", "code", "math", "math", "code", "code"])
+    v = compute(**fields)
+    assert v["env_zero_variance_groups_ratio"] == {("math",): 0.5, ("code",): 1.0}
+    # The order of the episodes does not matter.
+    perm = torch.tensor([5, 3, 1, 0, 4, 2])
+    shuffled = dict(mask=fields["mask"], rewards=fields["rewards"][perm], group_ids=fields["group_ids"][perm],
+                    env=[fields["env"][i] for i in perm])
+    assert compute(**shuffled)["env_zero_variance_groups_ratio"] == v["env_zero_variance_groups_ratio"]
+
+
+def test_nonfinite_rewards_are_counted_and_excluded():
+    v = compute(mask=torch.ones(4, 2, dtype=torch.bool), rewards=torch.full((4,), float("nan")),
+                group_ids=torch.tensor([0, 0, 1, 1]), env=["math"] * 4)
+    assert v["nonfinite_rewards"][()] == 4 and v["nonfinite_rewards_total"][()] == 4
+    assert v["reward_mean"][()] is None and v["reward_std"][()] is None
+    assert v["zero_variance_groups_ratio"][("all_fail",)] is None      # no group has a usable reward
+    assert v["env_reward_mean"][("math",)] is None
+    v = compute(mask=torch.ones(4, 2, dtype=torch.bool), rewards=torch.tensor([1.0, float("inf"), 0.0, 1.0]),
+                group_ids=torch.tensor([0, 0, 1, 1]), env=["math"] * 4,
+                failed=[None, None, None, "timeout"])
+    assert v["nonfinite_rewards"][()] == 1                     # the failed episode's reward is not judged
+    assert v["reward_mean"][()] == pytest.approx(0.5)          # episodes 0 and 2
+    assert v["zero_variance_groups_ratio"][("all_pass",)] == pytest.approx(0.5)   # group 0 = {1.0}
+    assert v["env_reward_mean"][("math",)] == pytest.approx(0.5)
+
+
+# --- the compiled engine (inductor on CPU; CUDA when present) -------------------------------------
+
+@pytest.mark.slow
+def test_compiled_equals_eager_without_graph_breaks():
+    """torch.compile(fullgraph=True) of the fused function: a graph break fails the compilation,
+    which the engine records. Two signatures (fp32 per-token versions with exact quantiles; bf16
+    per-sequence versions with the histogram), on several shapes each without recompiling."""
+    for dtype, layout, exact in ((torch.float32, "token", True), (torch.bfloat16, "seq", False)):
+        for B, T, seed in ((4, 7, 0), (33, 65, 1), (2, 300, 2), (3, 1500, 3)):   # 4,500 > 4,096: a size bound
+            fields = make_step(B=B, T=T, seed=seed)
+            fields["sampler_logp"] = fields["sampler_logp"].to(dtype)
+            fields["trainer_logp"] = fields["trainer_logp"].to(dtype)
+            fields["trainer_logp"][0, 0] = float("nan")
+            if layout == "seq":
+                fields["seq_version"] = fields.pop("token_version")[:, 0]
+            compiled, _ = run(fields, path="compiled", exact=exact)
+            eager, _ = run(fields, path="inplace", exact=exact)
+            assert_same(eager, compiled)
+    assert not engine.status()["failed"]
+
+
+# Signatures the compiled property test covers: by default the two the test above compiles (a
+# compilation costs ~40 s of CPU); RLWATCH_ENGINE_SWEEP=1 sweeps every dtype and version layout.
+SWEEP = os.environ.get("RLWATCH_ENGINE_SWEEP") == "1"
+
+
+@pytest.mark.slow
+@settings(max_examples=40 if SWEEP else 15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_compiled_equals_eager_property(data):
+    exact = data.draw(st.booleans()) if SWEEP else None
+    if SWEEP:
+        fields = data.draw(steps(min_size=2))
+    else:
+        exact = data.draw(st.booleans())
+        fields = data.draw(steps(min_size=2, dtypes=("fp32",) if exact else ("bf16",),
+                                 layouts=("token",) if exact else ("seq",)))
+    compiled, _ = run(fields, path="compiled", exact=exact)
+    eager, _ = run(fields, path="inplace", exact=exact)
+    assert_same(eager, compiled)
+
+
+@pytest.mark.slow
+def test_first_steps_do_not_wait_for_the_compilation(monkeypatch):
+    """The compilation is held back until the step has returned: the step ran eagerly on its own."""
+    release = threading.Event()
+    real_compile = engine._compile
+
+    def held_compile(*args):
+        assert release.wait(600)
+        real_compile(*args)
+    monkeypatch.setattr(engine, "_compile", held_compile)
+    fields = make_step(B=8, T=16, seed=5)
+    fields["sampler_logp"] = fields["sampler_logp"].double()
+    fields["trainer_logp"] = fields["trainer_logp"].double()
+    ws = Workspace(compile="always")
+    record = RecordBuilder(HookErrors(strict=True)).build(0, fields, ws)
+    values = compute_step(record, SignalConfig(), ws)          # returns while the compilation is held
+    assert ws.compiled_steps == 0 and values["mismatch_tokens"][()] > 0
+    assert engine.status()["compiling"]
+    release.set()
+    engine.wait()
+    assert_same(values, compute_step(record, SignalConfig(), ws))
+    assert ws.compiled_steps == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu_check.py runs it on a GPU host)")
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fields=steps(), exact=st.booleans())
+def test_cuda_equals_cpu(fields, exact):
+    cpu, _ = run(fields, path="inplace", exact=exact)
+    for path in ("inplace", "fused"):
+        cuda, _ = run(fields, path=path, exact=exact, device="cuda")
+        assert_same(cpu, cuda)
