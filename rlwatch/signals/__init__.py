@@ -423,6 +423,7 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     cap = config.is_cap
     em1_t = torch.clamp(em1, max=cap - 1.0, out=tmp)                          # min(w, C) - 1
     out.derive("is_ess_ratio", _ess_ratio, em1_t.sum(), _dot(em1_t, em1_t), n)
+    importance_ratio_signals(out, r, valid, sum_em1, n)
 
     # Threshold counts on w, exact and strict (see _SCALE): w > C, w < 1/C, w outside the MIS band.
     scaled = torch.mul(em1, _SCALE, out=em1)
@@ -504,6 +505,27 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
 
 
 # --- version lag ---------------------------------------------------------------------------------
+
+def _ratio_of(r: float, n: float) -> float | None:
+    """exp(r) with r clamped to [-SAFETY_BOUND, SAFETY_BOUND], or None without valid tokens."""
+    return math.exp(min(max(r, -SAFETY_BOUND), SAFETY_BOUND)) if n > 0 else None
+
+
+def importance_ratio_signals(out: Pending, r: torch.Tensor, valid: torch.Tensor, sum_em1: torch.Tensor,
+                             n: torch.Tensor) -> None:
+    """Minimum, mean and maximum of the token importance ratio w = exp(r) over the valid tokens (r clamped
+    to [-SAFETY_BOUND, SAFETY_BOUND] as everywhere): what TRL logs as sampling/importance_sampling_ratio/*
+    before its correction truncates or masks. r, valid: [B, T], r 0 and valid 0 off the valid set;
+    sum_em1: sum of exp(r) - 1 over them; n: their count. Two reductions; exp on the host."""
+    if r.numel():
+        keep = valid > 0
+        low, high = torch.where(keep, r, torch.inf).amin(), torch.where(keep, r, -torch.inf).amax()
+    else:
+        low = high = torch.zeros((), dtype=r.dtype, device=r.device)
+    out.derive("is_ratio_min", _ratio_of, low, n)
+    out.derive("is_ratio_max", _ratio_of, high, n)
+    out.derive("is_ratio_mean", lambda s, count: _div(count + s, count), sum_em1, n)
+
 
 def lag_signals(out: Pending, version: torch.Tensor, trainer_version: int, mask: torch.Tensor,
                 config: SignalConfig, ws: Workspace | None = None,
@@ -867,6 +889,9 @@ def _finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: boo
         put("mismatch_chi2_token", _div(sq_em1 + 2 * sum_em1, n))
         put("is_ess_raw_ratio", _ess_ratio(sum_em1, sq_em1, n))
         put("is_ess_ratio", _ess_ratio(at("sum_em1t"), at("sq_em1t"), n))
+        put("is_ratio_min", _ratio_of(at("min_r"), n))
+        put("is_ratio_max", _ratio_of(at("max_r"), n))
+        put("is_ratio_mean", _div(n + sum_em1, n))
         high, masked = at("high"), at("mis_below") + at("mis_above")
         put("is_tis_high_ratio", _div(high, n))
         put("is_tis_low_ratio", _div(at("low"), n))

@@ -30,7 +30,7 @@ LAG_SIZE = LAG_EXACT_MAX + 2            # bin k holds lag k - 1; bin 0 off-mask 
 MISMATCH_FIELDS = (
     "nonfinite", "n", "sum_r", "sum_r2", "sum_a", "max_a", "sum_k3", "sum_em1", "sq_em1", "sum_em1t", "sq_em1t",
     "high", "low", "mis_below", "mis_above", "rs", "ss", "s_sum",
-    "seq_n", "seq_abs", "seq_chi2", "seq_high", "seq_low", "seq_mis", "seq_max", "q50", "q99",
+    "seq_n", "seq_abs", "seq_chi2", "seq_high", "seq_low", "seq_mis", "seq_max", "q50", "q99", "min_r", "max_r",
 )
 #: Names of the lag block, in order (then the cumulative counts at the histogram buckets).
 LAG_FIELDS = ("negative", "lag_sum", "lag_max", "n_ok", "over", "lag_seq_n", "lag_seq_max_sum", "spans", "lag_p99")
@@ -161,10 +161,16 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
             values = torch.cat([torch.zeros(1, dtype=torch.float64, device=device), abs_mids,
                                 max_a.double().reshape(1)])
             q = _from_counts(hist.double().cumsum(0), values, n, qs)
+        # Smallest and largest r over the valid tokens (the importance ratio's min and max, exp on the host).
+        if n_all:
+            keep = valid > 0
+            r_range = torch.stack([torch.where(keep, r, torch.inf).amin(), torch.where(keep, r, -torch.inf).amax()])
+        else:
+            r_range = torch.zeros(2, dtype=work, device=device)
         counts = torch.stack([above[0], below[1], below[2], above[3]])        # high, low, mis below/above
         # torch.cat promotes every part to float64 (exactly: float32 and int64 counts fit).
         parts += [(tokens - n).reshape(1), sums[:4], max_a.reshape(1), sums[4:9], counts, sums[9:],
-                  seq_sums[:4], seq_sums[8:9], seq_sums[6:7] + seq_sums[9:10], seq_max.reshape(1), q,
+                  seq_sums[:4], seq_sums[8:9], seq_sums[6:7] + seq_sums[9:10], seq_max.reshape(1), q, r_range,
                   band_sums.t().reshape(-1)]
     if version is not None:
         parts.append(_lag_block(version, trainer_version, mask, per_seq, bucket_index, qs, over_from))
