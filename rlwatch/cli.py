@@ -26,8 +26,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if "grafana" not in started:
         print("grafana       not started: no grafana-server on PATH; import dashboards/*.json by hand "
               "(Dashboards > New > Import)")
-    print(f"scraping {', '.join(cfg.targets)} and exporters registered in {cfg.sd_dir} "
-          f"(Watch(sd_dir=...) or RLWATCH_SD_DIR); stop with: rlwatch down --dir {cfg.directory}")
+    static = f"{', '.join(cfg.targets)} and " if cfg.targets else ""
+    print(f"scraping {static}the exporters registered in {cfg.sd_dir}: export RLWATCH_SD_DIR={cfg.sd_dir} "
+          f"(or Watch(sd_dir=...), rlwatch run --sd-dir) before training; stop with: rlwatch down --dir "
+          f"{cfg.directory}")
     return 0
 
 
@@ -117,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prometheus-port", type=int, default=9090)
     p.add_argument("--alertmanager-port", type=int, default=9093)
     p.add_argument("--grafana-port", type=int, default=3000)
-    p.add_argument("--target", action="append", help="host:port to scrape (repeatable; default 127.0.0.1:9400-9407)")
+    p.add_argument("--target", action="append", help="a static host:port to scrape as well (repeatable; by default only "
+                   "exporters registered in <dir>/targets are scraped)")
     p.add_argument("--webhook", help="deliver every alert to this webhook URL")
     p.set_defaults(func=_cmd_up)
 
