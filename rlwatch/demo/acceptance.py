@@ -41,6 +41,7 @@ TUNED: dict[str, tuple[float, ...]] = {"kl_k3_max": (0.1, 0.2, 0.5, 1.0, 2.0), "
 STALENESS_BOUND = 2
 FLAP_STEPS = 10
 SEMANTIC_STEPS = 10
+HACK_HOLD = 0.2
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Outcome:
     events: list[Event] = field(default_factory=list)
     firing_at_end: list[str] = field(default_factory=list)
     error: str | None = None
+    hack_took_hold: bool = False
 
     def firings(self, severity: str | None = None) -> list[Event]:
         return [e for e in self.events if e.state == "firing" and (severity is None or e.severity == severity)]
@@ -114,11 +116,21 @@ def replay(trace: dict, overrides: dict[str, float]) -> Outcome:
                 values.update(extra)
         evaluator.on_step(step, values)
     events = [Event(e.name, e.severity, e.state, int(e.step), dict(e.labels), e.value) for e in evaluator.events]
+    # Ground truth of a hack run: the buggy grader's exploit took hold when, over some 10 steps, at
+    # least HACK_HOLD of the buggy environment's episodes got reward 1 while the true checker failed
+    # them (what the verifier_disagreement detector counts, on every episode).
+    hacked = [v.get("episodes_hacked_total", {}).get((spec.buggy_env, "verifier_disagreement"), 0.0)
+              for _, v in trace["steps"]]
+    judged = [v.get("episodes_judged_total", {}).get((spec.buggy_env, "verifier_disagreement"), 0.0)
+              for _, v in trace["steps"]]
+    took_hold = any(sum(judged[i:i + 10]) and sum(hacked[i:i + 10]) / sum(judged[i:i + 10]) >= HACK_HOLD
+                    for i in range(len(hacked)))
     firing = sorted({e.name for e in evaluator.firing()})
     evaluator.close()
     return Outcome(run=spec.name, family=spec.family, scenario=spec.scenario, kind=spec.kind, seed=spec.seed,
                    steps=len(trace["steps"]), collapse_step=collapse_step(trace["heldout"]) if trace["heldout"]
-                   else None, events=events, firing_at_end=firing, error=trace.get("error"))
+                   else None, events=events, firing_at_end=firing, error=trace.get("error"),
+                   hack_took_hold=spec.kind == "hack" and took_hold)
 
 
 def exported_series(trace: dict, overrides: dict[str, float]) -> tuple[list[dict], list[set]]:
@@ -212,6 +224,7 @@ def score(outcomes: list[Outcome]) -> dict[str, object]:
         return {e.labels.get("env", "") for e in o.firings() if e.name == "RLWatchRewardHackRateRising"}
 
     buggy = {spec.name: spec.buggy_env for spec in specs(TUNING_SEEDS + TEST_SEEDS)}
+    took_hold = [o for o in hack if o.hack_took_hold]
     return {
         "runs": len(outcomes), "runs_failed": len(outcomes) - len(ok),
         "healthy_runs": len(healthy),
@@ -225,8 +238,9 @@ def score(outcomes: list[Outcome]) -> dict[str, object]:
         "lead_median": statistics.median(leads) if leads else None,
         "lead_fraction_median": round(statistics.median(fractions), 3) if fractions else None,
         "semantic_runs": len(semantic), "semantic_ok": sum(semantic_ok(o) for o in semantic),
-        "hack_runs": len(hack), "hack_buggy_env_only": sum(hack_envs(o) == {buggy[o.run]} for o in hack),
-        "hack_alert_elsewhere": sum(bool(hack_envs(o)) for o in ok if o.kind != "hack"),
+        "hack_runs": len(hack), "hack_took_hold": len(took_hold),
+        "hack_buggy_env_only": sum(hack_envs(o) == {buggy[o.run]} for o in took_hold),
+        "hack_alert_without_a_hack": sum(bool(hack_envs(o)) for o in ok if not o.hack_took_hold),
         "infra_runs": len(infra),
         "infra_warned": sum(any(e.name == "RLWatchInfraFailureRateHigh" for e in o.firings()) for o in infra),
         "lag_fault_runs": len(lag_fault), "lag_fault_paged": sum(bool(o.firings("critical")) for o in lag_fault),
@@ -251,11 +265,12 @@ def bars(s: dict) -> dict[str, bool]:
     return {
         "0 critical pages on healthy runs": s["healthy_critical_pages"] == 0,
         "every collapse paged before it": s["collapsed_paged_before"] == s["collapsed"],
-        "median lead >= half the steps to the collapse": (s["lead_fraction_median"] or 0) >= 0.5,
+        "median lead >= half the steps to the collapse": (s["collapsed"] == 0
+                                                          or (s["lead_fraction_median"] or 0) >= 0.5),
         "0 flaps": s["flaps"] == 0,
         "semantic faults critical within 10 steps and firing at the end": s["semantic_ok"] == s["semantic_runs"],
-        "hack alert on the hacked environment only": (s["hack_buggy_env_only"] == s["hack_runs"]
-                                                      and s["hack_alert_elsewhere"] == 0),
+        "hack alert on the hacked environment only": (s["hack_buggy_env_only"] == s["hack_took_hold"]
+                                                      and s["hack_alert_without_a_hack"] == 0),
     }
 
 
