@@ -146,12 +146,12 @@ def test_one_incident_one_page_and_resolved_carries_the_current_value():
     steps after its hold condition last held, with the value of that step; the guard runs once."""
     seen = []
     evaluator = AlertEvaluator("r1", guard=[seen.append], watchdog_interval=0)
-    k3 = [0.5, 0.5, 0.05, 0.05, 0.5, 0.09] + [0.001] * 12
+    k3 = [0.5, 0.5, 0.01, 0.01, 0.5, 0.06] + [0.001] * 17
     for step, value in enumerate(k3):
         evaluator.on_step(step, {"mismatch_kl_k3": {(): value}})
     states = [(e.name, e.state, e.step, e.value) for e in evaluator.events]
-    # opens at step 1 (2 steps above 0.1); 0.09 > 0.8 x 0.1 holds at step 5; quiet from step 6; 10 quiet steps
-    assert states == [("RLWatchKLSpike", "firing", 1, 0.5), ("RLWatchKLSpike", "resolved", 15, 0.001)]
+    # opens at step 1 (2 steps above 0.1); 0.06 > 0.5 x 0.1 holds at step 5; quiet from step 6; 15 quiet steps
+    assert states == [("RLWatchKLSpike", "firing", 1, 0.5), ("RLWatchKLSpike", "resolved", 20, 0.001)]
     assert [e.name for e in seen] == ["RLWatchKLSpike"]      # once, on firing
     evaluator.close()
 

@@ -84,10 +84,11 @@ PARAMS: dict[str, Param] = {
                             "condition can hold."),
     "evidence_z": Param(2.33, "Standard normal quantile of the evidence bars: Wilson lower bounds of rates and "
                         "standard errors of means (2.33: one-sided 99%)."),
-    "hold_fraction": Param(0.8, "An open alert holds while its statistic stays beyond this fraction of the "
-                           "raise threshold (hysteresis)."),
-    "clear_steps": Param(10.0, "Steps without the hold condition before an open alert resolves: a fault that "
-                         "comes back within them is the same incident."),
+    "hold_fraction": Param(0.5, "An open alert holds while its statistic stays beyond this fraction of the "
+                           "raise threshold (hysteresis; 0.8 let k3 hovering around the bound re-page on the "
+                           "tuning split)."),
+    "clear_steps": Param(15.0, "Steps without the hold condition before an open alert resolves: a fault that "
+                         "comes back within them is the same incident (10 left re-pages on the tuning split)."),
 }
 
 

@@ -290,17 +290,19 @@ def per_alert(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
 
 def tune(traces: list[dict], base: dict[str, float]) -> tuple[dict[str, float], list[dict]]:
     """Choose TUNED's thresholds on the tuning traces: the most sensitive combination (smallest KL
-    bound, largest ESS floor) with no critical page on a healthy run and no flap; ties never arise
-    because candidates are tried from the most to the least sensitive."""
+    bound, largest ESS floor, tried in that order) with no critical page on a healthy run, every
+    collapse paged and no flap; else the quietest with the best recall."""
     tried = []
     for kl, ess in itertools.product(TUNED["kl_k3_max"], TUNED["ess_min"]):
         overrides = {**base, "kl_k3_max": kl, "ess_min": ess}
         s = score([replay(t, overrides) for t in traces])
         tried.append({"kl_k3_max": kl, "ess_min": ess, **{k: s[k] for k in (
             "healthy_critical_pages", "collapsed_paged_before", "collapsed", "lead_median", "flaps")}})
-        if s["healthy_critical_pages"] == 0 and s["flaps"] == 0:
+        if s["healthy_critical_pages"] == 0 and s["collapsed_paged_before"] == s["collapsed"] and s["flaps"] == 0:
             return overrides, tried
-    return {**base, "kl_k3_max": TUNED["kl_k3_max"][-1], "ess_min": TUNED["ess_min"][-1]}, tried
+    quiet = [t for t in tried if t["healthy_critical_pages"] == 0] or tried
+    best = max(quiet, key=lambda t: (t["collapsed_paged_before"], -t["flaps"]))
+    return {**base, "kl_k3_max": best["kl_k3_max"], "ess_min": best["ess_min"]}, tried
 
 
 # --- report -------------------------------------------------------------------------------------------
