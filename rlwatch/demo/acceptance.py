@@ -273,17 +273,34 @@ def bars(s: dict) -> dict[str, bool]:
     }
 
 
-def per_alert(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
+def per_alert(outcomes: list[Outcome]) -> dict[str, dict[str, object]]:
+    """Per alert: severity, firings on healthy runs, recall on the runs that collapsed (fired before the
+    collapse) with its lead min / median, firings on each other kind of run, flaps per run."""
     from ..alerts.catalogue import ALERTS
 
-    table: dict[str, dict[str, int]] = {}
-    kinds = sorted({kind for kind, _ in SCENARIOS.values()})
+    ok = [o for o in outcomes if o.error is None]
+    collapsed = [o for o in ok if o.kind == "collapse" and o.collapse_step]
+    kinds = sorted({kind for kind, _ in SCENARIOS.values()} - {"healthy"})
+    table: dict[str, dict[str, object]] = {}
     for alert in ALERTS:
         if alert.condition is None:
             continue
-        row = {kind: sum(1 for o in outcomes if o.kind == kind and o.error is None
-                         for e in o.firings() if e.name == alert.name) for kind in kinds}
-        row["flaps"] = sum(1 for o in outcomes for e in _refirings(o) if e.name == alert.name)
+        leads = []
+        for o in collapsed:
+            first = min((e.step for e in o.firings() if e.name == alert.name), default=None)
+            if first is not None and first < o.collapse_step:
+                leads.append(o.collapse_step - first)
+        row: dict[str, object] = {
+            "severity": alert.severity,
+            "healthy": sum(1 for o in ok if o.kind == "healthy" for e in o.firings() if e.name == alert.name),
+            "collapse recall": f"{len(leads)}/{len(collapsed)}",
+            "lead min": min(leads) if leads else "-",
+            "lead median": statistics.median(leads) if leads else "-",
+        }
+        for kind in kinds:
+            row[kind] = sum(1 for o in ok if o.kind == kind for e in o.firings() if e.name == alert.name)
+        flaps = sum(1 for o in ok for e in _refirings(o) if e.name == alert.name)
+        row["flaps per run"] = round(flaps / len(ok), 3) if ok else 0
         table[alert.name] = row
     return table
 
@@ -308,8 +325,9 @@ def tune(traces: list[dict], base: dict[str, float]) -> tuple[dict[str, float], 
 # --- report -------------------------------------------------------------------------------------------
 
 def markdown(command: str, chosen: dict, tried: list[dict], s: dict, checks: dict, alerts: dict,
-             outcomes: list[Outcome], agreement: dict, seconds: float) -> str:
-    fams = ", ".join(f"`{name}` ({cfg['policy']} on {cfg['tasks']})" for name, cfg in FAMILIES.items())
+             outcomes: list[Outcome], agreement: dict, seconds: float, split: dict) -> str:
+    fams = ", ".join(f"`{name}` ({FAMILIES[name]['policy']} on {FAMILIES[name]['tasks']})"
+                     for name in split["families"])
     lines = [
         "<!-- Written by `python -m rlwatch.demo.acceptance`. -->",
         "# Alert acceptance report",
@@ -317,8 +335,10 @@ def markdown(command: str, chosen: dict, tried: list[dict], s: dict, checks: dic
         f"Command: `{command}` ({seconds:.0f} s of replay; the traces were trained once by "
         "`python -m rlwatch.demo.matrix`).",
         "",
-        f"Matrix: {len(SCENARIOS)} scenarios x {len(FAMILIES)} families ({fams}) x seeds; tuning split seeds "
-        f"{list(TUNING_SEEDS)}, test split seeds {list(TEST_SEEDS)}; staleness bound {STALENESS_BOUND}. "
+        f"Matrix: {len(split['scenarios'])} scenarios x {len(split['families'])} families ({fams}) x seeds: "
+        f"{split['tuning_runs']} tuning runs (seeds {list(split['tuning_seeds'])}), {len(outcomes)} test runs "
+        f"(seeds {list(split['test_seeds'])}); staleness bound {STALENESS_BOUND}; kinds of run as in "
+        "`rlwatch.demo.matrix.SCENARIOS`. "
         f"Thresholds chosen on the tuning split: " + ", ".join(f"`{k}`={v:g}" for k, v in chosen.items()) + ".",
         "",
         "## Bars (test split)",
@@ -334,7 +354,8 @@ def markdown(command: str, chosen: dict, tried: list[dict], s: dict, checks: dic
         "| measure | value |", "|---|---|",
         *[f"| {k} | {v} |" for k, v in s.items()],
         "",
-        "## Firings per alert and kind of run (test split)",
+        "## Per alert (test split): firings on healthy runs, recall and lead on the runs that collapsed, "
+        "firings on the other kinds of run, flaps per run",
         "",
         "| alert | " + " | ".join(next(iter(alerts.values())).keys()) + " |",
         "|---|" + "---|" * len(next(iter(alerts.values()))),
@@ -396,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     agreement = prometheus_agrees(sample[:args.prometheus_sample], chosen) if args.prometheus_sample else {}
     seconds = time.perf_counter() - started
     command = "python -m rlwatch.demo.acceptance " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-    report = markdown(command, chosen, tried, s, checks, per_alert(outcomes), outcomes, agreement, seconds)
+    split = {"families": families, "scenarios": scenarios, "tuning_seeds": seeds[0], "test_seeds": seeds[1],
+             "tuning_runs": len(tuning_specs)}
+    report = markdown(command, chosen, tried, s, checks, per_alert(outcomes), outcomes, agreement, seconds, split)
     if args.out:
         Path(args.out + ".md").write_text(report)
         Path(args.out + ".json").write_text(json.dumps({
