@@ -346,7 +346,7 @@ def markdown(command: str, chosen: dict, tried: list[dict], s: dict, checks: dic
         "| bar | met |", "|---|---|",
         *[f"| {name} | {'yes' if ok else '**no**'} |" for name, ok in checks.items()],
         f"| in-process and Prometheus verdicts equal ({agreement.get('runs', 0)} runs, "
-        f"{agreement.get('steps', 0)} steps, a step every {agreement.get('step_seconds', '-')} s) | "
+        f"{agreement.get('steps', 0)} steps each with a step every {agreement.get('step_seconds', '-')} s) | "
         f"{'yes' if agreement.get('ok') else '**no**'} |",
         "",
         "## Summary (test split)",
@@ -414,7 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     s = score(outcomes)
     checks = bars(s)
     sample = [t for t in test_traces if not t.get("error")][::max(1, len(test_traces) // max(1, args.prometheus_sample))]
-    agreement = prometheus_agrees(sample[:args.prometheus_sample], chosen) if args.prometheus_sample else {}
+    agreement: dict = {}
+    if args.prometheus_sample:            # a step every 1 s, 10 s and 10 min (scrapes every 1 s, 5 s, 1 min)
+        from ..alerts.render import CADENCES
+
+        cadences = [prometheus_agrees(sample[:args.prometheus_sample], chosen, seconds, scrape)
+                    for _, seconds, scrape in CADENCES]
+        agreement = {"runs": cadences[0]["runs"], "steps": cadences[0]["steps"],
+                     "step_seconds": ", ".join(str(c["step_seconds"]) for c in cadences),
+                     "ok": all(c["ok"] for c in cadences), "cadences": cadences}
     seconds = time.perf_counter() - started
     command = "python -m rlwatch.demo.acceptance " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     split = {"families": families, "scenarios": scenarios, "tuning_seeds": seeds[0], "test_seeds": seeds[1],
