@@ -270,7 +270,7 @@ def _kl_jump(h: History) -> Verdicts:
         return {}
     base = h.window("mismatch_kl_k3", (), last=30, skip=5)
     floor = h.p("kl_jump_floor")
-    if len(base) < h.p("baseline_steps"):
+    if len(base) < max(2.0, h.p("baseline_steps")):        # a standard deviation needs 2 steps
         return _one(k3, False, k3 > floor)
     mean = sum(base) / len(base)
     sd = math.sqrt(sum((v - mean) ** 2 for v in base) / (len(base) - 1))
@@ -378,7 +378,7 @@ def _hack_rising(h: History) -> Verdicts:
 def _entropy_collapse(h: History) -> Verdicts:
     e = h.latest("entropy_mean")
     recent = h.window("entropy_mean", (), last=120, skip=1)
-    if e is None or len(recent) < h.p("baseline_steps"):
+    if e is None or not recent or len(recent) < h.p("baseline_steps"):
         return {}
     top = max(recent)
     h.stats[("baseline", "entropy_mean")] = top
