@@ -272,8 +272,11 @@ The catalogue enforces it; `tests/test_alert_rules.py` and the acceptance report
   fires only for a target that answered in the last hour. The Alertmanager inhibitions only act
   between alerts of the same, non-empty run or instance and never touch RLWatchWatchdog.
 
-Measured false-page rate: see the acceptance report `alerts/acceptance.md` (critical pages on healthy
-runs of a test split of seeds, two policy families and task sets).
+Measured false-page rate (`alerts/acceptance.md`, test split of a 216-run scenario matrix with two
+policy families and task sets, thresholds tuned on the other seeds): 0 critical pages on 54 healthy
+runs (lag 0 to the bound, partial rollouts, TIS, small and large batches, three learning rates), every
+one of 10 collapses paged before it (median lead 17 steps), 0 flaps. Warnings are not pages: the same
+healthy runs raised 126 of them, mostly entropy collapse and drift of toy policies that sharpen fast.
 """
 
 
