@@ -31,9 +31,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from .alerts.render import RUNBOOK_FILE, runbook_base
 
     print(f"runbook       {runbook_base(cfg.runbook_url)} (alerts link there; a copy: {cfg.directory / RUNBOOK_FILE})")
-    print(f"scraping {', '.join(cfg.targets)} every {cfg.scrape_interval} and exporters registered in {cfg.sd_dir} "
-          f"(Watch(sd_dir=...) or RLWATCH_SD_DIR); stop with: rlwatch down (from anywhere) or "
-          f"rlwatch down --dir {cfg.directory}")
+    static = f"{', '.join(cfg.targets)} and " if cfg.targets else ""
+    print(f"scraping {static}the exporters registered in {cfg.sd_dir} every {cfg.scrape_interval}: export "
+          f"RLWATCH_SD_DIR={cfg.sd_dir} (or Watch(sd_dir=...), rlwatch run --sd-dir) before training; stop with: "
+          f"rlwatch down (from anywhere) or rlwatch down --dir {cfg.directory}")
     return 0
 
 
@@ -294,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alertmanager-port", type=int, default=9093, help="Alertmanager's port")
     p.add_argument("--grafana-port", type=int, default=3000, help="Grafana's port (when grafana-server is on PATH)")
     p.add_argument("--target", action="append", metavar="HOST:PORT",
-                   help="exporter to scrape (repeatable; default 127.0.0.1:9400-9407, plus the exporters "
-                        "registered in DIR/targets)")
+                   help="a static exporter to scrape as well (repeatable; by default only the exporters "
+                        "registered in DIR/targets are scraped)")
     p.add_argument("--scrape-interval", default="5s", help="Prometheus' scrape and rule evaluation interval")
     p.add_argument("--webhook", metavar="URL",
                    help="deliver every alert to this webhook URL (default: none, alerts stay in Alertmanager's UI)")

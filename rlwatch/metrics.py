@@ -90,6 +90,18 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("drift_score", "Baseline-relative drift score of a signal (one-sided CUSUM of robust z-scores; 0 = "
        "no drift), by signal and, for per-environment signals, environment and detector.", "drift",
        ("signal", "env", "detector")),
+    _g("alert_value", "An alert's step-window statistic at the latest step (the value its rule shows), by "
+       "alert and the alert's own labels (unused ones empty).", "alerts", ("alert", "signal", "env", "detector", "kind")),
+    _g("alert_streak_steps", "Consecutive steps an alert's raise condition has held (absent when 0).", "alerts",
+       ("alert", "signal", "env", "detector", "kind")),
+    _g("alert_quiet_steps", "For an open alert, steps since its hold condition last held (0 while it holds); "
+       "the alert fires while this is below the clear_steps threshold.", "alerts",
+       ("alert", "signal", "env", "detector", "kind")),
+    _g("window_baseline", "Trailing baseline a step-window alert compared a signal with (k3: mean of the 30 "
+       "steps ending 5 steps ago; entropy: maximum of the previous 120 steps).", "alerts", ("signal",)),
+    _g("window_stderr", "Standard error or step-to-step standard deviation a step-window alert used for a "
+       "signal (mean log-ratio: per-step standard error from k2 and the token count; k3: the baseline's "
+       "standard deviation).", "alerts", ("signal",)),
     MetricSpec("diagnosis_info", "info", "Most likely cause of the sampler-learner mismatch at the latest "
                "diagnosis, with its confidence label.", ("cause", "confidence"), "diagnosis"),
     _g("sampler_temperature", "Sampling temperature the sampler reported.", "sampler"),

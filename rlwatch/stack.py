@@ -1,11 +1,16 @@
 """``rlwatch up`` / ``rlwatch down``: a local Prometheus + Alertmanager (+ Grafana) for rlwatch runs.
 
-``up`` writes everything into one directory (Prometheus config with a static scrape of the usual
-ports and a file_sd job for registered exporters, the rlwatch rules, an Alertmanager config, and
+``up`` writes everything into one directory (Prometheus config whose targets come from
+registration: a file_sd job reading ``<dir>/targets/*.json``, where each ``Watch(sd_dir=...)``
+(or ``RLWATCH_SD_DIR``) writes its target and removes it when its run closes cleanly; static
+targets only when asked for with ``--target``), the rlwatch rules, an Alertmanager config, and
 Grafana provisioning when a Grafana binary exists), starts the binaries bound to 127.0.0.1 unless
 told otherwise, and records their PIDs; ``down`` stops exactly those PIDs. Each running stack is
 also listed under a well-known state directory (:func:`state_dir`), so that ``rlwatch down`` run
 from any other directory finds it.
+
+No fixed port list: a port nobody exports on is never a target, so RLWatchExporterDown fires only
+for an exporter that registered, answered, and then stopped answering without closing its run.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ class StackConfig:
     prometheus_port: int = 9090
     alertmanager_port: int = 9093
     grafana_port: int = 3000
-    targets: list[str] = field(default_factory=lambda: [f"127.0.0.1:{p}" for p in range(9400, 9408)])
+    targets: list[str] = field(default_factory=list)     # static targets on top of the registered ones
     scrape_interval: str = "5s"
     webhook: str | None = None
     runbook_url: str | None = None       # None: $RLWATCH_RUNBOOK_URL, else render.DEFAULT_RUNBOOK_URL
@@ -63,11 +68,11 @@ def prometheus_config(cfg: StackConfig) -> dict:
         "rule_files": [str(cfg.directory / render.RULES_FILE)],
         "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"{cfg.addr}:{cfg.alertmanager_port}"]}]}]},
         "scrape_configs": [
-            {"job_name": "rlwatch", "honor_labels": True, "static_configs": [{"targets": cfg.targets}]},
             # Exporters registered by Watch(sd_dir=...) anywhere Ray placed them.
             {"job_name": "rlwatch-sd", "honor_labels": True,
              "file_sd_configs": [{"files": [str(cfg.sd_dir / "*.json")], "refresh_interval": "5s"}]},
-        ],
+        ] + ([{"job_name": "rlwatch", "honor_labels": True, "static_configs": [{"targets": cfg.targets}]}]
+             if cfg.targets else []),
     }
 
 

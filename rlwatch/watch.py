@@ -169,6 +169,11 @@ class Watch:
                             ("mis_high", mis_band[1])):
             self.state.set_gauge(name, value)
         alert_overrides = self._alert_thresholds(alert_overrides or {})
+        from .alerts.windows import AlertWindows
+
+        # The alerts' step windows, exported for the Prometheus rules and read by the evaluator.
+        self.listeners.insert(2, AlertWindows(alert_overrides, static={
+            "staleness_bound": {(): self.config.staleness_bound}, "is_cap": {(): self.config.is_cap}}))
         self._start_store(store)
         self._start_server(port, addr, port_fallback, tls_certfile, tls_keyfile, basic_auth,
                            local_rank if all_ranks else 0, sd_dir, framework)

@@ -1,6 +1,8 @@
-"""The project's scenario suite, 5 seeds each: a critical alert before every collapse, none in a
-healthy run, the hack-rate alert for the buggy environment only; and the mismatch diagnosis on
-faults injected into scenario runs."""
+"""The alert acceptance report on a small sample of the scenario matrix (the full report, 216 runs,
+is `python -m rlwatch.demo.acceptance`, committed as alerts/acceptance.md): no critical page on a
+healthy run, a page before a collapse, a semantic fault critical at once and for as long as it
+lasts, no flap, and Prometheus' rule engine deciding the same alerts at every step as the
+embedded evaluator; and the mismatch diagnosis on faults injected into scenario runs."""
 
 from __future__ import annotations
 
@@ -8,22 +10,32 @@ from dataclasses import replace
 
 import pytest
 
-from rlwatch.demo.acceptance import HEALTHY, accepted, run_suite, table, verdict
+from rlwatch.demo.acceptance import bars, prometheus_agrees, replay, score
+from rlwatch.demo.matrix import RunSpec, collect_all
+
+from .conftest import need_binary
 
 pytestmark = pytest.mark.slow
 
+SAMPLE = [RunSpec("gru", scenario, 3) for scenario in ("healthy_lag2", "collapse_lag8", "temperature", "hack")]
 
-def test_alert_acceptance_suite_five_seeds():
-    outcomes = run_suite(seeds=5, jobs=2)
-    print(table(outcomes))
-    v = verdict(outcomes)
-    assert v["collapse_scenario_collapsed"] == v["collapse_scenario_runs"] == 5
-    assert v["healthy_collapsed"] == 0
-    assert v["paged_before_collapse"] == v["collapsing_runs"] and v["lead_min"] > 0
-    assert v["false_alarms"] == 0
-    assert v["hack_alert_buggy_env_only"] == v["hack_runs"] == 5
-    assert accepted(v)
-    assert all(not o.critical_alerts for o in outcomes if o.scenario in HEALTHY)
+
+def test_alert_acceptance_on_a_sample_of_the_matrix(tmp_path):
+    from rlwatch.demo import WATCH_CONFIG
+
+    need_binary("promtool")
+    traces = collect_all(SAMPLE, str(tmp_path), jobs=2)
+    overrides = WATCH_CONFIG["alert_overrides"]
+    outcomes = [replay(t, overrides) for t in traces]
+    s = score(outcomes)
+    assert s["healthy_runs"] == 1 and s["healthy_critical_pages"] == 0, s
+    assert s["collapsed"] == s["collapsed_paged_before"], s
+    assert s["semantic_ok"] == s["semantic_runs"] == 1, s
+    assert s["flaps"] == 0, s
+    failed = [name for name, ok in bars(s).items() if not ok]
+    assert failed == [], (failed, s)
+    agreement = prometheus_agrees(traces, overrides)
+    assert agreement["ok"] and agreement["steps"] == sum(len(t["steps"]) for t in traces), agreement
 
 
 def bf16_like_noise(fields: dict, seed: int) -> dict:

@@ -16,7 +16,7 @@ import pytest
 
 from rlwatch import metrics
 from rlwatch.alerts import render
-from rlwatch.alerts.catalogue import ALERTS, BY_NAME, History, evaluate, stalled
+from rlwatch.alerts.catalogue import ALERTS, BY_NAME, History, StepExample, stalled, wilson_lower
 from rlwatch.alerts.evaluator import AlertEvaluator
 from rlwatch.alerts.notify import AlertEvent, Dispatcher, SlackNotifier, WebhookNotifier, redact
 
@@ -29,12 +29,14 @@ def test_checked_in_files_match_the_catalogue():
     assert render.check(ALERTS_DIR) == [], "run: python -m rlwatch.alerts.render"
 
 
-def test_promtool_checks_and_unit_tests_pass():
+@pytest.mark.parametrize("tests_file", [render.TESTS_FILE, *render.CADENCE_TESTS_FILES.values()])
+def test_promtool_checks_and_unit_tests_pass(tests_file):
+    """The rules fire every step-window example at the same step with a step every 1 s, 10 s and 10 min."""
     promtool = need_binary("promtool")
     check = subprocess.run([promtool, "check", "rules", str(ALERTS_DIR / render.RULES_FILE)], capture_output=True,
                            text=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    test = subprocess.run([promtool, "test", "rules", render.TESTS_FILE], cwd=ALERTS_DIR, capture_output=True,
+    test = subprocess.run([promtool, "test", "rules", tests_file], cwd=ALERTS_DIR, capture_output=True,
                           text=True)
     assert test.returncode == 0, test.stdout + test.stderr
     assert "SUCCESS" in test.stdout
@@ -51,10 +53,12 @@ def test_every_alert_has_an_example_a_runbook_section_and_known_metrics():
     runbook = (ALERTS_DIR / render.RUNBOOK_FILE).read_text()
     exported = metrics.exported_names()
     recorded = {name for name, _ in render.RECORDING_RULES}
+    assert "## Paging policy" in runbook
     for alert in ALERTS:
         assert alert.example is not None, alert.name
         assert f"## {alert.name}" in runbook
         assert alert.severity in ("critical", "warning", "none")
+        assert (alert.condition is None) != isinstance(alert.example, StepExample), alert.name
         for name in re.findall(r"\b(rlwatch_[a-z0-9_]+|[a-z_]+:rlwatch_[a-z0-9_]+:[a-z0-9_]+)\b", alert.expr):
             assert name in exported or name in recorded, (alert.name, name)
     for _, expr in render.RECORDING_RULES:
@@ -94,13 +98,12 @@ def test_embedded_evaluator_fires_at_the_same_step_as_the_rules(alert):
     example = alert.example
     evaluator = AlertEvaluator("r1", alerts=[alert], watchdog_interval=0)
     fired_at = None
-    for minute, values in example_steps(alert):
-        evaluator.on_step(minute, values)
+    for step, values in example.steps():
+        evaluator.on_step(step, values)
         if evaluator.firing() and fired_at is None:
-            fired_at = minute
+            fired_at = step
             event = evaluator.firing()[0]
-            expected = {k: v for k, v in example.labels.items() if k != "run"}
-            assert event.labels == expected
+            assert event.labels == example.labels
             assert event.value == pytest.approx(example.value, rel=1e-3)
             assert "{{" not in event.description and "r1" in event.description
     evaluator.close()
@@ -124,7 +127,8 @@ def test_stalled_watchdog_matches_the_rule():
 def test_threshold_overrides_apply_and_are_exported():
     alert = BY_NAME["RLWatchKLSpike"]
     evaluator = AlertEvaluator("r1", overrides={"kl_k3_max": 0.001, "nope": 1.0}, watchdog_interval=0)
-    evaluator.on_step(0, {"mismatch_kl_k3": {(): 0.002}, "step": {(): 0.0}})
+    for step in range(alert.for_steps):
+        evaluator.on_step(step, {"mismatch_kl_k3": {(): 0.002}, "step": {(): float(step)}})
     assert [e.name for e in evaluator.firing()] == [alert.name]
     assert evaluator.errors.counts[("alerts", "unknown_param")] == 1
     evaluator.close()
@@ -137,16 +141,86 @@ def test_threshold_overrides_apply_and_are_exported():
     assert w.errors.counts[("alerts", "unknown_param")] == 1
 
 
-def test_events_resolve_and_guard_runs_on_critical():
+def test_one_incident_one_page_and_resolved_carries_the_current_value():
+    """A spike that dips below the bound for a few steps stays one incident; it resolves clear_steps
+    steps after its hold condition last held, with the value of that step; the guard runs once."""
     seen = []
     evaluator = AlertEvaluator("r1", guard=[seen.append], watchdog_interval=0)
-    evaluator.on_step(0, {"mismatch_kl_k3": {(): 0.5}})
-    evaluator.on_step(1, {"mismatch_kl_k3": {(): 0.5}})
-    evaluator.on_step(2, {"mismatch_kl_k3": {(): 0.001}})
-    states = [(e.name, e.state, e.step) for e in evaluator.events]
-    assert states == [("RLWatchKLSpike", "firing", 0), ("RLWatchKLSpike", "resolved", 2)]
+    k3 = [0.5, 0.5, 0.01, 0.01, 0.5, 0.06] + [0.001] * 17
+    for step, value in enumerate(k3):
+        evaluator.on_step(step, {"mismatch_kl_k3": {(): value}})
+    states = [(e.name, e.state, e.step, e.value) for e in evaluator.events]
+    # opens at step 1 (2 steps above 0.1); 0.06 > 0.5 x 0.1 holds at step 5; quiet from step 6; 15 quiet steps
+    assert states == [("RLWatchKLSpike", "firing", 1, 0.5), ("RLWatchKLSpike", "resolved", 20, 0.001)]
     assert [e.name for e in seen] == ["RLWatchKLSpike"]      # once, on firing
     evaluator.close()
+
+
+def test_evidence_before_alarm():
+    """3 of 40 flagged is not evidence of a rate above 5%; 30 of 40 is. A hack rate with no history
+    before its window never opens the critical alert; one that keeps climbing keeps it open."""
+    assert wilson_lower(3, 40, 2.33) < 0.05 < wilson_lower(30, 40, 2.33)
+    alert = BY_NAME["RLWatchRewardHackRateRising"]
+    evaluator = AlertEvaluator("r1", alerts=[alert], watchdog_interval=0)
+    key = ("buggy", "verifier")
+    for step in range(8):           # hacked from the first step: no baseline, no page
+        evaluator.on_step(step, {"episodes_hacked_total": {key: 20.0}, "episodes_judged_total": {key: 40.0}})
+    assert evaluator.firing() == []
+    evaluator.close()
+    evaluator = AlertEvaluator("r1", alerts=[alert], watchdog_interval=0)
+    hacked = [0.0] * 15 + [4.0 * i for i in range(1, 10)] + [36.0] * 40      # climbs to 90% and stays
+    for step, k in enumerate(hacked):
+        evaluator.on_step(step, {"episodes_hacked_total": {key: k}, "episodes_judged_total": {key: 40.0}})
+    events = [(e.state, e.step) for e in evaluator.events]
+    assert len(events) == 1 and events[0][0] == "firing", events       # opened once, still firing at 90%
+    assert evaluator.firing()[0].value == pytest.approx(0.9)
+    evaluator.close()
+
+
+def test_a_smooth_kl_rise_below_the_bound_never_pages():
+    """The independent runs' healthy lag-2 pattern: k3 rising from 0.002 to 0.09 over 80 steps with
+    small-batch noise, never reaching the 0.1 bound. The old relative branch (k3 > 5x its trailing
+    mean above a 0.01 floor) paged it 3 times; now it is at most one warning and no page."""
+    import random
+
+    rng = random.Random(0)
+    k3 = [min(0.002 * 45 ** (step / 79) * rng.lognormvariate(0, 0.6), 0.095) for step in range(80)]
+    old = [s for s in range(80) if (base := k3[max(0, s - 35):max(0, s - 4)]) and k3[s] > 0.01
+           and k3[s] > 5 * sum(base) / len(base)]
+    assert len(old) == 3                       # the series is one the old rule paged
+    evaluator = AlertEvaluator("r1", watchdog_interval=0)
+    for step, value in enumerate(k3):
+        evaluator.on_step(step, {"mismatch_kl_k3": {(): value}, "step": {(): float(step)}})
+    assert [e.name for e in evaluator.events if e.severity == "critical"] == []
+    assert len([e for e in evaluator.events if e.state == "firing"]) <= 1
+    evaluator.close()
+
+
+def test_onpolicy_fault_keeps_firing_after_the_first_steps():
+    """A temperature fault found at step 0 keeps its critical alert for as long as the offset lasts."""
+    evaluator = AlertEvaluator("r1", watchdog_interval=0)
+    for step in range(30):
+        evaluator.on_step(step, {"mismatch_log_ratio_mean": {(): -0.08}, "mismatch_kl_k2": {(): 0.01},
+                                 "mismatch_tokens": {(): 2000.0}, "version_lag_max": {(): 0.0},
+                                 "step": {(): float(step)}})
+    assert [(e.name, e.state, e.step) for e in evaluator.events] == [("RLWatchOnPolicyRatioNotOne", "firing", 0)]
+    evaluator.close()
+
+
+def test_watch_exports_the_window_statistics_the_evaluator_reads():
+    """One verdict: the Watch exports alert_quiet_steps/alert_value, and the evaluator fires exactly
+    the alerts whose exported quiet steps are below clear_steps."""
+    from rlwatch import Watch
+
+    with Watch(run="w", port=None, store=None, alerts=True, staleness_bound=2) as w:
+        for step in range(3):
+            w.observe(step, mask=[[1, 1]], seq_version=[step - 9], trainer_version=step)
+        snap = w.state.snapshot()
+        firing = {e.name for e in w.evaluator.firing()}
+    quiet = snap.gauges["alert_quiet_steps"]
+    exported = {labels[0] for labels, q in quiet.items() if q < 10}
+    assert exported == firing and "RLWatchVersionLagFarAboveBound" in firing
+    assert snap.gauges["alert_value"][("RLWatchVersionLagFarAboveBound", "", "", "", "")] == 9.0
 
 
 class _Receiver(BaseHTTPRequestHandler):
@@ -253,7 +327,7 @@ def test_watch_evaluator_knows_the_staleness_bound():
     from rlwatch import Watch
 
     with Watch(run="lag", port=None, store=None, alerts=True, staleness_bound=2) as w:
-        for step in range(2):
+        for step in range(BY_NAME["RLWatchVersionLagFarAboveBound"].for_steps):
             w.observe(step, mask=[[1, 1]], seq_version=[step - 9], trainer_version=step)
         names = [e.name for e in w.evaluator.firing()]
     assert "RLWatchVersionLagFarAboveBound" in names                 # lag 9 > 2 x bound 2

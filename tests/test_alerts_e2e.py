@@ -92,23 +92,29 @@ def stack(tmp_path: Path, request):
                                   f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="],
                                  am_port, tmp_path / "am.log")
     request.addfinalizer(alertmanager.stop)
-    # The shipped rules, except that RLWatchExporterDown waits 2 s instead of 1 m so the test stays short.
+    # The shipped rules, except that RLWatchExporterDown waits 10 s instead of 1 m so the test stays short
+    # (still longer than Prometheus takes to drop a target whose file_sd file was removed: up to ~6 s).
     rules = render.rules_yaml()
     down = rules.index('alert: "RLWatchExporterDown"')
-    rules = rules[:down] + rules[down:].replace('for: "1m"', 'for: "2s"', 1)
+    rules = rules[:down] + rules[down:].replace('for: "1m"', 'for: "10s"', 1)
     (tmp_path / "rules.yaml").write_text(rules)
+    sd_dir = tmp_path / "targets"
+    sd_dir.mkdir()
     (tmp_path / "prometheus.yml").write_text(render.to_yaml({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(tmp_path / "rules.yaml")],
         "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
-        "scrape_configs": [{"job_name": "rlwatch", "static_configs": [{"targets": [f"127.0.0.1:{exporter_port}"]}]}],
+        "scrape_configs": [{"job_name": "rlwatch", "static_configs": [{"targets": [f"127.0.0.1:{exporter_port}"]}]},
+                           {"job_name": "rlwatch-sd", "honor_labels": True,
+                            "file_sd_configs": [{"files": [str(sd_dir / "*.json")], "refresh_interval": "1s"}]}],
     }))
     prometheus = start_process([prometheus_bin, f"--config.file={tmp_path / 'prometheus.yml'}",
                                 f"--storage.tsdb.path={tmp_path / 'prom-data'}",
                                 f"--web.listen-address=127.0.0.1:{prom_port}", "--rules.alert.resend-delay=1s"],
                                prom_port, tmp_path / "prometheus.log")
     request.addfinalizer(prometheus.stop)              # finalizers run last-added first
-    yield dict(receiver=receiver, exporter_port=exporter_port, prometheus=prometheus, alertmanager=alertmanager)
+    yield dict(receiver=receiver, exporter_port=exporter_port, prometheus=prometheus, alertmanager=alertmanager,
+               sd_dir=sd_dir)
 
 
 class Trainer(threading.Thread):
@@ -182,6 +188,53 @@ def test_stalled_trainer_then_exporter_down(stack):
     closed = time.time()
     arrived, path, alert = receiver.wait_for("RLWatchExporterDown", timeout=25)
     assert alert["labels"]["job"] == "rlwatch" and arrived > closed and path == "/pager"
+
+
+def test_exporter_down_only_for_a_registered_exporter_that_crashed(stack):
+    """A run that closes cleanly unregisters and never pages; a target that never answered is not
+    an outage; an exporter that answered and died with its registration in place pages."""
+    receiver, prometheus, sd_dir = stack["receiver"], stack["prometheus"], stack["sd_dir"]
+    never = free_port()
+    (sd_dir / "never-up.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{never}"], "labels": {"run": "ghost"}}]))
+    clean = Watch(run="clean", port=0, store=None, alerts=False, sd_dir=str(sd_dir))
+    crashed = Watch(run="crashed", port=0, store=None, alerts=False, sd_dir=str(sd_dir))
+    for watch in (clean, crashed):
+        watch.observe(0, mask=[[1] * 8], sampler_logp=[[-1.0] * 8], trainer_logp=[[-1.0] * 8])
+    deadline = time.time() + 20
+    while time.time() < deadline and len(query(prometheus, 'up{job="rlwatch-sd"} == 1')) < 2:
+        time.sleep(0.2)
+    assert len(query(prometheus, 'up{job="rlwatch-sd"} == 1')) == 2
+    clean.close()                           # unregisters, then stops serving
+    crashed.server.close()                  # dies: its registration stays behind
+    arrived, path, alert = receiver.wait_for("RLWatchExporterDown", timeout=25)
+    assert alert["labels"]["run"] == "crashed" and path == "/pager"
+    time.sleep(3)
+    runs = {a["labels"].get("run") for _, _, a in receiver.alerts("RLWatchExporterDown")}
+    assert runs == {"crashed"}, runs        # neither the clean run nor the never-up target
+    crashed.registration.remove()
+    crashed.close()
+
+
+def test_inhibitions_never_silence_the_watchdog(stack):
+    """An ExporterDown without a run label (a static target) must not inhibit the Watchdog, which
+    has no run label either (Alertmanager treats two missing labels as equal)."""
+    am = stack["alertmanager"]
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    alerts = [
+        {"labels": {"alertname": "RLWatchExporterDown", "severity": "critical", "instance": "127.0.0.1:3",
+                    "job": "rlwatch"}, "startsAt": now},
+        {"labels": {"alertname": "RLWatchWatchdog", "severity": "none"}, "startsAt": now},
+        {"labels": {"alertname": "RLWatchHookErrors", "severity": "warning", "run": "r7", "stage": "export",
+                    "kind": "x"}, "startsAt": now},
+    ]
+    request = urllib.request.Request(am.url + "/api/v2/alerts", data=json.dumps(alerts).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=5)
+    time.sleep(3)                           # inhibitions apply at once; give them time to be wrong
+    got = json.loads(urllib.request.urlopen(am.url + "/api/v2/alerts", timeout=5).read())
+    states = {a["labels"]["alertname"]: a["status"]["state"] for a in got}
+    assert states["RLWatchWatchdog"] == "active", states
+    assert states["RLWatchHookErrors"] == "active", states
 
 
 def test_a_down_exporter_inhibits_the_alerts_of_its_run(stack):

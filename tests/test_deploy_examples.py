@@ -28,7 +28,9 @@ def test_prometheus_config_loads_the_rules_and_discovery():
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     assert config["rule_files"] == ["/etc/prometheus/rlwatch-rules.yaml"]
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert jobs["rlwatch"]["honor_labels"] and "file_sd_configs" in jobs["rlwatch-sd"]
+    # Registration only, no fixed port list (RLWatchExporterDown must not page for unused ports).
+    assert list(jobs) == ["rlwatch-sd"] and jobs["rlwatch-sd"]["honor_labels"]
+    assert "file_sd_configs" in jobs["rlwatch-sd"] and "static_configs" not in jobs["rlwatch-sd"]
 
 
 def test_kubernetes_manifests():

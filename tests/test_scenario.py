@@ -164,3 +164,31 @@ def test_collapse_step_on_hand_made_series():
     # halving is exact, so this is the boundary itself)
     assert collapse_step([(0, 0.8), (5, 0.4)]) is None
     assert collapse_step([(0, 0.8), (5, 0.39), (10, 0.41)]) is None
+
+
+def test_second_family_transformer_on_sort_and_shift():
+    """The matrix's second policy family and task set: a causal transformer trained on sort/shift,
+    whose targets are the digits sorted and each digit plus one, with the same field contract."""
+    from rlwatch.demo.scenario import TransformerPolicy, make_prompts
+
+    config = small(policy="transformer", tasks="sort-shift")
+    infos, result = collect(config)
+    assert len(infos) == 3 and set(infos[0].fields) == FIELD_KEYS
+    assert set(infos[0].fields["env"]) == {"sort", "shift"}
+    assert {e["env"] for e in infos[0].episodes} == {"sort", "shift"}
+    lag0 = masked_mismatch(infos[0].fields)
+    assert lag0[0] < 1e-4                        # on-policy: sampler and trainer agree
+    task = make_prompts(8, config, torch.Generator().manual_seed(0))
+    for prompt, target, length, env in zip(task["prompts"], task["targets"], task["target_len"], task["env"]):
+        digits = [int(x) for x in prompt[-1 - int(length):-1]]
+        expected = sorted(digits) if env == 0 else [(d + 1) % 10 for d in digits]
+        assert target[:int(length)].tolist() == expected
+    from rlwatch.demo.scenario import make_policy
+    assert isinstance(make_policy(config), TransformerPolicy)
+
+
+def test_infrastructure_failures_are_reported_from_their_step():
+    infos, _ = collect(small(failure_rate=1.0, failure_from=1))
+    assert "failed" not in infos[0].fields
+    failed = infos[1].fields["failed"]
+    assert failed == ["timeout"] * len(failed) and float(infos[1].fields["rewards"].sum()) == 0.0

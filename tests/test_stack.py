@@ -48,7 +48,7 @@ def stack_dir(tmp_path: Path):
     directory = tmp_path / "stack"
     ports = dict(prometheus=free_port(), alertmanager=free_port())
     result = rlwatch_cli("up", "--dir", str(directory), "--prometheus-port", str(ports["prometheus"]),
-                         "--alertmanager-port", str(ports["alertmanager"]), "--target", "127.0.0.1:1")
+                         "--alertmanager-port", str(ports["alertmanager"]))
     assert result.returncode == 0, result.stdout + result.stderr
     yield directory, ports
     rlwatch_cli("down", "--dir", str(directory))
@@ -61,11 +61,16 @@ def test_up_starts_servers_with_rules_and_down_stops_them(stack_dir):
     prom = f"http://127.0.0.1:{ports['prometheus']}"
     rules = json.loads(urllib.request.urlopen(prom + "/api/v1/rules", timeout=5).read())["data"]["groups"]
     names = {r["name"] for g in rules for r in g["rules"]}
-    assert {"RLWatchKLSpike", "RLWatchExporterDown", "run:rlwatch_is_tis_truncated_tokens:ratio_rate10m"} <= names
+    assert {"RLWatchKLSpike", "RLWatchKLJump", "RLWatchExporterDown", "RLWatchWatchdog"} <= names
     ready = urllib.request.urlopen(f"http://127.0.0.1:{ports['alertmanager']}/-/ready", timeout=5)
     assert ready.status == 200
     config = (directory / "prometheus.yml").read_text()
-    assert "127.0.0.1" in config and "file_sd_configs" in config
+    # Targets come from registration only: no fixed port list that would page for ports nobody used.
+    import yaml
+
+    jobs = yaml.safe_load(config)["scrape_configs"]
+    assert [job["job_name"] for job in jobs] == ["rlwatch-sd"] and "file_sd_configs" in jobs[0]
+    assert ":940" not in config
     pids = [info["pid"] for info in processes.values()]
     result = rlwatch_cli("down", "--dir", str(directory))
     assert result.returncode == 0 and "prometheus" in result.stdout

@@ -571,20 +571,21 @@ def test_split_generation_batch_through_the_callback(model_path, tmp_path):
 
 def test_guard_stops_training_and_saves(model_path, tmp_path):
     """Guards stop_on_critical and save_on_critical: the critical KL spike of the made-up sampler
-    log-probs at step 1 stops a 6-step run there, with a checkpoint."""
+    log-probs (critical once it holds 2 consecutive steps, the paging policy) stops a 6-step run at
+    step 2, with a checkpoint."""
     store = str(tmp_path / "run.db")
     trainer = make_trainer(model_path, tmp_path / "out", rollout=True, max_steps=6)
     watch = rltrl.watch(trainer, run="trl-guard", port=None, store=store,
                         guard=(rltrl.stop_on_critical, rltrl.save_on_critical))
     trainer.train()
     watch.flush()
-    assert trainer.state.global_step == 1
-    assert (tmp_path / "out" / "checkpoint-1" / "trainer_state.json").exists()
+    assert trainer.state.global_step == 2
+    assert (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").exists()
     with StoreReader(store) as reader:
-        assert [r.step for r in reader.steps("trl-guard")] == [1]
+        assert [r.step for r in reader.steps("trl-guard")] == [1, 2]
         fired = [a for a in reader.alerts("trl-guard") if a["state"] == "firing" and a["severity"] == "critical"]
-        assert "RLWatchKLSpike" in [a["name"] for a in fired] and all(a["step"] == 1 for a in fired)
-        assert reader.checkpoints("trl-guard") == [(1, str(tmp_path / "out" / "checkpoint-1"))]
+        assert "RLWatchKLSpike" in [a["name"] for a in fired] and all(a["step"] == 2 for a in fired)
+        assert reader.checkpoints("trl-guard") == [(2, str(tmp_path / "out" / "checkpoint-2"))]
     rltrl.unwatch(trainer)
 
 

@@ -1,8 +1,11 @@
-"""The embedded alert evaluator: the catalogue's step-window conditions, inside the training process.
+"""The embedded alert evaluator: the catalogue's verdicts, inside the training process.
 
-It follows the run step by step (a ``Watch`` listener), keeps the last steps' values, and turns
-each alert's condition into firing and resolved events after ``for_steps`` consecutive steps.
-Events go to the run store, the console and the notifiers. A watchdog thread raises
+It follows the run step by step (a ``Watch`` listener) and reads the step-window values that
+:class:`rlwatch.alerts.windows.AlertWindows` exported for the step (``alert_quiet_steps`` below
+``clear_steps`` = firing), the very numbers the Prometheus rules compare, so both fire the same
+alerts at the same steps. Without a ``Watch`` (values that carry no window statistics) it runs its
+own ``AlertWindows``. Each transition is one event, to the run store, the log, the notifiers and the
+subscribers; a resolved event carries the statistic's current value. A watchdog thread raises
 RLWatchTrainerStalled when no step arrives for ``stall_seconds``. Optional guard actions
 (checkpoint, stop, a callback) run on critical alerts.
 """
@@ -15,8 +18,9 @@ from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import HookErrors
-from .catalogue import ALERTS, BY_NAME, PARAMS, Alert, History, defaults, evaluate, stalled
+from .catalogue import ALERT_LABELS, ALERTS, BY_NAME, PARAMS, Alert, History, defaults, stalled
 from .notify import AlertEvent, Dispatcher, log_event
+from .windows import HISTORY_STEPS, AlertWindows, firing_keys
 
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -51,7 +55,7 @@ class AlertEvaluator:
     """
 
     def __init__(self, run: str, store: Any = None, notifiers: Iterable = (), overrides: Mapping[str, float] = (),
-                 errors: HookErrors | None = None, history: int = 256, watchdog_interval: float = 5.0,
+                 errors: HookErrors | None = None, history: int = HISTORY_STEPS, watchdog_interval: float = 5.0,
                  guard: Iterable[Callable[[AlertEvent], None]] = (), alerts: Iterable[Alert] = ALERTS,
                  clock: Callable[[], float] = time.time, static: Mapping[str, dict] | None = None) -> None:
         self.run = run
@@ -64,7 +68,10 @@ class AlertEvaluator:
                                    raise_in_strict=False)
                 continue
             self.params[name] = float(value)
+        alerts = list(alerts)
         self.alerts = [a for a in alerts if a.condition is not None]
+        self._names = {a.name for a in self.alerts}
+        self.windows = AlertWindows(self.params, static, self.alerts)
         self.guard = list(guard)
         self.subscribers: list[Callable[[AlertEvent], None]] = []
         self.static = dict(static or {})
@@ -91,19 +98,37 @@ class AlertEvaluator:
 
     def on_step(self, step: int, values: dict) -> None:
         with self._lock:
-            self._steps.append((step, {**self.static, **values} if self.static else values))
-            history = History(list(self._steps), self.params)
-            for alert in self.alerts:
-                self._apply(alert, evaluate(alert, history), step)
+            self._steps.append((step, values))
+            if "alert_quiet_steps" not in values:            # not behind a Watch's AlertWindows
+                values = {**values, **self.windows.on_step(step, values)}
+            now = {labels: v for labels, v in firing_keys(values, self.params["clear_steps"]).items()
+                   if labels[0] in self._names}
+            before = {key: event for key, event in self._firing.items() if key[0] in self._names}
+            for labels, value in now.items():
+                alert = BY_NAME[labels[0]]
+                named = {k: v for k, v in zip(ALERT_LABELS[1:], labels[1:]) if v != ""}
+                key = (alert.name, tuple(sorted(named.items())))
+                if key in before:
+                    self._firing[key] = self._with_value(self._firing[key], value, step)
+                else:
+                    self._emit(alert, "firing", step, named, value)
+            current = values.get("alert_value", {})
+            now_keys = {(labels[0], tuple(sorted((k, v) for k, v in zip(ALERT_LABELS[1:], labels[1:]) if v != "")))
+                        for labels in now}
+            for key, event in before.items():
+                if key not in now_keys:
+                    labels = (key[0],) + tuple(dict(key[1]).get(name, "") for name in ALERT_LABELS[1:])
+                    self._emit(BY_NAME[key[0]], "resolved", step, event.labels, current.get(labels, event.value))
 
     def _apply(self, alert: Alert, firing: list, step: int | None) -> None:
+        """The watchdog's alert (RLWatchTrainerStalled): fires and resolves on wall time."""
         now_true: set[tuple[str, LabelKey]] = set()
         for labels, value in firing:
             labels = {k: v for k, v in labels.items() if v != ""}
             key = (alert.name, tuple(sorted(labels.items())))
             now_true.add(key)
             self._pending[key] = self._pending.get(key, 0) + 1
-            if key not in self._firing and self._pending[key] >= alert.for_steps:
+            if key not in self._firing and self._pending[key] >= alert.for_minutes + 1:
                 self._emit(alert, "firing", step, labels, value)
             elif key in self._firing:
                 self._firing[key] = self._with_value(self._firing[key], value, step)
@@ -111,7 +136,7 @@ class AlertEvaluator:
             del self._pending[key]
             if key in self._firing:
                 previous = self._firing[key]
-                self._emit(alert, "resolved", step, previous.labels, previous.value)
+                self._emit(alert, "resolved", step, previous.labels, None)
 
     @staticmethod
     def _with_value(event: AlertEvent, value: float, step: int | None) -> AlertEvent:

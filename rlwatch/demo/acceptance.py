@@ -1,163 +1,443 @@
-"""The alert acceptance suite: does rlwatch page before a collapse, and only then?
+"""The alert acceptance report: precision and recall of the pager over the scenario matrix.
 
-Runs the scenario engine with rlwatch attached (in-process alert evaluator, run store, built-in
-hack detectors) for several seeds per scenario and prints one table: per run, the step at which
-the held-out true reward collapsed (below half its running peak for the rest of the run), the
-first critical alert and its lead in steps, the critical alerts in runs that did not collapse
-(false alarms), and which environments a hack-rate alert named.
+Replays the cached traces of :mod:`rlwatch.demo.matrix` (training runs of two policy families on two
+task sets, collected once) through the same step listeners a ``Watch`` runs (drift detector, alert
+windows, embedded evaluator), chooses the scale-dependent thresholds on the tuning split of seeds,
+and reports on the test split:
 
-    python -m rlwatch.demo.acceptance [--seeds 5] [--jobs 2]
+- per alert: pages (critical firings) and warnings on healthy runs, firings on every kind of run;
+- collapses: recall (paged before the held-out true reward collapsed), lead time min / median, and
+  the lead as a fraction of the steps to the collapse;
+- semantic faults: critical within 10 steps and still firing at the end of the run;
+- hacks: the hack alert on the buggy environment only;
+- flaps: the same alert (same labels) opening again within 10 steps of resolving;
+- one verdict: on a sample of runs, Prometheus' rule engine (promtool) replays the exported window
+  values with a step every 10 s and must fire exactly the alerts the embedded evaluator fires, at
+  every step.
 
-Acceptance: every collapsing run gets a critical alert before its collapse step; no critical alert
-in a healthy run (lag 0, lag 2); the hack scenario's hack-rate alert names the buggy environment
-only.
+    python -m rlwatch.demo.matrix --split all --cache .rlwatch-matrix --jobs 2     # train (once)
+    python -m rlwatch.demo.acceptance --cache .rlwatch-matrix --out alerts/acceptance
+
+writes ``alerts/acceptance.md`` and ``alerts/acceptance.json`` and exits 1 when a bar is missed.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import itertools
+import json
 import statistics
+import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-SUITE = ("healthy", "lag2", "collapse", "rescued", "hack")
-HEALTHY = ("healthy", "lag2")
-BUGGY_ENV = "reverse"
+from .matrix import FAMILIES, SCENARIOS, TEST_SEEDS, TUNING_SEEDS, RunSpec, collect, derived, specs
+
+#: Thresholds tuned on the tuning split (their scale depends on the policy: the toy policies move far
+#: more per update than a large model, see rlwatch.demo.WATCH_CONFIG), with the candidates tried.
+TUNED: dict[str, tuple[float, ...]] = {"kl_k3_max": (0.1, 0.2, 0.5, 1.0, 2.0), "ess_min": (0.3, 0.2, 0.1)}
+STALENESS_BOUND = 2
+FLAP_STEPS = 10
+SEMANTIC_STEPS = 10
+HACK_HOLD = 0.2
+
+
+@dataclass
+class Event:
+    name: str
+    severity: str
+    state: str
+    step: int
+    labels: dict
+    value: float | None
 
 
 @dataclass
 class Outcome:
+    run: str
+    family: str
     scenario: str
+    kind: str
     seed: int
+    steps: int
     collapse_step: int | None
-    first_critical: str | None = None
-    first_critical_step: int | None = None
-    critical_alerts: list[str] = field(default_factory=list)
-    hack_envs: list[str] = field(default_factory=list)
-    final_heldout: float | None = None
-    seconds: float = 0.0
+    events: list[Event] = field(default_factory=list)
+    firing_at_end: list[str] = field(default_factory=list)
+    error: str | None = None
+    hack_took_hold: bool = False
+
+    def firings(self, severity: str | None = None) -> list[Event]:
+        return [e for e in self.events if e.state == "firing" and (severity is None or e.severity == severity)]
+
+    @property
+    def first_critical(self) -> Event | None:
+        critical = self.firings("critical")
+        return min(critical, key=lambda e: e.step) if critical else None
 
     @property
     def lead(self) -> int | None:
-        if self.collapse_step is None or self.first_critical_step is None:
+        first = self.first_critical
+        if self.collapse_step is None or first is None or first.step >= self.collapse_step:
             return None
-        return self.collapse_step - self.first_critical_step
+        return self.collapse_step - first.step
 
     @property
-    def paged_in_time(self) -> bool:
-        return self.lead is not None and self.lead > 0
+    def flaps(self) -> int:
+        """Firings of an alert (same labels) within FLAP_STEPS steps of its previous resolution."""
+        resolved: dict[tuple, int] = {}
+        count = 0
+        for e in self.events:
+            key = (e.name, tuple(sorted(e.labels.items())))
+            if e.state == "resolved":
+                resolved[key] = e.step
+            elif key in resolved and e.step - resolved[key] <= FLAP_STEPS:
+                count += 1
+        return count
 
 
-def run_one(scenario: str, seed: int, steps: int | None = None) -> Outcome:
-    import torch
+def replay(trace: dict, overrides: dict[str, float]) -> Outcome:
+    """Run the Watch's alert listeners over a cached trace; returns the run's alert events."""
+    from ..alerts.evaluator import AlertEvaluator
+    from ..alerts.windows import AlertWindows
+    from ..drift import DriftDetector
+    from .scenario import collapse_step
 
-    from .. import Watch
-    from . import WATCH_CONFIG
-    from .scenario import SCENARIOS, collapse_step, run_scenario
+    spec: RunSpec = trace["spec"]
+    static = {"staleness_bound": {(): float(STALENESS_BOUND)}, "is_cap": {(): 2.0}}
+    listeners = [DriftDetector(), AlertWindows(overrides, static)]
+    evaluator = AlertEvaluator(spec.name, overrides=overrides, watchdog_interval=0, static=static)
+    for step, raw in trace["steps"]:
+        values = {k: dict(v) for k, v in raw.items() if not derived(k)}
+        for listener in listeners:
+            extra = listener.on_step(step, values)
+            if extra:
+                values.update(extra)
+        evaluator.on_step(step, values)
+    events = [Event(e.name, e.severity, e.state, int(e.step), dict(e.labels), e.value) for e in evaluator.events]
+    # Ground truth of a hack run: the buggy grader's exploit took hold when, over some 10 steps, at
+    # least HACK_HOLD of the buggy environment's episodes got reward 1 while the true checker failed
+    # them (what the verifier_disagreement detector counts, on every episode).
+    hacked = [v.get("episodes_hacked_total", {}).get((spec.buggy_env, "verifier_disagreement"), 0.0)
+              for _, v in trace["steps"]]
+    judged = [v.get("episodes_judged_total", {}).get((spec.buggy_env, "verifier_disagreement"), 0.0)
+              for _, v in trace["steps"]]
+    took_hold = any(sum(judged[i:i + 10]) and sum(hacked[i:i + 10]) / sum(judged[i:i + 10]) >= HACK_HOLD
+                    for i in range(len(hacked)))
+    firing = sorted({e.name for e in evaluator.firing()})
+    evaluator.close()
+    return Outcome(run=spec.name, family=spec.family, scenario=spec.scenario, kind=spec.kind, seed=spec.seed,
+                   steps=len(trace["steps"]), collapse_step=collapse_step(trace["heldout"]) if trace["heldout"]
+                   else None, events=events, firing_at_end=firing, error=trace.get("error"),
+                   hack_took_hold=spec.kind == "hack" and took_hold)
 
-    torch.set_num_threads(1)
-    config = replace(SCENARIOS[scenario], seed=seed, threads=1, **({"steps": steps} if steps else {}))
-    start = time.perf_counter()
+
+def exported_series(trace: dict, overrides: dict[str, float]) -> tuple[list[dict], list[set]]:
+    """Per step: the window values a Watch would serve ({series text: value}) and the alerts the
+    embedded evaluator has firing after that step ({(name, labels)})."""
+    from ..alerts.catalogue import ALERT_LABELS
+    from ..alerts.evaluator import AlertEvaluator
+    from ..alerts.windows import AlertWindows
+    from ..drift import DriftDetector
+
+    static = {"staleness_bound": {(): float(STALENESS_BOUND)}, "is_cap": {(): 2.0}}
+    drift, windows = DriftDetector(), AlertWindows(overrides, static)
+    evaluator = AlertEvaluator("r", overrides=overrides, watchdog_interval=0, static=static)
+    served, firing = [], []
+    for step, raw in trace["steps"]:
+        values = {k: dict(v) for k, v in raw.items() if not derived(k)}
+        values.update(drift.on_step(step, values) or {})
+        values.update(windows.on_step(step, values))
+        evaluator.on_step(step, values)
+        series = {'rlwatch_step{run="r"}': float(step)}
+        for name, value in overrides.items():
+            series[f'rlwatch_alert_threshold{{run="r",param="{name}"}}'] = value
+        for family in ("alert_value", "alert_quiet_steps"):
+            for labels, value in values[family].items():
+                named = ",".join(f'{k}="{v}"' for k, v in zip(ALERT_LABELS, labels) if v != "")
+                series[f'rlwatch_{family}{{run="r",{named}}}'] = value
+        served.append(series)
+        firing.append({(e.name, tuple(sorted(e.labels.items()))) for e in evaluator.firing()})
+    evaluator.close()
+    return served, firing
+
+
+def prometheus_agrees(traces: list[dict], overrides: dict[str, float], step_seconds: int = 10,
+                      scrape: int = 5) -> dict[str, object]:
+    """Replay each trace's exported window values through promtool (Prometheus' rule engine) with a
+    step every ``step_seconds`` and compare the firing alerts with the embedded evaluator's at the
+    last scrape of every step. Returns {"runs", "steps", "step_seconds", "ok", "promtool_tail"}."""
+    from ..alerts import render
+    from ..alerts.catalogue import ALERTS
+
+    window_alerts = [a for a in ALERTS if a.condition is not None]
+    rules = {"groups": [{"name": "rlwatch", "rules": [
+        {"alert": a.name, "expr": a.expr, "for": "0m", "labels": {"severity": a.severity}} for a in window_alerts]}]}
+    tests, steps_total = [], 0
+    for trace in traces:
+        served, firing = exported_series(trace, overrides)
+        steps_total += len(served)
+        series = render._step_series(served, step_seconds // scrape)
+        for s in series:
+            s["series"] = s["series"]
+        cases = []
+        for index, alerts in enumerate(firing):
+            at = index * step_seconds + step_seconds - scrape
+            for alert in window_alerts:
+                expected = [{"exp_labels": {"severity": alert.severity, "run": "r", **dict(labels)}}
+                            for name, labels in sorted(alerts) if name == alert.name]
+                cases.append({"eval_time": f"{at}s", "alertname": alert.name, "exp_alerts": expected})
+        tests.append({"name": trace["spec"].name, "interval": f"{scrape}s", "input_series": series,
+                      "alert_rule_test": cases})
     with tempfile.TemporaryDirectory() as directory:
-        watch = Watch(run=f"{scenario}-{seed}", port=None, store=f"{directory}/run.db", **WATCH_CONFIG)
-
-        def on_step(info) -> None:
-            extra = {"episodes": info.episodes} if scenario == "hack" else {}
-            watch.observe(info.step, **info.fields, **extra)
-            watch.log_scalars(info.step, info.metrics)
-
-        result = run_scenario(config, on_step=on_step)
-        if watch.hacks is not None:
-            watch.hacks.flush()
-            watch.observe(config.steps, mask=torch.ones(1, 1))      # carries the last verdicts
-        events = list(watch.evaluator.events) if watch.evaluator else []
-        watch.close()
-    collapse = collapse_step(result.heldout)
-    critical = [e for e in events if e.state == "firing" and e.severity == "critical"]
-    first = min(critical, key=lambda e: e.step) if critical else None
-    hack_envs = sorted({e.labels.get("env", "") for e in critical if e.name == "RLWatchRewardHackRateRising"})
-    return Outcome(scenario=scenario, seed=seed, collapse_step=collapse,
-                   first_critical=first.name if first else None, first_critical_step=first.step if first else None,
-                   critical_alerts=sorted({e.name for e in critical}), hack_envs=hack_envs,
-                   final_heldout=result.heldout[-1][1] if result.heldout else None,
-                   seconds=time.perf_counter() - start)
+        Path(directory, "rules.yaml").write_text(render.to_yaml(rules))
+        Path(directory, "tests.yaml").write_text(render.to_yaml({"rule_files": ["rules.yaml"],
+                                                                 "evaluation_interval": f"{scrape}s",
+                                                                 "tests": tests}))
+        result = subprocess.run(["promtool", "test", "rules", "tests.yaml"], cwd=directory, capture_output=True,
+                                text=True)
+    return {"runs": len(traces), "steps": steps_total, "step_seconds": step_seconds, "ok": result.returncode == 0,
+            "promtool_tail": (result.stdout + result.stderr)[-1500:] if result.returncode
+            else ""}
 
 
-def run_suite(seeds: int = 5, scenarios: tuple[str, ...] = SUITE, jobs: int = 2, steps: int | None = None
-              ) -> list[Outcome]:
-    tasks = [(s, seed) for s in scenarios for seed in range(seeds)]
-    if jobs <= 1:
-        return [run_one(s, seed, steps) for s, seed in tasks]
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(run_one, *zip(*tasks), [steps] * len(tasks)))
+# --- scoring ----------------------------------------------------------------------------------------
 
-
-def verdict(outcomes: list[Outcome]) -> dict[str, object]:
-    collapsing = [o for o in outcomes if o.collapse_step is not None and o.scenario not in HEALTHY]
-    healthy = [o for o in outcomes if o.scenario in HEALTHY]
-    hack = [o for o in outcomes if o.scenario == "hack"]
+def score(outcomes: list[Outcome]) -> dict[str, object]:
+    ok = [o for o in outcomes if o.error is None]
+    healthy = [o for o in ok if o.kind == "healthy"]
+    collapsing = [o for o in ok if o.kind == "collapse" and o.collapse_step is not None and o.collapse_step > 0]
+    semantic = [o for o in ok if o.kind == "semantic"]
+    hack = [o for o in ok if o.kind == "hack"]
+    infra = [o for o in ok if o.kind == "infra"]
+    lag_fault = [o for o in ok if o.kind == "lag_fault"]
     leads = [o.lead for o in collapsing if o.lead is not None]
+    fractions = [o.lead / o.collapse_step for o in collapsing if o.lead is not None]
+
+    def semantic_ok(o: Outcome) -> bool:
+        first = min((e.step for e in o.firings("critical") if e.name == "RLWatchOnPolicyRatioNotOne"), default=None)
+        return first is not None and first <= SEMANTIC_STEPS and "RLWatchOnPolicyRatioNotOne" in o.firing_at_end
+
+    def hack_envs(o: Outcome) -> set[str]:
+        return {e.labels.get("env", "") for e in o.firings() if e.name == "RLWatchRewardHackRateRising"}
+
+    buggy = {spec.name: spec.buggy_env for spec in specs(TUNING_SEEDS + TEST_SEEDS)}
+    took_hold = [o for o in hack if o.hack_took_hold]
     return {
-        "collapsing_runs": len(collapsing),
-        "paged_before_collapse": sum(o.paged_in_time for o in collapsing),
+        "runs": len(outcomes), "runs_failed": len(outcomes) - len(ok),
+        "healthy_runs": len(healthy),
+        "healthy_critical_pages": sum(len(o.firings("critical")) for o in healthy),
+        "healthy_runs_paged": sum(bool(o.firings("critical")) for o in healthy),
+        "healthy_warnings": sum(len(o.firings("warning")) for o in healthy),
+        "collapse_runs": sum(o.kind == "collapse" for o in ok),
+        "collapsed": len(collapsing),
+        "collapsed_paged_before": sum(o.lead is not None for o in collapsing),
         "lead_min": min(leads) if leads else None,
         "lead_median": statistics.median(leads) if leads else None,
-        "healthy_runs": len(healthy),
-        "healthy_collapsed": sum(o.collapse_step is not None for o in healthy),
-        "false_alarms": sum(bool(o.critical_alerts) for o in healthy),
-        "hack_runs": len(hack),
-        "hack_alert_buggy_env_only": sum(o.hack_envs == [BUGGY_ENV] for o in hack),
-        "collapse_scenario_collapsed": sum(o.collapse_step is not None for o in outcomes if o.scenario == "collapse"),
-        "collapse_scenario_runs": sum(o.scenario == "collapse" for o in outcomes),
+        "lead_fraction_median": round(statistics.median(fractions), 3) if fractions else None,
+        "semantic_runs": len(semantic), "semantic_ok": sum(semantic_ok(o) for o in semantic),
+        "hack_runs": len(hack), "hack_took_hold": len(took_hold),
+        "hack_buggy_env_only": sum(hack_envs(o) == {buggy[o.run]} for o in took_hold),
+        "hack_alert_without_a_hack": sum(bool(hack_envs(o)) for o in ok if not o.hack_took_hold),
+        "infra_runs": len(infra),
+        "infra_warned": sum(any(e.name == "RLWatchInfraFailureRateHigh" for e in o.firings()) for o in infra),
+        "lag_fault_runs": len(lag_fault), "lag_fault_paged": sum(bool(o.firings("critical")) for o in lag_fault),
+        "flaps": sum(o.flaps for o in ok),
+        "critical_flaps": sum(1 for o in ok for e in _refirings(o) if e.severity == "critical"),
     }
 
 
-def accepted(v: dict[str, object]) -> bool:
-    return (v["paged_before_collapse"] == v["collapsing_runs"] and v["false_alarms"] == 0
-            and v["hack_alert_buggy_env_only"] == v["hack_runs"])
+def _refirings(o: Outcome) -> list[Event]:
+    resolved: dict[tuple, int] = {}
+    out = []
+    for e in o.events:
+        key = (e.name, tuple(sorted(e.labels.items())))
+        if e.state == "resolved":
+            resolved[key] = e.step
+        elif key in resolved and e.step - resolved[key] <= FLAP_STEPS:
+            out.append(e)
+    return out
 
 
-def table(outcomes: list[Outcome]) -> str:
-    lines = ["| scenario | seed | collapse step | first critical alert (step) | lead (steps) | critical alerts | "
-             "hack alert envs | final held-out | s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def bars(s: dict) -> dict[str, bool]:
+    return {
+        "0 critical pages on healthy runs": s["healthy_critical_pages"] == 0,
+        "every collapse paged before it": s["collapsed_paged_before"] == s["collapsed"],
+        "median lead >= half the steps to the collapse": (s["collapsed"] == 0
+                                                          or (s["lead_fraction_median"] or 0) >= 0.5),
+        "0 flaps": s["flaps"] == 0,
+        "semantic faults critical within 10 steps and firing at the end": s["semantic_ok"] == s["semantic_runs"],
+        "hack alert on the hacked environment only": (s["hack_buggy_env_only"] == s["hack_took_hold"]
+                                                      and s["hack_alert_without_a_hack"] == 0),
+    }
+
+
+def per_alert(outcomes: list[Outcome]) -> dict[str, dict[str, object]]:
+    """Per alert: severity, firings on healthy runs, recall on the runs that collapsed (fired before the
+    collapse) with its lead min / median, firings on each other kind of run, flaps per run."""
+    from ..alerts.catalogue import ALERTS
+
+    ok = [o for o in outcomes if o.error is None]
+    collapsed = [o for o in ok if o.kind == "collapse" and o.collapse_step]
+    kinds = sorted({kind for kind, _ in SCENARIOS.values()} - {"healthy"})
+    table: dict[str, dict[str, object]] = {}
+    for alert in ALERTS:
+        if alert.condition is None:
+            continue
+        leads = []
+        for o in collapsed:
+            first = min((e.step for e in o.firings() if e.name == alert.name), default=None)
+            if first is not None and first < o.collapse_step:
+                leads.append(o.collapse_step - first)
+        row: dict[str, object] = {
+            "severity": alert.severity,
+            "healthy": sum(1 for o in ok if o.kind == "healthy" for e in o.firings() if e.name == alert.name),
+            "collapse recall": f"{len(leads)}/{len(collapsed)}",
+            "lead min": min(leads) if leads else "-",
+            "lead median": statistics.median(leads) if leads else "-",
+        }
+        for kind in kinds:
+            row[kind] = sum(1 for o in ok if o.kind == kind for e in o.firings() if e.name == alert.name)
+        flaps = sum(1 for o in ok for e in _refirings(o) if e.name == alert.name)
+        row["flaps per run"] = round(flaps / len(ok), 3) if ok else 0
+        table[alert.name] = row
+    return table
+
+
+def tune(traces: list[dict], base: dict[str, float]) -> tuple[dict[str, float], list[dict]]:
+    """Choose TUNED's thresholds on the tuning traces: the most sensitive combination (smallest KL
+    bound, largest ESS floor, tried in that order) with no critical page on a healthy run, every
+    collapse paged and no flap; else the quietest with the best recall."""
+    tried = []
+    for kl, ess in itertools.product(TUNED["kl_k3_max"], TUNED["ess_min"]):
+        overrides = {**base, "kl_k3_max": kl, "ess_min": ess}
+        s = score([replay(t, overrides) for t in traces])
+        tried.append({"kl_k3_max": kl, "ess_min": ess, **{k: s[k] for k in (
+            "healthy_critical_pages", "collapsed_paged_before", "collapsed", "lead_median", "flaps")}})
+        if s["healthy_critical_pages"] == 0 and s["collapsed_paged_before"] == s["collapsed"] and s["flaps"] == 0:
+            return overrides, tried
+    quiet = [t for t in tried if t["healthy_critical_pages"] == 0] or tried
+    best = max(quiet, key=lambda t: (t["collapsed_paged_before"], -t["flaps"]))
+    return {**base, "kl_k3_max": best["kl_k3_max"], "ess_min": best["ess_min"]}, tried
+
+
+# --- report -------------------------------------------------------------------------------------------
+
+def markdown(command: str, chosen: dict, tried: list[dict], s: dict, checks: dict, alerts: dict,
+             outcomes: list[Outcome], agreement: dict, seconds: float, split: dict) -> str:
+    fams = ", ".join(f"`{name}` ({FAMILIES[name]['policy']} on {FAMILIES[name]['tasks']})"
+                     for name in split["families"])
+    lines = [
+        "<!-- Written by `python -m rlwatch.demo.acceptance`. -->",
+        "# Alert acceptance report",
+        "",
+        f"Command: `{command}` ({seconds:.0f} s of replay; the traces were trained once by "
+        "`python -m rlwatch.demo.matrix`).",
+        "",
+        f"Matrix: {len(split['scenarios'])} scenarios x {len(split['families'])} families ({fams}) x seeds: "
+        f"{split['tuning_runs']} tuning runs (seeds {list(split['tuning_seeds'])}), {len(outcomes)} test runs "
+        f"(seeds {list(split['test_seeds'])}); staleness bound {STALENESS_BOUND}; kinds of run as in "
+        "`rlwatch.demo.matrix.SCENARIOS`. "
+        f"Thresholds chosen on the tuning split: " + ", ".join(f"`{k}`={v:g}" for k, v in chosen.items()) + ".",
+        "",
+        "## Bars (test split)",
+        "",
+        "| bar | met |", "|---|---|",
+        *[f"| {name} | {'yes' if ok else '**no**'} |" for name, ok in checks.items()],
+        f"| in-process and Prometheus verdicts equal ({agreement.get('runs', 0)} runs, "
+        f"{agreement.get('steps', 0)} steps each with a step every {agreement.get('step_seconds', '-')} s) | "
+        f"{'yes' if agreement.get('ok') else '**no**'} |",
+        "",
+        "## Summary (test split)",
+        "",
+        "| measure | value |", "|---|---|",
+        *[f"| {k} | {v} |" for k, v in s.items()],
+        "",
+        "## Per alert (test split): firings on healthy runs, recall and lead on the runs that collapsed, "
+        "firings on the other kinds of run, flaps per run",
+        "",
+        "| alert | " + " | ".join(next(iter(alerts.values())).keys()) + " |",
+        "|---|" + "---|" * len(next(iter(alerts.values()))),
+        *[f"| {name} | " + " | ".join(str(v) for v in row.values()) + " |" for name, row in alerts.items()],
+        "",
+        "## Tuning (tuning split), candidates in the order tried",
+        "",
+        "| " + " | ".join(tried[0].keys()) + " |", "|" + "---|" * len(tried[0]),
+        *["| " + " | ".join(str(v) for v in row.values()) + " |" for row in tried],
+        "",
+        "## Runs (test split)",
+        "",
+        "| run | kind | collapse step | first critical (step) | lead | critical alerts | warnings | flaps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for o in outcomes:
-        first = f"{o.first_critical} ({o.first_critical_step})" if o.first_critical else "-"
-        final = f"{o.final_heldout:.2f}" if o.final_heldout is not None else "-"
-        collapse = o.collapse_step if o.collapse_step is not None else "-"
-        lead = o.lead if o.lead is not None else "-"
-        lines.append(f"| {o.scenario} | {o.seed} | {collapse} | {first} | {lead} | "
-                     f"{', '.join(o.critical_alerts) or '-'} | {', '.join(o.hack_envs) or '-'} | {final} | "
-                     f"{o.seconds:.0f} |")
-    return "\n".join(lines)
+        first = o.first_critical
+        crit = sorted({_short(e.name) for e in o.firings("critical")})
+        warn = sorted({_short(e.name) for e in o.firings("warning")})
+        lines.append(f"| {o.run} | {o.kind} | {o.collapse_step if o.collapse_step is not None else '-'} | "
+                     f"{_short(first.name) + f' ({first.step})' if first else '-'} | "
+                     f"{o.lead if o.lead is not None else '-'} | {', '.join(crit) or '-'} | "
+                     f"{', '.join(warn) or '-'} | {o.flaps} |" + (f" error: {o.error}" if o.error else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("RLWatch")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--scenarios", default=",".join(SUITE))
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--cache", default=".rlwatch-matrix", help="trace cache of rlwatch.demo.matrix")
+    parser.add_argument("--out", help="write OUT.md and OUT.json")
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--tuning-seeds", default=",".join(map(str, TUNING_SEEDS)))
+    parser.add_argument("--test-seeds", default=",".join(map(str, TEST_SEEDS)))
+    parser.add_argument("--steps", type=int, help="steps per run (default: each family's own)")
+    parser.add_argument("--prometheus-sample", type=int, default=12, help="test runs replayed through promtool")
+    parser.add_argument("--jobs", type=int, default=1, help="processes training traces missing from the cache")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    outcomes = run_suite(args.seeds, tuple(args.scenarios.split(",")), args.jobs, args.steps)
-    v = verdict(outcomes)
-    if args.json:
-        import json
+    from . import WATCH_CONFIG
+    from .matrix import collect_all
 
-        print(json.dumps({"outcomes": [asdict(o) | {"lead": o.lead} for o in outcomes], "verdict": v}, indent=2))
-    else:
-        print(table(outcomes))
-        print()
-        print(f"collapsing runs paged before the collapse: {v['paged_before_collapse']}/{v['collapsing_runs']} "
-              f"(lead min {v['lead_min']}, median {v['lead_median']} steps); critical alerts in healthy runs: "
-              f"{v['false_alarms']}/{v['healthy_runs']}; hack alert for '{BUGGY_ENV}' only: "
-              f"{v['hack_alert_buggy_env_only']}/{v['hack_runs']}; {time.perf_counter() - started:.0f} s")
-        print("ACCEPTED" if accepted(v) else "NOT ACCEPTED")
-    return 0 if accepted(v) else 1
+    families, scenarios = tuple(args.families.split(",")), tuple(args.scenarios.split(","))
+    seeds = [tuple(int(x) for x in text.split(",") if x) for text in (args.tuning_seeds, args.test_seeds)]
+    tuning_specs, test_specs = (specs(s, families, scenarios, args.steps) for s in seeds)
+    collect_all(tuning_specs + test_specs, args.cache, args.jobs)
+    load = lambda spec: collect(spec, args.cache)  # noqa: E731 - cached
+    base = {k: v for k, v in WATCH_CONFIG["alert_overrides"].items() if k not in TUNED}
+    chosen, tried = tune([load(s) for s in tuning_specs], base)
+    test_traces = [load(s) for s in test_specs]
+    outcomes = [replay(t, chosen) for t in test_traces]
+    s = score(outcomes)
+    checks = bars(s)
+    sample = [t for t in test_traces if not t.get("error")][::max(1, len(test_traces) // max(1, args.prometheus_sample))]
+    agreement: dict = {}
+    if args.prometheus_sample:            # a step every 1 s, 10 s and 10 min (scrapes every 1 s, 5 s, 1 min)
+        from ..alerts.render import CADENCES
+
+        cadences = [prometheus_agrees(sample[:args.prometheus_sample], chosen, seconds, scrape)
+                    for _, seconds, scrape in CADENCES]
+        agreement = {"runs": cadences[0]["runs"], "steps": cadences[0]["steps"],
+                     "step_seconds": ", ".join(str(c["step_seconds"]) for c in cadences),
+                     "ok": all(c["ok"] for c in cadences), "cadences": cadences}
+    seconds = time.perf_counter() - started
+    command = "python -m rlwatch.demo.acceptance " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    split = {"families": families, "scenarios": scenarios, "tuning_seeds": seeds[0], "test_seeds": seeds[1],
+             "tuning_runs": len(tuning_specs)}
+    report = markdown(command, chosen, tried, s, checks, per_alert(outcomes), outcomes, agreement, seconds, split)
+    if args.out:
+        Path(args.out + ".md").write_text(report)
+        Path(args.out + ".json").write_text(json.dumps({
+            "command": command, "thresholds": chosen, "tuning": tried, "summary": s, "bars": checks,
+            "prometheus_agreement": agreement, "per_alert": per_alert(outcomes),
+            "runs": [asdict(o) | {"lead": o.lead, "flaps": o.flaps} for o in outcomes]}, indent=1))
+    print(report)
+    accepted = all(checks.values()) and (agreement.get("ok", True) if args.prometheus_sample else True)
+    print("ACCEPTED" if accepted else "NOT ACCEPTED")
+    return 0 if accepted else 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the run with rlwatch's rules, and shows what they fired.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import urllib.request
 from dataclasses import replace
@@ -25,12 +26,14 @@ PROMETHEUS_PACE_S = 0.5
 
 
 class LiveView:
-    """A rich live panel (plain lines every 10 steps when rich is not installed or not a terminal)."""
+    """A rich live panel (plain lines when rich is not installed or not a terminal): the signals, a
+    "firing now" list of every open alert, and one line per alert transition (firing or resolved)."""
 
     def __init__(self, scenario: str, steps: int, url: str | None, enabled: bool = True) -> None:
         self.scenario, self.steps, self.url = scenario, steps, url
         self.values: dict[str, float] = {}
         self.alerts: list[str] = []
+        self.firing: list = []
         self.health = "healthy"
         self.step = 0
         self._live = None
@@ -60,18 +63,27 @@ class LiveView:
         for _, label, _ in HEADLINE:
             signals.add_column(label)
         signals.add_row(*[fmt.format(self.values[k]) if k in self.values else "-" for k, _, fmt in HEADLINE])
-        alerts = "\n".join(self.alerts[-6:]) or "no alert yet"
+        firing = "\n".join(self._firing_line(e) for e in self.firing) or "nothing"
+        transitions = "\n".join(self.alerts[-6:]) or "no alert yet"
         body = Table.grid()
         body.add_row(grid)
         body.add_row(signals)
-        body.add_row(f"[bold]alerts[/bold]\n{alerts}")
+        body.add_row(f"[bold]firing now[/bold]\n{firing}")
+        body.add_row(f"[bold]transitions[/bold]\n{transitions}")
         if self.url:
             body.add_row(f"[dim]metrics: {self.url}[/dim]")
         return Panel(body, title="rlwatch demo")
 
+    @staticmethod
+    def _firing_line(event: Any) -> str:
+        labels = "".join(f" {k}={v}" for k, v in sorted(event.labels.items()))
+        value = "" if event.value is None else f" = {event.value:.4g}"
+        return f"{event.name} ({event.severity}){labels}{value} since step {event.step}"
+
     def update(self, step: int, values: dict[str, float], firing: list) -> None:
         self.step = step + 1
         self.values.update(values)
+        self.firing = sorted(firing, key=lambda e: (e.severity != "critical", e.name))
         severities = {e.severity for e in firing}
         self.health = "critical" if "critical" in severities else ("warning" if "warning" in severities else "healthy")
         if self._live is not None:
@@ -79,10 +91,14 @@ class LiveView:
         elif step % 10 == 0 or step == self.steps - 1:
             shown = ", ".join(f"{label} " + fmt.format(self.values[k]) for k, label, fmt in HEADLINE
                               if k in self.values)
-            print(f"step {step:3d} [{self.health}] {shown}", flush=True)
+            now = ", ".join(e.name.removeprefix("RLWatch") for e in self.firing) or "nothing"
+            print(f"step {step:3d} [{self.health}] {shown}; firing now: {now}", flush=True)
 
     def alert(self, event: Any) -> None:
-        line = f"step {event.step}: {event.state.upper()} {event.name} ({event.severity})"
+        """One line per transition (the evaluator emits each transition once)."""
+        labels = "".join(f" {k}={v}" for k, v in sorted(event.labels.items()))
+        value = "" if event.value is None else f" value {event.value:.4g}"
+        line = f"step {event.step}: {event.state.upper()} {event.name} ({event.severity}){labels}{value}"
         self.alerts.append(line)
         if self._live is None:
             print(line, flush=True)
@@ -93,13 +109,20 @@ class LiveView:
             self._live.stop()
 
 
-def _prometheus_stack(directory: Path, target: str) -> Any:
+class _NoAlertLog:
+    """Drops the evaluator's alert log lines while the view prints each transition itself."""
+
+    def filter(self, record: Any) -> bool:
+        return not str(record.msg).startswith("rlwatch alert ")
+
+
+def _prometheus_stack(directory: Path) -> Any:
     from ..stack import StackConfig, StackError, find_binary, up
 
     if not (find_binary("prometheus") and find_binary("prometheus-alertmanager", "alertmanager")):
         raise StackError("--with-prometheus needs the prometheus and prometheus-alertmanager binaries: "
                          "sudo apt-get install -y --no-install-recommends prometheus prometheus-alertmanager")
-    cfg = StackConfig(directory=directory, targets=[target], scrape_interval="1s")
+    cfg = StackConfig(directory=directory, scrape_interval="1s")     # the demo's Watch registers in cfg.sd_dir
     import socket
 
     def free() -> int:
@@ -155,18 +178,23 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
     stack = None
     prometheus_alerts = alertmanager_alerts = None
     stack_pids: dict[str, int] = {}
+    sd_dir = None
+    if with_prometheus:
+        if not port:
+            raise ValueError("--with-prometheus needs the metrics endpoint (a --port)")
+        stack = _prometheus_stack(directory / "stack")
+        sd_dir = str(stack[0].sd_dir)
+        urls = {name: info["url"] for name, info in stack[1].items()}
+        stack_pids = {name: info["pid"] for name, info in stack[1].items()}
+        print(f"Prometheus {urls['prometheus']}  Alertmanager {urls['alertmanager']}", flush=True)
     watch = Watch(run=run, port=port, port_fallback=True, store=str(directory / "run.db"), framework="rlwatch-demo",
-                  metadata={"scenario": scenario, "config": config.__dict__}, **WATCH_CONFIG)
+                  metadata={"scenario": scenario, "config": config.__dict__}, sd_dir=sd_dir, **WATCH_CONFIG)
     view = None
+    quiet = _NoAlertLog()
+    logging.getLogger("rlwatch").addFilter(quiet)
     try:
-        if with_prometheus:
-            if not watch.port:
-                raise ValueError("--with-prometheus needs the metrics endpoint (a --port)")
+        if stack is not None:
             target = f"127.0.0.1:{watch.port}"
-            stack = _prometheus_stack(directory / "stack", target)
-            urls = {name: info["url"] for name, info in stack[1].items()}
-            stack_pids = {name: info["pid"] for name, info in stack[1].items()}
-            print(f"Prometheus {urls['prometheus']}  Alertmanager {urls['alertmanager']}", flush=True)
             if not _wait_scraped(urls["prometheus"], target):
                 print("warning: Prometheus has not scraped the demo yet; its first steps may be missed", flush=True)
         view = LiveView(scenario, config.steps, watch.url, enabled=live)
@@ -191,6 +219,7 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
             time.sleep(3.0)                       # the last step's scrape and rule evaluation
             prometheus_alerts, alertmanager_alerts = _fired(urls["prometheus"], urls["alertmanager"], run)
     finally:
+        logging.getLogger("rlwatch").removeFilter(quiet)
         if view is not None:
             view.close()
         watch.close()

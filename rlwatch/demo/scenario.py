@@ -56,6 +56,9 @@ EOS, SEP, PAD = 10, 11, 12
 ENV_NAMES = ("copy", "reverse")
 ENV_TOKEN = {"copy": 13, "reverse": 14}
 VOCAB = 15
+#: Task sets: the two environments' names (the second one's grader carries the ``hack`` bug). The
+#: token of the first environment is 13, of the second 14, whatever the set.
+TASK_SETS: dict[str, tuple[str, str]] = {"copy-reverse": ("copy", "reverse"), "sort-shift": ("sort", "shift")}
 
 
 @dataclass
@@ -70,6 +73,11 @@ class ScenarioConfig:
         sampler's and switch to the sampler's version mid-sequence.
     hack: the ``reverse`` grader has a bug (any prefix of the target, the empty answer included,
         gets reward 1); the true checker is unchanged.
+    policy: "gru" (the default family) or "transformer" (a two-layer causal transformer).
+    tasks: a key of ``TASK_SETS``: "copy-reverse" (the default) or "sort-shift" (answer the digits
+        sorted ascending / each digit plus one modulo 10).
+    failure_rate / failure_from: from step ``failure_from`` on, this share of episodes fails for an
+        infrastructure reason (reported as ``failed="timeout"``, scored 0 as many pipelines do).
     """
 
     seed: int = 0
@@ -82,6 +90,10 @@ class ScenarioConfig:
     sampler_top_p: float | None = None
     partial_rollouts: bool = False
     hack: bool = False
+    policy: str = "gru"
+    tasks: str = "copy-reverse"
+    failure_rate: float = 0.0
+    failure_from: int = 0
     # training
     trainer_temperature: float = 1.0
     lr: float = 6e-3
@@ -117,6 +129,10 @@ class ScenarioConfig:
             raise ValueError(f"correction must be 'none', 'tis' or 'mis', got {self.correction!r}")
         if self.lag < 0:
             raise ValueError(f"lag must be >= 0, got {self.lag}")
+        if self.policy not in ("gru", "transformer"):
+            raise ValueError(f"policy must be 'gru' or 'transformer', got {self.policy!r}")
+        if self.tasks not in TASK_SETS:
+            raise ValueError(f"tasks must be one of {', '.join(TASK_SETS)}, got {self.tasks!r}")
         if self.max_response < self.max_digits + 1:
             raise ValueError("max_response must leave room for the longest answer and EOS")
 
@@ -176,7 +192,43 @@ class Policy(nn.Module):
         return self.head(out[:, prompts.shape[1] - 1:])
 
 
-def make_policy(config: ScenarioConfig) -> Policy:
+class TransformerPolicy(nn.Module):
+    """Embedding + learned positions -> two causal transformer layers -> linear head over ``VOCAB``.
+
+    The same interface as :class:`Policy`: ``encode(ids, state)`` returns the hidden states of the
+    new positions and a state, here the whole prefix of ids (sequences are a few tokens long, so
+    each call re-encodes the prefix instead of keeping a key-value cache)."""
+
+    MAX_LEN = 32
+
+    def __init__(self, embed_dim: int = 32, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, embed_dim)
+        self.pos = nn.Embedding(self.MAX_LEN, embed_dim)
+        layer = nn.TransformerEncoderLayer(embed_dim, heads, dim_feedforward=2 * embed_dim, dropout=0.0,
+                                           batch_first=True, norm_first=True)
+        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(embed_dim, VOCAB)
+
+    def encode(self, ids: torch.Tensor, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B, L] int64, h = earlier ids [B, L0] or None -> (hidden states [B, L, E], ids [B, L0 + L])."""
+        full = ids if h is None else torch.cat([h, ids], dim=1)
+        n = full.shape[1]
+        x = self.embed(full) + self.pos(torch.arange(n))[None]
+        causal = torch.triu(torch.full((n, n), float("-inf")), diagonal=1)
+        out = self.body(x, mask=causal)
+        return out[:, n - ids.shape[1]:], full
+
+    def response_logits(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits of each response token: [B, P], [B, T] -> [B, T, V]."""
+        ids = torch.cat([prompts, responses[:, :-1]], dim=1)
+        out, _ = self.encode(ids)
+        return self.head(out[:, prompts.shape[1] - 1:])
+
+
+def make_policy(config: ScenarioConfig) -> nn.Module:
+    if config.policy == "transformer":
+        return TransformerPolicy(config.embed_dim)
     return Policy(config.embed_dim, config.hidden_dim)
 
 
@@ -242,7 +294,12 @@ def make_prompts(n_per_env: int, config: ScenarioConfig, gen: torch.Generator,
     prompts = torch.where(cols >= 0, body.gather(1, cols.clamp(min=0)), PAD)
     rev_idx = (last - pos[None, :]).clamp(min=0)
     reversed_digits = torch.where(valid, digits.gather(1, rev_idx), PAD)
-    targets = torch.where((env == ENV_NAMES.index("reverse"))[:, None], reversed_digits, digits)
+    if config.tasks == "sort-shift":
+        first = digits.sort(dim=1).values                   # PAD (12) sorts after every digit
+        second = torch.where(valid, (digits + 1) % DIGITS, PAD)
+    else:
+        first, second = digits, reversed_digits
+    targets = torch.where((env == 1)[:, None], second, first)
     return {"prompts": prompts, "targets": targets, "target_len": lengths, "env": env}
 
 
@@ -269,7 +326,7 @@ def grade(responses: torch.Tensor, truncated: torch.Tensor, targets: torch.Tenso
     if not partial_credit:
         reward = true_pass.float()
     if hack:
-        buggy = (env == ENV_NAMES.index("reverse")) & (~truncated) & (matches == torch.minimum(ans_len, target_len))
+        buggy = (env == 1) & (~truncated) & (matches == torch.minimum(ans_len, target_len))
         reward = torch.where(buggy & (ans_len <= target_len), torch.ones_like(reward), reward)
     return reward.float(), true_pass
 
@@ -454,20 +511,21 @@ def _save_checkpoint(model: Policy, config: ScenarioConfig, step: int, trainer_v
     os.makedirs(path, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"))
     meta = {"step": step, "trainer_version": trainer_version, "vocab_size": VOCAB,
-            "embed_dim": config.embed_dim, "hidden_dim": config.hidden_dim, "architecture": "gru",
+            "embed_dim": config.embed_dim, "hidden_dim": config.hidden_dim, "architecture": config.policy,
             "scenario": asdict(config)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(meta, f, indent=2)
     return path
 
 
-def _episodes(batch: dict[str, torch.Tensor], rewards: torch.Tensor, true_pass: torch.Tensor) -> list[dict]:
+def _episodes(batch: dict[str, torch.Tensor], rewards: torch.Tensor, true_pass: torch.Tensor,
+              names: tuple[str, ...] = ENV_NAMES) -> list[dict]:
     """Per-episode dicts (built once per step from host lists, outside the hot path)."""
     prompts = batch["prompts"].tolist()
     responses = batch["responses"].tolist()
     lengths = batch["mask"].sum(1).tolist()
     envs, rs, tp, tr = batch["env"].tolist(), rewards.tolist(), true_pass.tolist(), batch["truncated"].tolist()
-    return [{"env": ENV_NAMES[e], "prompt": [x for x in p if x != PAD], "response": r[:n], "reward": rw,
+    return [{"env": names[e], "prompt": [x for x in p if x != PAD], "response": r[:n], "reward": rw,
              "true_pass": bool(ok), "truncated": bool(t)}
             for p, r, n, e, rw, ok, t in zip(prompts, responses, lengths, envs, rs, tp, tr)]
 
@@ -506,6 +564,7 @@ def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, che
     sampler_temp = config.sampler_temperature or config.trainer_temperature
     result = ScenarioResult(config=config)
     g, n_per_env = config.group_size, config.prompts_per_step // 2
+    names = TASK_SETS[config.tasks]
 
     for step in range(config.steps):
         trainer_version = step
@@ -529,6 +588,11 @@ def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, che
         batch = {**task, **out}
         rewards, true_pass = grade(out["responses"], out["truncated"], task["targets"], task["target_len"],
                                    task["env"], config.hack, config.partial_credit)
+        failed = None
+        if config.failure_rate > 0 and step >= config.failure_from:
+            failed = torch.rand(b, generator=gen) < config.failure_rate
+            rewards = rewards.masked_fill(failed, 0.0)
+            true_pass = true_pass & ~failed
         mask = out["mask"]
         with torch.no_grad():
             trainer_logp, entropy = token_logp_entropy(model, task["prompts"], out["responses"],
@@ -540,10 +604,12 @@ def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, che
             "mask": mask, "sampler_logp": out["logp"], "trainer_logp": trainer_logp,
             "token_version": token_version, "trainer_version": trainer_version, "rewards": rewards,
             "group_ids": torch.arange(b, dtype=torch.long) // g + step * (b // g),
-            "truncated": out["truncated"].clone(), "env": [ENV_NAMES[e] for e in task["env"].tolist()],
+            "truncated": out["truncated"].clone(), "env": [names[e] for e in task["env"].tolist()],
             "entropy": entropy, "temperature": float(sampler_temp),
             "top_p": float(config.sampler_top_p if config.sampler_top_p is not None else 1.0),
         }
+        if failed is not None:
+            fields["failed"] = ["timeout" if f else None for f in failed.tolist()]
         advantages = group_advantages(rewards, g)
         weights = behaviour_weights(trainer_logp, out["logp"], mask, config)
         stats = ppo_update(model, optimizer, batch, advantages, weights, trainer_logp, config, gen)
@@ -562,7 +628,7 @@ def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, che
             "response_length": m.sum(1).mean().item(), "truncated_frac": out["truncated"].float().mean().item(),
             **stats,
         }
-        for i, name in enumerate(ENV_NAMES):
+        for i, name in enumerate(names):
             rows = task["env"] == i
             metrics[f"hacked_frac/{name}"] = hacked[rows].float().mean().item()
             metrics[f"true_pass/{name}"] = true_pass[rows].float().mean().item()
@@ -572,7 +638,7 @@ def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, che
             result.heldout.append((step, score))
         result.history.append(metrics)
         if on_step is not None:
-            on_step(StepInfo(step=step, fields=fields, episodes=_episodes(batch, rewards, true_pass), metrics=metrics))
+            on_step(StepInfo(step=step, fields=fields, episodes=_episodes(batch, rewards, true_pass, names), metrics=metrics))
         if checkpoint_dir is not None and (step + 1) % checkpoint_every == 0:
             path = _save_checkpoint(model, config, step, trainer_version + 1, checkpoint_dir)
             if on_checkpoint is not None:

@@ -1,0 +1,114 @@
+"""Step-window statistics of the alert catalogue, computed once per step in the training process.
+
+:class:`AlertWindows` is a ``Watch`` step listener. Each step it reads the catalogue's conditions
+over the last steps (baselines, pooled rates and their Wilson bounds, standard errors), keeps each
+alert's streak (consecutive steps its raise condition held) and, for an open alert, the steps since
+its hold condition last held, and returns them as exported values:
+
+- ``alert_value{alert, signal, env, detector, kind}``: the alert's statistic at this step (the last
+  known one while an open alert's signal is missing);
+- ``alert_streak_steps{...}``: consecutive steps the raise condition held (absent when 0);
+- ``alert_quiet_steps{...}``: for an open alert, steps since its hold condition last held (0 while
+  it holds); the alert fires while this is below ``clear_steps``, and the series goes away the step
+  after it reaches ``clear_steps``;
+- ``window_baseline{signal}`` / ``window_stderr{signal}``: the baselines and standard errors the
+  conditions used.
+
+The Prometheus rules and the embedded evaluator both compare ``alert_quiet_steps`` with
+``clear_steps``: one computation, one verdict, whatever the time between steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from .catalogue import ALERT_LABELS, ALERTS, PARAMS, Alert, History, defaults, evaluate
+
+#: Steps of history kept (the longest window reads 120 steps before the latest).
+HISTORY_STEPS = 130
+
+
+@dataclass
+class _State:
+    streak: int = 0
+    open: bool = False
+    quiet: int = 0
+    value: float | None = None
+
+
+def family_key(alert: Alert, key: tuple[str, ...]) -> tuple[str, ...]:
+    """The exported label values (:data:`ALERT_LABELS`) of one of ``alert``'s verdict keys."""
+    named = dict(zip(alert.step_labels, key))
+    return (alert.name,) + tuple(named.get(label, "") for label in ALERT_LABELS[1:])
+
+
+class AlertWindows:
+    """Computes the catalogue's step windows and exports them (a ``Watch`` listener).
+
+    overrides: the run's thresholds ({param: value}); static: values every step carries implicitly
+    (the run's settings such as ``staleness_bound``), as Prometheus sees them next to each step.
+    """
+
+    def __init__(self, overrides: Mapping[str, float] = (), static: Mapping[str, dict] | None = None,
+                 alerts: Iterable[Alert] = ALERTS) -> None:
+        self.params = defaults()
+        self.params.update({k: float(v) for k, v in dict(overrides).items() if k in PARAMS})
+        self.static = dict(static or {})
+        self.alerts = [a for a in alerts if a.condition is not None]
+        self._steps: deque = deque(maxlen=HISTORY_STEPS)
+        self._state: dict[tuple[str, tuple[str, ...]], _State] = {}
+
+    @property
+    def clear_steps(self) -> float:
+        return self.params["clear_steps"]
+
+    def on_step(self, step: int, values: Mapping) -> dict:
+        self._steps.append((step, {**self.static, **values} if self.static else dict(values)))
+        history = History(list(self._steps), self.params)
+        value_out: dict = {}
+        streak_out: dict = {}
+        quiet_out: dict = {}
+        for alert in self.alerts:
+            verdicts = evaluate(alert, history)
+            keys = set(verdicts) | {k for (name, k) in self._state if name == alert.name}
+            for key in keys:
+                value, raise_, hold = verdicts.get(key, (None, False, False))
+                state = self._state.setdefault((alert.name, key), _State())
+                state.streak = state.streak + 1 if raise_ else 0
+                if not state.open:
+                    if state.streak >= alert.for_steps:
+                        state.open, state.quiet = True, 0
+                else:
+                    state.quiet = 0 if raise_ or hold else state.quiet + 1
+                if value is not None:
+                    state.value = value
+                labels = family_key(alert, key)
+                if state.value is not None and (value is not None or state.open):
+                    value_out[labels] = float(state.value)
+                if state.streak:
+                    streak_out[labels] = float(state.streak)
+                if state.open:
+                    quiet_out[labels] = float(state.quiet)
+                    if state.quiet >= self.clear_steps:
+                        state.open = False
+                if not state.open and not state.streak and value is None:
+                    del self._state[(alert.name, key)]
+        out = {"alert_value": value_out, "alert_streak_steps": streak_out, "alert_quiet_steps": quiet_out}
+        for (kind, signal), v in history.stats.items():
+            out.setdefault(f"window_{kind}", {})[(signal,)] = float(v)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def firing_keys(values: Mapping, clear_steps: float) -> dict[tuple[str, ...], float | None]:
+    """The alerts a step's exported window values say are firing: {label values: current value}."""
+    quiet = values.get("alert_quiet_steps", {})
+    current = values.get("alert_value", {})
+    return {labels: current.get(labels) for labels, q in quiet.items() if q < clear_steps and labels in current}
+
+
+__all__ = ["AlertWindows", "HISTORY_STEPS", "family_key", "firing_keys"]
