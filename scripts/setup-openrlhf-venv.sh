@@ -37,7 +37,7 @@ stamp_key="$(cat "$0" pyproject.toml | sha256sum | cut -c1-16)-$TORCH_VERSION-$O
 STAMP="$VENV/.rlwatch-openrlhf-$stamp_key"
 if [[ -f "$STAMP" && "${FORCE:-0}" != "1" ]] && "$PY" -c "
 import importlib.metadata as m
-for p in ('openrlhf', 'deepspeed', 'torch', 'ray', 'transformers', 'rlwatch', 'pytest'):
+for p in ('openrlhf', 'deepspeed', 'torch', 'ray', 'transformers', 'rlwatch-llm', 'pytest'):
     m.version(p)" 2>/dev/null; then
     echo "$VENV is up to date ($STAMP)"
     exit 0
@@ -118,7 +118,7 @@ step "checking"
 "$PY" - <<'EOF'
 import importlib.metadata as m
 import torch
-versions = {p: m.version(p) for p in ("openrlhf", "deepspeed", "transformers", "ray", "torch", "rlwatch")}
+versions = {p: m.version(p) for p in ("openrlhf", "deepspeed", "transformers", "ray", "torch", "rlwatch-llm")}
 print(" ".join(f"{k}=={v}" for k, v in versions.items()), "cuda:", torch.version.cuda)
 import deepspeed, openrlhf, ray, rlwatch  # noqa: E401,F401
 import openrlhf.trainer.ppo_utils.experience  # noqa: F401

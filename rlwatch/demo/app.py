@@ -241,8 +241,9 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
         print(f"The run collapsed at step {collapse} and no critical alert fired.")
     else:
         print(f"No collapse in this run ({len(critical)} critical alerts).")
-    print(f"Cause: {document['cause']}. Last healthy checkpoint: "
-          f"{(document['last_healthy_checkpoint'] or {}).get('path', 'none')}.")
+    resume = document.get("resume") or {}
+    print(f"Cause: {document['cause']}. Resume from: "
+          f"{(resume.get('checkpoint') or {}).get('path', 'no checkpoint')} ({resume.get('reason', 'no resume point')}).")
     if prometheus_alerts is not None:
         print(f"Prometheus fired: {', '.join(prometheus_alerts) or 'nothing'}; "
               f"Alertmanager received: {', '.join(alertmanager_alerts or []) or 'nothing'}")
