@@ -85,11 +85,12 @@ class Services:
         self.otel: Any = None
         self.evaluator: Any = None
         self.worker: OrderedWorker | None = None
+        self.alert_overrides: dict[str, float] = {}    # the run's valid overrides (the alert windows read them)
 
     def start(self, cfg: WatchConfig, metadata: Mapping[str, Any], port_offset: int,
               initializer: Callable[[], None] | None = None) -> None:
         """Start what ``cfg`` asks for, in dependency order (the evaluator writes to the store)."""
-        overrides = export_alert_thresholds(self.state, self.errors, cfg.alert_overrides or {})
+        overrides = self.alert_overrides = export_alert_thresholds(self.state, self.errors, cfg.alert_overrides or {})
         self.start_store(cfg.store_file(self.run), metadata)
         self.start_endpoint(cfg, port_offset)
         if cfg.pushgateway:
