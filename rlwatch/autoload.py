@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from . import config
+
 logger = logging.getLogger("rlwatch")
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "_bootstrap")
@@ -38,7 +40,7 @@ _lock = threading.RLock()
 
 def watch_options_from_env() -> dict[str, Any]:
     """Watch keyword arguments configured through RLWATCH_* variables."""
-    from .integrations._base import env_watch_options
+    from .config import env_watch_options
 
     return env_watch_options()
 
@@ -68,12 +70,11 @@ def on_import(module_name: str, hook: Callable[[Any], None]) -> None:
 
 # --- what `rlwatch run` is told --------------------------------------------------------------------
 
-REPORT_VARIABLE = "RLWATCH_RUN_REPORT"
 
 
 def report(event: str, **fields: Any) -> None:
     """Append ``{"event": event, "pid": ..., **fields}`` to the RLWATCH_RUN_REPORT file (if set)."""
-    path = os.environ.get(REPORT_VARIABLE)
+    path = config.run_report_path()
     if not path:
         return
     try:
@@ -180,9 +181,8 @@ def _hook_ray(module: Any) -> None:
         try:
             runtime_env = dict(kwargs.get("runtime_env") or {})
             env_vars = dict(runtime_env.get("env_vars") or {})
-            for key, value in os.environ.items():
-                if key.startswith("RLWATCH_"):
-                    env_vars.setdefault(key, value)
+            for key, value in config.rlwatch_variables().items():
+                env_vars.setdefault(key, value)
             paths = [BOOTSTRAP_DIR] + [p for p in env_vars.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
                                        .split(os.pathsep) if p and p != BOOTSTRAP_DIR]
             env_vars["PYTHONPATH"] = os.pathsep.join(paths)
@@ -209,7 +209,7 @@ def initialize() -> None:
         if _initialized:
             return
         _initialized = True
-    wanted = {f.strip() for f in os.environ.get("RLWATCH_FRAMEWORKS", ",".join(FRAMEWORK_SETUP)).split(",") if f}
+    wanted = config.frameworks(list(FRAMEWORK_SETUP))
     from . import distribution
     from .integrations._base import installed_version
 
@@ -217,7 +217,7 @@ def initialize() -> None:
         print(f"rlwatch: {distribution.conflict_message(distribution.foreign_rlwatch())}", file=sys.stderr,
               flush=True)
     for name, setup in FRAMEWORK_SETUP.items():
-        if os.environ.get(REPORT_VARIABLE):
+        if config.run_report_path():
             on_import(name, _note_import(name))
         if name in wanted and installed_version(name) is not None:
             try:

@@ -86,7 +86,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import subprocess
     import tempfile
 
-    from .autoload import BOOTSTRAP_DIR, FRAMEWORK_SETUP, REPORT_VARIABLE
+    from .autoload import BOOTSTRAP_DIR, FRAMEWORK_SETUP
+    from .config import OPTION_VARIABLES, REPORT_VARIABLE
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -99,9 +100,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                                                            if p and p != BOOTSTRAP_DIR])
     if args.store is not None and args.store.strip().lower() in ("none", "off", "0", ""):
         args.store = "none"                     # no store: RLWATCH_STORE=none (not a file named "none")
-    for option, variable in (("run", "RLWATCH_RUN"), ("port", "RLWATCH_PORT"), ("addr", "RLWATCH_ADDR"),
-                             ("store", "RLWATCH_STORE"), ("sd_dir", "RLWATCH_SD_DIR"),
-                             ("frameworks", "RLWATCH_FRAMEWORKS")):
+    for option, variable in OPTION_VARIABLES.items():
         value = getattr(args, option)
         if value is not None:
             env[variable] = str(value)

@@ -213,14 +213,6 @@ CATALOGUE: tuple[MetricSpec, ...] = (
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
 
 
-def spec(name: str) -> MetricSpec:
-    """The catalogue entry for ``name`` (without prefix); KeyError names the missing metric."""
-    try:
-        return BY_NAME[name]
-    except KeyError:
-        raise KeyError(f"no rlwatch metric named {name!r}") from None
-
-
 def exported_names() -> set[str]:
     """Every series name the Prometheus exposition can contain (histogram suffixes included)."""
     names: set[str] = set()

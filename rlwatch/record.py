@@ -1,23 +1,30 @@
-"""The step record: one training step's data, normalised and validated without a host sync.
+"""The step record: one training step's data, normalised and validated.
 
-``build_record`` turns the keyword fields of ``Watch.observe`` (tensors on any device, numpy
-arrays, lists) into a :class:`StepRecord` whose tensors share the mask's device. A field that
-cannot be used is reported to :class:`~rlwatch.errors.HookErrors` (which raises in strict mode)
-and dropped; the rest of the record is still used.
+:meth:`RecordBuilder.build` turns the keyword fields of ``Watch.observe`` (tensors on any device,
+numpy arrays, lists) into a :class:`StepRecord` whose tensors share the mask's device. The tensors
+are checked by shape and dtype only, with no host sync; ``step`` and ``trainer_version`` are host
+numbers, read with ``.item()`` when passed as tensors (a sync if those live on an accelerator).
+A field that cannot be used is reported to :class:`~rlwatch.errors.HookErrors` (which raises in
+strict mode) and dropped; the rest of the record is still used.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 
 from .errors import HookErrors
 
-if TYPE_CHECKING:
-    from .signals import Workspace
+
+class BufferPool(Protocol):
+    """Reusable buffers (``rlwatch.signals.Workspace`` is one): the record's float mask is written into
+    ``get("mask", shape, float32, device)`` instead of a new tensor each step. A protocol here, so
+    that the record does not import the signals that read it."""
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
 
 #: Per-token fields, [B, T] like the mask.
 TOKEN_FIELDS = ("sampler_logp", "trainer_logp", "entropy")
@@ -127,12 +134,12 @@ class RecordBuilder:
         self.envs = LabelRegistry(env_cap)
         self.detectors = LabelRegistry(detector_cap)
         self.failure_kinds = LabelRegistry(failure_kind_cap)
-        self.group_size = group_size
+        self.group_size = group_size      # read by nothing; signals.compute still passes it (issue 14)
 
     def _bad(self, field_name: str, kind: str, message: str) -> None:
         self.errors.report("validate", kind, message, field=field_name)
 
-    def build(self, step: Any, fields: Mapping[str, Any], ws: "Workspace | None" = None) -> StepRecord | None:
+    def build(self, step: Any, fields: Mapping[str, Any], ws: BufferPool | None = None) -> StepRecord | None:
         """Normalise ``fields``; None when the record has no usable mask. The float mask is written
         into ``ws`` when given (valid until the next step)."""
         unknown = sorted(set(fields) - FIELDS)
@@ -172,7 +179,7 @@ class RecordBuilder:
             rec.sampling["logprobs_mode"], _ = self.failure_kinds.clean(fields["logprobs_mode"])
         return rec
 
-    def _mask(self, value: Any, ws: "Workspace | None") -> torch.Tensor | None:
+    def _mask(self, value: Any, ws: BufferPool | None) -> torch.Tensor | None:
         if value is None:
             self._bad("mask", "missing", "mask [B, T] is required")
             return None

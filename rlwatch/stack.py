@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import resources
 from .alerts import render
+from .config import state_dir  # noqa: F401 - where running stacks are listed (the CLI imports it from here)
 
 class StackError(RuntimeError):
     """A binary is missing or a server did not start."""
@@ -237,14 +238,6 @@ def _reap(pid: int) -> None:
 
 # --- finding a stack from anywhere -----------------------------------------------------------------
 
-def state_dir() -> Path:
-    """Where running stacks are listed: $RLWATCH_STATE_DIR, else $XDG_STATE_HOME/rlwatch, else
-    ~/.local/state/rlwatch."""
-    explicit = os.environ.get("RLWATCH_STATE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "rlwatch"
 
 
 def _entry(directory: Path) -> Path:

@@ -357,16 +357,6 @@ class MetricsServer:
             self._server = None
 
 
-def port_is_free(addr: str, port: int) -> bool:
-    """True when nothing listens on addr:port (used by tests and `rlwatch up`)."""
-    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as sock:
-        try:
-            sock.bind((addr, port))
-            return True
-        except OSError:
-            return False
-
-
 class PushLoop:
     """Pushes the registry to a Pushgateway every ``interval`` seconds on a daemon thread, and once
     more on close, for jobs too short to be scraped. Failures are reported, never raised."""

@@ -8,7 +8,6 @@ sequences (ESC, OSC), bidirectional overrides and lone surrogates as visible esc
 
 from __future__ import annotations
 
-import json
 import re
 import unicodedata
 from pathlib import Path
@@ -391,9 +390,3 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
     path.write_text("\n".join(lines) + "\n")
     return path
 
-
-def write_json(report: Report, path: Path | None = None) -> str:
-    text = json.dumps(report.as_json(), indent=2, default=str)
-    if path is not None:
-        path.write_text(text)
-    return text

@@ -1,0 +1,196 @@
+"""Start and stop of everything a ``Watch`` runs besides the step pipeline.
+
+:class:`Services` owns the exporters (the /metrics endpoint, Pushgateway, OpenTelemetry), the run
+store, the file_sd registration, the in-process alert evaluator (its notifiers and its stall
+watchdog) and the background step worker; :meth:`Services.close` stops them in the reverse order
+of what depends on what. :class:`Health` is rlwatch's own health (hook errors, store counters),
+read into the exported state when an exporter takes a snapshot, never pushed by the step path.
+
+Every start-up failure is counted through :mod:`rlwatch.errors` (``stage="export"``, ``"store"``
+or ``"alerts"``) and leaves that part off; the others still start.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+from ._queues import OrderedWorker
+from .config import WatchConfig
+from .errors import HookErrors, describe, guard
+from .state import MetricState
+
+logger = logging.getLogger("rlwatch")
+
+
+class Health:
+    """rlwatch's own counters, folded into the state at scrape (or push, or OTel collection) time."""
+
+    def __init__(self, state: MetricState, errors: HookErrors) -> None:
+        self.state = state
+        self.errors = errors
+        self.store: Any = None
+
+    def fold(self) -> None:
+        """Copy the hook-error counts and the store's counters into the exported state."""
+        self.state.set_counter("hook_errors_total", {k: float(v) for k, v in self.errors.snapshot().items()})
+        store = self.store
+        if store is not None:
+            self.state.set_counter("store_dropped_steps_total", {(): float(store.dropped)})
+            self.state.set_counter("store_step_conflicts_total", {(): float(store.step_conflicts)})
+            self.state.set_gauge("store_queue_depth", float(store.queue_depth))
+
+
+def export_alert_thresholds(state: MetricState, errors: HookErrors,
+                            overrides: Mapping[str, float]) -> dict[str, float]:
+    """Validate the run's alert overrides and export every threshold in force, so that the
+    Prometheus rules read this run's values (``rlwatch_alert_threshold{param}``)."""
+    from .alerts.catalogue import PARAMS
+
+    clean = {}
+    for name, value in overrides.items():
+        try:
+            if name not in PARAMS:
+                raise KeyError(name)
+            clean[name] = float(value)
+        except (KeyError, TypeError, ValueError):
+            errors.report("alerts", "unknown_param", f"ignored alert override {name!r}={value!r} (known: "
+                          f"{', '.join(PARAMS)})", raise_in_strict=False)
+    for name, param in PARAMS.items():
+        state.set_gauge("alert_threshold", clean.get(name, param.default), (name,))
+    return clean
+
+
+def _counted(errors: HookErrors, stage: str, prefix: str = "") -> Callable[[str, BaseException], None]:
+    """An ``on_error(kind, exc)`` for rlwatch's own threads: counted and logged, never raised."""
+    def on_error(kind: str, exc: BaseException) -> None:
+        errors.report(stage, kind, f"{prefix}{describe(exc)}", raise_in_strict=False)
+    return on_error
+
+
+class Services:
+    """The optional parts of one Watch, started from its :class:`~rlwatch.config.WatchConfig`."""
+
+    def __init__(self, run: str, state: MetricState, errors: HookErrors) -> None:
+        self.run = run
+        self.state = state
+        self.errors = errors
+        self.health = Health(state, errors)
+        self.store: Any = None
+        self.registry: Any = None
+        self.exposition: Any = None
+        self.server: Any = None
+        self.registration: Any = None
+        self.push: Any = None
+        self.otel: Any = None
+        self.evaluator: Any = None
+        self.worker: OrderedWorker | None = None
+        self.alert_overrides: dict[str, float] = {}    # the run's valid overrides (the alert windows read them)
+
+    def start(self, cfg: WatchConfig, metadata: Mapping[str, Any], port_offset: int,
+              initializer: Callable[[], None] | None = None) -> None:
+        """Start what ``cfg`` asks for, in dependency order (the evaluator writes to the store)."""
+        overrides = self.alert_overrides = export_alert_thresholds(self.state, self.errors, cfg.alert_overrides or {})
+        self.start_store(cfg.store_file(self.run), metadata)
+        self.start_endpoint(cfg, port_offset)
+        if cfg.pushgateway:
+            self.start_push(cfg.pushgateway, cfg.push_interval)
+        if cfg.otel:
+            self.start_otel(cfg.otel)
+        if cfg.alerts if cfg.alerts is not None else self.store is not None:
+            self.start_alerts(cfg, overrides)
+        if cfg.background and not cfg.strict:
+            self.worker = OrderedWorker("rlwatch-steps", lambda exc: self.errors.report(
+                "background", type(exc).__name__, describe(exc), exc=exc),
+                initializer=initializer, max_bytes=cfg.background_max_bytes)
+
+    def start_store(self, path: str | None, metadata: Mapping[str, Any]) -> None:
+        if not path:
+            return
+        from .store import RunStore
+
+        self.store = guard(self.errors, "store", "open", lambda: RunStore(path, on_error=_counted(self.errors,
+                                                                                                    "store")))
+        if self.store is not None:
+            self.health.store = self.store
+            self.store.submit_run(self.run, dict(metadata))
+
+    def start_endpoint(self, cfg: WatchConfig, offset: int) -> None:
+        """The registry and its cached exposition always; the HTTP server and the file_sd entry when
+        ``cfg.port`` is not None."""
+        from prometheus_client import CollectorRegistry
+
+        from .exporters.prometheus import CachedExposition, MetricsServer, RLWatchCollector
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(RLWatchCollector(self.state, self.health.fold))
+        on_exposition_error = _counted(self.errors, "export")
+        self.exposition = CachedExposition(self.registry, self.state, self.health.fold,
+                                           on_error=lambda exc: on_exposition_error("exposition", exc))
+        if cfg.port is None:
+            return
+        port = cfg.port + offset if cfg.port else cfg.port
+        self.server = guard(self.errors, "export", "port", lambda: MetricsServer(
+            self.registry, cfg.addr, port, port_fallback=cfg.port_fallback, certfile=cfg.tls_certfile,
+            keyfile=cfg.tls_keyfile, basic_auth=cfg.basic_auth, app=self.exposition,
+            on_error=_counted(self.errors, "export")))
+        if self.server is None:
+            return
+        logger.info("rlwatch: serving %s (run %r)", self.server.url, self.run)
+        sd_dir = cfg.discovery_dir()
+        if sd_dir:
+            from .discovery import Registration, node_address
+
+            self.registration = guard(self.errors, "export", "discovery", lambda: Registration(
+                sd_dir, self.run, node_address(cfg.addr), self.server.port, {"framework": cfg.framework}))
+
+    def start_push(self, gateway: str, interval: float) -> None:
+        from .alerts.notify import redact, scrub
+        from .exporters.prometheus import PushLoop
+
+        def on_error(kind: str, exc: BaseException) -> None:   # the URL may carry credentials: never shown
+            self.errors.report("export", kind, f"pushgateway {redact(gateway)}: {type(exc).__name__}: "
+                               f"{scrub(str(exc), gateway)}", raise_in_strict=False)
+
+        self.push = PushLoop(self.registry, gateway, "rlwatch", self.run, interval, on_error)
+
+    def start_otel(self, provider: Any) -> None:
+        from .exporters.otel import OTelExporter
+
+        self.otel = guard(self.errors, "export", "otel", lambda: OTelExporter(self.state, provider,
+                                                                              self.health.fold))
+
+    def start_alerts(self, cfg: WatchConfig, overrides: Mapping[str, float]) -> None:
+        from .alerts.evaluator import AlertEvaluator
+
+        static = {"staleness_bound": {(): cfg.staleness_bound}, "is_cap": {(): cfg.is_cap}}
+        self.evaluator = guard(self.errors, "alerts", "init", lambda: AlertEvaluator(
+            self.run, store=self.store, notifiers=cfg.notifiers, overrides=overrides, errors=self.errors,
+            guard=cfg.guard, static=static))
+
+    def close_worker(self) -> None:
+        """Compute and export the steps still queued (at most 30 s)."""
+        if self.worker is not None and not self.worker.close(timeout=30.0):
+            self.errors.report("background", "close", "steps still queued after 30 s were not computed")
+
+    def close(self) -> None:
+        """Stop the exporters (a last push), remove the file_sd entry, then flush and close the store."""
+        stops = (("push", self.push and self.push.close), ("otel", self.otel and self.otel.close),
+                 ("discovery", self.registration and self.registration.remove),
+                 ("server", self.server and self.server.close))
+        for kind, stop in stops:
+            if stop:
+                guard(self.errors, "export", kind, stop)
+        if self.store is not None:
+            self._close_store()
+
+    def _close_store(self) -> None:
+        store = self.store
+        store.flush(10.0)
+        if store.dropped:
+            store.submit_event(self.run, "data_loss", f"{store.dropped} store rows dropped during the run")
+        if store.step_conflicts:
+            store.submit_event(self.run, "step_conflicts", f"{store.step_conflicts} steps of attempt "
+                               f"{store.attempt} were observed before; the earlier rows are kept in step_history")
+        store.close()
+

@@ -1,0 +1,64 @@
+"""The exposition of a fixed sequence of steps, byte for byte, against the file the code before the
+issue-14 redesign produced (``tests/data/exposition_golden.txt``/``.om.txt``).
+
+The steps go through the whole pipeline: validation (one bad field, counted), the signals, drift,
+diagnosis, the alert evaluator, ``log_scalars`` and a per-run alert override. Only the values that
+depend on the clock (compute time, timestamps, intervals) are masked. Regenerate (only when a metric
+is meant to change): ``python -m tests.test_exposition_golden``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+DATA = Path(__file__).parent / "data"
+#: Series whose value is a clock reading or a duration: their values are masked, names and labels kept.
+CLOCK = re.compile(r"^(rlwatch_(?:hook_compute_seconds|last_step_timestamp_seconds|step_interval_seconds)"
+                   r"[^ ]*) \S+(.*)$", re.M)
+
+
+def _steps():
+    from tests.conftest import make_step
+
+    for step in range(6):
+        fields = make_step(B=16, T=24, seed=step, lag_max=step % 4, noise=0.05 * (step + 1))
+        if step == 4:
+            fields["rewards"] = torch.ones(3)          # wrong shape: counted, the rest of the step used
+        yield step, fields
+
+
+def render() -> tuple[str, str]:
+    """(text format, OpenMetrics) after the fixed steps, clock values masked."""
+    from prometheus_client import generate_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+    import rlwatch
+
+    watch = rlwatch.Watch(run="golden", port=None, store=None, alerts=True, group_size=4,
+                          alert_overrides={"mismatch_kl_warn": 0.01, "kl_k3_max": 0.05}, framework="custom",
+                          framework_version="1")
+    try:
+        for step, fields in _steps():
+            watch.observe(step, **fields)
+            watch.log_scalars(step, {"loss": 0.5 / (step + 1), "grad norm": torch.tensor(1.0 + step)})
+        text = generate_latest(watch.registry).decode()
+        openmetrics = generate_openmetrics(watch.registry).decode()
+    finally:
+        watch.close()
+    mask = lambda s: CLOCK.sub(r"\1 <clock>\2", s)  # noqa: E731
+    return mask(text), mask(openmetrics)
+
+
+def test_exposition_of_fixed_steps_is_unchanged_byte_for_byte():
+    text, openmetrics = render()
+    assert text == (DATA / "exposition_golden.txt").read_text()
+    assert openmetrics == (DATA / "exposition_golden.om.txt").read_text()
+
+
+if __name__ == "__main__":
+    text, openmetrics = render()
+    (DATA / "exposition_golden.txt").write_text(text)
+    (DATA / "exposition_golden.om.txt").write_text(openmetrics)
