@@ -12,8 +12,9 @@ was given (a ``before`` hook may swap one argument for a copy with rlwatch's key
 trainer-logs mirror) and returns its result untouched. The hooks around it only read the call's
 inputs and output. Each hook runs under ``guarded``: an error on rlwatch's side goes to the Watch's
 ``HookErrors`` (counted in ``rlwatch_hook_errors_total``; logged as a warning while there is no
-Watch), never into the trainer (unless the Watch is strict). Hooks run on the thread that calls the patched function (the trainer's); what they hand
-to the Watch may then be computed on rlwatch's own thread (``Watch(background=True)``).
+Watch), never into the trainer (unless the Watch is strict). Hooks run on the thread that calls
+the patched function (the trainer's); what they hand to the Watch may then be computed on
+rlwatch's own thread (``Watch(background=True)``).
 """
 
 from __future__ import annotations
@@ -432,16 +433,6 @@ class RayActorInstrumentor(Instrumentor):
 
     def _watch_metadata(self, context: Any) -> dict[str, Any]:
         return {}
-
-    def _mirror_logs(self, call: Call, index: int, name: str, kind: str) -> None:
-        """Add the headline signals to the logs dict the call passes at ``index`` / ``name`` (so that
-        they reach the framework's own trackers); ``call.state`` keeps the framework's own dict."""
-        from ._trainer_logs import merged
-
-        logs = call.state = call.arg(index, name)
-        mirrored = guarded(self.watch, kind)(merged)(logs, self.watch)
-        if mirrored is not None and mirrored is not logs:
-            call.replace_arg(index, name, mirrored)
 
     def setup_hook(self) -> None:
         """Ray ``worker_process_setup_hook``: check the version and install the import hook, nothing

@@ -98,6 +98,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ._base import Call, Hook, Patch, RayActorInstrumentor, config_get, context_value, framework_watch_options
+from ._trainer_logs import mirror_call
 
 logger = logging.getLogger("rlwatch")
 
@@ -568,7 +569,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
     def _mirror_save_logs(self, call: Call) -> None:
         """``save_logs_and_checkpoints(self, global_step, logs_dict, ...)``: the headline signals join
         the logs OpenRLHF sends to W&B / TensorBoard (``rlwatch/`` prefix)."""
-        self._mirror_logs(call, 2, "logs_dict", "openrlhf_trainer_logs")
+        mirror_call(call, 2, "logs_dict", self.watch, "openrlhf_trainer_logs")
 
     def _logs_and_checkpoint(self, call: Call) -> None:
         trainer, step, logs_dict = call.args[0], int(call.arg(1, "global_step")), call.state

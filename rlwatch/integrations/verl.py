@@ -69,7 +69,7 @@ from typing import Any, Iterable, Mapping
 
 from ._base import (Call, Hook, Patch, RayActorInstrumentor, caller_self, config_get, context_value,
                     framework_watch_options)
-from ._trainer_logs import without_headline
+from ._trainer_logs import mirror_call, without_headline
 
 logger = logging.getLogger("rlwatch")
 
@@ -504,7 +504,7 @@ class VerlInstrumentor(RayActorInstrumentor):
         data, step = call.arg(1, "data"), call.arg(2, "step")
         if isinstance(data, Mapping) and step is not None:
             self.watch.log_scalars(int(step), without_headline(data))
-            self._mirror_logs(call, 1, "data", "verl_trainer_logs")
+            mirror_call(call, 1, "data", self.watch, "verl_trainer_logs")
 
     def _checkpoint_dir(self, call: Call) -> None:
         call.state = checkpoint_dir(call.args[0])
