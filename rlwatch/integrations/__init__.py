@@ -1,5 +1,6 @@
 """One hook into each trainer: ``rlwatch.integrations.trl``, ``.verl``, ``.openrlhf``.
 
-Each module follows the same shape (see ``_base.Instrumentor``): the supported version range,
-the functions it wraps, ``instrument()`` / ``uninstrument()``.
+Each module has the same shape (see ``_base``): ``SUPPORTED`` (a ``packaging`` specifier set), a
+``PATCHES`` table of (owner, attribute, ``Hook``) rows whose hooks are methods of its instrumentor,
+and ``instrument()`` / ``uninstrument()`` (TRL: ``watch(trainer)`` / ``unwatch(trainer)``).
 """

@@ -18,7 +18,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from ._base import env_flag
+from ._base import Call, env_flag, guarded
 
 PREFIX = "rlwatch/"
 VARIABLE = "RLWATCH_TRAINER_LOGS"
@@ -78,3 +78,13 @@ def merged(logs: Any, watch: Any) -> Any:
     if not extra:
         return logs
     return {**logs, **{k: v for k, v in extra.items() if k not in logs}}
+
+
+def mirror_call(call: Call, index: int, name: str, watch: Any, kind: str) -> None:
+    """Pass the patched function the logs dict of argument ``index`` / ``name`` with the headline
+    keys added (:func:`merged`, guarded under ``kind``), so that they reach the framework's own
+    trackers; ``call.state`` keeps the framework's own dict."""
+    logs = call.state = call.arg(index, name)
+    mirrored = guarded(watch, kind)(merged)(logs, watch)
+    if mirrored is not None and mirrored is not logs:
+        call.replace_arg(index, name, mirrored)

@@ -32,22 +32,14 @@ initialised yet, with a fixed ``runtime_env``; three ways to attach rlwatch:
 When the trainer runs in your own process instead, call :func:`instrument` before building it.
 
 Which process exports
-    Ray runs the hook in *every* worker process: the trainer actor, the DeepSpeed GPU actors
-    (policy, critic, reference, reward), the vLLM engines, the async generator. The hook only checks
-    the OpenRLHF version and installs an import hook: it imports nothing from OpenRLHF and starts
-    nothing. When a process imports one of the modules below, their methods are wrapped; a wrapper
-    that is never called costs nothing. The :class:`~rlwatch.Watch` (its ``/metrics`` endpoint,
-    run store and file_sd registration) is created the first time a training step is observed,
-    which only happens in the single-controller trainer process (``PPOTrainer``, or
-    ``TrainingActor`` in async mode): exactly one process per job exports. The sample generator
-    (the same process in sync mode, ``GenerateSamplesActor`` in async mode) only stamps each
-    sample with a policy version, its data source and its finish reason; the GPU and vLLM workers
-    keep idle wrappers and no endpoint. Ray places the trainer on any node: set
-    ``RLWATCH_SD_DIR`` (a directory Prometheus reads through ``file_sd``) and, across hosts,
-    ``RLWATCH_ADDR=0.0.0.0``.
+    Ray runs the hook in every worker process (the trainer actor, the DeepSpeed GPU actors, the vLLM
+    engines, the async generator); what it does there, and when the Watch is created, is
+    ``_base.RayActorInstrumentor``'s. A training step is observed only in the single-controller
+    trainer process (``PPOTrainer``, or ``TrainingActor`` in async mode): exactly one process per
+    job exports. The sample generator (the same process in sync mode, ``GenerateSamplesActor`` in
+    async mode) only stamps each sample with a policy version, its data source and finish reason.
 
-What is wrapped (wrappers call the original, pass its result through untouched and only read its
-inputs and outputs; a failure on rlwatch's side is counted in ``rlwatch_hook_errors_total``)
+What is wrapped (``PATCHES``; every patch is ``_base.Instrumentor.wrap``)
     * ``openrlhf.trainer.ppo_trainer.BasePPOTrainer.train_step(rollout_samples, global_step)``:
       marks a training step (step number ``global_step + 1``, the number OpenRLHF logs and names
       its checkpoints with) and reads the trainer's policy version before the step's own update.
@@ -84,13 +76,11 @@ Field mapping (``Experience`` -> ``Watch.observe``)
     ``extra_logs`` (per-sample ``info`` entries) -> ``log_scalars`` as ``extra_logs/<name>``
     (batch mean). Sampling temperature/top_p/top_k come from the generate call.
 
-Configuration (environment variables, passed through ``runtime_env.env_vars``)
-    RLWATCH_RUN (default: ``--logger.wandb.run_name``, else a timestamp), RLWATCH_PORT (9400;
-    ``none`` for no endpoint), RLWATCH_ADDR (127.0.0.1), RLWATCH_PORT_FALLBACK (1), RLWATCH_DIR,
-    RLWATCH_STORE (``none`` disables the run store), RLWATCH_SD_DIR, RLWATCH_STALENESS_BOUND,
-    RLWATCH_GROUP_SIZE (default ``rollout.n_samples_per_prompt``; 0 disables the group-size check),
-    RLWATCH_STRICT, RLWATCH_DISABLE. With importance-sampling correction on, the masked-IS band of
-    the mismatch signals is OpenRLHF's ``--algo.advantage.is_correction_threshold``.
+Configuration
+    The RLWATCH_* variables of ``_base.env_watch_options`` (through ``runtime_env.env_vars``); the run
+    defaults to ``--logger.wandb.run_name``, the group size to ``rollout.n_samples_per_prompt``
+    (RLWATCH_GROUP_SIZE=0: no group-size check). With importance-sampling correction on, the
+    masked-IS band of the mismatch signals is OpenRLHF's ``--algo.advantage.is_correction_threshold``.
 """
 
 from __future__ import annotations
@@ -105,32 +95,37 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from ._base import RayActorInstrumentor, env_watch_options, guarded, installed_version, run_setup_hook
-from ._trainer_logs import merged
+from ._base import Call, Hook, Patch, RayActorInstrumentor, config_get, context_value, framework_watch_options
+from ._trainer_logs import mirror_call
 
 logger = logging.getLogger("rlwatch")
 
 __all__ = ["OpenRLHFInstrumentor", "instrument", "uninstrument", "setup_hook", "launch", "ray_runtime_env",
            "watch_options_from_env", "sample_meta", "INSTRUMENTOR", "HOOK", "META"]
 
+SUPPORTED = ">=0.11,<0.12"
 HOOK = "rlwatch.integrations.openrlhf.setup_hook"
 EXPERIENCE_MAKER = "openrlhf.trainer.ppo_utils.experience_maker"
 PPO_TRAINER = "openrlhf.trainer.ppo_trainer"
 SAMPLES_GENERATOR = "openrlhf.trainer.ppo_utils.samples_generator"
 PROMPTS_DATASET = "openrlhf.datasets.prompts_dataset"
 
-#: module -> [(class, method, wrapper factory)]
-PATCHES: dict[str, list[tuple[str, str, str]]] = {
-    EXPERIENCE_MAKER: [("RemoteExperienceMaker", "make_experience_batch", "_wrap_make_experience_batch")],
-    PPO_TRAINER: [("BasePPOTrainer", "train_step", "_wrap_train_step"),
-                  ("BasePPOTrainer", "broadcast_to_vllm", "_wrap_broadcast"),
-                  ("BasePPOTrainer", "save_logs_and_checkpoints", "_wrap_save_logs")],
-    SAMPLES_GENERATOR: [("SamplesGenerator", "_dispatch_prompts_to_vllm", "_wrap_dispatch"),
-                        ("SamplesGenerator", "_process_response_into_experience", "_wrap_process_response")],
-    PROMPTS_DATASET: [("PromptDataset", "__init__", "_wrap_prompt_dataset_init")],
+#: module -> rows (class name, method, hook)
+PATCHES: dict[str, list[Patch]] = {
+    EXPERIENCE_MAKER: [Patch("RemoteExperienceMaker", "make_experience_batch", Hook(
+        "openrlhf_make_experience_batch", before="_read_stamps", after="_observe", watch=True))],
+    PPO_TRAINER: [
+        Patch("BasePPOTrainer", "train_step",
+              Hook("openrlhf_train_step", before="_begin_step", around="_step_scope", watch=True)),
+        Patch("BasePPOTrainer", "broadcast_to_vllm", Hook("openrlhf_broadcast", after="_bump")),
+        Patch("BasePPOTrainer", "save_logs_and_checkpoints",
+              Hook("openrlhf_save_logs", before="_mirror_save_logs", after="_logs_and_checkpoint", watch=True))],
+    SAMPLES_GENERATOR: [
+        Patch("SamplesGenerator", "_dispatch_prompts_to_vllm", Hook("openrlhf_dispatch", before="_note_dispatch")),
+        Patch("SamplesGenerator", "_process_response_into_experience", Hook("openrlhf_stamp", after="_stamp"))],
+    PROMPTS_DATASET: [Patch("PromptDataset", "__init__", Hook("openrlhf_dataset", after="_remember_dataset"))],
 }
 
 #: Name of the attribute rlwatch sets on each generated ``Experience`` (OpenRLHF reads dataclass
@@ -147,32 +142,22 @@ MAX_PENDING_PROMPTS = 100_000
 
 # --- configuration -------------------------------------------------------------------------------
 
-def _get(obj: Any, dotted: str, default: Any = None) -> Any:
-    """``obj.a.b`` for OpenRLHF's nested argument namespaces; ``default`` when a part is missing."""
-    node = obj
-    for part in dotted.split("."):
-        node = getattr(node, part, None) if not isinstance(node, Mapping) else node.get(part)
-        if node is None:
-            return default
-    return node
-
-
 def is_correction_on(args: Any) -> bool:
     """Whether OpenRLHF requests vLLM log-probs (importance-sampling correction): 0.11.1+ has
     ``algo.advantage.is_correction_level`` (off/token/seq), 0.11.0 ``is_correction_enable``."""
-    level = _get(args, "algo.advantage.is_correction_level")
+    level = config_get(args, "algo.advantage.is_correction_level")
     if level is not None:
         return str(level) != "off"
-    return bool(_get(args, "algo.advantage.is_correction_enable", False))
+    return bool(config_get(args, "algo.advantage.is_correction_enable", False))
 
 
 def _mis_band(args: Any) -> tuple[float, float] | None:
     """OpenRLHF's IS threshold as rlwatch's masked-IS band, when it gates the ratio itself."""
     if not is_correction_on(args):
         return None
-    if str(_get(args, "algo.advantage.is_correction_gating", "ratio")) != "ratio":
+    if str(config_get(args, "algo.advantage.is_correction_gating", "ratio")) != "ratio":
         return None                     # a divergence bound (binary_kl / tv), not a ratio band
-    threshold = _get(args, "algo.advantage.is_correction_threshold")
+    threshold = config_get(args, "algo.advantage.is_correction_threshold")
     try:
         low, high = (float(x) for x in threshold)
     except (TypeError, ValueError):
@@ -181,17 +166,10 @@ def _mis_band(args: Any) -> tuple[float, float] | None:
 
 
 def watch_options_from_env(environ: Mapping[str, str] | None = None, args: Any = None) -> dict[str, Any]:
-    """``Watch`` keyword arguments from RLWATCH_* variables (:func:`env_watch_options`) and OpenRLHF's arguments
-    (may be None), which name the run and the group size when the variables do not."""
-    opts: dict[str, Any] = {"framework": "openrlhf", "framework_version": installed_version("openrlhf") or ""}
-    opts.update(env_watch_options(environ))
-    run = opts.get("run") or _get(args, "logger.wandb.run_name")
-    if run:
-        opts["run"] = str(run)
-    # RLWATCH_GROUP_SIZE wins, even 0 (no groups)
-    n = opts.pop("group_size") if "group_size" in opts else _get(args, "rollout.n_samples_per_prompt")
-    if n and int(n) > 1:
-        opts["group_size"] = int(n)
+    """``Watch`` keyword arguments from RLWATCH_* variables and OpenRLHF's arguments (may be None),
+    which name the run, the group size and the masked-IS band when the variables do not."""
+    opts = framework_watch_options("openrlhf", environ, run=config_get(args, "logger.wandb.run_name"),
+                                   group_size=config_get(args, "rollout.n_samples_per_prompt"))
     band = _mis_band(args)
     if band is not None:
         opts["mis_band"] = band
@@ -353,7 +331,6 @@ def fields_from_experiences(experiences: list[Any], metas: list[dict | None], ar
         return {}, {}
     width = max(int(e.action_mask.shape[-1]) for e in experiences)
     fields: dict[str, Any] = {"mask": _pad_cat([e.action_mask for e in experiences], width).bool()}
-    B = int(fields["mask"].shape[0])
     if all(e.action_log_probs is not None for e in experiences):
         fields["trainer_logp"] = _pad_cat([e.action_log_probs for e in experiences], width).float()
     if all(e.rollout_log_probs is not None for e in experiences):
@@ -361,19 +338,45 @@ def fields_from_experiences(experiences: list[Any], metas: list[dict | None], ar
         fields["logprobs_mode"] = "processed_logprobs"     # what OpenRLHF asks vLLM for
     if all(e.rewards is not None for e in experiences):
         fields["rewards"] = torch.cat([e.rewards.detach().reshape(-1).to("cpu") for e in experiences]).double()
+    rows = _sample_rows(experiences, metas, args, fields)
+    truncated = _truncation(experiences, rows)
+    if truncated is not None:
+        fields["truncated"] = truncated
+    if any(r is not None and r.get("env") for r in rows):
+        fields["env"] = [(r.get("env") if r is not None else None) or "default" for r in rows]
+    stamps = [r.get("version") if r is not None else None for r in rows]
+    if trainer_version is not None and stamps and all(s is not None for s in stamps):
+        if all(r.get("clock") == clock_id for r in rows if r is not None):
+            fields["seq_version"] = torch.tensor([[int(a), int(b)] for a, b in stamps], dtype=torch.int64)
+            fields["trainer_version"] = int(trainer_version)
+    sampling = next((r.get("sampling") for r in rows if r is not None and r.get("sampling")), None) or {}
+    for key in ("temperature", "top_p", "top_k"):
+        value = sampling.get(key)
+        if value is not None and not (key == "top_k" and value <= 0):
+            fields[key] = value
+    return fields, _extra_logs(experiences, rows)
 
-    index: list[int] | None = []
+
+def _sample_rows(experiences: list[Any], metas: list[dict | None], args: Any, fields: dict[str, Any]
+                 ) -> list[dict | None]:
+    """Each sample's stamp, through ``Experience.index`` (None where it cannot be found); sets the
+    group ids (OpenRLHF's own grouping: ``index // n_samples_per_prompt``) in ``fields``."""
+    import torch
+
+    index: list[int] = []
     for e in experiences:
         if e.index is None or len(e.index) != int(e.action_mask.shape[0]):
-            index = None
-            break
+            return [None] * int(fields["mask"].shape[0])
         index.extend(int(i) for i in e.index)
-    rows: list[dict | None] = [None] * B
-    if index is not None:
-        n = int(_get(args, "rollout.n_samples_per_prompt", 1) or 1)
-        if n > 1:
-            fields["group_ids"] = torch.tensor(index, dtype=torch.int64) // n
-        rows = [metas[i] if 0 <= i < len(metas) else None for i in index]
+    n = int(config_get(args, "rollout.n_samples_per_prompt", 1) or 1)
+    if n > 1:
+        fields["group_ids"] = torch.tensor(index, dtype=torch.int64) // n
+    return [metas[i] if 0 <= i < len(metas) else None for i in index]
+
+
+def _truncation(experiences: list[Any], rows: list[dict | None]) -> Any:
+    """[B] bool: the stamped finish reason where there is one, else OpenRLHF's ``truncated``."""
+    import torch
 
     truncated = None
     if all(e.truncated is not None for e in experiences):
@@ -382,23 +385,12 @@ def fields_from_experiences(experiences: list[Any], metas: list[dict | None], ar
         flags = [bool(r["truncated"]) if r is not None and r.get("truncated") is not None
                  else (bool(truncated[i]) if truncated is not None else False) for i, r in enumerate(rows)]
         truncated = torch.tensor(flags, dtype=torch.bool)
-    if truncated is not None:
-        fields["truncated"] = truncated
+    return truncated
 
-    if any(r is not None and r.get("env") for r in rows):
-        fields["env"] = [(r.get("env") if r is not None else None) or "default" for r in rows]
 
-    stamps = [r.get("version") if r is not None else None for r in rows]
-    if trainer_version is not None and stamps and all(s is not None for s in stamps):
-        same_clock = all(r.get("clock") == clock_id for r in rows if r is not None)
-        if same_clock:
-            fields["seq_version"] = torch.tensor([[int(a), int(b)] for a, b in stamps], dtype=torch.int64)
-            fields["trainer_version"] = int(trainer_version)
-    sampling = next((r.get("sampling") for r in rows if r is not None and r.get("sampling")), None) or {}
-    for key in ("temperature", "top_p", "top_k"):
-        value = sampling.get(key)
-        if value is not None and not (key == "top_k" and value <= 0):
-            fields[key] = value
+def _extra_logs(experiences: list[Any], rows: list[dict | None]) -> dict[str, float]:
+    """``extra_logs/<name>``: the batch mean of each per-sample agent ``extra_logs`` entry."""
+    import torch
 
     extra: dict[str, float] = {}
     keys = {k for r in rows if r is not None for k in r.get("extra_logs", ())}
@@ -412,7 +404,7 @@ def fields_from_experiences(experiences: list[Any], metas: list[dict | None], ar
             mean = float(torch.cat(values).mean())
             if math.isfinite(mean):
                 extra[f"extra_logs/{key}"] = mean
-    return fields, extra
+    return extra
 
 
 def episodes_from_experiences(experiences: list[Any], fields: Mapping[str, Any], metas: list[dict | None]
@@ -459,13 +451,13 @@ def checkpoint_dir(args: Any, global_step: int) -> str | None:
     """The directory OpenRLHF writes the step's checkpoint to: ``{ckpt.path}/global_step{N}_hf``
     with ``--ckpt.save_hf`` (loadable by transformers), else the DeepSpeed
     ``{ckpt.path}/_actor/global_step{N}``."""
-    root = _get(args, "ckpt.path")
+    root = config_get(args, "ckpt.path")
     if root is None:
         return None
     tag = f"global_step{global_step}"
-    if _get(args, "ckpt.save_hf", False):
+    if config_get(args, "ckpt.save_hf", False):
         return os.path.abspath(os.path.join(str(root), f"{tag}_hf"))
-    if _get(args, "ckpt.disable_ds", False):
+    if config_get(args, "ckpt.disable_ds", False):
         return None
     return os.path.abspath(os.path.join(str(root), "_actor", tag))
 
@@ -473,11 +465,11 @@ def checkpoint_dir(args: Any, global_step: int) -> str | None:
 # --- the instrumentor ----------------------------------------------------------------------------
 
 class OpenRLHFInstrumentor(RayActorInstrumentor):
-    """Wraps OpenRLHF's trainer, experience maker and sample generator (see the module docstring)."""
+    """Wraps OpenRLHF's trainer, experience maker and sample generator (``PATCHES``; see the module
+    docstring)."""
 
     package = "openrlhf"
-    minimum = (0, 11)
-    below = (0, 12)
+    supported = SUPPORTED
     patches = PATCHES
     label = "OpenRLHF"
 
@@ -491,8 +483,6 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
         self._pending_lock = threading.Lock()
         self.datasources = _DataSources()
 
-    # life cycle
-
     def _uninstrument(self) -> None:
         super()._uninstrument()
         with self._pending_lock:
@@ -501,44 +491,30 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
             self._local_clock = None
             self._ray_clock = None
 
-    def _patch_module(self, module: ModuleType) -> None:
-        for owner_name, attr, factory in PATCHES.get(module.__name__, []):
-            owner = getattr(module, owner_name, None)
-            if owner is None or hasattr(owner, "__ray_metadata__"):
-                logger.warning("rlwatch: %s.%s not found (or a Ray actor class) in openrlhf %s; that hook is off",
-                               module.__name__, owner_name, installed_version("openrlhf"))
-                continue
-            current = vars(owner).get(attr)
-            if current is None:
-                logger.warning("rlwatch: %s.%s.%s not found in openrlhf %s; that hook is off", module.__name__,
-                               owner_name, attr, installed_version("openrlhf"))
-                continue
-            if getattr(current, "__rlwatch_original__", None) is not None:
-                continue
-            self.patch(owner, attr, getattr(self, factory))
-
     # the Watch
+
+    def _context(self, call: Call) -> Any:
+        """OpenRLHF's arguments, from the trainer or experience maker whose method was called."""
+        return getattr(call.args[0], "args", None) if call.args else None
 
     def _watch_options(self, args: Any) -> dict[str, Any]:
         return watch_options_from_env(args=args)
 
     def _watch_metadata(self, args: Any) -> dict[str, Any]:
-        return {"async": bool(_get(args, "train.async_enable", False)),
-                "partial_rollout": bool(_get(args, "train.partial_rollout_enable", False)),
+        return {"async": bool(config_get(args, "train.async_enable", False)),
+                "partial_rollout": bool(config_get(args, "train.partial_rollout_enable", False)),
                 "is_correction": is_correction_on(args),
-                "advantage_estimator": _get(args, "algo.advantage.estimator")}
+                "advantage_estimator": config_get(args, "algo.advantage.estimator")}
 
     # the clock
 
     def clock(self, args: Any) -> LocalClock | RayClock | None:
         """The version clock for this run: local in sync mode; in async mode a Ray actor shared by
         the trainer and the generator (None when Ray is unusable: versions are then not stamped)."""
-        if not _get(args, "train.async_enable", False):
-            with self._clock_lock:
-                if self._local_clock is None:
-                    self._local_clock = LocalClock()
-                return self._local_clock
         with self._clock_lock:
+            if not config_get(args, "train.async_enable", False):
+                self._local_clock = self._local_clock or LocalClock()
+                return self._local_clock
             if self._ray_clock is None:
                 try:
                     self._ray_clock = RayClock()
@@ -547,127 +523,77 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
                     return None
             return self._ray_clock
 
-    # wrapper factories (each returns the function that replaces ``original``)
-
-    def _wrap_train_step(self, original: Callable) -> Callable:
-        instr = self
-
-        def train_step(self: Any, rollout_samples: Any, global_step: Any, *args: Any, **kwargs: Any) -> Any:
-            if not instr.is_instrumented:
-                return original(self, rollout_samples, global_step, *args, **kwargs)
-            watch = instr._get_watch(getattr(self, "args", None))
-            context = guarded(watch, "openrlhf_train_step")(instr._step_context)(self, global_step)
-            token = _STEP.set(context)
-            try:
-                return original(self, rollout_samples, global_step, *args, **kwargs)
-            finally:
-                _STEP.reset(token)
-
-        return train_step
-
-    def _step_context(self, trainer: Any, global_step: Any) -> _StepContext:
-        clock = self.clock(trainer.args)
-        version = clock.read() if clock is not None else None
-        return _StepContext(step=int(global_step) + 1, trainer_version=version,
+    def _step_context(self, args: Any, step: int) -> _StepContext:
+        clock = self.clock(args)
+        return _StepContext(step=step, trainer_version=clock.read() if clock is not None else None,
                             clock_id=clock.id if clock is not None else None)
 
-    def _wrap_make_experience_batch(self, original: Callable) -> Callable:
-        instr = self
+    # hooks (see PATCHES)
 
-        def make_experience_batch(self: Any, rollout_samples: Any, *args: Any, **kwargs: Any) -> Any:
-            if not instr.is_instrumented:
-                return original(self, rollout_samples, *args, **kwargs)
-            metas = [sample_meta(s) for s in rollout_samples] if isinstance(rollout_samples, list) else []
-            result = original(self, rollout_samples, *args, **kwargs)
-            watch = instr._get_watch(getattr(self, "args", None))
-            if watch is not None:
-                guarded(watch, "openrlhf_make_experience_batch")(instr._observe)(self, metas, result)
-            return result
+    def _begin_step(self, call: Call) -> None:
+        """``train_step(self, rollout_samples, global_step)``: step ``global_step + 1``, the policy
+        version before the step's own update."""
+        call.state = self._step_context(call.args[0].args, int(call.arg(2, "global_step")) + 1)
 
-        return make_experience_batch
+    def _step_scope(self, call: Call) -> Any:
+        return context_value(_STEP, call.state)
 
-    def _observe(self, maker: Any, metas: list, experiences: Any) -> None:
-        args = maker.args
+    def _read_stamps(self, call: Call) -> None:
+        samples = call.arg(1, "rollout_samples")
+        call.state = [sample_meta(s) for s in samples] if isinstance(samples, list) else []
+
+    def _observe(self, call: Call) -> None:
+        """``make_experience_batch(self, rollout_samples)``: one ``observe`` of its Experiences."""
+        args = call.context
         context = _STEP.get()
         if context is None:                         # called outside train_step (a user's own loop)
-            clock = self.clock(args)
             self._fallback_step += 1
-            context = _StepContext(self._fallback_step, clock.read() if clock is not None else None,
-                                   clock.id if clock is not None else None)
-        fields, extra = fields_from_experiences(list(experiences), metas, args, context.trainer_version,
+            context = self._step_context(args, self._fallback_step)
+        experiences = list(call.result)
+        fields, extra = fields_from_experiences(experiences, call.state, args, context.trainer_version,
                                                 context.clock_id)
         if not fields:
             return
         self.last_fields = fields
         if getattr(self.watch, "hack_detection", False):
-            fields = {**fields, "episodes": episodes_from_experiences(list(experiences), fields, metas)}
+            fields = {**fields, "episodes": episodes_from_experiences(experiences, fields, call.state)}
         self.last_values = self.watch.observe(context.step, **fields)
         if extra:
             self.watch.log_scalars(context.step, extra)
 
-    def _wrap_broadcast(self, original: Callable) -> Callable:
-        instr = self
-
-        def broadcast_to_vllm(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            if instr.is_instrumented:
-                guarded(instr.watch, "openrlhf_broadcast")(instr._bump)(getattr(self, "args", None))
-            return result
-
-        return broadcast_to_vllm
-
-    def _bump(self, args: Any) -> None:
-        clock = self.clock(args)
+    def _bump(self, call: Call) -> None:
+        clock = self.clock(getattr(call.args[0], "args", None))
         if clock is not None:
             clock.bump()
 
-    def _wrap_save_logs(self, original: Callable) -> Callable:
-        instr = self
+    def _mirror_save_logs(self, call: Call) -> None:
+        """``save_logs_and_checkpoints(self, global_step, logs_dict, ...)``: the headline signals join
+        the logs OpenRLHF sends to W&B / TensorBoard (``rlwatch/`` prefix)."""
+        mirror_call(call, 2, "logs_dict", self.watch, "openrlhf_trainer_logs")
 
-        def save_logs_and_checkpoints(self: Any, global_step: Any, logs_dict: Any = None, *args: Any,
-                                      **kwargs: Any) -> Any:
-            if not instr.is_instrumented:
-                return original(self, global_step, logs_dict, *args, **kwargs)
-            watch = instr._get_watch(getattr(self, "args", None))
-            # the headline signals join the logs OpenRLHF sends to W&B / TensorBoard (rlwatch/ prefix)
-            mirrored = guarded(watch, "openrlhf_trainer_logs")(merged)(logs_dict, watch) if watch is not None else None
-            result = original(self, global_step, logs_dict if mirrored is None else mirrored, *args, **kwargs)
-            if watch is not None:
-                guarded(watch, "openrlhf_save_logs")(instr._logs_and_checkpoint)(self, global_step, logs_dict)
-            return result
-
-        return save_logs_and_checkpoints
-
-    def _logs_and_checkpoint(self, trainer: Any, global_step: Any, logs_dict: Any) -> None:
-        step = int(global_step)
+    def _logs_and_checkpoint(self, call: Call) -> None:
+        trainer, step, logs_dict = call.args[0], int(call.arg(1, "global_step")), call.state
         if isinstance(logs_dict, Mapping) and logs_dict:
             self.watch.log_scalars(step, logs_dict)
-        save_steps = _get(trainer.args, "ckpt.save_steps")
+        save_steps = config_get(trainer.args, "ckpt.save_steps")
         try:
             due = save_steps is not None and float(save_steps) > 0 and step % save_steps == 0
         except (TypeError, ValueError, ZeroDivisionError):
             due = False
-        if due:
-            path = checkpoint_dir(trainer.args, step)
-            if path is not None:
-                self.watch.record_checkpoint(step, path)
+        path = checkpoint_dir(trainer.args, step) if due else None
+        if path is not None:
+            self.watch.record_checkpoint(step, path)
 
-    def _wrap_dispatch(self, original: Callable) -> Callable:
-        instr = self
-
-        def _dispatch_prompts_to_vllm(self: Any, prompts: Any, labels: Any, *args: Any, **kwargs: Any) -> Any:
-            if instr.is_instrumented:
-                guarded(instr.watch, "openrlhf_dispatch")(instr._note_dispatch)(self, prompts, kwargs)
-            return original(self, prompts, labels, *args, **kwargs)
-
-        return _dispatch_prompts_to_vllm
-
-    def _note_dispatch(self, generator: Any, prompts: Any, generate_kwargs: Mapping[str, Any]) -> None:
+    def _note_dispatch(self, call: Call) -> None:
+        """``_dispatch_prompts_to_vllm(self, prompts, labels, **generate_kwargs)``: remember the policy
+        version and sampling parameters each prompt was sent with."""
+        generator, prompts, generate_kwargs = call.args[0], call.arg(1, "prompts"), call.kwargs
         clock = self.clock(generator.args)
         if clock is None:
             return
         version = clock.read()
-        n = int(generate_kwargs.get("n_samples_per_prompt", _get(generator.args, "rollout.n_samples_per_prompt", 1)))
+        n = int(generate_kwargs.get("n_samples_per_prompt",
+                                    config_get(generator.args, "rollout.n_samples_per_prompt", 1)))
         # The sampling parameters OpenRLHF builds from the same kwargs (SamplingParams defaults).
         sampling = {"temperature": float(generate_kwargs.get("temperature", 1.0)),
                     "top_p": float(generate_kwargs.get("top_p", 1.0)),
@@ -692,19 +618,9 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
                     del self._pending[prompt]
             return head
 
-    def _wrap_process_response(self, original: Callable) -> Callable:
-        instr = self
-
-        def _process_response_into_experience(self: Any, response: Any, *args: Any, **kwargs: Any) -> Any:
-            experience = original(self, response, *args, **kwargs)
-            if instr.is_instrumented:
-                guarded(instr.watch, "openrlhf_stamp")(instr._stamp)(self, response, experience, kwargs)
-            return experience
-
-        return _process_response_into_experience
-
-    def _stamp(self, generator: Any, response: Mapping[str, Any], experience: Any,
-               generate_kwargs: Mapping[str, Any]) -> None:
+    def _stamp(self, call: Call) -> None:
+        """``_process_response_into_experience(self, response)``: stamp the Experience it returns."""
+        generator, response, experience = call.args[0], call.arg(1, "response"), call.result
         clock = self.clock(generator.args)
         prompt = response.get("prompt")
         dispatch = self._take_dispatch(prompt)
@@ -730,47 +646,20 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
             meta["extra_logs"] = tuple(str(k) for k in extra)
         vars(experience)[META] = meta
 
-    def _wrap_prompt_dataset_init(self, original: Callable) -> Callable:
-        instr = self
+    def _remember_dataset(self, call: Call) -> None:
+        self.datasources.add(call.args[0])
 
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
-            if instr.is_instrumented:
-                guarded(instr.watch, "openrlhf_dataset")(instr.datasources.add)(self)
-
-        return __init__
-
-    def __reduce__(self) -> tuple:
-        # A wrapper pickled by value (cloudpickle) refers to the instrumentor of the process that
-        # unpickles it, never to this one's Watch, locks and threads.
-        return (_instrumentor, ())
-
-
-def _instrumentor() -> "OpenRLHFInstrumentor":
-    return INSTRUMENTOR
+    def _wrap_make_experience_batch(self, original: Callable) -> Callable:
+        """The wrapper of ``make_experience_batch`` around any function (tests)."""
+        return self.wrap(original, PATCHES[EXPERIENCE_MAKER][0].hook)
 
 
 INSTRUMENTOR = OpenRLHFInstrumentor()
 
 
-def instrument(watch: Any = None, **watch_kwargs: Any) -> bool:
-    """Instrument OpenRLHF in this process. ``watch``: an existing Watch to report to; otherwise one
-    is created (from RLWATCH_* variables, OpenRLHF's arguments and ``watch_kwargs``) when the first
-    training step is observed. False, with one warning, when already instrumented or unsupported."""
-    return INSTRUMENTOR.instrument(watch=watch, **watch_kwargs)
-
-
-def uninstrument() -> None:
-    """Restore OpenRLHF's methods, remove the import hook and close the Watch rlwatch created."""
-    INSTRUMENTOR.uninstrument()
-
-
-def setup_hook() -> None:
-    """Ray ``worker_process_setup_hook``: instrument OpenRLHF lazily in every Ray worker process.
-
-    Checks the OpenRLHF version and installs an import hook, nothing more (OpenRLHF is not
-    imported, no Watch is created). Never raises: a failing setup hook stops the worker."""
-    run_setup_hook(INSTRUMENTOR)
+#: The module's entry points (see ``RayActorInstrumentor``): ``instrument(watch=None, **watch_kwargs)``,
+#: ``uninstrument()`` and ``setup_hook()``, the Ray ``worker_process_setup_hook``.
+instrument, uninstrument, setup_hook = INSTRUMENTOR.instrument, INSTRUMENTOR.uninstrument, INSTRUMENTOR.setup_hook
 
 
 # --- the launcher --------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ One line::
     w = rlwatch.integrations.trl.watch(trainer)      # or callbacks=[RLWatchCallback(watch)]
     trainer.train()
 
-What is read, and where (only instance attributes of the one trainer are patched; the class is
-untouched; every wrapper calls the original and only reads its inputs and outputs):
+What is read, and where (``PATCHES``: attributes of the one trainer instance, the class is untouched;
+every patch is ``_base.Instrumentor.wrap``, which calls the original and returns its result):
 
 - ``_calculate_rewards(inputs, prompts, completions, completion_ids_list)``: the rewards per reward
   function of the whole generation batch (TRL gathers them over processes), the dataset rows (for
@@ -25,17 +25,11 @@ untouched; every wrapper calls the original and only reads its inputs and output
   generation), the trainer's log-probs of the same tokens, and the per-token entropy TRL computes
   for its own ``entropy`` metric (no extra forward pass).
 
-**Two granularities.** Token-level signals (version lag, sampler-learner mismatch, importance
-sampling, entropy) are computed once per optimizer step over every micro-batch that entered that
-step's loss. Episode-level signals (zero-variance groups by kind, rewards, truncation, response
-lengths, everything per environment) are computed once per generation batch, on the whole gathered
-batch, i.e. on whole GRPO groups whatever ``steps_per_generation``, ``num_iterations`` and the
-gradient accumulation are; they are exported with the optimizer step during which the batch was
-scored (several batches scored in one step are computed together, as TRL averages its logs over
-them), and their gauges are repeated on the steps that score none, so that ``/metrics`` never has a
-gap. ``rlwatch_generation`` (and the store's ``generation`` value) names the batch the episode-level
-series belong to, ``rlwatch_generation_policy_version`` the version that generated it; the counters
-(``groups_total``, ``episodes_total``, ...) count each batch once.
+**Two granularities** (README, "TRL: where each signal comes from"). Token-level signals are
+computed once per optimizer step over every micro-batch of that step's loss (:meth:`step_fields`);
+episode-level ones once per generation batch, on the whole gathered batch (:class:`Generation`),
+exported with the step that scored it and repeated on steps that score none
+(:class:`GenerationSignals`).
 
 **Trainer log-probs.** ``trainer_logp`` is exactly the π_old that TRL's loss uses:
 ``old_per_token_logps`` when TRL computed it at generation time; otherwise (TRL skips it when every
@@ -49,10 +43,8 @@ names checkpoints by); ``trainer_version`` is ``state.global_step`` when the los
 ``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps`` the lag is
 positive for reused or later-used samples.
 
-**Unavailable signals** are counted, never silently missing: ``rlwatch_signal_unavailable_total
-{signal, reason}`` grows by one per step for each family the run's inputs cannot give (no sampler
-log-probs with transformers generation; no environment column; a batch no reward function could
-score).
+**Unavailable signals** (no sampler log-probs with transformers generation, no environment
+column, a batch no reward function could score) are counted in ``rlwatch_signal_unavailable_total``.
 
 Also: the reward per sample (weighted sum as TRL logs it; samples that every reward function
 scored ``None`` are ``failed="unscorable"`` and kept out of the reward statistics), per-function
@@ -79,20 +71,21 @@ batches from a vLLM server); only its logs, checkpoints and guards are handled h
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import logging
 import math
 import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..postmortem.probe import ROLLOUTS_FILE
 from . import _base, _trainer_logs
-from ._base import Instrumentor, guarded
+from ._base import Call, Hook, Instrumentor, Patch, caller_self, guarded
 
 try:  # TRL pulls in transformers; the callback base class is all this module needs from it.
     from transformers import TrainerCallback
@@ -101,6 +94,7 @@ except ImportError:  # pragma: no cover - rlwatch itself does not depend on tran
 
 logger = logging.getLogger("rlwatch")
 
+SUPPORTED = ">=1.15,<1.17"
 #: Dataset columns read as the environment label, first match wins.
 ENV_COLUMNS = ("environment", "env", "data_source")
 #: Key added to TRL's generation batch (one entry per sample, so it survives shuffling/splitting).
@@ -110,6 +104,18 @@ UNSCORABLE = "unscorable"
 MAX_ENV_SCALARS = 64
 #: Sequences of the first generation batch kept for ``rlwatch postmortem --probe``.
 PROBE_ROWS = 32
+
+#: Rows patched on the trainer instance (owner None: the trainer itself; the class is untouched).
+PATCHES = (
+    Patch(None, "_calculate_rewards", Hook("trl_rewards", after="_after_rewards")),
+    Patch(None, "_generate_and_score_completions",
+          Hook("trl_generation", before="_forget_rewards", after="_after_generation")),
+    Patch(None, "_compute_loss", Hook("trl_loss", around="_loss_scope", after="_after_loss")),
+    Patch(None, "_get_per_token_logps_and_entropies", Hook("trl_logps", after="_keep_policy")),
+)
+#: A process whose Watch exports nothing still takes part in the episode gather of a multi-process run.
+GATHER_ONLY = (PATCHES[0], Patch(None, "_generate_and_score_completions",
+                                 Hook("trl_gather", before="_forget_rewards", after="_gather_only")))
 
 #: Families computed once per generation batch (whole groups); gauges among them are repeated on
 #: steps that score no batch, counters count each batch once.
@@ -161,7 +167,8 @@ class MicroBatch:
 
 @dataclass
 class _Capture:
-    """Per-call scratch shared by the nested wrappers (training thread only)."""
+    """Per-call scratch shared by the hooks of the nested patched calls (the thread that runs the
+    trainer's loss and generation; never touched by rlwatch's own thread)."""
 
     rewards: dict[str, Any] | None = None
     in_loss: bool = False
@@ -223,11 +230,10 @@ class GenerationSignals:
 # --- the instrumentor ------------------------------------------------------------------------------
 
 class GRPOInstrumentor(Instrumentor):
-    """Patches one ``GRPOTrainer`` instance (see the module docstring for what and why)."""
+    """Patches one ``GRPOTrainer`` instance (``PATCHES``; see the module docstring for what and why)."""
 
     package = "trl"
-    minimum = (1, 15)
-    below = (1, 17)
+    supported = SUPPORTED
 
     def __init__(self, trainer: Any, watch: Any) -> None:
         from ..record import RecordBuilder
@@ -236,10 +242,11 @@ class GRPOInstrumentor(Instrumentor):
         self.trainer = trainer
         self.watch = watch
         self.capture = _Capture()
+        self._processes = 1
         self._serial = 0
         self._env_scalars: set[str] = set()
         self.listener = GenerationSignals()
-        # Episode records of the generation batches (own label caps; built on rlwatch's thread, in order).
+        # Episode records of the generation batches (own label caps; built in order by Watch.defer's jobs).
         env_cap = getattr(getattr(getattr(watch, "_builder", None), "envs", None), "cap", 64)
         self._builder = RecordBuilder(watch.errors, env_cap=env_cap)
         #: Where to keep a fixed sample of the first generation batch for ``rlwatch postmortem --probe``.
@@ -249,77 +256,15 @@ class GRPOInstrumentor(Instrumentor):
     # -- patches --
 
     def _instrument(self, **kwargs: Any) -> None:
-        trainer, capture = self.trainer, self.capture
-        processes = int(getattr(getattr(trainer, "accelerator", None), "num_processes", 1) or 1)
-        on_rewards = guarded(self.watch, "trl_rewards")(self._on_rewards)
-
-        def rewards_wrapper(original: Callable) -> Callable:
-            def wrapper(inputs, prompts, completions, completion_ids_list, *args, **kw):
-                rewards_per_func = original(inputs, prompts, completions, completion_ids_list, *args, **kw)
-                on_rewards(inputs, completion_ids_list, rewards_per_func, prompts, completions)
-                return rewards_per_func
-            return wrapper
-
+        self._processes = int(getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1) or 1)
         if not self.watch.active:
-            if processes > 1:              # take part in the episode gather, export nothing
-                self.patch(trainer, "_calculate_rewards", rewards_wrapper)
-                self.patch(trainer, "_generate_and_score_completions", self._gather_only_wrapper)
+            if self._processes > 1:              # take part in the episode gather, export nothing
+                self.apply(self.trainer, GATHER_ONLY)
             return
         listeners = getattr(self.watch, "listeners", None)
         if isinstance(listeners, list) and self.listener not in listeners:
             listeners.insert(0, self.listener)       # before drift, diagnosis and the alert evaluator
-        on_generation = guarded(self.watch, "trl_generation")(self._on_generation)
-        on_loss = guarded(self.watch, "trl_loss")(self._on_loss)
-        gather = guarded(self.watch, "trl_gather")(self._gather_episodes)
-
-        def generate_wrapper(original: Callable) -> Callable:
-            def wrapper(inputs, *args, **kw):
-                capture.rewards = None
-                output = original(inputs, *args, **kw)
-                if processes > 1 and trainer.model.training:
-                    gather(output)                         # every rank, same order: never skipped
-                on_generation(output)
-                return output
-            return wrapper
-
-        def loss_wrapper(original: Callable) -> Callable:
-            def wrapper(model, inputs, *args, **kw):
-                wanted = trainer.model.training and VERSION_KEY in inputs
-                capture.in_loss, capture.policy = wanted, None
-                try:
-                    loss = original(model, inputs, *args, **kw)
-                finally:
-                    capture.in_loss = False
-                if wanted:
-                    on_loss(inputs)
-                capture.policy = None
-                return loss
-            return wrapper
-
-        def logps_wrapper(original: Callable) -> Callable:
-            def wrapper(*args, **kw):
-                out = original(*args, **kw)
-                if capture.in_loss and capture.policy is None:   # the policy forward of _compute_loss
-                    capture.policy = out
-                return out
-            return wrapper
-
-        self.patch(trainer, "_calculate_rewards", rewards_wrapper)
-        self.patch(trainer, "_generate_and_score_completions", generate_wrapper)
-        self.patch(trainer, "_compute_loss", loss_wrapper)
-        self.patch(trainer, "_get_per_token_logps_and_entropies", logps_wrapper)
-
-    def _gather_only_wrapper(self, original: Callable) -> Callable:
-        trainer = self.trainer
-
-        def wrapper(inputs, *args, **kw):
-            self.capture.rewards = None
-            output = original(inputs, *args, **kw)
-            if trainer.model.training:
-                guarded(self.watch, "trl_gather")(self._gather_episodes)(output)
-            self.capture.rewards = None
-            return output
-        return wrapper
+        self.apply(self.trainer, PATCHES)
 
     def _uninstrument(self) -> None:
         self.capture.micro.clear()
@@ -328,6 +273,50 @@ class GRPOInstrumentor(Instrumentor):
         listeners = getattr(self.watch, "listeners", None)
         if isinstance(listeners, list) and self.listener in listeners:
             listeners.remove(self.listener)
+
+    # -- hooks (see PATCHES) --
+
+    def _after_rewards(self, call: Call) -> None:
+        """``_calculate_rewards(inputs, prompts, completions, completion_ids_list)``."""
+        self._on_rewards(call.arg(0, "inputs"), call.arg(3, "completion_ids_list"), call.result,
+                         call.arg(1, "prompts"), call.arg(2, "completions"))
+
+    def _forget_rewards(self, call: Call) -> None:
+        self.capture.rewards = None
+
+    def _after_generation(self, call: Call) -> None:
+        """``_generate_and_score_completions(inputs)``: gather (every rank, same order: never skipped),
+        then keep the scored batch."""
+        if self._processes > 1 and self.trainer.model.training:
+            guarded(self.watch, "trl_gather")(self._gather_episodes)(call.result)
+        self._on_generation(call.result)
+
+    def _gather_only(self, call: Call) -> None:
+        if self.trainer.model.training:
+            self._gather_episodes(call.result)
+        self.capture.rewards = None
+
+    @contextlib.contextmanager
+    def _loss_scope(self, call: Call) -> Iterator[None]:
+        """``_compute_loss(model, inputs)``: while it runs, the first policy log-probs computed are kept."""
+        capture = self.capture
+        call.state = capture.in_loss = self.trainer.model.training and VERSION_KEY in call.arg(1, "inputs")
+        capture.policy = None
+        try:
+            yield
+        finally:
+            capture.in_loss = False
+
+    def _after_loss(self, call: Call) -> None:
+        try:
+            if call.state:
+                self._on_loss(call.arg(1, "inputs"))
+        finally:
+            self.capture.policy = None
+
+    def _keep_policy(self, call: Call) -> None:
+        if self.capture.in_loss and self.capture.policy is None:   # the policy forward of _compute_loss
+            self.capture.policy = call.result
 
     # -- what the wrappers do --
 
@@ -349,7 +338,7 @@ class GRPOInstrumentor(Instrumentor):
                                 "lengths": [len(ids) for ids in completion_ids_list]}
         if prompts is not None and completions is not None and self.watch.hack_detection:
             # The checkers' verdicts are read now (the next reward call replaces them); the episodes
-            # are built and handed to the detectors on rlwatch's thread.
+            # are built by a Watch.defer job (rlwatch's thread with background=True, else right here).
             step, verdicts = int(trainer.state.global_step), audit_verdicts(trainer, len(completions))
             local = per_func[start:start + B]
             self.watch.defer(lambda: self.watch.submit_episodes(step, episodes(
@@ -501,8 +490,6 @@ class GRPOInstrumentor(Instrumentor):
 
     def generation_values(self, step: int, generations: list[Generation]) -> dict:
         """Every episode-level signal of the batches, computed together on the whole (gathered) batches."""
-        import contextlib
-
         from ..signals import compute_step
         from ..watch import _few_threads_for
 
@@ -546,9 +533,9 @@ class GRPOInstrumentor(Instrumentor):
         return out
 
     def flush(self, step: int) -> None:
-        """Observe the optimizer step that just ended: the training thread only takes the step's
-        micro-batches and scored generation batches; assembling and computing them is deferred
-        (``Watch(background=True)``)."""
+        """Observe the optimizer step that just ended: take the step's micro-batches and scored
+        generation batches, and hand assembling and computing them to ``Watch.defer`` (rlwatch's
+        thread with ``background=True``, else done right here on the training thread)."""
         micro, self.capture.micro = self.capture.micro, []
         generations, self.capture.generations = self.capture.generations, []
         if micro or generations:
@@ -797,18 +784,7 @@ class RLWatchCallback(TrainerCallback):
 
 def _find_trainer() -> Any:
     """The GRPOTrainer whose training loop is calling us (walks up the caller frames)."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(16):
-            if frame is None:
-                return None
-            candidate = frame.f_locals.get("self")
-            if candidate is not None and (_is_grpo(candidate) or _is_async(candidate)):
-                return candidate
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
+    return caller_self(sys._getframe(1), lambda obj: _is_grpo(obj) or _is_async(obj), 16)
 
 
 def _is_grpo(obj: Any) -> bool:
@@ -903,9 +879,10 @@ def watch(trainer: Any, **watch_options: Any):
     ``probe_rollouts`` (default True, see :func:`attach`) and ``trainer_logs`` (default True: the
     headline signals join TRL's logs under ``rlwatch/``, see :func:`mirror_into_log`); defaults
     here: ``background=True`` when the trainer runs on an accelerator (each step is assembled and
-    computed on rlwatch's thread, so the training thread never waits for the device's queue), False on CPU (where that thread would
-    only compete with the trainer's own threads for the same cores: measured slower, see
-    ``bench/bench_trl_overhead.py``) and with a ``guard`` (which must act at the step that fired),
+    computed on rlwatch's thread, so the training thread never waits for the device's queue), False
+    on CPU (where that thread would only compete with the trainer's own threads for the same cores:
+    measured slower, see ``bench/bench_trl_overhead.py``) and with a ``guard`` (which must act at
+    the step that fired),
     ``framework="trl"``, the installed TRL version, ``group_size=num_generations`` and the TRL
     settings that shape the signals as run metadata. A second call on the same trainer warns and
     returns the first Watch. On an unsupported TRL version the Watch is returned unattached (one

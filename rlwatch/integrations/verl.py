@@ -14,19 +14,13 @@ launches the job, so a patch made in the launcher does not reach it. Ray's
 call :func:`instrument` before building it.
 
 Which process exports
-    Ray runs the hook in *every* worker process: the TaskRunner, the FSDP/Megatron GPU workers, the
-    rollout servers, the reward and agent-loop workers. The hook itself only checks the verl version
-    and installs an import hook: it imports nothing from verl and starts nothing. When a process
-    later imports one of the verl modules below, the functions are wrapped; a wrapper creates the
-    :class:`~rlwatch.Watch` (its ``/metrics`` endpoint, run store and file_sd registration) the
-    first time a trainer *calls* it. Only the trainer process (the TaskRunner actor, which holds the
-    gathered batch and the ``Tracking`` logger) calls them, so exactly one process per job exports;
-    every other worker keeps an idle wrapper and no endpoint. Ray places that actor on any node, so
-    set ``RLWATCH_SD_DIR`` (a directory Prometheus reads through ``file_sd``) and, across hosts,
-    ``RLWATCH_ADDR=0.0.0.0``.
+    Ray runs the hook in every worker process (the TaskRunner, the FSDP/Megatron GPU workers, the
+    rollout servers, the reward and agent-loop workers); what it does there, and when the Watch is
+    created, is ``_base.RayActorInstrumentor``'s. Only the trainer process (the TaskRunner actor,
+    which holds the gathered batch and the ``Tracking`` logger) calls the wrapped functions, so
+    exactly one process per job exports.
 
-What is wrapped (wrappers call the original first, pass its result through untouched, and only
-read its inputs; a failure on rlwatch's side is counted in ``rlwatch_hook_errors_total``)
+What is wrapped (``PATCHES``; every patch is ``_base.Instrumentor.wrap``)
     * ``verl.trainer.ppo.metric_utils.compute_data_metrics(batch, use_critic)``: the gathered
       ``DataProto`` of a training step in the v0 ``RayPPOTrainer.fit``, the separation trainer and
       the fully-async and one-step-off recipes built on it. ``from ... import compute_data_metrics``
@@ -57,41 +51,45 @@ Field mapping (DataProto / TransferQueue -> ``Watch.observe``)
     true response length against the configured caps (see :func:`truncation_flags`). The step is
     the trainer's ``global_steps``.
 
-Configuration (environment variables, passed through ``runtime_env.env_vars``)
-    RLWATCH_RUN (default: ``trainer.experiment_name``), RLWATCH_PORT (9400; ``none`` for no
-    endpoint), RLWATCH_ADDR (127.0.0.1), RLWATCH_PORT_FALLBACK (1: take the next free port, the
-    file_sd registration carries the real one), RLWATCH_DIR (run store directory), RLWATCH_STORE
-    (``none`` disables the store), RLWATCH_SD_DIR, RLWATCH_STALENESS_BOUND, RLWATCH_GROUP_SIZE
-    (default ``rollout.n``; 0 disables the group-size check), RLWATCH_STRICT, RLWATCH_DISABLE.
+Configuration
+    The RLWATCH_* variables of ``_base.env_watch_options`` (through ``runtime_env.env_vars``); the run
+    defaults to ``trainer.experiment_name``, the group size to ``rollout.n`` (RLWATCH_GROUP_SIZE=0:
+    no group-size check).
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import os
 import sys
-from types import FrameType, ModuleType
-from typing import Any, Callable, Iterable, Mapping
+from types import ModuleType
+from typing import Any, Iterable, Mapping
 
-from ._base import RayActorInstrumentor, env_watch_options, guarded, installed_version, run_setup_hook
-from ._trainer_logs import merged, without_headline
+from ._base import (Call, Hook, Patch, RayActorInstrumentor, caller_self, config_get, context_value,
+                    framework_watch_options)
+from ._trainer_logs import mirror_call, without_headline
 
 logger = logging.getLogger("rlwatch")
 
 __all__ = ["VerlInstrumentor", "instrument", "uninstrument", "setup_hook", "truncation_flags",
            "watch_options_from_env", "INSTRUMENTOR"]
 
+SUPPORTED = ">=0.9,<0.10"
 METRIC_UTILS = "verl.trainer.ppo.metric_utils"
 V1_TRAINER = "verl.trainer.ppo.v1.trainer_base"
 
-#: module -> [(class name or None for a module function, attribute, wrapper factory name)]
-PATCHES: dict[str, list[tuple[str | None, str, str]]] = {
-    METRIC_UTILS: [(None, "compute_data_metrics", "_wrap_compute_data_metrics")],
-    "verl.utils.tracking": [("Tracking", "log", "_wrap_tracking_log")],
-    "verl.trainer.ppo.ray_trainer": [("RayPPOTrainer", "_save_checkpoint", "_wrap_save_checkpoint")],
-    V1_TRAINER: [("PPOTrainer", "_compute_metrics", "_wrap_v1_compute_metrics"),
-                 ("PPOTrainer", "_save_checkpoint", "_wrap_save_checkpoint")],
+CHECKPOINT = Hook("verl_checkpoint", before="_checkpoint_dir", after="_record_checkpoint", watch=True)
+#: module -> rows (class name, or None for a module function; attribute; hook)
+PATCHES: dict[str, list[Patch]] = {
+    METRIC_UTILS: [Patch(None, "compute_data_metrics",
+                         Hook("verl_compute_data_metrics", after="_observe_dataproto", watch=True))],
+    "verl.utils.tracking": [Patch("Tracking", "log", Hook("verl_tracking_log", before="_tracking_log", watch=True))],
+    "verl.trainer.ppo.ray_trainer": [Patch("RayPPOTrainer", "_save_checkpoint", CHECKPOINT)],
+    V1_TRAINER: [Patch("PPOTrainer", "_compute_metrics",
+                       Hook("verl_v1_compute_metrics", around="_v1_scope", after="_observe_v1", watch=True)),
+                 Patch("PPOTrainer", "_save_checkpoint", CHECKPOINT)],
     # These only import compute_data_metrics by name; they are rebound if loaded before metric_utils
     # was patched (e.g. instrument() called after the trainer modules were imported).
     "verl.experimental.separation.ray_trainer": [],
@@ -106,50 +104,17 @@ V1_FIELDS = ("response_mask", "old_log_probs", "rollout_log_probs", "rm_scores",
 FINISH_KEYS = ("truncated", "finish_reason", "stop_reason")
 
 # Set while the v1 _compute_metrics runs: the compute_data_metrics it calls sees a stripped batch
-# that the v1 wrapper already observed in full.
+# that the v1 hook observes in full from TransferQueue.
 _IN_V1_METRICS: contextvars.ContextVar[bool] = contextvars.ContextVar("rlwatch_verl_v1", default=False)
-
-
-def _in_v1_metrics() -> bool:
-    return _IN_V1_METRICS.get()
-
-
-def _enter_v1_metrics() -> contextvars.Token:
-    return _IN_V1_METRICS.set(True)
-
-
-def _exit_v1_metrics(token: contextvars.Token) -> None:
-    _IN_V1_METRICS.reset(token)
 
 
 # --- configuration -------------------------------------------------------------------------------
 
-def _config_get(config: Any, dotted: str, default: Any = None) -> Any:
-    """``config.a.b.c`` for DictConfig, dict or attribute objects; ``default`` when any part is missing."""
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        try:
-            node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
-        except Exception:  # noqa: BLE001 - a struct DictConfig raises on unknown keys
-            return default
-    return default if node is None else node
-
-
 def watch_options_from_env(environ: Mapping[str, str] | None = None, config: Any = None) -> dict[str, Any]:
-    """``Watch`` keyword arguments from RLWATCH_* variables (:func:`env_watch_options`) and the
-    trainer's config (may be None), which names the run and the group size when they do not."""
-    opts: dict[str, Any] = {"framework": "verl", "framework_version": installed_version("verl") or ""}
-    opts.update(env_watch_options(environ))
-    run = opts.get("run") or _config_get(config, "trainer.experiment_name")
-    if run:
-        opts["run"] = str(run)
-    # RLWATCH_GROUP_SIZE wins, even 0 (no groups)
-    n = opts.pop("group_size") if "group_size" in opts else _config_get(config, "actor_rollout_ref.rollout.n")
-    if n and int(n) > 1:
-        opts["group_size"] = int(n)
-    return opts
+    """``Watch`` keyword arguments from RLWATCH_* variables and the trainer's config (may be None),
+    which names the run and the group size when the variables do not."""
+    return framework_watch_options("verl", environ, run=config_get(config, "trainer.experiment_name"),
+                                   group_size=config_get(config, "actor_rollout_ref.rollout.n"))
 
 
 # --- reading verl's batch ------------------------------------------------------------------------
@@ -217,14 +182,14 @@ def _labels(values: Any) -> list[Any] | None:
 def _sampling(config: Any) -> dict[str, Any]:
     out = {}
     for key in ("temperature", "top_p", "top_k"):
-        value = _config_get(config, f"actor_rollout_ref.rollout.{key}")
+        value = config_get(config, f"actor_rollout_ref.rollout.{key}")
         if value is not None:
             out[key] = value
     return out
 
 
 def _bypass_mode(config: Any) -> bool:
-    return bool(_config_get(config, "algorithm.rollout_correction.bypass_mode", False))
+    return bool(config_get(config, "algorithm.rollout_correction.bypass_mode", False))
 
 
 def _trainer_logp(old: Any, rollout: Any, config: Any) -> Any:
@@ -245,39 +210,52 @@ def fields_from_dataproto(batch: Any, config: Any = None, trainer_version: int |
 
     Tensors: responses/response_mask/log-probs/scores [B, R]; attention_mask [B, P + R].
     """
-    import torch
-
     tensors, extra = batch.batch, batch.non_tensor_batch
+    present = set(tensors.keys())
     mask = tensors["response_mask"]
     B, R = mask.shape
-    if "response_length" in tensors.keys():
+    if "response_length" in present:
         response_length = tensors["response_length"]
-        prompt_length = tensors["prompt_length"] if "prompt_length" in tensors.keys() else None
-    elif "attention_mask" in tensors.keys():
+        prompt_length = tensors["prompt_length"] if "prompt_length" in present else None
+    elif "attention_mask" in present:
         attention = tensors["attention_mask"]
         response_length = attention[:, -R:].sum(-1)
         prompt_length = attention[:, :-R].sum(-1)
     else:
         response_length, prompt_length = mask.sum(-1), None
-    rollout = tensors["rollout_log_probs"] if "rollout_log_probs" in tensors.keys() else None
-    old = tensors["old_log_probs"] if "old_log_probs" in tensors.keys() else None
-    fields: dict[str, Any] = dict(mask=mask, sampler_logp=rollout, trainer_logp=_trainer_logp(old, rollout, config))
-    for key in ("token_level_scores", "token_level_rewards", "rm_scores"):
-        if key in tensors.keys():
-            fields["rewards"] = tensors[key].sum(-1)
-            break
-    for key in ("entropys", "entropy"):
-        if key in tensors.keys() and tuple(tensors[key].shape) == (B, R):
-            fields["entropy"] = tensors[key]
-            break
-    fields["group_ids"] = _labels(extra.get("uid"))
-    fields["env"] = _labels(extra.get("data_source"))
-    fields["truncated"] = _truncated(extra, B, response_length, prompt_length, config)
-    fields["failed"] = ["aborted" if n == 0 else None for n in torch.as_tensor(response_length).tolist()]
+    fields = _token_fields(tensors, present, config)
+    reward = next((key for key in ("token_level_scores", "token_level_rewards", "rm_scores") if key in present), None)
+    if reward is not None:
+        fields["rewards"] = tensors[reward].sum(-1)
+    entropy = next((key for key in ("entropys", "entropy") if key in present and tuple(tensors[key].shape) == (B, R)),
+                   None)
+    if entropy is not None:
+        fields["entropy"] = tensors[entropy]
+    versions = None
     if trainer_version is not None and "min_global_steps" in extra and "max_global_steps" in extra:
         versions = _versions(extra["min_global_steps"], extra["max_global_steps"])
-        if versions is not None:
-            fields.update(seq_version=versions, trainer_version=trainer_version)
+    return _sample_fields(fields, extra, B, response_length, prompt_length, config, versions, trainer_version)
+
+
+def _token_fields(tensors: Any, present: set[str], config: Any) -> dict[str, Any]:
+    """mask, sampler_logp and trainer_logp ([B, R]) from a batch's tensors."""
+    rollout = tensors["rollout_log_probs"] if "rollout_log_probs" in present else None
+    old = tensors["old_log_probs"] if "old_log_probs" in present else None
+    return dict(mask=tensors["response_mask"], sampler_logp=rollout, trainer_logp=_trainer_logp(old, rollout, config))
+
+
+def _sample_fields(fields: dict[str, Any], extra: Mapping[str, Any], size: int, response_length: Any,
+                   prompt_length: Any, config: Any, versions: Any, trainer_version: int | None) -> dict[str, Any]:
+    """``fields`` completed with what both batch layouts give per sample (groups, environments,
+    truncation, aborted samples, versions) and the sampling parameters; None values left out."""
+    import torch
+
+    fields["group_ids"] = _labels(extra.get("uid"))
+    fields["env"] = _labels(extra.get("data_source"))
+    fields["truncated"] = _truncated(extra, size, response_length, prompt_length, config)
+    fields["failed"] = ["aborted" if n == 0 else None for n in torch.as_tensor(response_length).tolist()]
+    if versions is not None and trainer_version is not None:
+        fields.update(seq_version=versions, trainer_version=trainer_version)
     fields.update(_sampling(config))
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -323,8 +301,8 @@ def _truncated(extra: Mapping[str, Any], size: int, response_length: Any, prompt
     if flags is not None:
         return flags
     return truncation_flags(response_length, prompt_length,
-                            _config_get(config, "actor_rollout_ref.rollout.response_length"),
-                            _config_get(config, "actor_rollout_ref.rollout.max_model_len"))
+                            config_get(config, "actor_rollout_ref.rollout.response_length"),
+                            config_get(config, "actor_rollout_ref.rollout.max_model_len"))
 
 
 def _tq_fetch(tq: Any, keys: list[str], partition_id: str, fields: Iterable[str]) -> Any:
@@ -370,39 +348,21 @@ def fields_from_transfer_queue(tq: Any, batch: Any, config: Any = None,
     padded = data.to_padded_tensor() if any(data[n].is_nested for n in data.keys()) else data
     response_length = torch.tensor([t.get("response_len", int(n)) for t, n in zip(tags, stored_length.tolist())])
     prompt_length = torch.tensor([t["prompt_len"] for t in tags]) if all("prompt_len" in t for t in tags) else None
-    rollout = padded["rollout_log_probs"] if "rollout_log_probs" in names else None
-    old = padded["old_log_probs"] if "old_log_probs" in names else None
-    fields: dict[str, Any] = dict(mask=padded["response_mask"], sampler_logp=rollout,
-                                  trainer_logp=_trainer_logp(old, rollout, config))
+    fields = _token_fields(padded, names, config)
     if "rm_scores" in names:
         fields["rewards"] = padded["rm_scores"].sum(-1)
     if "entropy" in names:
         fields["entropy"] = padded["entropy"]
-    fields["group_ids"] = _labels(extra.get("uid"))
-    fields["env"] = _labels(extra.get("data_source"))
-    fields["truncated"] = _truncated({}, len(keys), response_length, prompt_length, config)
-    fields["failed"] = ["aborted" if n == 0 else None for n in response_length.tolist()]
+    versions = None
     if trainer_version is not None:
         versions = _versions([t.get("min_global_steps") for t in tags], [t.get("max_global_steps") for t in tags])
-        if versions is not None:
-            fields.update(seq_version=versions, trainer_version=trainer_version)
-    fields.update(_sampling(config))
-    return {k: v for k, v in fields.items() if v is not None}
+    return _sample_fields(fields, extra, len(keys), response_length, prompt_length, config, versions, trainer_version)
 
 
 # --- the trainer behind a call -------------------------------------------------------------------
 
-def _find_trainer(frame: FrameType | None, depth: int = 6) -> Any:
-    """The trainer object (``self`` with ``global_steps`` and ``config``) among the callers.
-
-    ``compute_data_metrics(batch, use_critic)`` is given neither the step nor the config; every
-    verl trainer calls it from one of its own methods (``fit``, ``_fit_collect_metrics``)."""
-    while frame is not None and depth > 0:
-        candidate = frame.f_locals.get("self")
-        if candidate is not None and hasattr(candidate, "global_steps") and hasattr(candidate, "config"):
-            return candidate
-        frame, depth = frame.f_back, depth - 1
-    return None
+def _is_trainer(obj: Any) -> bool:
+    return hasattr(obj, "global_steps") and hasattr(obj, "config")
 
 
 def trainer_version(trainer: Any) -> int | None:
@@ -425,7 +385,7 @@ def trainer_version(trainer: Any) -> int | None:
 
 def checkpoint_dir(trainer: Any) -> tuple[int, str] | None:
     """(step, ``default_local_dir/global_step_N``) of the checkpoint ``_save_checkpoint`` writes."""
-    root = _config_get(trainer.config, "trainer.default_local_dir")
+    root = config_get(trainer.config, "trainer.default_local_dir")
     if root is None:
         return None
     step = getattr(trainer, "current_param_version", None)   # fully-async names folders by version
@@ -437,56 +397,45 @@ def checkpoint_dir(trainer: Any) -> tuple[int, str] | None:
 # --- the instrumentor ----------------------------------------------------------------------------
 
 class VerlInstrumentor(RayActorInstrumentor):
-    """Wraps verl's metric, logging and checkpoint functions (see the module docstring)."""
+    """Wraps verl's metric, logging and checkpoint functions (``PATCHES``; see the module docstring)."""
 
     package = "verl"
-    minimum = (0, 9)
-    below = (0, 10)
+    supported = SUPPORTED
     patches = PATCHES
     label = "verl"
 
     def __init__(self) -> None:
         super().__init__()
-        self._wrappers: dict[str, tuple[Callable, Callable]] = {}   # name -> (original, wrapper)
+        self._wrappers: dict[str, Any] = {}     # module function name -> its wrapper
 
     # life cycle
 
     def _uninstrument(self) -> None:
         # Modules imported while instrumented bound the wrapper themselves (not through patch()).
-        for name, (original, wrapper) in self._wrappers.items():
+        for name, wrapper in self._wrappers.items():
             for module in list(sys.modules.values()):
                 try:
                     if isinstance(module, ModuleType) and vars(module).get(name) is wrapper:
-                        setattr(module, name, original)
+                        setattr(module, name, wrapper.__rlwatch_original__)
                 except TypeError:
                     continue
         self._wrappers.clear()
         super()._uninstrument()
 
     def _patch_module(self, module: ModuleType) -> None:
-        for owner_name, attr, factory in PATCHES.get(module.__name__, []):
-            owner = module if owner_name is None else getattr(module, owner_name, None)
-            if hasattr(owner, "__ray_metadata__"):
-                continue                    # a Ray actor class: pickled by value, never patched
-            current = getattr(owner, attr, None) if owner is not None else None
-            if current is None:
-                logger.warning("rlwatch: %s.%s not found in verl %s; that hook is off", module.__name__,
-                               f"{owner_name}.{attr}" if owner_name else attr, installed_version("verl"))
-                continue
-            if getattr(current, "__rlwatch_original__", None) is not None:
-                continue
-            wrapper = getattr(self, factory)(current)
-            if owner_name is None:
-                self._wrappers[attr] = (current, wrapper)
-            self.patch(owner, attr, lambda _original, w=wrapper: w)
-        if module.__name__ == METRIC_UTILS:
-            # Patched after other modules (verl's trainers, a user's recipe) bound the original with
-            # ``from verl.trainer.ppo.metric_utils import compute_data_metrics``: rebind them all.
-            for other in list(sys.modules.values()):
-                if isinstance(other, ModuleType) and other is not module:
-                    self._rebind(other)
-        else:
+        super()._patch_module(module)
+        if module.__name__ != METRIC_UTILS:
             self._rebind(module)
+            return
+        for owner, attribute, _ in PATCHES[METRIC_UTILS]:
+            wrapper = getattr(module, attribute, None)
+            if owner is None and getattr(wrapper, "__rlwatch_original__", None) is not None:
+                self._wrappers[attribute] = wrapper
+        # Patched after other modules (verl's trainers, a user's recipe) bound the original with
+        # ``from verl.trainer.ppo.metric_utils import compute_data_metrics``: rebind them all.
+        for other in list(sys.modules.values()):
+            if isinstance(other, ModuleType) and other is not module:
+                self._rebind(other)
 
     def _rebind(self, module: ModuleType) -> None:
         """Point names a module imported from metric_utils (``from ... import f``) at the wrapper."""
@@ -494,23 +443,30 @@ class VerlInstrumentor(RayActorInstrumentor):
             namespace = vars(module)
         except TypeError:
             return
-        for name, (original, wrapper) in list(self._wrappers.items()):
-            if namespace.get(name) is original:
-                self.patch(module, name, lambda _original, w=wrapper: w)
+        for name, wrapper in list(self._wrappers.items()):
+            if namespace.get(name) is wrapper.__rlwatch_original__:
+                self.replace(module, name, wrapper)
 
     # the Watch
+
+    def _context(self, call: Call) -> Any:
+        """The trainer behind a call: ``self`` of a trainer method, else found among the callers
+        (``compute_data_metrics(batch, use_critic)`` is given neither the step nor the config)."""
+        head = call.args[0] if call.args else None
+        trainer = head if _is_trainer(head) else caller_self(call.caller, _is_trainer, 6)
+        self._hook_trainer(trainer)
+        return trainer
 
     def _watch_options(self, trainer: Any) -> dict[str, Any]:
         return watch_options_from_env(config=getattr(trainer, "config", None))
 
     def _watch_metadata(self, trainer: Any) -> dict[str, Any]:
         return {"trainer": type(trainer).__name__ if trainer is not None else None,
-                "use_v1": _config_get(getattr(trainer, "config", None), "trainer.use_v1")}
+                "use_v1": config_get(getattr(trainer, "config", None), "trainer.use_v1")}
 
     def _observe(self, step: int, fields: dict[str, Any]) -> None:
-        watch = self.watch
-        if watch is not None and fields:
-            self.last_values = watch.observe(step, **fields)
+        if fields:
+            self.last_values = self.watch.observe(step, **fields)
 
     def _step(self, trainer: Any) -> int:
         steps = getattr(trainer, "global_steps", None)
@@ -519,94 +475,43 @@ class VerlInstrumentor(RayActorInstrumentor):
         self._fallback_step += 1
         return self._fallback_step
 
-    # wrapper factories (each returns the function that replaces ``original``)
+    # hooks (see PATCHES)
 
-    def _wrap_compute_data_metrics(self, original: Callable) -> Callable:
-        instr = self
-
-        def compute_data_metrics(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            if instr.is_instrumented and not _in_v1_metrics():
-                trainer = _find_trainer(sys._getframe(1))
-                instr._hook_trainer(trainer)
-                batch = kwargs.get("batch", args[0] if args else None)
-                watch = instr._get_watch(trainer)
-                guarded(watch, "verl_compute_data_metrics")(instr._observe_dataproto)(batch, trainer)
-            return result
-
-        return compute_data_metrics
-
-    def _observe_dataproto(self, batch: Any, trainer: Any) -> None:
-        config = getattr(trainer, "config", None)
-        fields = fields_from_dataproto(batch, config, trainer_version(trainer))
-        watch = self._get_watch(trainer)
-        if watch is not None and getattr(watch, "hack_detection", False):
+    def _observe_dataproto(self, call: Call) -> None:
+        if _IN_V1_METRICS.get():                 # the v1 hook observes that batch from TransferQueue
+            return
+        trainer, batch = call.context, call.arg(0, "batch")
+        fields = fields_from_dataproto(batch, getattr(trainer, "config", None), trainer_version(trainer))
+        if getattr(self.watch, "hack_detection", False):
             fields["episodes"] = episodes_from_dataproto(batch, fields)
         self._observe(self._step(trainer), fields)
 
-    def _wrap_v1_compute_metrics(self, original: Callable) -> Callable:
-        instr = self
+    def _v1_scope(self, call: Call) -> Any:
+        return context_value(_IN_V1_METRICS, True)
 
-        def _compute_metrics(self: Any, batch: Any, metrics: Any, timing_raw: Any, global_steps: Any,
-                             epoch: Any, *args: Any, **kwargs: Any) -> Any:
-            token = _enter_v1_metrics()
-            try:
-                result = original(self, batch, metrics, timing_raw, global_steps, epoch, *args, **kwargs)
-            finally:
-                _exit_v1_metrics(token)
-            if not instr.is_instrumented:
-                return result
-            instr._hook_trainer(self)
-            watch = instr._get_watch(self)
-            guarded(watch, "verl_v1_compute_metrics")(instr._observe_v1)(self, batch, global_steps)
-            return result
-
-        return _compute_metrics
-
-    def _observe_v1(self, trainer: Any, batch: Any, global_steps: int) -> None:
+    def _observe_v1(self, call: Call) -> None:
+        """``PPOTrainer._compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch)``."""
         import transfer_queue as tq
 
-        fields = fields_from_transfer_queue(tq, batch, trainer.config, int(global_steps) - 1)
+        trainer, global_steps = call.args[0], int(call.arg(4, "global_steps"))
+        fields = fields_from_transfer_queue(tq, call.arg(1, "batch"), trainer.config, global_steps - 1)
         if fields:
-            self._observe(int(global_steps), fields)
+            self._observe(global_steps, fields)
 
-    def _wrap_tracking_log(self, original: Callable) -> Callable:
-        instr = self
+    def _tracking_log(self, call: Call) -> None:
+        """``Tracking.log(self, data, step)``: mirror verl's scalars, then add the headline signals to
+        ``data`` so that they reach verl's trackers (``rlwatch/`` prefix)."""
+        data, step = call.arg(1, "data"), call.arg(2, "step")
+        if isinstance(data, Mapping) and step is not None:
+            self.watch.log_scalars(int(step), without_headline(data))
+            mirror_call(call, 1, "data", self.watch, "verl_trainer_logs")
 
-        def log(self: Any, *args: Any, **kwargs: Any) -> Any:
-            data = kwargs.get("data", args[0] if args else None)
-            step = kwargs.get("step", args[1] if len(args) > 1 else None)
-            if instr.is_instrumented and isinstance(data, Mapping) and step is not None:
-                trainer = _find_trainer(sys._getframe(1))
-                instr._hook_trainer(trainer)
-                watch = instr._get_watch(trainer)
-                if watch is not None:
-                    guarded(watch, "verl_tracking_log")(watch.log_scalars)(int(step), without_headline(data))
-                    # the headline signals join verl's metrics dict, hence its trackers (rlwatch/ prefix)
-                    mirrored = guarded(watch, "verl_trainer_logs")(merged)(data, watch)
-                    if mirrored is not None and mirrored is not data:
-                        if "data" in kwargs:
-                            kwargs["data"] = mirrored
-                        else:
-                            args = (mirrored, *args[1:])
-            return original(self, *args, **kwargs)
+    def _checkpoint_dir(self, call: Call) -> None:
+        call.state = checkpoint_dir(call.args[0])
 
-        return log
-
-    def _wrap_save_checkpoint(self, original: Callable) -> Callable:
-        instr = self
-
-        def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not instr.is_instrumented:
-                return original(self, *args, **kwargs)
-            where = guarded(instr.watch, "verl_checkpoint")(checkpoint_dir)(self)
-            result = original(self, *args, **kwargs)
-            watch = instr._get_watch(self)
-            if watch is not None and where is not None:
-                guarded(watch, "verl_checkpoint")(watch.record_checkpoint)(*where)
-            return result
-
-        return _save_checkpoint
+    def _record_checkpoint(self, call: Call) -> None:
+        if call.state is not None:
+            self.watch.record_checkpoint(*call.state)
 
     def _hook_trainer(self, trainer: Any) -> None:
         """Hook ``_save_checkpoint`` on a trainer instance whose class overrides the patched one."""
@@ -615,45 +520,17 @@ class VerlInstrumentor(RayActorInstrumentor):
         method = getattr(type(trainer), "_save_checkpoint", None)
         if method is None or getattr(method, "__rlwatch_original__", None) is not None:
             return
-        wrapper = self._wrap_save_checkpoint(method)
-
-        def bound(*args: Any, **kwargs: Any) -> Any:
-            return wrapper(trainer, *args, **kwargs)
-
+        bound = functools.partial(self.wrap(method, CHECKPOINT), trainer)
+        bound.__rlwatch_original__ = method
         try:
-            self.patch(trainer, "_save_checkpoint", lambda _original: bound)
+            self.replace(trainer, "_save_checkpoint", bound)
         except Exception as exc:  # noqa: BLE001 - e.g. a class with __slots__
             logger.warning("rlwatch: cannot hook %s._save_checkpoint: %s", type(trainer).__name__, exc)
-
-    def __reduce__(self) -> tuple:
-        # A wrapper pickled by value (cloudpickle) refers to the instrumentor of the process that
-        # unpickles it, never to this one's Watch, locks and threads.
-        return (_instrumentor, ())
-
-
-def _instrumentor() -> "VerlInstrumentor":
-    return INSTRUMENTOR
 
 
 INSTRUMENTOR = VerlInstrumentor()
 
 
-def instrument(watch: Any = None, **watch_kwargs: Any) -> bool:
-    """Instrument verl in this process. ``watch``: an existing Watch to report to; otherwise one is
-    created (from RLWATCH_* variables, the trainer config and ``watch_kwargs``) when a trainer first
-    calls a wrapped function. False, with one warning, when already instrumented or unsupported."""
-    return INSTRUMENTOR.instrument(watch=watch, **watch_kwargs)
-
-
-def uninstrument() -> None:
-    """Restore verl's functions, remove the import hook and close the Watch rlwatch created."""
-    INSTRUMENTOR.uninstrument()
-
-
-def setup_hook() -> None:
-    """Ray ``worker_process_setup_hook``: instrument verl lazily in every Ray worker process.
-
-    Runs at worker start-up: checks the verl version and installs an import hook, nothing more
-    (verl is not imported, no Watch is created). Never raises: a failing setup hook would stop the
-    worker from starting."""
-    run_setup_hook(INSTRUMENTOR)
+#: The module's entry points (see ``RayActorInstrumentor``): ``instrument(watch=None, **watch_kwargs)``,
+#: ``uninstrument()`` and ``setup_hook()``, the Ray ``worker_process_setup_hook``.
+instrument, uninstrument, setup_hook = INSTRUMENTOR.instrument, INSTRUMENTOR.uninstrument, INSTRUMENTOR.setup_hook
