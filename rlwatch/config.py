@@ -207,6 +207,13 @@ def rlwatch_variables(environ: Mapping[str, str] | None = None) -> dict[str, str
     return {key: value for key, value in _env(environ).items() if key.startswith(PREFIX)}
 
 
+def variables_or_defaults(defaults: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Each of ``defaults``' variables as the environment sets it, else its default (another framework's
+    variables handed on to its workers, e.g. OpenRLHF's)."""
+    env = _env(environ)
+    return {key: env.get(key, default) for key, default in defaults.items()}
+
+
 def state_dir() -> Path:
     """Where running stacks are listed: $RLWATCH_STATE_DIR, else $XDG_STATE_HOME/rlwatch, else
     ~/.local/state/rlwatch."""
@@ -223,3 +230,8 @@ RUNBOOK_URL_VARIABLE = "RLWATCH_RUNBOOK_URL"
 def runbook_url(explicit: str | None = None, default: str = "") -> str:
     """The runbook's base URL: ``explicit``, else $RLWATCH_RUNBOOK_URL, else ``default``."""
     return (explicit or _get(RUNBOOK_URL_VARIABLE) or default).split("#")[0]
+
+
+def compile_variable() -> str | None:
+    """RLWATCH_COMPILE: whether the signal engine compiles (see :func:`rlwatch.signals.engine.compile_mode`)."""
+    return _get("RLWATCH_COMPILE")

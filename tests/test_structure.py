@@ -18,11 +18,8 @@ from .conftest import make_step
 PACKAGE = Path(rlwatch.__file__).parent
 #: Reading a variable (not copying the environment for a child process).
 READS_ENV = re.compile(r"os\.environ\.get\((?!\"PYTHONPATH\")|os\.environ\[|os\.getenv|env_flag\(os\.environ|os\.environ if ")
-#: Files that still read the environment themselves; each goes once it calls rlwatch.config
-#: (the integrations: their restructuring; alerts/render.py and signals/engine.py's RLWATCH_COMPILE:
-#: owned by the alerts and signal-engine work).
-PENDING = {"integrations/_base.py", "integrations/openrlhf.py", "integrations/_trainer_logs.py", "alerts/render.py",
-           "signals/engine.py"}
+#: Files allowed to read the environment besides rlwatch/config.py: none.
+PENDING: set[str] = set()
 
 
 def test_watch_config_has_every_constructor_argument_with_the_same_default():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,12 +31,13 @@ PROMETHEUS_RULE_FILE = "kubernetes-prometheusrule.yaml"
 #: copy shipped in the package. Teams that host the runbook set RLWATCH_RUNBOOK_URL (read by the
 #: in-process alerts and by `rlwatch up`), `rlwatch up --runbook-url`, or `--runbook-url` here.
 DEFAULT_RUNBOOK_URL = RUNBOOK_BASE
-RUNBOOK_URL_VARIABLE = "RLWATCH_RUNBOOK_URL"
 
 
 def runbook_base(explicit: str | None = None) -> str:
     """The runbook's base URL: ``explicit``, else $RLWATCH_RUNBOOK_URL, else the default."""
-    return (explicit or os.environ.get(RUNBOOK_URL_VARIABLE) or DEFAULT_RUNBOOK_URL).split("#")[0]
+    from ..config import runbook_url
+
+    return runbook_url(explicit, DEFAULT_RUNBOOK_URL)
 
 
 def _runbook_url(alert: Alert, base: str) -> str:

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from types import FrameType, ModuleType
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
+from ..config import disabled, env_flag, env_watch_options, rank
+from ..errors import guarded as errors_guarded
+
 logger = logging.getLogger("rlwatch")
 
 
@@ -239,42 +242,6 @@ class Instrumentor:
 
 # --- Ray actors --------------------------------------------------------------------------------------
 
-def env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    """A yes/no variable: unset or empty = ``default``; 0/false/no/off = False; anything else True."""
-    value = environ.get(name)
-    if value is None or value == "":
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
-
-
-def env_watch_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``Watch`` keyword arguments from the RLWATCH_* variables that every delivery path shares:
-    RLWATCH_RUN, RLWATCH_PORT (``none``/``off``/``-1``: no endpoint), RLWATCH_ADDR,
-    RLWATCH_PORT_FALLBACK (default on), RLWATCH_STORE (``none``/``off``/``0``: no store),
-    RLWATCH_SD_DIR, RLWATCH_STALENESS_BOUND, RLWATCH_GROUP_SIZE, RLWATCH_STRICT."""
-    env = os.environ if environ is None else environ
-    opts: dict[str, Any] = {}
-    if env.get("RLWATCH_RUN"):
-        opts["run"] = env["RLWATCH_RUN"]
-    port = (env.get("RLWATCH_PORT") or "").strip()
-    if port:
-        opts["port"] = None if port.lower() in ("none", "off", "-1") else int(port)
-    if env.get("RLWATCH_ADDR"):
-        opts["addr"] = env["RLWATCH_ADDR"]
-    opts["port_fallback"] = env_flag(env, "RLWATCH_PORT_FALLBACK", True)
-    store = (env.get("RLWATCH_STORE") or "").strip()
-    if store:
-        opts["store"] = None if store.lower() in ("none", "off", "0") else store
-    if env.get("RLWATCH_SD_DIR"):
-        opts["sd_dir"] = env["RLWATCH_SD_DIR"]
-    if env.get("RLWATCH_STALENESS_BOUND"):
-        opts["staleness_bound"] = float(env["RLWATCH_STALENESS_BOUND"])
-    if env.get("RLWATCH_GROUP_SIZE"):
-        opts["group_size"] = int(env["RLWATCH_GROUP_SIZE"])
-    opts["strict"] = env_flag(env, "RLWATCH_STRICT", False)
-    return opts
-
-
 def framework_watch_options(framework: str, environ: Mapping[str, str] | None = None, run: Any = None,
                             group_size: Any = None) -> dict[str, Any]:
     """``Watch`` keyword arguments of a Ray-actor integration: the framework and its version, the
@@ -414,12 +381,12 @@ class RayActorInstrumentor(Instrumentor):
     def _make_watch(self, context: Any) -> Any:
         import atexit
 
-        from ..watch import Watch, _rank
+        from ..watch import Watch
 
         opts = self._watch_options(context)
         opts.update(self._watch_kwargs)
         opts.setdefault("metadata", self._watch_metadata(context))
-        if "all_ranks" not in opts and _rank()[0] != 0:
+        if "all_ranks" not in opts and rank()[0] != 0:
             # The trainer actor is the only caller; a RANK/SLURM_PROCID it inherited from the node's
             # launcher must not silence it (the run label then carries a -rankN suffix).
             opts["all_ranks"] = True
@@ -439,7 +406,7 @@ class RayActorInstrumentor(Instrumentor):
         more (the framework is not imported, no Watch is created). Never raises: a failing setup hook
         would stop the worker from starting. RLWATCH_DISABLE=1 turns it off."""
         try:
-            if env_flag(os.environ, "RLWATCH_DISABLE", False) or self.is_instrumented:
+            if disabled() or self.is_instrumented:
                 return
             self.instrument()
         except Exception as exc:  # noqa: BLE001
@@ -458,21 +425,9 @@ def _module_instrumentor(module: str) -> RayActorInstrumentor:
 
 
 def guarded(watch: Any, kind: str) -> Callable[[Callable], Callable]:
-    """Decorator: run rlwatch's side of a hook without ever raising into the trainer."""
-    def decorate(func: Callable) -> Callable:
-        @functools.wraps(func)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return func(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001
-                errors = getattr(watch, "errors", None)
-                if errors is None:
-                    logger.warning("rlwatch %s hook failed: %s", kind, exc)
-                    return None
-                errors.report("integration", kind, f"{type(exc).__name__}: {exc}", exc=exc)
-                return None
-        return inner
-    return decorate
+    """Decorator: run rlwatch's side of a hook without ever raising into the trainer (the one policy of
+    :mod:`rlwatch.errors`; the Watch's error counter is looked up at each call)."""
+    return errors_guarded(lambda: getattr(watch, "errors", None), "integration", kind)
 
 
 __all__ = ["Call", "Hook", "Instrumentor", "Patch", "RayActorInstrumentor", "caller_self", "config_get",

@@ -15,13 +15,13 @@ fraction; no versions: no lag; no groups: no zero-variance fractions).
 from __future__ import annotations
 
 import math
-import os
+
 from typing import Any, Mapping
 
-from ._base import Call, env_flag, guarded
+from ..config import trainer_logs_enabled
+from ._base import Call, guarded
 
 PREFIX = "rlwatch/"
-VARIABLE = "RLWATCH_TRAINER_LOGS"
 
 #: (key after the prefix, gauge in rlwatch.metrics, its label values)
 HEADLINE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -40,7 +40,7 @@ KEYS = frozenset([PREFIX + key for key, _, _ in HEADLINE] + [ALERTS_KEY])
 
 def enabled() -> bool:
     """RLWATCH_TRAINER_LOGS: unset or anything but 0/false/no/off means on."""
-    return env_flag(os.environ, VARIABLE, True)
+    return trainer_logs_enabled()
 
 
 def headline(watch: Any) -> dict[str, float]:

@@ -97,6 +97,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ..config import rlwatch_variables, variables_or_defaults
 from ._base import Call, Hook, Patch, RayActorInstrumentor, config_get, context_value, framework_watch_options
 from ._trainer_logs import mirror_call
 
@@ -667,9 +668,8 @@ instrument, uninstrument, setup_hook = INSTRUMENTOR.instrument, INSTRUMENTOR.uni
 def ray_runtime_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``runtime_env`` the launcher passes to ``ray.init``: the setup hook, OpenRLHF's own
     ``env_vars`` (respecting values already set, as OpenRLHF does) and every RLWATCH_* variable."""
-    env = os.environ if environ is None else environ
-    env_vars = {key: env.get(key, default) for key, default in OPENRLHF_ENV_DEFAULTS.items()}
-    env_vars.update({key: value for key, value in env.items() if key.startswith("RLWATCH_")})
+    env_vars = variables_or_defaults(OPENRLHF_ENV_DEFAULTS, environ)
+    env_vars.update(rlwatch_variables(environ))
     return {"worker_process_setup_hook": HOOK, "env_vars": env_vars}
 
 

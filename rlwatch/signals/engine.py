@@ -18,7 +18,6 @@ CPU; inductor emits C++ there and needs a compiler), ``never``.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import types
@@ -38,7 +37,9 @@ _failed: dict[tuple, str] = {}                               # signature -> why 
 
 def compile_mode(override: str | None = None) -> str:
     """``auto``, ``always`` or ``never`` from ``override`` or ``RLWATCH_COMPILE``."""
-    value = (override or os.environ.get("RLWATCH_COMPILE") or "auto").strip().lower()
+    from ..config import compile_variable
+
+    value = (override or compile_variable() or "auto").strip().lower()
     return {"1": "always", "true": "always", "yes": "always", "0": "never", "false": "never",
             "no": "never"}.get(value, value if value in ("auto", "always", "never") else "auto")
 
