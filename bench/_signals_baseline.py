@@ -822,7 +822,7 @@ def compute(config: SignalConfig | None = None, **fields) -> Values:
 
     config = config or SignalConfig()
     step = fields.pop("step", 0)
-    builder = RecordBuilder(HookErrors(strict=True), group_size=config.group_size)
+    builder = RecordBuilder(HookErrors(strict=True))
     ws = Workspace()
     record = builder.build(step, fields, ws)
     assert record is not None

@@ -128,13 +128,12 @@ def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
 class RecordBuilder:
     """Builds :class:`StepRecord` objects for one run, keeping label caps across steps."""
 
-    def __init__(self, errors: HookErrors, env_cap: int = 64, detector_cap: int = 32, failure_kind_cap: int = 32,
-                 group_size: int | None = None) -> None:
+    def __init__(self, errors: HookErrors, env_cap: int = 64, detector_cap: int = 32,
+                 failure_kind_cap: int = 32) -> None:
         self.errors = errors
         self.envs = LabelRegistry(env_cap)
         self.detectors = LabelRegistry(detector_cap)
         self.failure_kinds = LabelRegistry(failure_kind_cap)
-        self.group_size = group_size      # read by nothing; signals.compute still passes it (issue 14)
 
     def _bad(self, field_name: str, kind: str, message: str) -> None:
         self.errors.report("validate", kind, message, field=field_name)

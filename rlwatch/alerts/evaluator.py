@@ -49,7 +49,9 @@ class AlertEvaluator:
     """Evaluates the alert catalogue per step.
 
     overrides: threshold values for this run ({param: value}); unknown names are reported.
-    guard: callables ``guard(event)`` run (on the training thread) when a critical alert fires.
+    guard: callables ``guard(event)`` run when a critical alert fires, on the thread that evaluates the
+        step: the training thread, rlwatch's step thread with ``Watch(background=True)``, or the stall
+        watchdog's thread for RLWatchTrainerStalled.
     static: values every step carries implicitly (the run's settings, e.g. ``staleness_bound``), as
         Prometheus sees them as gauges next to each step's signals.
     """

@@ -329,9 +329,6 @@ class Workspace:
             self._buffers[name] = buf
         return buf
 
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
 
 # --- mismatch and importance sampling ----------------------------------------------------------
 
@@ -1018,7 +1015,7 @@ def compute(config: SignalConfig | None = None, **fields) -> Values:
 
     config = config or SignalConfig()
     step = fields.pop("step", 0)
-    builder = RecordBuilder(HookErrors(strict=True), group_size=config.group_size)
+    builder = RecordBuilder(HookErrors(strict=True))
     ws = Workspace()
     record = builder.build(step, fields, ws)
     assert record is not None
