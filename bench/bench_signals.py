@@ -143,13 +143,32 @@ def interleaved(runners: dict, rounds: int, device: str, clock=time.perf_counter
 
 
 TINY_SHAPES = ((8, 8), (8, 64), (16, 128), (32, 64))
+#: The last commit before the fused engine: its rlwatch/signals.py is the "before" of --tiny.
+BASELINE_REVISION = "369ad41"
+
+
+def load_baseline(revision: str = BASELINE_REVISION):
+    """rlwatch/signals.py as of ``revision``, read from git (no copy kept in the tree) and loaded as a
+    module of its own next to the installed rlwatch, for timing the two engines in one process."""
+    import types
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shown = subprocess.run(["git", "-C", str(root), "show", f"{revision}:rlwatch/signals.py"],
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"--tiny needs the git history of this checkout (git show {revision}): {shown.stderr.strip()}")
+    module = types.ModuleType("rlwatch_signals_before")
+    sys.modules[module.__name__] = module          # dataclasses look their module up by name
+    source = shown.stdout.replace("from .", "from rlwatch.")
+    exec(compile(source, f"{revision}:rlwatch/signals.py", "exec"), module.__dict__)
+    return module
 
 
 def tiny(args) -> None:
-    """Small steps: the engine before the fused one (bench/_signals_baseline.py) against this one,
+    """Small steps: the engine before the fused one (:func:`load_baseline`) against this one,
     eager and (with --compile) compiled, per-step medians in one process."""
-    sys.path.insert(0, __file__.rsplit("/", 2)[0])
-    from bench import _signals_baseline as baseline
+    baseline = load_baseline()
 
     print(f"small steps, torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
           f"{args.rounds} interleaved rounds of 20 steps; per step: median CPU time of every thread "
