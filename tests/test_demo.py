@@ -103,3 +103,17 @@ def test_demo_with_prometheus_and_alertmanager(tmp_path):
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.servers
+def test_one_verdict_on_a_semantic_fault_with_prometheus(tmp_path):
+    """A second run for the one-verdict check: the temperature fault (critical from step 0 and firing
+    while it lasts, issue 15), where the real Prometheus must again fire exactly what the process fired."""
+    need_binary("prometheus")
+    need_binary("prometheus-alertmanager")
+    result, doc = demo(tmp_path, "--scenario", "temperature_fault", "--with-prometheus")
+    fired = doc["demo"]["prometheus_alerts"]
+    in_process = {a["name"] for a in doc["alerts"] if a["state"] == "firing"}
+    assert "RLWatchOnPolicyRatioNotOne" in in_process, result.stdout[-2000:]
+    assert set(fired) == in_process, (fired, in_process)
+    assert "RLWatchOnPolicyRatioNotOne" in doc["demo"]["alertmanager_alerts"]
