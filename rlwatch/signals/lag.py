@@ -11,11 +11,7 @@ import torch
 from ..metrics import LAG_BUCKETS
 from .pending import Pending, _div
 from .reduce import _constant, _dot, bin_counts, quantile_from_counts
-from .settings import SignalConfig, Workspace
-
-# Lag percentiles and the lag mean are exact up to this many updates; larger lags count as this
-# many (the maximum stays exact).
-_LAG_EXACT_MAX = 4095
+from .settings import LAG_EXACT_MAX, SignalConfig, Workspace
 
 
 def lag_signals(out: Pending, version: torch.Tensor, trainer_version: int, mask: torch.Tensor,
@@ -33,7 +29,7 @@ def lag_signals(out: Pending, version: torch.Tensor, trainer_version: int, mask:
     device = mask.device
     tokens_per_seq = mask.sum(-1) if tokens_per_seq is None else tokens_per_seq   # [B]
     n_mask = tokens_per_seq.sum().double()
-    size = _LAG_EXACT_MAX + 2                                                 # bin k holds lag k - 1
+    size = LAG_EXACT_MAX + 2                                                 # bin k holds lag k - 1
     if version.dim() == 2 and version.shape == mask.shape:
         counts, lag1 = token_lag_counts(version, trainer_version, mask, ws)
         tmp = ws.get("lag_tmp", mask.shape, torch.float32, device)
@@ -58,7 +54,7 @@ def lag_signals(out: Pending, version: torch.Tensor, trainer_version: int, mask:
         counts = bin_counts(idx, size, weights)
         negative = _dot((seq_lag < 0).double(), weights)
         seq_max = torch.where(tokens_per_seq > 0, seq_lag, torch.zeros_like(seq_lag))
-    hist = counts[1:]                                                         # lags 0 .. _LAG_EXACT_MAX
+    hist = counts[1:]                                                         # lags 0 .. LAG_EXACT_MAX
     lag_values = torch.arange(hist.numel(), device=hist.device, dtype=torch.float64)
     lag_sum = _dot(hist, lag_values)
     lag_max = seq_max.amax() if B else torch.zeros((), device=device)
@@ -81,9 +77,9 @@ def lag_signals(out: Pending, version: torch.Tensor, trainer_version: int, mask:
 
 def token_lag_counts(version: torch.Tensor, trainer_version: int, mask: torch.Tensor,
                      ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
-    """Histogram of per-token lag: counts [_LAG_EXACT_MAX + 2] where bin k holds lag k - 1 and bin 0
+    """Histogram of per-token lag: counts [LAG_EXACT_MAX + 2] where bin k holds lag k - 1 and bin 0
     holds off-mask and negative-lag tokens; also returns lag + 1 per token ([B, T], 0 off the mask)."""
-    size = _LAG_EXACT_MAX + 2
+    size = LAG_EXACT_MAX + 2
     lag1 = torch.mul(mask, float(trainer_version) + 1.0, out=ws.get("lag", mask.shape, torch.float32, mask.device))
     lag1.addcmul_(version, mask, value=-1)
     bins = ws.get("lag_bins", mask.shape, torch.int32, mask.device)

@@ -30,7 +30,7 @@ import torch
 from . import settings
 from ..metrics import PROB_BIN_EDGES, PROB_BIN_LABELS
 from .pending import Pending, _div
-from .reduce import (_ABS_FIRST, _ABS_NBINS, _ABS_SHIFT, _abs_bin_values, _dot, bin_counts, masked_quantiles,
+from .reduce import (ABS_FIRST, ABS_NBINS, ABS_SHIFT, _abs_bin_values, _dot, bin_counts, masked_quantiles,
                      quantile_from_counts)
 from .settings import SAFETY_BOUND, SignalConfig, Workspace
 
@@ -248,10 +248,10 @@ def _abs_log_ratio_quantiles(out: Pending, abs_and_valid: torch.Tensor, n: torch
         a32 = abs_r if abs_r.dtype == f32 else abs_r.clamp(max=float(torch.finfo(f32).max)).to(f32)
         bins_out = (spare.view(torch.int32) if spare.dtype == f32
                     else ws.get("bins", abs_r.shape, torch.int32, abs_r.device))
-        bins = torch.bitwise_right_shift(a32.view(torch.int32), _ABS_SHIFT, out=bins_out)   # 0 .. 65535
-        every = bin_counts(bins, 1 << (31 - _ABS_SHIFT))
-        last = _ABS_FIRST + _ABS_NBINS - 2                 # below 2^-40 -> bin 0, from 2^24 -> top bin
-        hist = torch.cat([every[:_ABS_FIRST].sum().reshape(1), every[_ABS_FIRST:last],
+        bins = torch.bitwise_right_shift(a32.view(torch.int32), ABS_SHIFT, out=bins_out)   # 0 .. 65535
+        every = bin_counts(bins, 1 << (31 - ABS_SHIFT))
+        last = ABS_FIRST + ABS_NBINS - 2                 # below 2^-40 -> bin 0, from 2^24 -> top bin
+        hist = torch.cat([every[:ABS_FIRST].sum().reshape(1), every[ABS_FIRST:last],
                           every[last:].sum().reshape(1)])
         hist[0] -= n_all - n.double()
         quantiles = quantile_from_counts(hist, _abs_bin_values(abs_r.device, max_a), n, (0.5, 0.99))

@@ -14,9 +14,9 @@ import torch
 # bits are monotone in the value, and bits >> 15 gives 256 equal-width bins per power of two. A bin's
 # midpoint is within 0.2% of any value in it. The bins span [2^-40, 2^24) nats; smaller values count
 # as 0 and larger ones share the top bin, represented by the exact maximum.
-_ABS_SHIFT = 15
-_ABS_FIRST = (127 - 40) << 8                 # bit-pattern bin of 2^-40
-_ABS_NBINS = ((127 + 24) << 8) - _ABS_FIRST + 2   # + the zero bin and the top bin
+ABS_SHIFT = 15
+ABS_FIRST = (127 - 40) << 8                 # bit-pattern bin of 2^-40
+ABS_NBINS = ((127 + 24) << 8) - ABS_FIRST + 2   # + the zero bin and the top bin
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -114,8 +114,8 @@ def _abs_bin_values(device: torch.device, max_abs: torch.Tensor) -> torch.Tensor
     """Representative value of each |r| bin: 0, the midpoints of [2^-40, 2^24), then the exact max."""
     mids = _ABS_VALUES.get(device)
     if mids is None:
-        k = torch.arange(_ABS_FIRST, _ABS_FIRST + _ABS_NBINS - 1, dtype=torch.int64)
-        edges = (k << _ABS_SHIFT).to(torch.int32).view(torch.float32).to(torch.float64)
+        k = torch.arange(ABS_FIRST, ABS_FIRST + ABS_NBINS - 1, dtype=torch.int64)
+        edges = (k << ABS_SHIFT).to(torch.int32).view(torch.float32).to(torch.float64)
         mids = _ABS_VALUES[device] = ((edges[:-1] + edges[1:]) / 2).to(device)
     zero = torch.zeros(1, dtype=torch.float64, device=device)
     return torch.cat([zero, mids, max_abs.double().reshape(1)])

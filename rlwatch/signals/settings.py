@@ -9,6 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Lag percentiles and the lag mean are exact up to this many updates; larger lags count as this
+# many (the maximum stays exact).
+LAG_EXACT_MAX = 4095
+
 SAFETY_BOUND = 20.0  # |r| clamp before exp, as verl's rollout_corr_helper.SAFETY_BOUND
 
 # Up to this many [B, T] positions per step, |r| quantiles are exact (one sort): on CPU a sort is
@@ -17,8 +21,8 @@ EXACT_QUANTILE_MAX_TOKENS = 8192
 
 
 # Eagerly, steps of up to this many [B, T] positions run the fused function (fewer operations and
-# less Python per step); larger ones the in-place path above, whose scratch buffers are reused across
-# steps (less memory, no page faults). Around 2,048 positions the in-place path becomes the cheaper
+# less Python per step); larger ones the in-place path (mismatch.py, lag.py), whose scratch buffers
+# are reused across steps (less memory, no page faults). Around 2,048 positions the in-place path becomes the cheaper
 # one (CPU time, measured side by side). Once compiled (see :mod:`rlwatch.signals.engine`), the
 # fused function runs at every size.
 FUSED_EAGER_MAX_TOKENS = 1024
