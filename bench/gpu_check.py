@@ -83,16 +83,16 @@ def values_of(fields: dict, device: str, path: str, exact: bool) -> tuple[dict, 
     fields = to_device(fields, device)
     ws = Workspace(compile="always" if path == "compiled" else "never")
     record = RecordBuilder(HookErrors(strict=True)).build(0, fields, ws)
-    saved = signals.EXACT_QUANTILE_MAX_TOKENS, signals.FUSED_EAGER_MAX_TOKENS
-    signals.EXACT_QUANTILE_MAX_TOKENS = 10**12 if exact else -1
-    signals.FUSED_EAGER_MAX_TOKENS = 10**12 if path == "fused" else -1
+    saved = signals.settings.EXACT_QUANTILE_MAX_TOKENS, signals.settings.FUSED_EAGER_MAX_TOKENS
+    signals.settings.EXACT_QUANTILE_MAX_TOKENS = 10**12 if exact else -1
+    signals.settings.FUSED_EAGER_MAX_TOKENS = 10**12 if path == "fused" else -1
     try:
         values = compute_step(record, SignalConfig(), ws)
         if path == "compiled":
             engine.wait()
             values = compute_step(record, SignalConfig(), ws)
     finally:
-        signals.EXACT_QUANTILE_MAX_TOKENS, signals.FUSED_EAGER_MAX_TOKENS = saved
+        signals.settings.EXACT_QUANTILE_MAX_TOKENS, signals.settings.FUSED_EAGER_MAX_TOKENS = saved
     return values, ws.compiled_steps
 
 

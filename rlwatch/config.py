@@ -86,7 +86,7 @@ class WatchConfig:
 
     def signal_config(self) -> Any:
         """The :class:`~rlwatch.signals.SignalConfig` of these options."""
-        from .signals import SignalConfig
+        from .signals.settings import SignalConfig
 
         return SignalConfig(staleness_bound=self.staleness_bound, is_cap=self.is_cap, mis_band=tuple(self.mis_band),
                             reward_bounds=self.reward_bounds, group_size=self.group_size)

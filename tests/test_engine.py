@@ -26,14 +26,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 
 @contextlib.contextmanager
 def patched(**values):
-    saved = {k: getattr(signals, k) for k in values}
+    saved = {k: getattr(signals.settings, k) for k in values}
     for k, v in values.items():
-        setattr(signals, k, v)
+        setattr(signals.settings, k, v)
     try:
         yield
     finally:
         for k, v in saved.items():
-            setattr(signals, k, v)
+            setattr(signals.settings, k, v)
 
 
 def run(fields: dict, *, path: str, exact: bool = True, config: SignalConfig | None = None,
@@ -65,7 +65,7 @@ def _wait_compiled(record, config, ws, exact) -> bool:
     tv = torch.tensor(float(record.trainer_version or 0), dtype=torch.float64, device=mask.device)
     version = record.version.contiguous() if lag else None
     args = (mask, record.trainer_logp if mismatch else None, record.sampler_logp if mismatch else None,
-            version, tv if lag else None, *signals._fused_constants(config, mask.device))
+            version, tv if lag else None, *signals.step._fused_constants(config, mask.device))
     if engine.signature(args, exact) is None:
         return False
     engine.run(args, exact, "always", eager=False, wait=True)

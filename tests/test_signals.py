@@ -23,11 +23,11 @@ from .conftest import make_step
 @contextlib.contextmanager
 def histogram_quantiles():
     """|r| quantiles from the histogram, as on steps of more than EXACT_QUANTILE_MAX_TOKENS positions."""
-    saved, signals.EXACT_QUANTILE_MAX_TOKENS = signals.EXACT_QUANTILE_MAX_TOKENS, 0
+    saved, signals.settings.EXACT_QUANTILE_MAX_TOKENS = signals.settings.EXACT_QUANTILE_MAX_TOKENS, 0
     try:
         yield
     finally:
-        signals.EXACT_QUANTILE_MAX_TOKENS = saved
+        signals.settings.EXACT_QUANTILE_MAX_TOKENS = saved
 
 
 def scalar(values, name, labels=()):

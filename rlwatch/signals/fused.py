@@ -8,7 +8,8 @@ It has no host synchronisation, no data-dependent shape and no Python branch on 
 ``torch.compile(token_core, fullgraph=True, dynamic=True)`` traces it without a graph break, and
 inductor fuses its elementwise passes and reductions into a few kernels. Eagerly it is also the
 cheapest path for small steps (fewer, larger operations than the in-place path of
-:mod:`rlwatch.signals`). Histograms use integer counts (int64 scatter-adds, never float atomics).
+:mod:`rlwatch.signals.mismatch` and :mod:`rlwatch.signals.lag`). Histograms use integer counts
+(int64 scatter-adds, never float atomics).
 
 Shapes: ``mask`` [B, T] float32 0/1; log-probs [B, T] any float dtype; ``version`` [B, T], [B]
 or [B, 2]. Thresholds arrive as small tensors (not Python numbers) so that a new configuration
@@ -19,11 +20,9 @@ from __future__ import annotations
 
 import torch
 
-SAFETY_BOUND = 20.0
-ABS_SHIFT = 15
-ABS_FIRST = (127 - 40) << 8
-ABS_NBINS = ((127 + 24) << 8) - ABS_FIRST + 2
-LAG_EXACT_MAX = 4095
+from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT
+from .settings import LAG_EXACT_MAX, SAFETY_BOUND
+
 LAG_SIZE = LAG_EXACT_MAX + 2            # bin k holds lag k - 1; bin 0 off-mask and negative lags
 
 #: Names of the mismatch block, in order (``band`` entries follow: |r| sum and tokens per band).
@@ -98,80 +97,16 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
 
     trainer_version: 0-d float64. thresholds: float64 [11] = (C - 1, 1/C - 1, low - 1, high - 1,
     log 0.1, log 0.5, log 0.9 (the probability band edges, any number of them), log C, -log C,
-    log low, log high) where C is the TIS cap and [low, high] the MIS band. abs_mids: float64 midpoints of the |r| histogram bins; bucket_index:
-    int64 lags at the histogram bucket bounds; qs: float64 (0.5, 0.99). ``exact_quantiles`` picks a
+    log low, log high) where C is the TIS cap and [low, high] the MIS band. abs_mids: float64
+    midpoints of the |r| histogram bins; bucket_index: int64 lags at the histogram bucket bounds; qs: float64 (0.5, 0.99). ``exact_quantiles`` picks a
     sort for |r| quantiles (small steps) instead of the bit-pattern histogram; ``over_from`` (0-d float64) is
     the smallest lag above the staleness bound.
     """
-    B, T = mask.shape
-    n_all = B * T
-    device = mask.device
     per_seq = mask.sum(-1)                                                    # [B] float32
     tokens = per_seq.sum()
     parts: list[torch.Tensor] = [tokens.double().reshape(1)]
     if trainer_logp is not None and sampler_logp is not None:
-        work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
-        r = trainer_logp.to(work) - sampler_logp.to(work)
-        finite = torch.isfinite(r)
-        valid = (mask * finite).to(work)                                      # masked and finite: 0/1
-        r = torch.where(finite, r, 0.0) * mask                                # 0 off the valid set
-        a = r.abs()
-        max_a = a.amax() if n_all else torch.zeros((), dtype=work, device=device)
-        em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1()                    # w - 1, 0 off the valid set
-        thr = thresholds.to(work)
-        em1_t = torch.minimum(em1, thr[0])                                    # min(w, C) - 1
-        s = (sampler_logp * valid).to(work)
-        s = torch.where(torch.isfinite(s), s, 0.0)                            # log mu on valid tokens
-        # Per-token columns reduced together: one pass over the tokens once compiled.
-        sums = _sums([valid, r, r * r, a, em1 - r, em1, em1 * em1, em1_t, em1_t * em1_t, r * s, s * s, s])
-        # w against the four IS thresholds (exact, strict): sign of w - 1 - t for each t.
-        dist = em1.unsqueeze(0) - thr[:4].reshape(4, *([1] * em1.dim()))
-        above, below = (dist > 0).sum((1, 2)), (dist < 0).sum((1, 2))
-        # Sampler-probability bands: band k holds log mu in [edge k-1, edge k).
-        edges = thr[4:-4]
-        band = (s.unsqueeze(-1) >= edges).sum(-1, keepdim=True)               # [B, T, 1] 0 .. bands-1
-        one_hot = band == torch.arange(edges.numel() + 1, device=device)      # [B, T, bands]
-        band_sums = (torch.stack([a, valid], -1).unsqueeze(-1) * one_hot.unsqueeze(-2)).sum((0, 1))   # [2, bands]
-        # Sequence level: s_b = sum_t r over sequences with at least one valid token.
-        seq_r = r.sum(-1).double()
-        has = (valid.sum(-1) > 0).double()
-        seq_abs = seq_r.abs()
-        seq_dist = seq_r.unsqueeze(0) - thresholds[-4:].unsqueeze(-1)         # s_b - (log C, -log C, log lo, log hi)
-        terms = torch.cat([torch.stack([has, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))]),
-                           (seq_dist > 0).double(), (seq_dist < 0).double()])
-        seq_sums = (terms * has).sum(-1)                                      # [11]
-        seq_max = (seq_abs * has).amax() if B else seq_abs.sum()
-        n = sums[0]
-        # |r| quantiles: a sort on small steps, else the float32 bit-pattern histogram.
-        if exact_quantiles or n_all == 0:
-            if n_all == 0:
-                q = torch.full((2,), torch.nan, dtype=torch.float64, device=device)
-            else:
-                ordered = torch.where(valid.reshape(-1) > 0, a.reshape(-1), torch.inf).sort().values
-                lo, hi, frac = _quantiles(n, qs)
-                v = ordered[torch.stack([lo, hi]).long()].double()
-                q = torch.where(n > 0, v[0] + frac * (v[1] - v[0]), torch.nan)
-        else:
-            a32 = a if work == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).float()
-            bins = torch.bitwise_right_shift(a32.view(torch.int32), ABS_SHIFT)            # 0 .. 65535
-            every = _count_into(torch.zeros(1 << (31 - ABS_SHIFT), dtype=torch.int64, device=device), bins)
-            last = ABS_FIRST + ABS_NBINS - 2
-            hist = torch.cat([every[:ABS_FIRST].sum().reshape(1), every[ABS_FIRST:last], every[last:].sum().reshape(1)])
-            hist = torch.cat([hist[:1] - (n_all - n.double()).round().long(), hist[1:]])   # bin 0: off-set zeros
-            values = torch.cat([torch.zeros(1, dtype=torch.float64, device=device), abs_mids,
-                                max_a.double().reshape(1)])
-            q = _from_counts(hist.double().cumsum(0), values, n, qs)
-        # Smallest and largest r over the valid tokens (the importance ratio's min and max, exp on the host).
-        if n_all:
-            keep = valid > 0
-            r_range = torch.stack([torch.where(keep, r, torch.inf).amin(), torch.where(keep, r, -torch.inf).amax()])
-        else:
-            r_range = torch.zeros(2, dtype=work, device=device)
-        counts = torch.stack([above[0], below[1], below[2], above[3]])        # high, low, mis below/above
-        # torch.cat promotes every part to float64 (exactly: float32 and int64 counts fit).
-        parts += [(tokens - n).reshape(1), sums[:4], max_a.reshape(1), sums[4:9], counts, sums[9:],
-                  seq_sums[:4], seq_sums[8:9], seq_sums[6:7] + seq_sums[9:10], seq_max.reshape(1), q, r_range,
-                  band_sums.t().reshape(-1)]
+        parts += _mismatch_block(mask, trainer_logp, sampler_logp, tokens, thresholds, abs_mids, qs, exact_quantiles)
     if version is not None:
         parts.append(_lag_block(version, trainer_version, mask, per_seq, bucket_index, qs, over_from))
     # 1 when this ran as compiled code, 0 eagerly (a guard that fails on the step's thread runs eagerly).
@@ -222,3 +157,81 @@ def _lag_block(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch
     p99 = _from_counts(cum, lag_values, n_ok, qs[1:])
     return torch.cat([negative.reshape(1), lag_sums[:1], lag_max.reshape(1), n_ok.reshape(1), lag_sums[1:], seq_sums,
                       p99, cum[bucket_index]])
+
+
+def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
+                    tokens: torch.Tensor, thresholds: torch.Tensor, abs_mids: torch.Tensor, qs: torch.Tensor,
+                    exact_quantiles: bool) -> list[torch.Tensor]:
+    """The mismatch block of :func:`token_core` (``MISMATCH_FIELDS`` then the bands), as parts."""
+    B, T = mask.shape
+    n_all = B * T
+    device = mask.device
+    work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
+    r = trainer_logp.to(work) - sampler_logp.to(work)
+    finite = torch.isfinite(r)
+    valid = (mask * finite).to(work)                                      # masked and finite: 0/1
+    r = torch.where(finite, r, 0.0) * mask                                # 0 off the valid set
+    a = r.abs()
+    max_a = a.amax() if n_all else torch.zeros((), dtype=work, device=device)
+    em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1()                    # w - 1, 0 off the valid set
+    thr = thresholds.to(work)
+    em1_t = torch.minimum(em1, thr[0])                                    # min(w, C) - 1
+    s = (sampler_logp * valid).to(work)
+    s = torch.where(torch.isfinite(s), s, 0.0)                            # log mu on valid tokens
+    # Per-token columns reduced together: one pass over the tokens once compiled.
+    sums = _sums([valid, r, r * r, a, em1 - r, em1, em1 * em1, em1_t, em1_t * em1_t, r * s, s * s, s])
+    # w against the four IS thresholds (exact, strict): sign of w - 1 - t for each t.
+    dist = em1.unsqueeze(0) - thr[:4].reshape(4, *([1] * em1.dim()))
+    above, below = (dist > 0).sum((1, 2)), (dist < 0).sum((1, 2))
+    # Sampler-probability bands: band k holds log mu in [edge k-1, edge k).
+    edges = thr[4:-4]
+    band = (s.unsqueeze(-1) >= edges).sum(-1, keepdim=True)               # [B, T, 1] 0 .. bands-1
+    one_hot = band == torch.arange(edges.numel() + 1, device=device)      # [B, T, bands]
+    band_sums = (torch.stack([a, valid], -1).unsqueeze(-1) * one_hot.unsqueeze(-2)).sum((0, 1))   # [2, bands]
+    # Sequence level: s_b = sum_t r over sequences with at least one valid token.
+    seq_r = r.sum(-1).double()
+    has = (valid.sum(-1) > 0).double()
+    seq_abs = seq_r.abs()
+    seq_dist = seq_r.unsqueeze(0) - thresholds[-4:].unsqueeze(-1)         # s_b - (log C, -log C, log lo, log hi)
+    terms = torch.cat([torch.stack([has, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))]),
+                       (seq_dist > 0).double(), (seq_dist < 0).double()])
+    seq_sums = (terms * has).sum(-1)                                      # [11]
+    seq_max = (seq_abs * has).amax() if B else seq_abs.sum()
+    n = sums[0]
+    q = _abs_quantiles(a, valid, n, max_a, abs_mids, qs, exact_quantiles or n_all == 0)
+    # Smallest and largest r over the valid tokens (the importance ratio's min and max, exp on the host).
+    if n_all:
+        keep = valid > 0
+        r_range = torch.stack([torch.where(keep, r, torch.inf).amin(), torch.where(keep, r, -torch.inf).amax()])
+    else:
+        r_range = torch.zeros(2, dtype=work, device=device)
+    counts = torch.stack([above[0], below[1], below[2], above[3]])        # high, low, mis below/above
+    # torch.cat promotes every part to float64 (exactly: float32 and int64 counts fit).
+    return [(tokens - n).reshape(1), sums[:4], max_a.reshape(1), sums[4:9], counts, sums[9:],
+            seq_sums[:4], seq_sums[8:9], seq_sums[6:7] + seq_sums[9:10], seq_max.reshape(1), q, r_range,
+            band_sums.t().reshape(-1)]
+
+
+def _abs_quantiles(a: torch.Tensor, valid: torch.Tensor, n: torch.Tensor, max_a: torch.Tensor,
+                   abs_mids: torch.Tensor, qs: torch.Tensor, exact_quantiles: bool) -> torch.Tensor:
+    """|r| quantiles [Q] float64: a sort on small steps, else the float32 bit-pattern histogram."""
+    n_all, device, work = a.numel(), a.device, a.dtype
+    if exact_quantiles:
+        if n_all == 0:
+            q = torch.full((2,), torch.nan, dtype=torch.float64, device=device)
+        else:
+            ordered = torch.where(valid.reshape(-1) > 0, a.reshape(-1), torch.inf).sort().values
+            lo, hi, frac = _quantiles(n, qs)
+            v = ordered[torch.stack([lo, hi]).long()].double()
+            q = torch.where(n > 0, v[0] + frac * (v[1] - v[0]), torch.nan)
+    else:
+        a32 = a if work == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).float()
+        bins = torch.bitwise_right_shift(a32.view(torch.int32), ABS_SHIFT)            # 0 .. 65535
+        every = _count_into(torch.zeros(1 << (31 - ABS_SHIFT), dtype=torch.int64, device=device), bins)
+        last = ABS_FIRST + ABS_NBINS - 2
+        hist = torch.cat([every[:ABS_FIRST].sum().reshape(1), every[ABS_FIRST:last], every[last:].sum().reshape(1)])
+        hist = torch.cat([hist[:1] - (n_all - n.double()).round().long(), hist[1:]])   # bin 0: off-set zeros
+        values = torch.cat([torch.zeros(1, dtype=torch.float64, device=device), abs_mids,
+                            max_a.double().reshape(1)])
+        q = _from_counts(hist.double().cumsum(0), values, n, qs)
+    return q
