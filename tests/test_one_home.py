@@ -1,0 +1,60 @@
+"""Issue 14, part C: one home per fact (one producer per series, one override validator, one
+annotation renderer, one ``le`` format) and no import circle inside a subpackage."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import rlwatch
+
+PACKAGE = Path(rlwatch.__file__).parent
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Modules of ``rlwatch.<package>`` that the file imports (at any depth, lazily or not)."""
+    here = f"rlwatch.{package}"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                base = here + (f".{node.module}" if node.module else "")
+            elif node.level == 0 and node.module:
+                base = node.module
+            else:
+                continue
+            names = [base] if node.module else [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n.startswith(here + ".") and n != f"{here}.__init__")
+    return found
+
+
+def _cycle(package: str) -> list[str] | None:
+    files = {f"rlwatch.{package}.{p.stem}": p for p in (PACKAGE / package).glob("*.py") if p.stem != "__init__"}
+    graph = {mod: _imports(path, package) & set(files) for mod, path in files.items()}
+    state: dict[str, int] = {}
+
+    def visit(mod: str, trail: list[str]) -> list[str] | None:
+        state[mod] = 1
+        for nxt in sorted(graph[mod]):
+            if state.get(nxt) == 1:
+                return trail + [mod, nxt]
+            if nxt not in state and (found := visit(nxt, trail + [mod])):
+                return found
+        state[mod] = 2
+        return None
+
+    for mod in sorted(graph):
+        if mod not in state and (found := visit(mod, [])):
+            return found
+    return None
+
+
+@pytest.mark.parametrize("package", ["hacks"])
+def test_no_import_circle_inside_the_subpackage(package):
+    assert _cycle(package) is None
