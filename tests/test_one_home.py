@@ -58,3 +58,29 @@ def _cycle(package: str) -> list[str] | None:
 @pytest.mark.parametrize("package", ["hacks"])
 def test_no_import_circle_inside_the_subpackage(package):
     assert _cycle(package) is None
+
+
+def test_prometheus_and_opentelemetry_write_the_same_le_labels():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from prometheus_client import CollectorRegistry
+
+    from rlwatch.exporters.prometheus import RLWatchCollector
+
+    from .conftest import make_step
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    with rlwatch.Watch(run="le", port=None, store=None, otel=provider, alerts=False) as watch:
+        watch.observe(0, **make_step())
+        otel = {point.attributes["le"]: point.value
+                for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+                for metric in sm.metrics if metric.name == "rlwatch_token_version_lag_tokens"
+                for point in metric.data.data_points}
+        registry = CollectorRegistry()
+        registry.register(RLWatchCollector(watch.state))
+        prom = {s.labels["le"]: s.value for family in registry.collect() for s in family.samples
+                if s.name == "rlwatch_token_version_lag_bucket"}
+    provider.shutdown()
+    assert "1.0" in prom and "+Inf" in prom
+    assert otel == prom

@@ -26,8 +26,9 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric)
 
 from ..errors import PortInUseError
-from ..metrics import CATALOGUE, LAG_BUCKETS
+from ..metrics import CATALOGUE
 from ..state import MetricState
+from . import le_labels
 
 logger = logging.getLogger("rlwatch")
 
@@ -68,7 +69,7 @@ class RLWatchCollector:
                     continue
                 counts, total = hist
                 cumulative, running = [], 0.0
-                for bound, count in zip([str(float(b)) for b in LAG_BUCKETS] + ["+Inf"], counts):
+                for bound, count in zip(le_labels(), counts):
                     running += count
                     cumulative.append((bound, running))
                 metric = HistogramMetricFamily(spec.full_name, spec.help, labels=labels)
