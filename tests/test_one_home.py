@@ -84,3 +84,22 @@ def test_prometheus_and_opentelemetry_write_the_same_le_labels():
     provider.shutdown()
     assert "1.0" in prom and "+Inf" in prom
     assert otel == prom
+
+
+def test_alert_overrides_are_validated_once_the_same_way_by_every_reader():
+    from rlwatch.alerts.catalogue import PARAMS, thresholds
+    from rlwatch.alerts.evaluator import AlertEvaluator
+    from rlwatch.alerts.windows import AlertWindows
+
+    overrides = {"kl_k3_max": "0.5", "ess_min": "high", "nope": 1.0}
+    expected = {**{name: p.default for name, p in PARAMS.items()}, "kl_k3_max": 0.5}
+    assert thresholds(overrides) == expected
+    assert AlertWindows(overrides).params == expected
+    evaluator = AlertEvaluator("r1", overrides=overrides, watchdog_interval=0)
+    evaluator.close()
+    assert evaluator.params == expected
+    assert evaluator.errors.counts[("alerts", "unknown_param")] == 2
+    with rlwatch.Watch(run="o", port=None, store=None, alert_overrides=overrides) as watch:
+        exported = {labels[0]: v for labels, v in watch.state.snapshot().gauges["alert_threshold"].items()}
+    assert exported == expected
+    assert watch.errors.counts[("alerts", "unknown_param")] == 2      # reported once, where the run starts

@@ -18,7 +18,7 @@ from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import HookErrors
-from .catalogue import ALERT_LABELS, ALERTS, BY_NAME, PARAMS, Alert, History, defaults, stalled
+from .catalogue import ALERT_LABELS, ALERTS, BY_NAME, Alert, History, stalled, thresholds
 from .notify import AlertEvent, Dispatcher, log_event
 from .windows import HISTORY_STEPS, AlertWindows, firing_keys
 
@@ -63,13 +63,8 @@ class AlertEvaluator:
         self.run = run
         self.store = store
         self.errors = errors or HookErrors()
-        self.params = defaults()
-        for name, value in dict(overrides).items():
-            if name not in PARAMS:
-                self.errors.report("alerts", "unknown_param", f"no alert parameter {name!r}",
-                                   raise_in_strict=False)
-                continue
-            self.params[name] = float(value)
+        self.params = thresholds(overrides, lambda message: self.errors.report(
+            "alerts", "unknown_param", message, raise_in_strict=False))
         alerts = list(alerts)
         self.alerts = [a for a in alerts if a.condition is not None]
         self._names = {a.name for a in self.alerts}
