@@ -103,3 +103,41 @@ def test_alert_overrides_are_validated_once_the_same_way_by_every_reader():
         exported = {labels[0]: v for labels, v in watch.state.snapshot().gauges["alert_threshold"].items()}
     assert exported == expected
     assert watch.errors.counts[("alerts", "unknown_param")] == 2      # reported once, where the run starts
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (0, "0s"), (0.1, "100ms"), (0.0001234, "123.4us"), (1, "1s"), (1.2345, "1.234s"), (42.5, "42.5s"),
+    (60, "1m 0s"), (960, "16m 0s"), (3600, "1h 0m 0s"), (3725, "1h 2m 5s"), (86400 + 3600 + 61, "1d 1h 1m 1s"),
+    (-3600, "-1h 0m 0s"), (float("nan"), "NaN"), (float("inf"), "+Inf")])
+def test_humanize_duration_is_prometheus(seconds, text):
+    """Prometheus' template tests (prometheus/template/template_test.go) for humanizeDuration."""
+    from rlwatch.alerts.template import humanize_duration
+
+    assert humanize_duration(seconds) == text
+
+
+@pytest.mark.parametrize("value, text", [(0.1, "0.1"), (100000.0, "100000"), (1e6, "1e+06"), (123456789.0, "1.23456789e+08"),
+                                         (1e-05, "1e-05"), (0.0001, "0.0001"), (2.0, "2"), (float("-inf"), "-Inf")])
+def test_plain_value_is_go_percent_v(value, text):
+    from rlwatch.alerts.template import go_float
+
+    assert go_float(value) == text
+
+
+def test_the_in_process_stall_event_reads_as_prometheus_and_promtool_expect():
+    """The evaluator's event text is the annotation the generated promtool test expects (and promtool
+    checks that against Prometheus' own rendering in tests/test_alert_rules.py)."""
+    from rlwatch.alerts.catalogue import BY_NAME
+    from rlwatch.alerts.evaluator import AlertEvaluator
+
+    from .test_alert_rules import example_steps
+
+    alert = BY_NAME["RLWatchTrainerStalled"]
+    evaluator = AlertEvaluator("r1", watchdog_interval=0, clock=lambda: 16 * 60.0)
+    evaluator.on_step(0, example_steps(alert)[0][1])
+    evaluator.check_stalled()
+    (event,) = evaluator.firing()
+    evaluator.close()
+    assert event.description == "Run r1: no step for 16m 0s."
+    promtool_test = (Path(rlwatch.__file__).parents[1] / "alerts" / "rlwatch-rules.test.yaml").read_text()
+    assert f'description: "{event.description}"' in promtool_test

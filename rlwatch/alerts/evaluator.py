@@ -20,29 +20,13 @@ from typing import Any, Callable, Iterable, Mapping
 from ..errors import HookErrors
 from .catalogue import ALERT_LABELS, ALERTS, BY_NAME, Alert, History, stalled, thresholds
 from .notify import AlertEvent, Dispatcher, log_event
+from .template import render
 from .windows import HISTORY_STEPS, AlertWindows, firing_keys
 
 LabelKey = tuple[tuple[str, str], ...]
 
 #: Alert events an evaluator keeps in memory.
 EVENTS_KEPT = 1000
-
-
-def render(template: str, labels: Mapping[str, str], value: float | None) -> str:
-    """Fill the catalogue's annotation templates ({{ $labels.x }}, {{ $value | ... }})."""
-    import re
-
-    def value_text(fmt: str) -> str:
-        if value is None:
-            return "n/a"
-        if "humanizePercentage" in fmt:
-            return f"{value * 100:.4g}%"
-        if "humanizeDuration" in fmt:
-            return f"{value:.0f}s"
-        return f"{value:.4g}"
-
-    out = re.sub(r"\{\{\s*\$labels\.(\w+)\s*\}\}", lambda m: str(labels.get(m.group(1), "")), template)
-    return re.sub(r"\{\{\s*\$value([^}]*)\}\}", lambda m: value_text(m.group(1)), out)
 
 
 class AlertEvaluator:
