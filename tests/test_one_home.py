@@ -141,3 +141,27 @@ def test_the_in_process_stall_event_reads_as_prometheus_and_promtool_expect():
     assert event.description == "Run r1: no step for 16m 0s."
     promtool_test = (Path(rlwatch.__file__).parents[1] / "alerts" / "rlwatch-rules.test.yaml").read_text()
     assert f'description: "{event.description}"' in promtool_test
+
+
+def test_health_is_folded_once_per_scrape(monkeypatch):
+    from prometheus_client import generate_latest
+
+    from rlwatch.lifecycle import Health
+
+    from .conftest import make_step
+
+    folds = []
+    fold = Health.fold
+    monkeypatch.setattr(Health, "fold", lambda self: (folds.append(1), fold(self)))
+    with rlwatch.Watch(run="fold", port=None, store=None, alerts=False) as watch:
+        watch.observe(0, **make_step())
+        folds.clear()
+        body, _, _ = watch.services.exposition.render()
+        assert len(folds) == 1 and body.startswith(b"# HELP")
+        watch.observe(1, **make_step())
+        folds.clear()
+        watch.services.exposition.render("application/openmetrics-text")
+        assert len(folds) == 1
+        folds.clear()
+        generate_latest(watch.services.registry)       # a push or a user's own generate_latest: folded too
+        assert len(folds) == 1

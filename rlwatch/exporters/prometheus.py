@@ -32,16 +32,20 @@ from . import le_labels
 
 logger = logging.getLogger("rlwatch")
 
+#: Set on a thread while :class:`CachedExposition` renders: it already folded rlwatch's own health
+#: into the state for this scrape, so the collector does not fold it a second time.
+_FOLDED = threading.local()
+
 
 class RLWatchCollector:
     """A prometheus_client collector over a :class:`MetricState`."""
 
     def __init__(self, state: MetricState, extra: Callable[[], None] | None = None) -> None:
         self.state = state
-        self._refresh = extra  # called before each snapshot (folds in hook error totals)
+        self._refresh = extra  # folds in hook error totals before each snapshot, unless the scrape already did
 
     def collect(self) -> Iterable[Metric]:
-        if self._refresh is not None:
+        if self._refresh is not None and not getattr(_FOLDED, "active", False):
             self._refresh()
         snap = self.state.snapshot()
         run = snap.run
@@ -229,7 +233,11 @@ class CachedExposition:
             version = self.state.version if self.state is not None else None
             cached = self._cached.get(content_type)
             if version is None or cached is None or cached[0] != version:
-                text = self._generate(encoder)
+                _FOLDED.active = self.refresh is not None
+                try:
+                    text = self._generate(encoder)
+                finally:
+                    _FOLDED.active = False
                 cached = (version if version is not None else -1, text, gzip.compress(text, 5))
                 self._cached[content_type] = cached
             return cached[1], cached[2], content_type
