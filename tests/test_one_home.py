@@ -165,3 +165,27 @@ def test_health_is_folded_once_per_scrape(monkeypatch):
         folds.clear()
         generate_latest(watch.services.registry)       # a push or a user's own generate_latest: folded too
         assert len(folds) == 1
+
+
+def test_hack_ratio_is_one_fact_over_both_sources_of_verdicts():
+    """The step's ``hacked`` flags and a detector judging the same (env, detector): the counters add
+    up, and env_hack_ratio is hacked/judged of those counters (the detector's verdicts alone used to
+    replace it)."""
+    import torch
+
+    from rlwatch import hacks
+
+    from .conftest import make_step
+
+    step = make_step(B=4, T=4, envs=("math",))
+    step["hacked"] = {"v": torch.tensor([True, False, False, False])}
+    episodes = [{"reward": 1.0, "response": f"r{i}", "prompt": "p"} for i in range(4)]
+    detectors = [hacks.Detector("v", lambda ep: (True, "always"))]
+    with rlwatch.Watch(run="h", port=None, store=None, alerts=False, hack_detectors=detectors) as watch:
+        watch.observe(0, **step, episodes=episodes)
+        watch.hacks.flush()
+        values = watch.observe(1, **step)
+        watch.flush()
+    assert values["episodes_judged_total"][("math", "v")] == 8
+    assert values["episodes_hacked_total"][("math", "v")] == 5
+    assert values["env_hack_ratio"][("math", "v")] == 5 / 8

@@ -13,7 +13,7 @@ work instead. A detector that hangs holds up its worker; the queue then fills an
 are dropped and counted, the trainer never waits, and nothing waits for the worker at exit.
 ``collect()`` hands the verdicts finished since the last call to the Watch, which exports them
 with the next step: ``episodes_judged_total`` / ``episodes_hacked_total`` per environment and
-detector and ``env_hack_ratio`` over the judged episodes. A few flagged episodes are kept (text
+detector (the step pipeline derives ``env_hack_ratio`` from them, rlwatch.pipeline.derive_hack_ratios). A few flagged episodes are kept (text
 truncated) for the post-mortem.
 
 The batch-level reward/length detector is a per-environment signal computed with the other
@@ -163,7 +163,7 @@ class HackMonitor:
             self._done += 1
 
     def collect(self) -> dict[str, dict[tuple[str, ...], float]] | None:
-        """Verdicts finished since the last call, as step values (None when there are none)."""
+        """Counts of the verdicts finished since the last call, as step values (None when there are none)."""
         with self._lock:
             judged, hacked = self._judged, self._hacked
             self._judged, self._hacked = {}, {}
@@ -174,7 +174,6 @@ class HackMonitor:
         return {
             "episodes_judged_total": {(env, det): n for (env, det), n in judged.items()},
             "episodes_hacked_total": {(env, det): hacked.get((env, det), 0.0) for env, det in judged},
-            "env_hack_ratio": {(env, det): hacked.get((env, det), 0.0) / n for (env, det), n in judged.items()},
         }
 
     def take_examples(self) -> list[Example]:
