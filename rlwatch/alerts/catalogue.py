@@ -38,8 +38,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 #: the runbook every rlwatch exporter serves (the copy shipped in the package); RLWATCH_RUNBOOK_URL
-#: overrides it (rlwatch.alerts.render.runbook_base)
+#: overrides it (runbook_base)
 RUNBOOK_BASE = "http://127.0.0.1:9400/runbook"
+
+
+def runbook_base(explicit: str | None = None) -> str:
+    """The runbook's base URL: ``explicit``, else $RLWATCH_RUNBOOK_URL, else :data:`RUNBOOK_BASE`."""
+    from ..config import runbook_url
+
+    return runbook_url(explicit, RUNBOOK_BASE)
 
 
 @dataclass(frozen=True)
@@ -248,8 +255,6 @@ class Alert:
 
     @property
     def runbook_url(self) -> str:
-        from .render import runbook_base
-
         return f"{runbook_base()}#{self.name.lower()}"
 
     @property
@@ -899,5 +904,5 @@ def thresholds(overrides: Mapping[str, Any] = (),
 
 
 __all__ = ["ALERTS", "ALERT_LABELS", "BY_NAME", "PARAMS", "RECORDING_RULES", "Alert", "Example", "History",
-           "Runbook", "StepExample", "Verdicts", "defaults", "evaluate", "stalled", "threshold", "thresholds",
+           "Runbook", "StepExample", "runbook_base", "Verdicts", "defaults", "evaluate", "stalled", "threshold", "thresholds",
            "valid_overrides", "wilson_lower"]
