@@ -210,6 +210,8 @@ class CachedExposition:
                     self.on_error(exc)
                 except Exception:  # noqa: BLE001
                     pass
+            if self.refresh is not None:             # the error just counted is served with this scrape
+                self.refresh()
         parts = []
         for metric in self.registry.collect():      # family by family: serve all that render
             try:
