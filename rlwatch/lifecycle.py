@@ -45,17 +45,10 @@ def export_alert_thresholds(state: MetricState, errors: HookErrors,
                             overrides: Mapping[str, float]) -> dict[str, float]:
     """Validate the run's alert overrides and export every threshold in force, so that the
     Prometheus rules read this run's values (``rlwatch_alert_threshold{param}``)."""
-    from .alerts.catalogue import PARAMS
+    from .alerts.catalogue import PARAMS, valid_overrides
 
-    clean = {}
-    for name, value in overrides.items():
-        try:
-            if name not in PARAMS:
-                raise KeyError(name)
-            clean[name] = float(value)
-        except (KeyError, TypeError, ValueError):
-            errors.report("alerts", "unknown_param", f"ignored alert override {name!r}={value!r} (known: "
-                          f"{', '.join(PARAMS)})", raise_in_strict=False)
+    clean = valid_overrides(overrides, lambda message: errors.report("alerts", "unknown_param", message,
+                                                                     raise_in_strict=False))
     for name, param in PARAMS.items():
         state.set_gauge("alert_threshold", clean.get(name, param.default), (name,))
     return clean

@@ -92,6 +92,7 @@ class StepPipeline:
     def derive(self, step: int, values: Values, timing: StepTiming) -> None:
         if self.hacks is not None:
             guard(self.errors, "hacks", None, lambda: merge_verdicts(values, self.hacks.collect()))
+        derive_hack_ratios(values)
         values["hook_compute_seconds"] = {(): timing.compute}
         values["hook_compute_seconds_total"] = {(): timing.compute}
         values["last_step_timestamp_seconds"] = {(): timing.now}
@@ -125,13 +126,25 @@ class StepPipeline:
 
 
 def merge_verdicts(values: Values, verdicts: Mapping[str, Mapping[tuple, float]] | None) -> None:
-    """Add the hack detectors' families to the step's values: ``*_total`` counters add up with the
-    step's own per-environment counts, gauges replace them."""
+    """Add the hack detectors' counts (``episodes_judged_total``/``episodes_hacked_total`` per
+    environment and detector, :meth:`HackMonitor.collect`) to the step's own counts from its
+    ``hacked`` flags."""
     for name, family in (verdicts or {}).items():
         merged = values.setdefault(name, {})
-        counter = name.endswith("_total")
         for labels, value in family.items():
-            merged[labels] = (merged.get(labels) or 0.0) + value if counter else value
+            merged[labels] = (merged.get(labels) or 0.0) + value
+
+
+def derive_hack_ratios(values: Values) -> None:
+    """``env_hack_ratio`` = episodes hacked / episodes judged in this step, per environment and
+    detector, over both sources of verdicts (the step's ``hacked`` flags and the detectors); its one
+    definition, consistent with the two counters it divides (None when nothing was judged)."""
+    judged = values.get("episodes_judged_total")
+    if not judged:
+        return
+    hacked = values.get("episodes_hacked_total", {})
+    values["env_hack_ratio"] = {labels: ((hacked.get(labels) or 0.0) / n if n else None)
+                                for labels, n in judged.items()}
 
 
 def report_value_errors(errors: HookErrors, values: Values, group_size: int | None) -> None:

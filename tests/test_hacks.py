@@ -92,7 +92,7 @@ def test_register_decorator_env_selection_and_sampling():
     det = hacks.REGISTRY["unit_short_answer"]
     assert det.applies_to("math") and not det.applies_to("code")
     sampled = hacks.register("unit_judge", lambda ep: True, sample_rate=0.05)
-    from rlwatch.hacks.monitor import sampled as is_sampled
+    from rlwatch.hacks.judge import sampled as is_sampled
     picks = sum(is_sampled(sampled, Episode(step=s, index=i)) for s in range(40) for i in range(100))
     assert 100 < picks < 300                                     # ~5% of 4000, deterministic
     assert picks == sum(is_sampled(sampled, Episode(step=s, index=i)) for s in range(40) for i in range(100))

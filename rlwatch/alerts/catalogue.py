@@ -35,11 +35,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 #: the runbook every rlwatch exporter serves (the copy shipped in the package); RLWATCH_RUNBOOK_URL
-#: overrides it (rlwatch.alerts.render.runbook_base)
+#: overrides it (runbook_base)
 RUNBOOK_BASE = "http://127.0.0.1:9400/runbook"
+
+
+def runbook_base(explicit: str | None = None) -> str:
+    """The runbook's base URL: ``explicit``, else $RLWATCH_RUNBOOK_URL, else :data:`RUNBOOK_BASE`."""
+    from ..config import runbook_url
+
+    return runbook_url(explicit, RUNBOOK_BASE)
 
 
 @dataclass(frozen=True)
@@ -248,8 +255,6 @@ class Alert:
 
     @property
     def runbook_url(self) -> str:
-        from .render import runbook_base
-
         return f"{runbook_base()}#{self.name.lower()}"
 
     @property
@@ -875,5 +880,29 @@ def defaults() -> dict[str, float]:
     return {name: p.default for name, p in PARAMS.items()}
 
 
+def valid_overrides(overrides: Mapping[str, Any],
+                    on_invalid: Callable[[str], None] | None = None) -> dict[str, float]:
+    """The run's alert overrides that name a parameter of :data:`PARAMS` with a number ({param:
+    value}): the one validation of every reader (the exported thresholds, the step windows, the
+    evaluator). Each other entry is ignored and described to ``on_invalid(message)``."""
+    clean: dict[str, float] = {}
+    for name, value in dict(overrides).items():
+        try:
+            if name not in PARAMS:
+                raise KeyError(name)
+            clean[name] = float(value)
+        except (KeyError, TypeError, ValueError):
+            if on_invalid is not None:
+                on_invalid(f"ignored alert override {name!r}={value!r} (known: {', '.join(PARAMS)})")
+    return clean
+
+
+def thresholds(overrides: Mapping[str, Any] = (),
+               on_invalid: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Every parameter's value for a run ({param: value}): the defaults, then the valid overrides."""
+    return {**defaults(), **valid_overrides(overrides, on_invalid)}
+
+
 __all__ = ["ALERTS", "ALERT_LABELS", "BY_NAME", "PARAMS", "RECORDING_RULES", "Alert", "Example", "History",
-           "Runbook", "StepExample", "Verdicts", "defaults", "evaluate", "stalled", "threshold", "wilson_lower"]
+           "Runbook", "StepExample", "runbook_base", "Verdicts", "defaults", "evaluate", "stalled", "threshold", "thresholds",
+           "valid_overrides", "wilson_lower"]

@@ -18,31 +18,15 @@ from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import HookErrors
-from .catalogue import ALERT_LABELS, ALERTS, BY_NAME, PARAMS, Alert, History, defaults, stalled
+from .catalogue import ALERT_LABELS, ALERTS, BY_NAME, Alert, History, stalled, thresholds
 from .notify import AlertEvent, Dispatcher, log_event
+from .template import render
 from .windows import HISTORY_STEPS, AlertWindows, firing_keys
 
 LabelKey = tuple[tuple[str, str], ...]
 
 #: Alert events an evaluator keeps in memory.
 EVENTS_KEPT = 1000
-
-
-def render(template: str, labels: Mapping[str, str], value: float | None) -> str:
-    """Fill the catalogue's annotation templates ({{ $labels.x }}, {{ $value | ... }})."""
-    import re
-
-    def value_text(fmt: str) -> str:
-        if value is None:
-            return "n/a"
-        if "humanizePercentage" in fmt:
-            return f"{value * 100:.4g}%"
-        if "humanizeDuration" in fmt:
-            return f"{value:.0f}s"
-        return f"{value:.4g}"
-
-    out = re.sub(r"\{\{\s*\$labels\.(\w+)\s*\}\}", lambda m: str(labels.get(m.group(1), "")), template)
-    return re.sub(r"\{\{\s*\$value([^}]*)\}\}", lambda m: value_text(m.group(1)), out)
 
 
 class AlertEvaluator:
@@ -63,13 +47,8 @@ class AlertEvaluator:
         self.run = run
         self.store = store
         self.errors = errors or HookErrors()
-        self.params = defaults()
-        for name, value in dict(overrides).items():
-            if name not in PARAMS:
-                self.errors.report("alerts", "unknown_param", f"no alert parameter {name!r}",
-                                   raise_in_strict=False)
-                continue
-            self.params[name] = float(value)
+        self.params = thresholds(overrides, lambda message: self.errors.report(
+            "alerts", "unknown_param", message, raise_in_strict=False))
         alerts = list(alerts)
         self.alerts = [a for a in alerts if a.condition is not None]
         self._names = {a.name for a in self.alerts}

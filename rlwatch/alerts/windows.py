@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from .catalogue import ALERT_LABELS, ALERTS, PARAMS, Alert, History, defaults, evaluate
+from .catalogue import ALERT_LABELS, ALERTS, Alert, History, evaluate, thresholds
 
 #: Steps of history kept (the longest window reads 120 steps before the latest).
 HISTORY_STEPS = 130
@@ -53,8 +53,7 @@ class AlertWindows:
 
     def __init__(self, overrides: Mapping[str, float] = (), static: Mapping[str, dict] | None = None,
                  alerts: Iterable[Alert] = ALERTS) -> None:
-        self.params = defaults()
-        self.params.update({k: float(v) for k, v in dict(overrides).items() if k in PARAMS})
+        self.params = thresholds(overrides)      # invalid ones are reported where the run starts
         self.static = dict(static or {})
         self.alerts = [a for a in alerts if a.condition is not None]
         self._steps: deque = deque(maxlen=HISTORY_STEPS)

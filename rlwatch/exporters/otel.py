@@ -14,8 +14,9 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from ..metrics import CATALOGUE, LAG_BUCKETS, MetricSpec
+from ..metrics import CATALOGUE, MetricSpec
 from ..state import MetricState, Snapshot
+from . import le_labels
 
 
 class OTelExporter:
@@ -95,7 +96,7 @@ class OTelExporter:
             if hist is None:
                 return
             running = 0.0
-            for bound, count in zip([str(b) for b in LAG_BUCKETS] + ["+Inf"], hist[0]):
+            for bound, count in zip(le_labels(), hist[0]):
                 running += count
                 yield self._Observation(running, {"run": snap.run, "le": bound})
         return callback

@@ -26,10 +26,15 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric)
 
 from ..errors import PortInUseError
-from ..metrics import CATALOGUE, LAG_BUCKETS
+from ..metrics import CATALOGUE
 from ..state import MetricState
+from . import le_labels
 
 logger = logging.getLogger("rlwatch")
+
+#: Set on a thread while :class:`CachedExposition` renders: it already folded rlwatch's own health
+#: into the state for this scrape, so the collector does not fold it a second time.
+_FOLDED = threading.local()
 
 
 class RLWatchCollector:
@@ -37,10 +42,10 @@ class RLWatchCollector:
 
     def __init__(self, state: MetricState, extra: Callable[[], None] | None = None) -> None:
         self.state = state
-        self._refresh = extra  # called before each snapshot (folds in hook error totals)
+        self._refresh = extra  # folds in hook error totals before each snapshot, unless the scrape already did
 
     def collect(self) -> Iterable[Metric]:
-        if self._refresh is not None:
+        if self._refresh is not None and not getattr(_FOLDED, "active", False):
             self._refresh()
         snap = self.state.snapshot()
         run = snap.run
@@ -68,7 +73,7 @@ class RLWatchCollector:
                     continue
                 counts, total = hist
                 cumulative, running = [], 0.0
-                for bound, count in zip([str(float(b)) for b in LAG_BUCKETS] + ["+Inf"], counts):
+                for bound, count in zip(le_labels(), counts):
                     running += count
                     cumulative.append((bound, running))
                 metric = HistogramMetricFamily(spec.full_name, spec.help, labels=labels)
@@ -205,6 +210,8 @@ class CachedExposition:
                     self.on_error(exc)
                 except Exception:  # noqa: BLE001
                     pass
+            if self.refresh is not None:             # the error just counted is served with this scrape
+                self.refresh()
         parts = []
         for metric in self.registry.collect():      # family by family: serve all that render
             try:
@@ -228,7 +235,11 @@ class CachedExposition:
             version = self.state.version if self.state is not None else None
             cached = self._cached.get(content_type)
             if version is None or cached is None or cached[0] != version:
-                text = self._generate(encoder)
+                _FOLDED.active = self.refresh is not None
+                try:
+                    text = self._generate(encoder)
+                finally:
+                    _FOLDED.active = False
                 cached = (version if version is not None else -1, text, gzip.compress(text, 5))
                 self._cached[content_type] = cached
             return cached[1], cached[2], content_type

@@ -4,7 +4,7 @@ A plain child interpreter, started with ``subprocess`` rather than ``multiproces
 never re-imports the user's training script (``spawn`` re-runs ``__main__``, which would start a
 second training in a script without a ``__main__`` guard). It reads length-prefixed pickled
 messages on stdin: first ``(detectors, checkers, max_examples)``, then ``(step, episodes, env)``
-batches, and writes one pickled :class:`~rlwatch.hacks.monitor.BatchResult` per batch on stdout.
+batches, and writes one pickled :class:`~rlwatch.hacks.judge.BatchResult` per batch on stdout.
 It exits at end of input, so it never outlives its parent.
 """
 
@@ -38,7 +38,7 @@ def read_message(stream: BinaryIO) -> Any:
 
 def main() -> None:
     from . import builtin
-    from .monitor import judge_batch
+    from .judge import judge_batch
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr                       # a detector that prints must not corrupt the protocol
