@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -32,7 +31,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from bench.bench_signals import (cuda_peak_ratio, floor_runner, have_verl, make_inputs, reference_runner,  # noqa: E402
+from bench.bench_signals import (cuda_peak_ratio, floor_runner, have_verl, interleaved, make_inputs, reference_runner,  # noqa: E402
                                  rlwatch_runner, to_device, verl_runner)
 from rlwatch import signals  # noqa: E402
 from rlwatch.errors import HookErrors  # noqa: E402
@@ -156,19 +155,7 @@ def speed(rounds: int, sizes) -> None:
             runners["verl IS+RS+debug"] = verl_runner(inputs, True)
         runners["13-signal reference"] = reference_runner(inputs)
         runners["input read"] = floor_runner(inputs)
-        sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
-        for run in runners.values():
-            run()
-        sync()
-        times: dict[str, list[float]] = {name: [] for name in runners}
-        for _ in range(rounds):
-            for name, run in runners.items():
-                sync()
-                t0 = time.perf_counter()
-                run()
-                sync()
-                times[name].append(time.perf_counter() - t0)
-        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        med = {k: v * 1e3 for k, v in interleaved(runners, rounds, DEVICE).items()}
         versus = med["verl IS+RS+debug"] if verl else med["13-signal reference"]
         memory = cuda_peak_ratio(runners["compiled"], inputs) if DEVICE == "cuda" else float("nan")
         tokens = int(inputs["mask"].sum())
