@@ -36,6 +36,15 @@ def need_binary(name: str) -> str:
     return path
 
 
+def self_signed_cert(directory: Path) -> tuple[str, str]:
+    """(certificate, key) paths of a fresh self-signed certificate for 127.0.0.1 (openssl)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return str(cert), str(key)
+
+
 def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
     """Wait until ``url`` answers 200; give up early when ``proc`` (the server) has exited."""
     deadline = time.monotonic() + timeout

@@ -39,7 +39,7 @@ import json
 
 import pytest
 
-from .conftest import free_port, need_binary, start_process
+from .conftest import free_port, need_binary, self_signed_cert, start_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,14 +91,6 @@ class _Trickle(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
-
-
-def _self_signed(tmp_path: Path) -> tuple[str, str]:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return str(cert), str(key)
 
 
 class _Round:
@@ -163,7 +155,7 @@ def _lock_store(path: str, stop: threading.Event) -> None:
 @pytest.mark.slow
 def test_sigkill_under_every_fault_loses_no_step_unexplained(tmp_path):
     rng = random.Random(16)
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     context = ssl.create_default_context(cafile=cert)
     path = str(tmp_path / "chaos.db")
     receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)

@@ -23,7 +23,7 @@ import rlwatch
 from rlwatch import InvalidFieldError, PortInUseError
 from rlwatch.store import StoreReader
 
-from .conftest import ROOT, free_port, make_step, need_binary
+from .conftest import ROOT, free_port, make_step, need_binary, self_signed_cert
 
 
 def scrape(url: str, **kwargs) -> dict[tuple[str, tuple], float]:
@@ -384,18 +384,10 @@ def test_opentelemetry_otlp_http_to_a_local_receiver():
     assert found["k3"] == pytest.approx(values["mismatch_kl_k3"][()])
 
 
-def _self_signed(tmp_path: Path) -> tuple[str, str]:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return str(cert), str(key)
-
-
 def test_tls_and_basic_auth(tmp_path):
     import ssl
 
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     with rlwatch.Watch(run="tls", port=0, store=None, tls_certfile=cert, tls_keyfile=key,
                        basic_auth=("prom", "s3cret")) as watch:
         watch.observe(0, **make_step())
@@ -438,7 +430,7 @@ def test_an_idle_tls_client_neither_stops_scrapes_nor_hangs_close(tmp_path):
     import ssl
     import time
 
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     watch = rlwatch.Watch(run="tlsidle", port=0, store=None, alerts=False, tls_certfile=cert, tls_keyfile=key)
     idle = socket.create_connection(("127.0.0.1", watch.port))
     try:
