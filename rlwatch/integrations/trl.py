@@ -50,17 +50,19 @@ Also: the reward per sample (weighted sum as TRL logs it; samples that every rew
 scored ``None`` are ``failed="unscorable"`` and kept out of the reward statistics), per-function
 reward means of each batch as framework scalars (``rlwatch/rewards/<func>/mean`` and, with an
 environment column, ``rlwatch/rewards/<func>/<env>/mean``), the episodes for the reward-hack
-detectors once per batch (this process's completions), sampling parameters, TRL's logged scalars
-(``on_log``) and checkpoints (``on_save``).
+detectors once per batch (every process's completions, gathered with ``gather_object`` as TRL
+gathers its logged completions), sampling parameters, TRL's logged scalars (``on_log``) and
+checkpoints (``on_save``).
 
 Guard actions :func:`stop_on_critical` and :func:`save_on_critical` turn a critical alert into
 ``control.should_training_stop`` / ``control.should_save`` at the trainer's next callback.
 
 Multi-process runs: a rank captures token-level data only if its Watch exports (rank 0 by default,
 every rank with ``Watch(all_ranks=True)``) and observes its own micro-batches; every rank takes part
-in the one gather of episode-level data per generation batch. With guard actions the stop/save
-request is all-reduced across ranks at each step end so that every rank stops together. (The CPU
-tests run one process.)
+in the gathers of episode-level data per generation batch (and of the hack detectors' episodes,
+unless ``hack_detectors=False``, an option that must then be the same on every rank). With guard
+actions the stop/save request is all-reduced across ranks at each step end so that every rank
+stops together. (``tests/test_trl_multiprocess.py`` trains in two processes with gloo on CPU.)
 
 Cost: one host transfer per step (``Watch.observe``) and one per generation batch (its episode
 signals), besides a copy of the rewards to the host where TRL reads them anyway.
@@ -336,7 +338,11 @@ class GRPOInstrumentor(Instrumentor):
         env = env_labels(inputs)
         self.capture.rewards = {"per_func": per_func, "truncated": truncated, "env": env, "start": start,
                                 "lengths": [len(ids) for ids in completion_ids_list]}
-        if prompts is not None and completions is not None and self.watch.hack_detection:
+        if prompts is not None and completions is not None and self._processes > 1:
+            if judges_hacks(self.watch):     # every rank: gathered by _gather_hack_episodes, judged once
+                self.capture.rewards["episode_inputs"] = hack_episode_inputs(
+                    trainer, prompts, completions, completion_ids_list, per_func[start:start + B], truncated, env)
+        elif prompts is not None and completions is not None and self.watch.hack_detection:
             # The checkers' verdicts are read now (the next reward call replaces them); the episodes
             # are built by a Watch.defer job (rlwatch's thread with background=True, else right here).
             step, verdicts = int(trainer.state.global_step), audit_verdicts(trainer, len(completions))
@@ -375,6 +381,29 @@ class GRPOInstrumentor(Instrumentor):
             labels = None
         if self.capture.rewards is not None:
             self.capture.rewards["gathered"] = (gathered, labels)
+        self._gather_hack_episodes()
+
+    def _gather_hack_episodes(self) -> None:
+        """All processes (when the Watches judge reward hacks: an option, the same on every rank): gather
+        the generation batch's episodes for the hack detectors as TRL gathers its logged completions
+        (``gather_object``, process order), so that an exporting process judges every process's
+        episodes once and per-environment hack rates count them all. Nothing raises before the gather."""
+        from accelerate.utils import gather_object
+
+        if not judges_hacks(self.watch):
+            return
+        captured = self.capture.rewards
+        parts = gather_object([captured.pop("episode_inputs", None) if captured is not None else None])
+        if not self.watch.hack_detection:
+            return
+        whole = [p for p in parts if p is not None]
+        if len(whole) < len(parts):
+            self.watch.errors.report("integration", "trl_hack_gather", f"{len(parts) - len(whole)} of {len(parts)} "
+                                     "processes had no episodes for the hack detectors", raise_in_strict=False)
+        if not whole:
+            return
+        trainer, step = self.trainer, int(self.trainer.state.global_step)
+        self.watch.defer(lambda: self.watch.submit_episodes(step, episodes(trainer, *merge_episode_inputs(whole))))
 
     def _on_generation(self, output: dict) -> None:
         """Stamp the batch with the policy version; keep its episode-level data for the step's flush."""
@@ -638,6 +667,30 @@ def episodes(trainer: Any, prompts: list, completions: list, completion_ids_list
                     "response": _text(completion), "response_ids": list(completion_ids_list[i]),
                     "truncated": bool(truncated[i]), "extra": extra})
     return out
+
+
+def judges_hacks(watch: Any) -> bool:
+    """Whether a run's Watches judge reward hacks: the ``hack_detectors`` option, which (unlike
+    ``Watch.hack_detection``) reads the same on exporting and non-exporting processes."""
+    return getattr(getattr(watch, "options", None), "hack_detectors", None) is not False
+
+
+def hack_episode_inputs(trainer: Any, prompts: list, completions: list, completion_ids_list: list,
+                        per_func: torch.Tensor, truncated: torch.Tensor, env: list[str] | None) -> tuple:
+    """This process's share of :func:`episodes`' inputs as plain picklable values (for ``gather_object``):
+    prompts, completions, ids, [B, F] reward rows, [B] truncation, [B] environments, [B] checker verdicts."""
+    return (list(prompts), list(completions), [[int(i) for i in ids] for ids in completion_ids_list],
+            per_func.tolist(), truncated.tolist(),
+            list(env) if env is not None else ["default"] * len(completions),
+            audit_verdicts(trainer, len(completions)))
+
+
+def merge_episode_inputs(parts: list[tuple]) -> tuple:
+    """:func:`episodes`' arguments (after the trainer) for the processes' shares, concatenated in order."""
+    prompts, completions, ids, rows, truncated, env, verdicts = ([x for part in parts for x in part[k]]
+                                                                 for k in range(7))
+    return (prompts, completions, ids, torch.tensor(rows, dtype=torch.float64).reshape(len(ids), -1),
+            torch.tensor(truncated, dtype=torch.bool), env, verdicts)
 
 
 def env_labels(inputs: list[dict]) -> list[str] | None:
