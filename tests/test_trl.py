@@ -364,6 +364,14 @@ MATRIX = {
                              loss_type="bnpo"), "length", True),
     "rollout-ga2-ni2": (dict(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
                              num_iterations=2, max_steps=2, loss_type="dr_grpo"), None, True),
+    # TRL 1.16's sequence-level losses: LUSPO with sequence-level importance weights (GSPO's), and VESPO,
+    # whose Gamma weighting takes TRL's importance-sampling ratios (token modes only) instead of scaling
+    # the loss by them. They change TRL's clip logs (VESPO logs vespo/phi_seq_mean), not rlwatch's inputs.
+    "luspo-sequence-level-ni2": (dict(per_device_train_batch_size=4, num_generations=4, num_iterations=2, max_steps=2,
+                                      loss_type="luspo", importance_sampling_level="sequence"), None, False),
+    "rollout-vespo-token-truncate": (dict(per_device_train_batch_size=4, num_generations=4, steps_per_generation=2,
+                                          max_steps=2, loss_type="vespo",
+                                          vllm_importance_sampling_mode="token_truncate"), None, True),
 }
 FUNCS = {None: None, "has_w1": [REWARD_FUNCS[1]], "length": [REWARD_FUNCS[0]]}
 
@@ -380,6 +388,12 @@ def test_configuration_matrix(model_path, tmp_path, cell):
     # The lag of a step's last micro-batch counts the updates since its batch was generated.
     for s, row in rows.items():
         assert row.get("generation") == max(serial for serial, g in enumerate(tap.gens, 1) if g["step"] <= s)
+    # The loss variants are really in effect: TRL logs what each of them computes.
+    logged = set().union(*trl_logs(trainer).values())
+    loss_key = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean", "sapo": None}.get(
+        args.loss_type, "clip_ratio/region_mean")
+    assert loss_key is None or loss_key in logged, (args.loss_type, sorted(logged))
+    assert not ({"cispo_clip_ratio", "vespo/phi_seq_mean", "clip_ratio/region_mean"} - {loss_key}) & logged
     if funcs == "has_w1":        # None for every code prompt: unscorable episodes, counted as failures
         failed = sum(v for (e, kind), v in rows[1].values["episodes_failed_total"].items() if kind == "unscorable")
         assert failed > 0 and rows[1].get("reward_mean") is not None
@@ -479,6 +493,8 @@ IS_CELLS = {
     "token-truncate-C2": dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0),
     "token-mask-C3": dict(vllm_importance_sampling_mode="token_mask"),
     "sequence-mask-C3": dict(),                           # TRL's default mode
+    # VESPO reads TRL's token-masked ratios inside its Gamma weights (TRL logs sampling/* the same way)
+    "vespo-token-mask-C3": dict(loss_type="vespo", vllm_importance_sampling_mode="token_mask"),
 }
 
 
@@ -532,7 +548,7 @@ def test_importance_sampling_agrees_with_trl(model_path, tmp_path, cell):
             clamped = float(((applied >= clip) & mask.reshape(applied.shape)).sum())
             assert row.get("is_tis_high_ratio") == pytest.approx(clamped / float(mask.sum()))
             acted += clamped
-        elif cell == "token-mask-C3":                         # TRL zeroes w > C: its min is 0 when any is
+        elif cell.endswith("token-mask-C3"):                         # TRL zeroes w > C: its min is 0 when any is
             zeroed = float(((applied == 0) & mask.reshape(applied.shape)).sum())
             assert row.get("is_mis_masked_ratio") == pytest.approx(zeroed / float(mask.sum()))
             assert (low == 0) == (zeroed > 0) and row.get("is_ratio_max") > clip >= high
