@@ -5,11 +5,11 @@
 The test starts one per rank with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``): accelerate then runs TRL's
 ``GRPOTrainer`` on CPU with the gloo backend. Every rank calls ``rlwatch.integrations.trl.watch``
-as a user's script would. Each rank records, independently of rlwatch, what its reward functions
-were called on (the checker of an ``audited`` reward sees every completion this rank scored, with
-its ids and environment); rank 0 also records the episodes handed to the hack detectors, what its
-``/metrics`` serves at the end and the verdict counts not yet exported. The result is one JSON file
-per rank.
+as a user's script would (with ``all_ranks=True`` when ``TEST_ALL_RANKS=1``). Each rank records,
+independently of rlwatch, what its reward functions were called on (the checker of an ``audited``
+reward sees every completion this rank scored, with its ids and environment); an exporting rank
+also records the episodes handed to the hack detectors, what its ``/metrics`` serves at the end
+and the verdict counts not yet exported. The result is one JSON file per rank.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
     funcs = [reward_full_length, rltrl.audited(reward_has_w1, check)]
     trainer = make_trainer(model_path, output_dir, reward_funcs=funcs, per_device_train_batch_size=3,
                            num_generations=4, steps_per_generation=2, max_steps=4)
-    watch = rltrl.watch(trainer, run="trl-2proc", port=0)
+    watch = rltrl.watch(trainer, run="trl-2proc", port=0, all_ranks=os.environ.get("TEST_ALL_RANKS") == "1")
     submitted: list[dict[str, Any]] = []
     if watch.active:
         submit = watch.submit_episodes

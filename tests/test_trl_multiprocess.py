@@ -6,7 +6,9 @@ processes, and so must rlwatch (truncation, lengths, environments, and the hack 
 episodes). Checked against what TRL logs for the same gathered batches and against what each
 process's reward functions were independently called on:
 
-- rank 0 exports (its /metrics and the run store), rank 1 exports and stores nothing;
+- by default rank 0 exports (its /metrics and the run store), rank 1 exports and stores nothing;
+  with ``all_ranks=True`` each rank exports its own run (``<run>-rank<N>``): its own micro-batches'
+  token-level signals, and the same episode-level values of the whole gathered batches;
 - the zero-variance fraction, truncation and per-function reward means equal TRL's
   ``frac_reward_zero_std``, ``completions/clipped_ratio`` and ``rewards/<fn>/mean``, and the batch
   rebuilt from both processes' rows;
@@ -28,6 +30,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from rlwatch.integrations.trl import GENERATION_FAMILIES
 from rlwatch.store import StoreReader
 
 from .conftest import ROOT, free_port, need_module
@@ -44,12 +47,13 @@ FUNCS = {"reward_full_length": reward_full_length, "reward_has_w1": reward_has_w
 G = 4                                    # num_generations in tests/_trl_multiprocess.py
 
 
-def run_ranks(tmp_path) -> list[dict]:
+def run_ranks(tmp_path, all_ranks: bool = False) -> list[dict]:
     """Start both ranks, wait (at most TIMEOUT_S), stop any still running by PID; their results."""
     model = build_tiny_model(tmp_path / "model")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD),
-               LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+               LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               TEST_ALL_RANKS="1" if all_ranks else "0")
     procs = []
     try:
         for rank in range(WORLD):
@@ -103,26 +107,46 @@ def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_two_processes_gather_like_trl_and_only_rank_0_exports(tmp_path):
-    results = run_ranks(tmp_path)
-    lead, other = results
-    # Both processes trained together, each on its share; only rank 0 exported and stored anything.
+@pytest.mark.parametrize("all_ranks", [False, True], ids=["rank0-exports", "all-ranks-export"])
+def test_two_processes_gather_like_trl(tmp_path, all_ranks):
+    results = run_ranks(tmp_path, all_ranks)
     assert [(r["process_index"], r["num_processes"], r["global_step"]) for r in results] == [(0, 2, 4), (1, 2, 4)]
-    assert lead["active"] and lead["url"] and lead["store"] == str(tmp_path / "out" / "rlwatch.db")
-    assert not other["active"] and other["url"] is None and other["store"] is None and other["submitted"] == []
-    assert lead["errors"] == {} and other["errors"] == {}
-    run = lead["run"]
-    with StoreReader(lead["store"]) as reader:
-        assert reader.runs() == [run]
-        rows = {row.step: row for row in reader.steps(run)}
-        scalars = {name: dict(points) for name, points in reader.scalars(run).items()}
-    assert sorted(rows) == [1, 2, 3, 4]
-
+    assert [r["errors"] for r in results] == [{}, {}]
+    store = str(tmp_path / "out" / "rlwatch.db")
+    if all_ranks:                 # every rank exports its own run, on its own port, into the run store
+        exporters = results
+        assert [r["run"] for r in results] == ["trl-2proc-rank0", "trl-2proc-rank1"]
+        assert all(r["active"] and r["store"] == store for r in results) and results[0]["url"] != results[1]["url"]
+    else:                         # only rank 0 exports and stores anything
+        exporters = results[:1]
+        lead, other = results
+        assert lead["active"] and lead["url"] and lead["store"] == store and lead["run"] == "trl-2proc"
+        assert not other["active"] and other["url"] is None and other["store"] is None
+        assert other["submitted"] == [] and other["metrics"] is None
+    batches = gathered_batches(results)
     # Generation batches scored at steps 1 and 3 (steps_per_generation=2): 2 ranks x 6 rows, groups of 4
     # (the middle group spans both processes).
-    batches = gathered_batches(results)
     assert len(batches) == 2 and all(len(b["rows"]) == 12 for b in batches)
-    logs = {h["step"]: h for h in lead["log_history"] if "loss" in h}
+    with StoreReader(store) as reader:
+        assert sorted(reader.runs()) == sorted(r["run"] for r in exporters)
+        stored = [({row.step: row for row in reader.steps(r["run"])},
+                   {name: dict(points) for name, points in reader.scalars(r["run"]).items()}) for r in exporters]
+    for result, (rows, scalars) in zip(exporters, stored):
+        check_exporter(result, rows, scalars, batches)
+    if all_ranks:                 # the same whole batches on both ranks; each rank's own micro-batches
+        (rows0, _), (rows1, _) = stored
+        for step in rows0:
+            for name in GENERATION_FAMILIES:
+                assert rows0[step].values.get(name) == rows1[step].values.get(name), (step, name)
+        assert any(rows0[s].get("tokens") != rows1[s].get("tokens") for s in rows0)
+
+
+def check_exporter(result: dict, rows: dict, scalars: dict, batches: list[dict]) -> None:
+    """One exporting rank's run store and /metrics against TRL's logs and both processes' rows."""
+    run = result["run"]
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert all(row.get("sequences") == 3 for row in rows.values())     # its own micro-batch (3 rows)
+    logs = {h["step"]: h for h in result["log_history"] if "loss" in h}
     for step, batch in zip((1, 3), batches):
         row, log = rows[step], logs[step]
         n = len(batch["rows"])
@@ -149,16 +173,16 @@ def test_two_processes_gather_like_trl_and_only_rank_0_exports(tmp_path):
     assert all(0 < b["truncated"] < 1 for b in batches)
 
     # The hack detectors got every process's episodes, once, in TRL's order, with each process's verdicts.
-    assert [s["step"] for s in lead["submitted"]] == [0, 2]
-    for submitted, batch in zip(lead["submitted"], batches):
+    assert [s["step"] for s in result["submitted"]] == [0, 2]
+    for submitted, batch in zip(result["submitted"], batches):
         got = [(e["prompt"], e["completion"], e["env"], e["true_pass"]) for e in submitted["episodes"]]
         assert got == [(r["prompt"], r["completion"], r["env"], v) for r, v in zip(batch["rows"], batch["verdicts"])]
         assert [e["reward"] for e in submitted["episodes"]] == pytest.approx(batch["total"].nan_to_num(0.0).tolist())
     # ... and judged them: per environment and detector, every episode of both processes.
-    metrics = metric_samples(lead["metrics"])
+    metrics = metric_samples(result["metrics"])
     judged = {(labels["env"], labels["detector"]): v for (name, key), v in metrics.items()
               for labels in [dict(key)] if name == "rlwatch_episodes_judged_total"}
-    for (env, detector), n in lead["judged_not_exported"]:
+    for (env, detector), n in result["judged_not_exported"]:
         judged[(env, detector)] = judged.get((env, detector), 0.0) + n
     envs = [e for b in batches for e in b["envs"]]
     for detector in ("degenerate_output", "verifier_disagreement"):
