@@ -749,6 +749,50 @@ def test_episode_data_is_gathered_over_processes(monkeypatch):
     watch.close()
 
 
+def test_hack_episodes_gathered_over_processes_and_a_missing_share_counted(monkeypatch):
+    """Rank 0 of two, collectives stood in (the real two-process run: tests/test_trl_multiprocess.py):
+    the episodes of both processes reach the detectors once, in process order, with each process's
+    rows, verdicts and labels; a process whose share could not be captured is counted, not waited for."""
+    import accelerate.utils
+    from types import SimpleNamespace
+
+    shares: list = []
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda items: list(items) + shares)
+    checker = rltrl.audited(lambda prompts, completions, **kw: [1.0] * len(completions),
+                            lambda prompts, completions, **kw: [True, False], name="graded")
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), state=SimpleNamespace(global_step=3), reward_funcs=[checker],
+        accelerator=SimpleNamespace(num_processes=2, process_index=0), eos_token_ids=[EOS],
+        _tokenizer=SimpleNamespace(pad_token_id=PAD), reward_weights=torch.tensor([2.0]), reward_func_names=["graded"])
+    watch = rlwatch.Watch(run="trl-hack-gather", port=None, store=None)
+    submitted = []
+    monkeypatch.setattr(watch, "submit_episodes", lambda step, episodes, env=None: submitted.append((step, episodes)))
+    instrumentor = rltrl.GRPOInstrumentor(trainer, watch)
+    instrumentor._processes = 2
+    checker(["p0", "p1"], ["a b", "c"])
+    rewards = torch.tensor([[1.0], [0.0], [math.nan], [1.0]])                 # both processes' rows (TRL's gather)
+    instrumentor._on_rewards([{"environment": "math"}] * 2, [[5, 6], [7, EOS]], rewards, ["p0", "p1"], ["a b", "c"])
+    shares.append((["p2", "p3"], ["d", "e f"], [[8], [9, 10]], [[math.nan], [1.0]], [True, True], ["code", "code"],
+                   [None, True]))
+    instrumentor._gather_hack_episodes()
+    (step, episodes), = submitted
+    assert step == 3 and [e["prompt"] for e in episodes] == ["p0", "p1", "p2", "p3"]
+    assert [e["env"] for e in episodes] == ["math", "math", "code", "code"]
+    assert [e["reward"] for e in episodes] == [2.0, 0.0, 0.0, 2.0]
+    assert [e["truncated"] for e in episodes] == [True, False, True, True]
+    assert [e["extra"].get("true_pass") for e in episodes] == [True, False, None, True]
+    assert [e["response_ids"] for e in episodes] == [[5, 6], [7, EOS], [8], [9, 10]]
+    assert "episode_inputs" not in instrumentor.capture.rewards           # taken by the gather, once
+
+    # The other process captured nothing this time: this process's episodes are judged, the gap counted.
+    shares[:] = [None]
+    instrumentor._on_rewards([{"environment": "math"}] * 2, [[5, 6], [7, EOS]], rewards, ["p0", "p1"], ["a b", "c"])
+    instrumentor._gather_hack_episodes()
+    assert [e["prompt"] for e in submitted[-1][1]] == ["p0", "p1"]
+    assert watch.errors.snapshot() == {("integration", "trl_hack_gather"): 1}
+    watch.close()
+
+
 def test_postmortem_and_probe_on_a_trl_output_directory(model_path, tmp_path):
     """`rlwatch postmortem OUT --probe` on what a real TRL run left: the store the one-line hook
     wrote next to the checkpoints, TRL's log history, the checkpoint directories, and the fixed
