@@ -52,6 +52,7 @@ def run_ranks(tmp_path, all_ranks: bool = False) -> list[dict]:
     model = build_tiny_model(tmp_path / "model")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD),
+               GLOO_SOCKET_IFNAME="lo",                  # gloo's pairs on loopback too, not the hostname's address
                LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                TEST_ALL_RANKS="1" if all_ranks else "0")
     procs = []
