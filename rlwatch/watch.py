@@ -23,7 +23,7 @@ from .errors import HookErrors, guard
 from .lifecycle import Services
 from .pipeline import StepListener, StepPipeline, few_threads_for, one_intra_op_thread_here, tensor_bytes
 from .record import LabelRegistry, RecordBuilder, clean_text
-from .signals import Values
+from .values import StepValues
 from .state import MetricState
 
 logger = logging.getLogger("rlwatch")
@@ -173,7 +173,7 @@ class Watch:
 
     # --- the hook ---------------------------------------------------------------------------------
 
-    def observe(self, step: int, **fields: Any) -> Values | None:
+    def observe(self, step: int, **fields: Any) -> StepValues | None:
         """Compute and export one step. Returns the step's values, or None if it could not be used,
         or at once with None when ``background=True`` (the step is computed on rlwatch's thread)."""
         if not self.active:
@@ -204,7 +204,7 @@ class Watch:
                 return
         guard(self.errors, "integration", "deferred", job)
 
-    def _observe(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> Values | None:
+    def _observe(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> StepValues | None:
         with self._lock:
             episodes = fields.pop("episodes", None)
             result = self.pipeline.run(step, fields, on_training_thread)

@@ -13,8 +13,8 @@ work instead. A detector that hangs holds up its worker; the queue then fills an
 are dropped and counted, the trainer never waits, and nothing waits for the worker at exit.
 ``collect()`` hands the verdicts finished since the last call to the Watch, which exports them
 with the next step: ``episodes_judged_total`` / ``episodes_hacked_total`` per environment and
-detector (the step pipeline derives ``env_hack_ratio`` from them, rlwatch.pipeline.derive_hack_ratios). A few flagged episodes are kept (text
-truncated) for the post-mortem.
+detector (the step pipeline derives ``env_hack_ratio`` from them, ``rlwatch.values.derive_hack_ratios``).
+A few flagged episodes are kept (text truncated) for the post-mortem.
 
 The batch-level reward/length detector is a per-environment signal computed with the other
 signals (``rlwatch_env_reward_length_corr``); the DriftDetector scores its jumps against the
@@ -33,6 +33,7 @@ import time
 from typing import Any, Iterable
 
 from ..errors import HookErrors
+from ..values import Values
 from .judge import BatchResult, Example, _clean_keys, judge_batch
 from .registry import Detector, resolve
 
@@ -162,8 +163,9 @@ class HackMonitor:
             self.examples.extend(result.examples[:max(0, room)])
             self._done += 1
 
-    def collect(self) -> dict[str, dict[tuple[str, ...], float]] | None:
-        """Counts of the verdicts finished since the last call, as step values (None when there are none)."""
+    def collect(self) -> Values | None:
+        """Counts of the verdicts finished since the last call, as step values (None when there are none):
+        counter increments, which the step pipeline adds to the step's own (StepValues.merge)."""
         with self._lock:
             judged, hacked = self._judged, self._hacked
             self._judged, self._hacked = {}, {}
