@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any, Iterable
 
+from .._queues import stop_consumer
 from ..errors import HookErrors
 from ..values import Values
 from .judge import BatchResult, Example, _clean_keys, judge_batch
@@ -197,12 +198,9 @@ class HackMonitor:
             time.sleep(0.005)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Judge what is queued (at most ``timeout`` s), then stop the worker thread and the child process."""
         self.flush(timeout)
-        try:
-            self._queue.put(None, timeout=1)
-        except queue.Full:
-            pass
-        self._thread.join(timeout=5)
+        stop_consumer(self._queue, self._thread, 5.0)
         if self._process is not None:
             try:
                 self._process.wait(timeout=5)
