@@ -33,7 +33,8 @@ from .signals import SignalConfig, Workspace, compute_step
 from .state import MetricState
 from .values import StepValues, derive_hack_ratios
 
-__all__ = ["StepListener", "StepPipeline", "StepTiming", "derive_hack_ratios", "report_value_errors"]
+__all__ = ["StepListener", "StepPipeline", "StepTiming", "derive_hack_ratios", "report_value_errors",
+           "standard_listeners"]
 
 
 class StepListener(Protocol):
@@ -55,11 +56,20 @@ class StepTiming:
     now: float
 
 
+def standard_listeners(staleness_bound: float, extra: tuple[StepListener, ...] = ()) -> list[StepListener]:
+    """Drift, then diagnosis, then the user's ``extra`` listeners (a Watch inserts the alert step
+    windows after diagnosis once its services start)."""
+    from .diagnosis import Diagnoser
+    from .drift import DriftDetector
+
+    return [DriftDetector(), Diagnoser(staleness_bound=staleness_bound), *extra]
+
+
 class StepPipeline:
     """The stages of one step; a Watch holds one and calls :meth:`run` under its lock."""
 
     def __init__(self, run: str, signals: SignalConfig, state: MetricState, errors: HookErrors,
-                 builder: RecordBuilder, listeners: list[StepListener]) -> None:
+                 builder: RecordBuilder, listeners: list[StepListener], hack_detectors: Any = None) -> None:
         self.run_name = run
         self.signals = signals
         self.state = state
@@ -69,7 +79,8 @@ class StepPipeline:
         self.listeners = listeners            # the Watch's list: integrations insert into it
         self.evaluator: StepListener | None = None
         self.store: Any = None
-        self.hacks: Any = None
+        self.hacks: Any = None                # the HackMonitor, started with the first episodes
+        self.hack_detectors = hack_detectors
         self._last_time: float | None = None
 
     def run(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> tuple[StepRecord, StepValues] | None:
@@ -131,6 +142,21 @@ class StepPipeline:
         examples = self.hacks.take_examples()
         if examples and self.store is not None:
             self.store.submit_hack_examples(self.run_name, examples)
+
+    def hack_monitor(self) -> Any:
+        """The :class:`~rlwatch.hacks.HackMonitor` of ``hack_detectors``, started on first use."""
+        if self.hacks is None:
+            from .hacks import HackMonitor
+
+            self.hacks = HackMonitor(self.hack_detectors, errors=self.errors)
+        return self.hacks
+
+    def close(self) -> None:
+        """Close the listeners, the evaluator and the hack monitor (a failure is counted, the rest still close)."""
+        for listener in [*self.listeners, *([self.evaluator] if self.evaluator is not None else [])]:
+            guard(self.errors, "alerts", "close", listener.close)
+        if self.hacks is not None:
+            guard(self.errors, "hacks", "close", self.hacks.close)
 
 
 def report_value_errors(errors: HookErrors, values: StepValues, group_size: int | None) -> None:
