@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 from . import config as env
 from .config import DEFAULT_PORT, WatchConfig, default_run_name  # noqa: F401 - public names
 from .errors import HookErrors, guard
-from .lifecycle import Services, checkpoint_location, finite_scalars, run_metadata  # noqa: F401 - as before
+from .lifecycle import Services, run_metadata
 from .pipeline import (StepListener, StepPipeline, few_threads_for, one_intra_op_thread_here, standard_listeners,
                        tensor_bytes)
 from .record import RecordBuilder, clean_text

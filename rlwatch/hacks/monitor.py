@@ -10,7 +10,9 @@ checker named with ``use_checker`` lives in an importable module, as the built-i
 are Python code, and in a thread they would compete with the training loop for the GIL. With a
 lambda, a closure or a function of the training script itself among them, a thread does the
 work instead. A detector that hangs holds up its worker; the queue then fills and later batches
-are dropped and counted, the trainer never waits, and nothing waits for the worker at exit.
+are dropped and counted, the trainer never waits, and ``close()`` waits a bounded time (the
+queued batches up to its ``timeout``, then a few seconds for the worker; a child still running is
+killed).
 ``collect()`` hands the verdicts finished since the last call to the Watch, which exports them
 with the next step: ``episodes_judged_total`` / ``episodes_hacked_total`` per environment and
 detector (the step pipeline derives ``env_hack_ratio`` from them, ``rlwatch.values.derive_hack_ratios``).
