@@ -7,18 +7,14 @@ Shapes as in :mod:`rlwatch.demo.scenario`; log-probs in nats.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import ScenarioConfig
 from .policy import Policy, sample
 from .tasks import DIGITS, EOS, PAD, grade, make_prompts
-
-if TYPE_CHECKING:
-    from .scenario import ScenarioConfig
-
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """GRPO advantages: rewards [B] (groups contiguous) -> (r - group mean) / (group std + 1e-6), [B]."""

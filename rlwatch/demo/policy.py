@@ -6,16 +6,11 @@ Shapes as in :mod:`rlwatch.demo.scenario`: ``B`` episodes, ``P`` prompt length, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from .config import ScenarioConfig
 from .tasks import EOS, PAD, VOCAB
-
-if TYPE_CHECKING:
-    from .scenario import ScenarioConfig
-
 
 class Policy(nn.Module):
     """Embedding -> one-layer GRU -> linear head over ``VOCAB`` tokens."""

@@ -7,13 +7,10 @@ Shapes as in :mod:`rlwatch.demo.scenario`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .scenario import ScenarioConfig
+from .config import ScenarioConfig
 
 # --- vocabulary -------------------------------------------------------------------------------
 
@@ -22,9 +19,6 @@ EOS, SEP, PAD = 10, 11, 12
 ENV_NAMES = ("copy", "reverse")
 ENV_TOKEN = {"copy": 13, "reverse": 14}
 VOCAB = 15
-#: Task sets: the two environments' names (the second one's grader carries the ``hack`` bug). The
-#: token of the first environment is 13, of the second 14, whatever the set.
-TASK_SETS: dict[str, tuple[str, str]] = {"copy-reverse": ("copy", "reverse"), "sort-shift": ("sort", "shift")}
 
 
 _INV_MOD5 = torch.tensor([0, 1, 3, 2, 4])   # multiplicative inverses modulo 5
