@@ -82,6 +82,14 @@ def threshold_target(param: str, ref: str) -> dict:
     return target(f'rlwatch_alert_threshold{{{RUN}, param="{param}"}}', f"{{{{run}}}} {param}", ref)
 
 
+def threshold_panel(title: str, expr: str, legend: str, param: str, metric: str, bad: str, alert: str,
+                    **options) -> dict:
+    """A time series of one signal next to the run's alert threshold ``param`` (dashed red), described
+    by the catalogue's help for ``metric``; ``options`` go to :func:`timeseries`."""
+    return timeseries(title, [target(expr, legend), threshold_target(param, "B")], describe(metric, bad, alert),
+                      **options)
+
+
 def timeseries(title: str, targets: list[dict], description: str, unit: str = "short",
                thresholds_dashed: bool = True, log: bool = False) -> dict:
     overrides = []
@@ -174,14 +182,12 @@ def overview() -> dict:
                  describe("version_lag_max", "far above the staleness bound.", "RLWatchVersionLagFarAboveBound")),
             w=4, h=4)
     lay.row("Headline signals (thresholds dashed)")
-    lay.add(timeseries("KL(mu || pi_old), k3", [target(f"rlwatch_mismatch_kl_k3{{{RUN}}}", "{{run}} k3"),
-                                                  threshold_target("kl_k3_max", "B")],
-                       describe("mismatch_kl_k3", "a spike above the bound or a steady climb; numeric bf16 "
-                                "mismatch alone is ~1e-3.", "RLWatchKLSpike"), log=True))
-    lay.add(timeseries("Effective sample size", [target(f"rlwatch_is_ess_ratio{{{RUN}}}", "{{run}} ESS"),
-                                                  threshold_target("ess_min", "B")],
-                       describe("is_ess_ratio", "below 0.3: a few tokens carry the correction.", "RLWatchESSLow"),
-                       unit="percentunit"))
+    lay.add(threshold_panel("KL(mu || pi_old), k3", f"rlwatch_mismatch_kl_k3{{{RUN}}}", "{{run}} k3", "kl_k3_max",
+                            "mismatch_kl_k3", "a spike above the bound or a steady climb; numeric bf16 mismatch "
+                            "alone is ~1e-3.", "RLWatchKLSpike", log=True))
+    lay.add(threshold_panel("Effective sample size", f"rlwatch_is_ess_ratio{{{RUN}}}", "{{run}} ESS", "ess_min",
+                            "is_ess_ratio", "below 0.3: a few tokens carry the correction.", "RLWatchESSLow",
+                            unit="percentunit"))
     lay.add(timeseries("Version lag", [target(f"rlwatch_version_lag_max{{{RUN}}}", "{{run}} max"),
                                         target(f"rlwatch_version_lag_mean{{{RUN}}}", "{{run}} mean", "B"),
                                         target(f"rlwatch_staleness_bound{{{RUN}}}", "{{run}} staleness bound", "C")],
@@ -193,25 +199,22 @@ def overview() -> dict:
         threshold_target("tis_truncated_max", "C")],
         describe("is_tis_high_ratio", "many weights at the cap; read next to the raw mismatch.",
                  "RLWatchISTruncationHigh"), unit="percentunit"))
-    lay.add(timeseries("Zero-variance groups", [
-        target(f"rlwatch_zero_variance_groups_ratio{{{RUN}}}", "{{run}} {{kind}}"),
-        threshold_target("zero_variance_max", "B")],
-        describe("zero_variance_groups_ratio", "most groups all pass or all fail: no gradient.",
-                 "RLWatchZeroVarianceGroupsHigh"), unit="percentunit"))
-    lay.add(timeseries("Reward-hack rate by environment", [
-        target(f"run_env_detector:rlwatch_episodes_hacked:ratio_rate10m{{{ENV}}}", "{{run}} {{env}} {{detector}}"),
-        threshold_target("hack_ratio_max", "B")],
-        describe("env_hack_ratio", "a rising rate in one environment.", "RLWatchRewardHackRateRising"),
-        unit="percentunit"))
+    lay.add(threshold_panel("Zero-variance groups", f"rlwatch_zero_variance_groups_ratio{{{RUN}}}", "{{run}} {{kind}}",
+                            "zero_variance_max", "zero_variance_groups_ratio",
+                            "most groups all pass or all fail: no gradient.", "RLWatchZeroVarianceGroupsHigh",
+                            unit="percentunit"))
+    lay.add(threshold_panel("Reward-hack rate by environment",
+                            f"run_env_detector:rlwatch_episodes_hacked:ratio_rate10m{{{ENV}}}",
+                            "{{run}} {{env}} {{detector}}", "hack_ratio_max", "env_hack_ratio",
+                            "a rising rate in one environment.", "RLWatchRewardHackRateRising", unit="percentunit"))
     lay.add(timeseries("Entropy", [target(f"rlwatch_entropy_mean{{{RUN}}}", "{{run}}")],
                        describe("entropy_mean", "a collapse toward 0.", "RLWatchEntropyCollapse")))
     lay.add(timeseries("Reward", [target(f"rlwatch_reward_mean{{{RUN}}}", "{{run}} mean"),
                                   target(f"rlwatch_env_reward_mean{{{ENV}}}", "{{run}} {{env}}", "B")],
                        describe("reward_mean", "a reward that rises while hack or mismatch signals rise too.")))
-    lay.add(timeseries("Drift scores", [target(f"rlwatch_drift_score{{{RUN}}}", "{{run}} {{signal}} {{env}}"),
-                                        threshold_target("drift_score_max", "B")],
-                       describe("drift_score", "a score climbing past the bound: the signal left its own "
-                                "baseline.", "RLWatchMismatchDrift")))
+    lay.add(threshold_panel("Drift scores", f"rlwatch_drift_score{{{RUN}}}", "{{run}} {{signal}} {{env}}",
+                            "drift_score_max", "drift_score", "a score climbing past the bound: the signal left "
+                            "its own baseline.", "RLWatchMismatchDrift"))
     return dashboard("rlwatch-overview", "rlwatch / overview",
                      "Is each run healthy, and if not, which signal moved first.", lay)
 
@@ -307,10 +310,9 @@ def details() -> dict:
         target(f"rlwatch_zero_gradient_episodes_ratio{{{RUN}}}", "{{run}} episodes without gradient", "B")],
         describe("zero_variance_groups_ratio", "all_pass (too easy or hacked) or all_fail (too hard or broken "
                  "grader).", "RLWatchZeroVarianceGroupsHigh"), unit="percentunit"))
-    lay.add(timeseries("Truncation rate", [
-        target(f"rlwatch_truncated_ratio{{{RUN}}}", "{{run}}"), threshold_target("truncated_max", "B")],
-        describe("truncated_ratio", "responses hitting the limit.", "RLWatchTruncationRateHigh"),
-        unit="percentunit"))
+    lay.add(threshold_panel("Truncation rate", f"rlwatch_truncated_ratio{{{RUN}}}", "{{run}}", "truncated_max",
+                            "truncated_ratio", "responses hitting the limit.", "RLWatchTruncationRateHigh",
+                            unit="percentunit"))
     lay.add(timeseries("Response length", [
         target(f"rlwatch_response_length_mean{{{RUN}}}", "{{run}} mean"),
         target(f"rlwatch_response_length_p99{{{RUN}}}", "{{run}} p99", "B"),
@@ -320,15 +322,14 @@ def details() -> dict:
     lay.row("Environments")
     lay.add(timeseries("Reward by environment", [target(f"rlwatch_env_reward_mean{{{ENV}}}", "{{run}} {{env}}")],
                        describe("env_reward_mean", "reward rising in one environment while its hack rate rises.")))
-    lay.add(timeseries("Hack rate by environment and detector", [
-        target(f"rlwatch_env_hack_ratio{{{ENV}}}", "{{run}} {{env}} {{detector}}"),
-        threshold_target("hack_ratio_max", "B")],
-        describe("env_hack_ratio", "rising in one environment.", "RLWatchRewardHackRateRising"), unit="percentunit"))
-    lay.add(timeseries("Infrastructure failures by kind", [
-        target(f"run_env_kind:rlwatch_episodes_failed:ratio_rate10m{{{ENV}}}", "{{run}} {{env}} {{kind}}"),
-        threshold_target("failure_ratio_max", "B")],
-        describe("env_failure_ratio", "failures scored as reward teach the policy to avoid crashes.",
-                 "RLWatchInfraFailureRateHigh"), unit="percentunit"))
+    lay.add(threshold_panel("Hack rate by environment and detector", f"rlwatch_env_hack_ratio{{{ENV}}}",
+                            "{{run}} {{env}} {{detector}}", "hack_ratio_max", "env_hack_ratio",
+                            "rising in one environment.", "RLWatchRewardHackRateRising", unit="percentunit"))
+    lay.add(threshold_panel("Infrastructure failures by kind",
+                            f"run_env_kind:rlwatch_episodes_failed:ratio_rate10m{{{ENV}}}", "{{run}} {{env}} {{kind}}",
+                            "failure_ratio_max", "env_failure_ratio",
+                            "failures scored as reward teach the policy to avoid crashes.",
+                            "RLWatchInfraFailureRateHigh", unit="percentunit"))
     lay.add(timeseries("Truncation by environment", [
         target(f"run_env:rlwatch_episodes_truncated:ratio_rate10m{{{ENV}}}", "{{run}} {{env}}")],
         describe("env_truncated_ratio", "one environment's episodes hitting the limit."), unit="percentunit"))

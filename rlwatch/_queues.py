@@ -1,5 +1,5 @@
-"""Background work off the training thread: an ordered worker, and waiting for a queue to drain
-(store writer, notifier, hack detectors, deferred steps)."""
+"""Background work off the training thread: an ordered worker, waiting for a queue to drain and
+stopping its consumer (store writer, notifier, hack detectors, deferred steps)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,17 @@ def wait_drained(q: queue.Queue, timeout: float, alive: Callable[[], bool] = lam
             return False
         time.sleep(0.005)
     return True
+
+
+def stop_consumer(q: queue.Queue, thread: threading.Thread, join_timeout: float) -> None:
+    """Ask the thread consuming ``q`` to stop (the end marker None, queued behind what is there; at most
+    1 s waiting for room) and wait up to ``join_timeout`` seconds for it. A consumer stuck in an item
+    is left behind (a daemon thread): the caller never hangs on it."""
+    try:
+        q.put(None, timeout=1)
+    except queue.Full:
+        pass
+    thread.join(timeout=join_timeout)
 
 
 class OrderedWorker:

@@ -6,6 +6,9 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any, Callable
+
+from .config import OPTION_VARIABLES, REPORT_VARIABLE
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -81,13 +84,25 @@ def _cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``rlwatch run``'s options that reach the trainer's processes: option -> (type, help). Each travels in
+#: the variable :data:`rlwatch.config.OPTION_VARIABLES` names (the help's ``{variable}``).
+RUN_OPTIONS: dict[str, tuple[type, str]] = {
+    "run": (str, "run name ({variable}; default: the trainer's own name)"),
+    "port": (int, "metrics port ({variable}; default 9400, the next free one if taken)"),
+    "addr": (str, "bind address ({variable}; default 127.0.0.1)"),
+    "store": (str, "run-store path, or none for no store ({variable}; default: next to the checkpoints for TRL, "
+                   "else rlwatch-runs/<run>.db)"),
+    "sd_dir": (str, "Prometheus file_sd directory to register in ({variable})"),
+    "frameworks": (str, "comma list of trl,verl,openrlhf to hook (default: all)"),
+}
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import os
     import subprocess
     import tempfile
 
     from .autoload import BOOTSTRAP_DIR, FRAMEWORK_SETUP
-    from .config import OPTION_VARIABLES, REPORT_VARIABLE
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -244,6 +259,14 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], help: str,
+             description: str | None = None) -> argparse.ArgumentParser:
+    """The subcommand ``name``, which runs ``func(args)``; its options' defaults are shown in --help."""
+    parser = sub.add_parser(name, help=help, description=description, formatter_class=_HelpFormatter)
+    parser.set_defaults(func=func)
+    return parser
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Appends "(default: X)" to an option's help unless the help already names its default or
     there is none to show (None, False)."""
@@ -265,11 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_VersionAction, help="print the version and where rlwatch is installed")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="train a tiny RL policy that collapses, watched live, then explained",
-                       formatter_class=_HelpFormatter,
-                       description="Train a tiny GRPO policy on CPU under a scenario (by default its sampler is 8 "
-                                   "updates stale and it collapses), serve its signals on /metrics, show the "
-                                   "signals and alerts live, and end with the post-mortem.")
+    p = _command(sub, "demo", _cmd_demo, "train a tiny RL policy that collapses, watched live, then explained",
+                 "Train a tiny GRPO policy on CPU under a scenario (by default its sampler is 8 updates stale "
+                 "and it collapses), serve its signals on /metrics, show the signals and alerts live, and end "
+                 "with the post-mortem.")
     p.add_argument("--scenario", default="collapse",
                    help="collapse (lag 8), healthy, lag2, rescued (TIS), mis, hack, temperature_fault, "
                         "top_p_fault, partial")
@@ -281,13 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run a real local Prometheus + Alertmanager with rlwatch's rules (Debian packages "
                         "prometheus, prometheus-alertmanager); steps are paced for its scrapes")
     p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live terminal view")
-    p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("up", help="start a local Prometheus + Alertmanager (+ Grafana) with rlwatch's rules",
-                       formatter_class=_HelpFormatter,
-                       description="Start Prometheus and Alertmanager (and Grafana when grafana-server is on PATH) "
-                                   "with rlwatch's rules and dashboards, bound to --addr, in the background. "
-                                   "Stop them with `rlwatch down` (from any directory).")
+    p = _command(sub, "up", _cmd_up, "start a local Prometheus + Alertmanager (+ Grafana) with rlwatch's rules",
+                 "Start Prometheus and Alertmanager (and Grafana when grafana-server is on PATH) with rlwatch's "
+                 "rules and dashboards, bound to --addr, in the background. Stop them with `rlwatch down` (from "
+                 "any directory).")
     p.add_argument("--dir", default=DEFAULT_STACK_DIR, help="where configs, data, logs and PIDs go")
     p.add_argument("--addr", default="127.0.0.1", help="bind address of the servers")
     p.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus' port")
@@ -302,36 +322,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runbook-url", metavar="URL",
                    help="base URL of the runbook the alerts link to (default: $RLWATCH_RUNBOOK_URL, else "
                         "http://127.0.0.1:9400/runbook, served by every rlwatch exporter)")
-    p.set_defaults(func=_cmd_up)
 
-    p = sub.add_parser("down", help="stop what `rlwatch up` started", formatter_class=_HelpFormatter,
-                       description="Stop the servers `rlwatch up` started. Without --dir: the stack in "
-                                   f"./{DEFAULT_STACK_DIR} if it runs, else the one running stack listed in "
-                                   "$RLWATCH_STATE_DIR (default ~/.local/state/rlwatch).")
+    p = _command(sub, "down", _cmd_down, "stop what `rlwatch up` started",
+                 f"Stop the servers `rlwatch up` started. Without --dir: the stack in ./{DEFAULT_STACK_DIR} if it "
+                 "runs, else the one running stack listed in $RLWATCH_STATE_DIR (default ~/.local/state/rlwatch).")
     p.add_argument("--dir", default=None, help="the stack's directory (as given to rlwatch up)")
     p.add_argument("--all", action="store_true", help="stop every running stack")
-    p.set_defaults(func=_cmd_down)
 
-    p = sub.add_parser("run", help="run a training command with rlwatch attached (no code change)",
-                       formatter_class=_HelpFormatter,
-                       description="Run COMMAND with rlwatch installed in every Python process it starts "
-                                   "(and in its Ray workers): supported trainers (TRL GRPOTrainer, verl, OpenRLHF) "
-                                   "get a Watch automatically, which says where its metrics and store are. "
-                                   "Afterwards: what was watched, or why nothing was.")
-    p.add_argument("--run", help="run name (RLWATCH_RUN; default: the trainer's own name)")
-    p.add_argument("--port", type=int, help="metrics port (RLWATCH_PORT; default 9400, the next free one if taken)")
-    p.add_argument("--addr", help="bind address (RLWATCH_ADDR; default 127.0.0.1)")
-    p.add_argument("--store", help="run-store path, or none for no store (RLWATCH_STORE; default: next to "
-                                   "the checkpoints for TRL, else rlwatch-runs/<run>.db)")
-    p.add_argument("--sd-dir", dest="sd_dir", help="Prometheus file_sd directory to register in (RLWATCH_SD_DIR)")
-    p.add_argument("--frameworks", help="comma list of trl,verl,openrlhf to hook (default: all)")
+    p = _command(sub, "run", _cmd_run, "run a training command with rlwatch attached (no code change)",
+                 "Run COMMAND with rlwatch installed in every Python process it starts (and in its Ray workers): "
+                 "supported trainers (TRL GRPOTrainer, verl, OpenRLHF) get a Watch automatically, which says "
+                 "where its metrics and store are. Afterwards: what was watched, or why nothing was.")
+    for option, (kind, text) in RUN_OPTIONS.items():
+        p.add_argument("--" + option.replace("_", "-"), dest=option, type=kind,
+                       help=text.format(variable=OPTION_VARIABLES[option]))
     p.add_argument("--strict", action="store_true", help="raise on rlwatch errors (tests)")
     p.add_argument("--quiet", action="store_true", help="no start and summary lines from rlwatch run itself")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
-    p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser("postmortem", help="explain a run: collapse, first changes, alerts, cause, resume point, "
-                                          "coverage, and divergence from a good run")
+    p = _command(sub, "postmortem", _cmd_postmortem, "explain a run: collapse, first changes, alerts, cause, "
+                 "resume point, coverage, and divergence from a good run")
     p.add_argument("path", nargs="?", help="run store, TRL output directory or verl checkpoint directory")
     p.add_argument("--baseline", metavar="GOOD",
                    help="a good run to compare with, aligned by step: a run store, a TRL or verl output directory, "
@@ -348,12 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", nargs="?", const="auto", metavar="ROLLOUTS",
                    help="score every checkpoint on stored rollouts (safetensors); alone, the "
                         "rlwatch-probe-rollouts.safetensors the TRL integration keeps in the output directory")
-    p.set_defaults(func=_cmd_postmortem)
 
-    p = sub.add_parser("files", help="where the shipped rules, runbook, dashboards and examples are",
-                       formatter_class=_HelpFormatter)
+    p = _command(sub, "files", _cmd_files, "where the shipped rules, runbook, dashboards and examples are")
     p.add_argument("--copy", metavar="DIR", help="copy alerts/, dashboards/ and examples/ into DIR")
-    p.set_defaults(func=_cmd_files)
     return parser
 
 

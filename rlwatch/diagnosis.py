@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Mapping
 
-from .signals import Values
+from .values import Values, value_of as _get
 
 CAUSES = ("none", "numeric_noise", "stale_weights", "weight_sync_missing", "temperature_mismatch",
           "top_p_truncation")
@@ -40,37 +40,36 @@ class Diagnosis:
                 "features": {k: v for k, v in self.features.items() if v is not None and math.isfinite(v)}}
 
 
-def _get(values: Values, name: str, labels: tuple[str, ...] = ()) -> float | None:
-    return values.get(name, {}).get(labels)
-
-
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def _slope(xs: list[float], ys: list[float]) -> float | None:
+def _centred_sums(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """(sum of (x - mean)^2, sum of (y - mean)^2, sum of (x - mean)(y - mean))."""
     n = len(xs)
-    if n < 3:
-        return None
     mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return None if sxx == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return (sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys),
+            sum((x - mx) * (y - my) for x, y in zip(xs, ys)))
+
+
+def _slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of ys on xs (None under 3 points or for constant xs)."""
+    if len(xs) < 3:
+        return None
+    sxx, _, sxy = _centred_sums(xs, ys)
+    return None if sxx == 0 else sxy / sxx
 
 
 def _corr(xs: list[float], ys: list[float]) -> float | None:
-    n = len(xs)
-    if n < 4:
+    """Pearson correlation (None under 4 points or when either side is constant)."""
+    if len(xs) < 4:
         return None
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    syy = sum((y - my) ** 2 for y in ys)
-    if sxx == 0 or syy == 0:
-        return None
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(sxx * syy)
+    sxx, syy, sxy = _centred_sums(xs, ys)
+    return None if sxx == 0 or syy == 0 else sxy / math.sqrt(sxx * syy)
 
 
-def features(steps: Iterable[Values]) -> dict[str, float | None]:
-    """Summary features of a window of steps (each a values dict of one step)."""
+def features(steps: Iterable[Mapping]) -> dict[str, float | None]:
+    """Summary features of a window of steps (each one step's values, live or stored)."""
     steps = list(steps)
     rows = [s for s in steps if _get(s, "mismatch_abs_log_ratio_mean") is not None]
     abs_mean = [_get(s, "mismatch_abs_log_ratio_mean") for s in rows]
@@ -102,7 +101,7 @@ def features(steps: Iterable[Values]) -> dict[str, float | None]:
     }
 
 
-def diagnose(steps: Iterable[Values]) -> Diagnosis:
+def diagnose(steps: Iterable[Mapping]) -> Diagnosis:
     """The most likely cause over a window of steps, with the evidence for it."""
     f = features(steps)
     abs_mean, signed, slope = f["abs_mean"], f["signed_mean"], f["slope"]
@@ -162,7 +161,7 @@ class Diagnoser:
         self.latest: Diagnosis | None = None
         self._count = 0
 
-    def on_step(self, step: int, values: Values) -> Values | None:
+    def on_step(self, step: int, values: Mapping) -> Values | None:
         if self.staleness_bound is not None:
             values = {**values, "staleness_bound": {(): self.staleness_bound}}
         self.window.append(values)

@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
+from typing import Mapping
 
-from .signals import Values
+from .values import Values
 
 #: series watched: name -> (direction, absolute floor of the scale). "up" scores increases.
 SIGNALS: dict[str, tuple[str, float]] = {
@@ -72,7 +73,7 @@ class DriftDetector:
         series.seen += 1
         return score
 
-    def on_step(self, step: int, values: Values) -> Values | None:
+    def on_step(self, step: int, values: Mapping) -> Values | None:
         scores: dict[tuple[str, ...], float] = {}
         for name, (direction, floor) in self.signals.items():
             for labels, x in values.get(name, {}).items():

@@ -46,8 +46,10 @@ class PortInUseError(RLWatchError, OSError):
 class HookErrors:
     """Counts errors by (stage, kind), logs the first of each kind, and raises in strict mode.
 
-    Stages: ``validate`` (bad input), ``compute``, ``export``, ``store``, ``alerts``, ``notify``,
-    ``integration``. Thread-safe: background exporters report here too.
+    Stages: ``validate`` (bad input), ``compute``, ``export``, ``store``, ``alerts`` (the step
+    listeners and the evaluator), ``notify``, ``hacks``, ``background`` (rlwatch's step thread),
+    ``observe`` (a step refused after close), ``integration`` (and the integrations' own hook names).
+    Thread-safe: background exporters report here too.
     """
 
     def __init__(self, strict: bool = False) -> None:

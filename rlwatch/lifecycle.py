@@ -2,9 +2,12 @@
 
 :class:`Services` owns the exporters (the /metrics endpoint, Pushgateway, OpenTelemetry), the run
 store, the file_sd registration, the in-process alert evaluator (its notifiers and its stall
-watchdog) and the background step worker; :meth:`Services.close` stops them in the reverse order
-of what depends on what. :class:`Health` is rlwatch's own health (hook errors, store counters),
-read into the exported state when an exporter takes a snapshot, never pushed by the step path.
+watchdog), the alert step windows it reads, and the background step worker; it exports the run's
+metadata and settings at start, writes what the user records about the run (checkpoints, events,
+framework scalars) to the store, waits for the queued steps in :meth:`Services.flush`, and
+:meth:`Services.close` stops them in the reverse order of what depends on what. :class:`Health` is
+rlwatch's own health (hook errors, store counters), read into the exported state when an exporter
+takes a snapshot, never pushed by the step path.
 
 Every start-up failure is counted through :mod:`rlwatch.errors` (``stage="export"``, ``"store"``
 or ``"alerts"``) and leaves that part off; the others still start.
@@ -13,11 +16,16 @@ or ``"alerts"``) and leaves that part off; the others still start.
 from __future__ import annotations
 
 import logging
+import math
+import os
+import platform
+import time
 from typing import Any, Callable, Mapping
 
 from ._queues import OrderedWorker
 from .config import WatchConfig
 from .errors import HookErrors, describe, guard
+from .record import LabelRegistry, clean_text
 from .state import MetricState
 
 logger = logging.getLogger("rlwatch")
@@ -54,11 +62,60 @@ def export_alert_thresholds(state: MetricState, errors: HookErrors,
     return clean
 
 
+def run_metadata(cfg: WatchConfig, signals: Any, rank: int, world: int) -> dict[str, Any]:
+    """What the store's run row and ``rlwatch_run_info`` record: the user's ``metadata``, the framework,
+    the versions of rlwatch, torch and Python, the signal settings, rank and world size."""
+    import torch
+
+    from . import __version__
+
+    metadata = dict(cfg.metadata or {})
+    metadata.update(framework=clean_text(cfg.framework), framework_version=clean_text(cfg.framework_version),
+                    rlwatch_version=__version__, torch_version=torch.__version__,
+                    python_version=platform.python_version(), config=signals.__dict__, rank=rank,
+                    world_size=world)
+    return metadata
+
+
+def finite_scalars(mapping: Mapping[str, Any], names: LabelRegistry) -> dict[str, float]:
+    """``{cleaned name: float}`` of the finite numbers (and one-element tensors) of ``mapping``; the
+    rest, and names past the registry's cap, are left out."""
+    clean: dict[str, float] = {}
+    for key, value in mapping.items():
+        try:
+            number = float(value.item() if hasattr(value, "item") else value)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+        if not math.isfinite(number):
+            continue
+        name, overflow = names.map(names.clean(key)[0])
+        if not overflow:
+            clean[name] = number
+    return clean
+
+
+def checkpoint_location(path: Any) -> str:
+    """A checkpoint path as stored: absolute when local (the post-mortem finds it from any directory),
+    a URL as given; a path that is not UTF-8 keeps its raw bytes visible (b"\\xff" -> "\\\\xff")."""
+    location = os.fspath(path)
+    location = location if "://" in str(location) else os.path.abspath(location)
+    try:
+        location = os.fsencode(location).decode("utf-8", "backslashreplace")
+    except UnicodeError:            # a surrogate that no file name decodes to
+        pass
+    return clean_text(location)
+
+
 def _counted(errors: HookErrors, stage: str, prefix: str = "") -> Callable[[str, BaseException], None]:
     """An ``on_error(kind, exc)`` for rlwatch's own threads: counted and logged, never raised."""
     def on_error(kind: str, exc: BaseException) -> None:
         errors.report(stage, kind, f"{prefix}{describe(exc)}", raise_in_strict=False)
     return on_error
+
+
+def _static_settings(cfg: WatchConfig) -> dict[str, dict]:
+    """The run's settings every step carries for the alert conditions, as Prometheus sees them."""
+    return {"staleness_bound": {(): cfg.staleness_bound}, "is_cap": {(): cfg.is_cap}}
 
 
 class Services:
@@ -78,12 +135,24 @@ class Services:
         self.otel: Any = None
         self.evaluator: Any = None
         self.worker: OrderedWorker | None = None
+        self.windows: Any = None                       # the alert step windows (a step listener)
         self.alert_overrides: dict[str, float] = {}    # the run's valid overrides (the alert windows read them)
+        self.scalar_names = LabelRegistry(256)         # the framework scalars' names (capped)
 
     def start(self, cfg: WatchConfig, metadata: Mapping[str, Any], port_offset: int,
               initializer: Callable[[], None] | None = None) -> None:
-        """Start what ``cfg`` asks for, in dependency order (the evaluator writes to the store)."""
+        """Export the run's metadata and settings, then start what ``cfg`` asks for, in dependency
+        order (the evaluator writes to the store)."""
+        from .alerts.windows import AlertWindows
+
+        self.state.set_info("run_info", (metadata["framework"], metadata["framework_version"],
+                                         metadata["rlwatch_version"]))
+        for name, value in (("staleness_bound", cfg.staleness_bound), ("is_cap", cfg.is_cap),
+                            ("mis_low", cfg.mis_band[0]), ("mis_high", cfg.mis_band[1])):
+            self.state.set_gauge(name, value)
         overrides = self.alert_overrides = export_alert_thresholds(self.state, self.errors, cfg.alert_overrides or {})
+        # The alerts' step windows, exported for the Prometheus rules and read by the evaluator.
+        self.windows = AlertWindows(overrides, static=_static_settings(cfg))
         self.start_store(cfg.store_file(self.run), metadata)
         self.start_endpoint(cfg, port_offset)
         if cfg.pushgateway:
@@ -156,10 +225,44 @@ class Services:
     def start_alerts(self, cfg: WatchConfig, overrides: Mapping[str, float]) -> None:
         from .alerts.evaluator import AlertEvaluator
 
-        static = {"staleness_bound": {(): cfg.staleness_bound}, "is_cap": {(): cfg.is_cap}}
         self.evaluator = guard(self.errors, "alerts", "init", lambda: AlertEvaluator(
             self.run, store=self.store, notifiers=cfg.notifiers, overrides=overrides, errors=self.errors,
-            guard=cfg.guard, static=static))
+            guard=cfg.guard, static=_static_settings(cfg)))
+
+    # --- what the user records about the run -------------------------------------------------------
+
+    def log_scalars(self, step: int, mapping: Mapping[str, Any]) -> None:
+        """A framework's own scalars: exported as ``rlwatch_framework_metric{name}`` and stored."""
+        clean = finite_scalars(mapping, self.scalar_names)
+        for name, number in clean.items():
+            self.state.set_gauge("framework_metric", number, (name,))
+        if self.store is not None:
+            self.store.submit_scalars(self.run, int(step), clean)
+
+    def record_checkpoint(self, step: int, path: str, flush_timeout: float) -> None:
+        """Store the checkpoint row, then :meth:`flush` (a flush that times out is counted)."""
+        if self.store is None:
+            return
+        guard(self.errors, "store", "checkpoint", lambda: self.store.submit_checkpoint(
+            self.run, step, checkpoint_location(path)))
+        if not self.flush(timeout=flush_timeout):
+            self.errors.report("store", "checkpoint_flush", f"steps before checkpoint {step} were not all "
+                               f"stored within {flush_timeout:g} s (still queued)", raise_in_strict=False)
+
+    def note(self, kind: str, detail: str) -> None:
+        if self.store is not None:
+            guard(self.errors, "store", "event", lambda: self.store.submit_event(self.run, kind, detail))
+
+    def flush(self, timeout: float) -> bool:
+        """Wait for the queued steps to be computed (unless called from the worker's own thread, where
+        the steps before the caller already ran), then for the store to commit them; False when
+        ``timeout`` seconds passed first."""
+        deadline = time.monotonic() + timeout
+        worker = self.worker
+        drained = worker.drain(timeout) if worker is not None and not worker.is_current() else True
+        if self.store is None:
+            return drained
+        return self.store.flush(max(0.0, deadline - time.monotonic())) and drained
 
     def close_worker(self) -> None:
         """Compute and export the steps still queued (at most 30 s)."""

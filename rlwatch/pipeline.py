@@ -3,11 +3,13 @@
 1. **build**: :class:`~rlwatch.record.RecordBuilder` validates the observed fields into a
    :class:`~rlwatch.record.StepRecord` (a bad field is counted and dropped).
 2. **compute**: :func:`~rlwatch.signals.compute_step`, every signal on the tensors' device, one
-   host transfer; the result is the step's :data:`~rlwatch.signals.Values`.
-3. **derive**: the reward-hack verdicts ready since the last step, the hook's own timing, the
-   errors only the values reveal, then each :class:`StepListener` of ``listeners`` in list order
-   (drift, diagnosis, then the user's; the TRL integration puts its per-generation listener first).
-   A listener may edit the values; what it returns is merged into them.
+   host transfer; the pipeline wraps the result in the step's :class:`~rlwatch.values.StepValues`.
+3. **derive**: the reward-hack verdicts ready since the last step (merged into the step's own counts,
+   then ``env_hack_ratio`` derived again over both), the hook's own timing, the errors only the
+   values reveal, then each :class:`StepListener` of ``listeners`` in list order (the TRL
+   integration's per-generation listener first when there is one, then drift, diagnosis, the alert
+   step windows, then the user's). A listener may edit the values; what it returns is merged into
+   them by catalogue kind (:meth:`StepValues.merge`: counters add, other families are replaced).
 4. **evaluate**: the in-process alert evaluator, explicitly last, so it sees every derived value.
 5. **sinks**: the exported state, the run store (the step row, then the hack examples).
 
@@ -27,16 +29,21 @@ from typing import Any, Iterator, Mapping, Protocol
 
 from .errors import HookErrors, guard
 from .record import RecordBuilder, StepRecord
-from .signals import SignalConfig, Values, Workspace, compute_step
+from .signals import SignalConfig, Workspace, compute_step
 from .state import MetricState
+from .values import StepValues, derive_hack_ratios
+
+__all__ = ["StepListener", "StepPipeline", "StepTiming", "derive_hack_ratios", "report_value_errors",
+           "standard_listeners"]
 
 
 class StepListener(Protocol):
     """Something that follows the run step by step (drift detectors, diagnosis, the alert evaluator).
 
-    ``on_step`` may edit ``values`` and may return extra values to export with the step."""
+    ``on_step`` may edit ``values`` and may return extra values to export with the step (merged by
+    catalogue kind, :meth:`~rlwatch.values.StepValues.merge`)."""
 
-    def on_step(self, step: int, values: Values) -> Values | None: ...
+    def on_step(self, step: int, values: StepValues) -> Mapping[str, Mapping[tuple, float | None]] | None: ...
 
     def close(self) -> None: ...
 
@@ -49,11 +56,20 @@ class StepTiming:
     now: float
 
 
+def standard_listeners(staleness_bound: float, extra: tuple[StepListener, ...] = ()) -> list[StepListener]:
+    """Drift, then diagnosis, then the user's ``extra`` listeners (a Watch inserts the alert step
+    windows after diagnosis once its services start)."""
+    from .diagnosis import Diagnoser
+    from .drift import DriftDetector
+
+    return [DriftDetector(), Diagnoser(staleness_bound=staleness_bound), *extra]
+
+
 class StepPipeline:
     """The stages of one step; a Watch holds one and calls :meth:`run` under its lock."""
 
     def __init__(self, run: str, signals: SignalConfig, state: MetricState, errors: HookErrors,
-                 builder: RecordBuilder, listeners: list[StepListener]) -> None:
+                 builder: RecordBuilder, listeners: list[StepListener], hack_detectors: Any = None) -> None:
         self.run_name = run
         self.signals = signals
         self.state = state
@@ -63,10 +79,11 @@ class StepPipeline:
         self.listeners = listeners            # the Watch's list: integrations insert into it
         self.evaluator: StepListener | None = None
         self.store: Any = None
-        self.hacks: Any = None
+        self.hacks: Any = None                # the HackMonitor, started with the first episodes
+        self.hack_detectors = hack_detectors
         self._last_time: float | None = None
 
-    def run(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> tuple[StepRecord, Values] | None:
+    def run(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> tuple[StepRecord, StepValues] | None:
         """Every stage for one observed step; (record, values), or None when the step was unusable."""
         started = time.perf_counter()
         record = self.build(step, fields)
@@ -84,35 +101,37 @@ class StepPipeline:
     def build(self, step: int, fields: Mapping[str, Any]) -> StepRecord | None:
         return guard(self.errors, "validate", None, lambda: self.builder.build(step, fields, self.workspace))
 
-    def compute(self, record: StepRecord, on_training_thread: bool) -> Values | None:
+    def compute(self, record: StepRecord, on_training_thread: bool) -> StepValues | None:
         # The intra-op thread count is process-wide: only the training thread may lower it.
         with few_threads_for(record.mask) if on_training_thread else contextlib.nullcontext():
-            return guard(self.errors, "compute", None, lambda: compute_step(record, self.signals, self.workspace))
+            computed = guard(self.errors, "compute", None, lambda: compute_step(record, self.signals, self.workspace))
+        return None if computed is None else StepValues.of(computed)
 
-    def derive(self, step: int, values: Values, timing: StepTiming) -> None:
+    def derive(self, step: int, values: StepValues, timing: StepTiming) -> None:
         if self.hacks is not None:
-            guard(self.errors, "hacks", None, lambda: merge_verdicts(values, self.hacks.collect()))
+            # The detectors' counts add to the step's own (its ``hacked`` flags), then one ratio over both.
+            guard(self.errors, "hacks", None, lambda: values.merge(self.hacks.collect()))
         derive_hack_ratios(values)
-        values["hook_compute_seconds"] = {(): timing.compute}
-        values["hook_compute_seconds_total"] = {(): timing.compute}
-        values["last_step_timestamp_seconds"] = {(): timing.now}
+        values.set("hook_compute_seconds", timing.compute)
+        values.set("hook_compute_seconds_total", timing.compute)
+        values.set("last_step_timestamp_seconds", timing.now)
         if self._last_time is not None:
-            values["step_interval_seconds"] = {(): timing.now - self._last_time}
+            values.set("step_interval_seconds", timing.now - self._last_time)
         self._last_time = timing.now
         report_value_errors(self.errors, values, self.signals.group_size)
         for listener in list(self.listeners):
             self._listen(listener, step, values)
 
-    def evaluate(self, step: int, values: Values) -> None:
+    def evaluate(self, step: int, values: StepValues) -> None:
         if self.evaluator is not None:
             self._listen(self.evaluator, step, values)
 
-    def _listen(self, listener: StepListener, step: int, values: Values) -> None:
+    def _listen(self, listener: StepListener, step: int, values: StepValues) -> None:
         extra = guard(self.errors, "alerts", None, lambda: listener.on_step(step, values))
         if extra:
-            values.update(extra)
+            values.merge(extra)
 
-    def sinks(self, step: int, values: Values, timing: StepTiming) -> None:
+    def sinks(self, step: int, values: StepValues, timing: StepTiming) -> None:
         guard(self.errors, "export", None, lambda: self.state.apply(values))
         if self.store is not None:
             guard(self.errors, "store", None, lambda: self.store.submit_step(self.run_name, step, values, timing.now))
@@ -124,34 +143,25 @@ class StepPipeline:
         if examples and self.store is not None:
             self.store.submit_hack_examples(self.run_name, examples)
 
+    def hack_monitor(self) -> Any:
+        """The :class:`~rlwatch.hacks.HackMonitor` of ``hack_detectors``, started on first use."""
+        if self.hacks is None:
+            from .hacks import HackMonitor
 
-def merge_verdicts(values: Values, verdicts: Mapping[str, Mapping[tuple, float]] | None) -> None:
-    """Add the hack detectors' counts (``episodes_judged_total``/``episodes_hacked_total`` per
-    environment and detector, :meth:`HackMonitor.collect`) to the step's own counts from its
-    ``hacked`` flags."""
-    for name, family in (verdicts or {}).items():
-        merged = values.setdefault(name, {})
-        for labels, value in family.items():
-            merged[labels] = (merged.get(labels) or 0.0) + value
+            self.hacks = HackMonitor(self.hack_detectors, errors=self.errors)
+        return self.hacks
 
-
-def derive_hack_ratios(values: Values) -> None:
-    """``env_hack_ratio`` = episodes hacked / episodes judged in this step, per environment and
-    detector, over both sources of verdicts (the step's ``hacked`` flags and the detectors); its one
-    definition, consistent with the two counters it divides (None when nothing was judged)."""
-    judged = values.get("episodes_judged_total")
-    if not judged:
-        return
-    hacked = values.get("episodes_hacked_total", {})
-    values["env_hack_ratio"] = {labels: ((hacked.get(labels) or 0.0) / n if n else None)
-                                for labels, n in judged.items()}
+    def close(self) -> None:
+        """Close the listeners, the evaluator and the hack monitor (a failure is counted, the rest still close)."""
+        for listener in [*self.listeners, *([self.evaluator] if self.evaluator is not None else [])]:
+            guard(self.errors, "alerts", "close", listener.close)
+        if self.hacks is not None:
+            guard(self.errors, "hacks", "close", self.hacks.close)
 
 
-def report_value_errors(errors: HookErrors, values: Values, group_size: int | None) -> None:
+def report_value_errors(errors: HookErrors, values: StepValues, group_size: int | None) -> None:
     """Errors that only the computed values reveal (one host sync already happened)."""
-    def scalar(name: str) -> float | None:
-        return values.get(name, {}).get(())
-
+    scalar = values.value
     negative = scalar("negative_lag_tokens_total")
     if negative:
         errors.report("validate", "negative_lag", f"{int(negative)} tokens carry a version newer than "

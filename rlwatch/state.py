@@ -1,6 +1,7 @@
 """The exported state of one run: latest gauges, running counters and histogram buckets.
 
-The training thread applies each step's values in one short critical section; exporters (a
+The thread that computes a step (the training thread, or rlwatch's own with ``Watch(background=True)``)
+applies its values in one short critical section; exporters (a
 Prometheus scrape, an OpenTelemetry collection, a push) read an immutable snapshot on their own
 threads, so a scrape always sees one consistent step and never computes anything.
 """
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from .metrics import BY_NAME, LAG_BUCKETS
+from .values import value_of
 
 LabelValues = tuple[str, ...]
 Family = dict[LabelValues, float]
@@ -48,8 +51,10 @@ class MetricState:
         self._info: dict[str, Family] = {}
         self.version = 0          # bumped on every change: lets exporters reuse a rendering
 
-    def apply(self, values: dict[str, dict[LabelValues, float | None]]) -> None:
-        """Fold one step's values in (names as in :mod:`rlwatch.metrics`; unknown names ignored)."""
+    def apply(self, values: Mapping[str, Mapping[LabelValues, float | None]]) -> None:
+        """Fold one step's values (:class:`~rlwatch.values.StepValues` or the same plain shape) in: gauges
+        replace, counter and histogram increments add (names as in :mod:`rlwatch.metrics`; unknown
+        names ignored)."""
         gauges: dict[str, Family] = {}
         increments: list[tuple[str, LabelValues, float]] = []
         hist_updates: dict[str, tuple[list[float], float]] = {}
@@ -64,12 +69,12 @@ class MetricState:
                 increments.extend((name, k, v) for k, v in family.items() if v is not None)
             elif spec.kind == "histogram":
                 counts = [float(family.get((label,)) or 0.0) for label in HISTOGRAM_LABELS]
-                total = values.get(name + "_sum", {}).get((), 0.0) or 0.0
+                total = value_of(values, name + "_sum") or 0.0
                 hist_updates[name] = (counts, float(total))
             elif spec.kind == "info":
                 info[name] = {k: 1.0 for k in family}
         with self._lock:
-            step = values.get("step", {}).get(())
+            step = value_of(values, "step")
             if step is not None:
                 self._step = int(step)
             for name in list(self._gauges):

@@ -10,21 +10,18 @@ Nothing raises into the trainer unless ``strict=True`` (the policy: :mod:`rlwatc
 from __future__ import annotations
 
 import logging
-import math
-import os
-import platform
 import threading
-import time
 from typing import Any, Callable, Mapping
 
-from . import __version__, config as env
+from . import config as env
 from .config import DEFAULT_PORT, WatchConfig, default_run_name  # noqa: F401 - public names
 from .errors import HookErrors, guard
-from .lifecycle import Services
-from .pipeline import StepListener, StepPipeline, few_threads_for, one_intra_op_thread_here, tensor_bytes
-from .record import LabelRegistry, RecordBuilder, clean_text
-from .signals import Values
+from .lifecycle import Services, run_metadata
+from .pipeline import (StepListener, StepPipeline, few_threads_for, one_intra_op_thread_here, standard_listeners,
+                       tensor_bytes)
+from .record import RecordBuilder, clean_text
 from .state import MetricState
+from .values import StepValues
 
 logger = logging.getLogger("rlwatch")
 
@@ -74,15 +71,15 @@ class Watch:
             than computing inline, ``bench/bench_trl_overhead.py``). The tensors passed must
             not be modified in place afterwards. ``flush()`` waits for the queued steps; guards
             and ``on_alert`` callbacks then run on that thread, a step or so later. Off in strict mode.
-        listeners: extra :class:`~rlwatch.pipeline.StepListener` run after drift and diagnosis,
-            before the alert evaluator (``watch.listeners`` is the list, in order).
+        background_max_bytes: bytes of input tensors the background queue may hold (default 256 MiB;
+            a queued step keeps its tensors alive, on an accelerator in device memory): when full,
+            ``observe`` waits for rlwatch's thread (at most 5 s, then the step is dropped, counted).
+        listeners: extra :class:`~rlwatch.pipeline.StepListener` run after drift, diagnosis and the
+            alert step windows, before the alert evaluator (``watch.listeners`` is the list, in order).
 
     The step's path is :class:`rlwatch.pipeline.StepPipeline`; the parts started and stopped with the
     Watch are :class:`rlwatch.lifecycle.Services`; every option is a field of
     :class:`rlwatch.config.WatchConfig` (``watch.options``); errors follow :mod:`rlwatch.errors`.
-        background_max_bytes: bytes of input tensors the background queue may hold (default 256 MiB;
-            a queued step keeps its tensors alive, on an accelerator in device memory): when full,
-            ``observe`` waits for rlwatch's thread (at most 5 s, then the step is dropped, counted).
 
     Durability: ``observe`` returns once the step is exported (computed, or queued with
     ``background=True``); the store writes it a moment later on its own thread, so a process killed
@@ -115,46 +112,21 @@ class Watch:
         self.run = f"{base_run}-rank{self.rank}" if all_ranks and world > 1 else base_run
         self.config = cfg.signal_config()
         self.state = MetricState(self.run)
-        self.metadata = self._metadata(cfg, world)
+        self.metadata = run_metadata(cfg, self.config, self.rank, world)
         self._lock = threading.Lock()
         self._closed = self._closing = False
         self.background = background and not strict      # steps computed on rlwatch's thread
-        self._hack_detectors = hack_detectors
-        self._scalar_names = LabelRegistry(256)
-        from .diagnosis import Diagnoser
-        from .drift import DriftDetector
-
-        self.listeners: list[StepListener] = [DriftDetector(), Diagnoser(staleness_bound=staleness_bound),
-                                              *listeners]
+        self.listeners: list[StepListener] = standard_listeners(staleness_bound, listeners)
         self.pipeline = StepPipeline(self.run, self.config, self.state, self.errors,
-                                     RecordBuilder(self.errors, env_cap=env_cap), self.listeners)
+                                     RecordBuilder(self.errors, env_cap=env_cap), self.listeners, hack_detectors)
         self.services = Services(self.run, self.state, self.errors)
         if not self.active:
             logger.info("rlwatch: rank %d is not rank 0; this process exports nothing (all_ranks=False)", self.rank)
             return
-        self.state.set_info("run_info", (self.metadata["framework"], self.metadata["framework_version"],
-                                         __version__))
-        for name, value in (("staleness_bound", staleness_bound), ("is_cap", is_cap), ("mis_low", mis_band[0]),
-                            ("mis_high", mis_band[1])):
-            self.state.set_gauge(name, value)
         self.services.start(cfg, self.metadata, local_rank if all_ranks else 0, one_intra_op_thread_here)
-        from .alerts.windows import AlertWindows
-
-        # The alerts' step windows, exported for the Prometheus rules and read by the evaluator.
-        self.listeners.insert(2, AlertWindows(self.services.alert_overrides, static={
-            "staleness_bound": {(): self.config.staleness_bound}, "is_cap": {(): self.config.is_cap}}))
+        self.listeners.insert(2, self.services.windows)     # after drift and diagnosis, before the user's
         self.pipeline.store = self.services.store
         self.pipeline.evaluator = self.services.evaluator
-
-    def _metadata(self, cfg: WatchConfig, world: int) -> dict[str, Any]:
-        import torch
-
-        metadata = dict(cfg.metadata or {})
-        metadata.update(framework=clean_text(cfg.framework), framework_version=clean_text(cfg.framework_version),
-                        rlwatch_version=__version__, torch_version=torch.__version__,
-                        python_version=platform.python_version(), config=self.config.__dict__, rank=self.rank,
-                        world_size=world)
-        return metadata
 
     # --- the parts the services own (read-only views, as before the split) ------------------------
 
@@ -173,7 +145,7 @@ class Watch:
 
     # --- the hook ---------------------------------------------------------------------------------
 
-    def observe(self, step: int, **fields: Any) -> Values | None:
+    def observe(self, step: int, **fields: Any) -> StepValues | None:
         """Compute and export one step. Returns the step's values, or None if it could not be used,
         or at once with None when ``background=True`` (the step is computed on rlwatch's thread)."""
         if not self.active:
@@ -204,7 +176,7 @@ class Watch:
                 return
         guard(self.errors, "integration", "deferred", job)
 
-    def _observe(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> Values | None:
+    def _observe(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> StepValues | None:
         with self._lock:
             episodes = fields.pop("episodes", None)
             result = self.pipeline.run(step, fields, on_training_thread)
@@ -218,32 +190,18 @@ class Watch:
     @property
     def hack_detection(self) -> bool:
         """Whether episodes passed to this Watch are judged by reward-hack detectors."""
-        return self.active and not self._closed and self._hack_detectors is not False
+        return self.active and not self._closed and self.pipeline.hack_detectors is not False
 
     def submit_episodes(self, step: int, episodes: Any, env: list[str] | None = None) -> None:
         """Hand episodes (``rlwatch.hacks.Episode`` or dicts) to the reward-hack detectors; they run off
         the training thread and their verdicts are exported with the next observed step."""
         if self.hack_detection:
-            guard(self.errors, "hacks", "submit", lambda: self._hack_monitor().submit(step, episodes, env=env))
-
-    def _hack_monitor(self) -> Any:
-        if self.pipeline.hacks is None:
-            from .hacks import HackMonitor
-
-            self.pipeline.hacks = HackMonitor(self._hack_detectors, errors=self.errors)
-        return self.pipeline.hacks
+            guard(self.errors, "hacks", "submit", lambda: self.pipeline.hack_monitor().submit(step, episodes, env=env))
 
     def log_scalars(self, step: int, mapping: Mapping[str, Any]) -> None:
         """Record a framework's own scalar metrics (grad norm, loss, ...) next to rlwatch's."""
         if self.active and not self._closed:
-            guard(self.errors, "export", "log_scalars", lambda: self._log_scalars(step, mapping))
-
-    def _log_scalars(self, step: int, mapping: Mapping[str, Any]) -> None:
-        clean = finite_scalars(mapping, self._scalar_names)
-        for name, number in clean.items():
-            self.state.set_gauge("framework_metric", number, (name,))
-        if self.store is not None:
-            self.store.submit_scalars(self.run, int(step), clean)
+            guard(self.errors, "export", "log_scalars", lambda: self.services.log_scalars(step, mapping))
 
     def on_alert(self, callback: Callable[[Any], None]) -> None:
         """Call ``callback(event)`` for every firing and resolved event of the in-process evaluator
@@ -257,31 +215,19 @@ class Watch:
         stored absolute, so that the post-mortem finds it from any directory; a URL is kept as given.
         Then flushes (at most ``flush_timeout`` s): the steps observed so far and the checkpoint row
         are in the store when this returns, even if the process is killed during the save."""
-        if self.store is not None and self.active:
-            guard(self.errors, "store", "checkpoint", lambda: self.store.submit_checkpoint(
-                self.run, step, checkpoint_location(path)))
-            if not self.flush(timeout=flush_timeout):
-                self.errors.report("store", "checkpoint_flush", f"steps before checkpoint {step} were not all "
-                                   f"stored within {flush_timeout:g} s (still queued)", raise_in_strict=False)
+        if self.active:
+            self.services.record_checkpoint(step, path, flush_timeout)
 
     def note(self, kind: str, detail: str) -> None:
         """Record an event about the run (shown by the post-mortem)."""
-        if self.store is not None and self.active:
-            guard(self.errors, "store", "event", lambda: self.store.submit_event(self.run, kind, detail))
+        if self.active:
+            self.services.note(kind, detail)
 
     # --- lifecycle --------------------------------------------------------------------------------
 
-    @property
-    def url(self) -> str | None:
-        return self.server.url if self.server is not None else None
-
-    @property
-    def port(self) -> int | None:
-        return self.server.port if self.server is not None else None
-
-    @property
-    def store_path(self) -> str | None:
-        return self.store.path if self.store is not None else None
+    url = property(lambda self: self.server.url if self.server is not None else None)
+    port = property(lambda self: self.server.port if self.server is not None else None)
+    store_path = property(lambda self: self.store.path if self.store is not None else None)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every step observed before the call is computed and committed to the store.
@@ -289,13 +235,7 @@ class Watch:
         True: those steps survive the process being killed (the store's WAL is synced). False:
         ``timeout`` seconds passed first (say a database locked by another process); the steps are
         still queued, not lost."""
-        deadline = time.monotonic() + timeout
-        worker = self._worker
-        # From rlwatch's own thread (a deferred job), the steps before it already ran.
-        drained = worker.drain(timeout) if worker is not None and not worker.is_current() else True
-        if self.store is None:
-            return drained
-        return self.store.flush(max(0.0, deadline - time.monotonic())) and drained
+        return self.services.flush(timeout)
 
     def close(self) -> None:
         """Stop the endpoint, push a last time, and flush the store. Idempotent. Steps observed
@@ -307,10 +247,7 @@ class Watch:
         self.services.close_worker()      # the steps still queued are computed and exported first
         with self._lock:                  # an observe() computing on another thread finishes first
             self._closed = True
-        for listener in [*self.listeners, *([self.evaluator] if self.evaluator is not None else [])]:
-            guard(self.errors, "alerts", "close", listener.close)
-        if self.hacks is not None:
-            guard(self.errors, "hacks", "close", self.hacks.close)
+        self.pipeline.close()             # listeners, evaluator, hack monitor
         self.services.close()
 
     def __enter__(self) -> "Watch":
@@ -318,32 +255,3 @@ class Watch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def finite_scalars(mapping: Mapping[str, Any], names: LabelRegistry) -> dict[str, float]:
-    """``{cleaned name: float}`` of the finite numbers (and one-element tensors) of ``mapping``; the
-    rest, and names past the registry's cap, are left out."""
-    clean: dict[str, float] = {}
-    for key, value in mapping.items():
-        try:
-            number = float(value.item() if hasattr(value, "item") else value)
-        except (TypeError, ValueError, RuntimeError):
-            continue
-        if not math.isfinite(number):
-            continue
-        name, overflow = names.map(names.clean(key)[0])
-        if not overflow:
-            clean[name] = number
-    return clean
-
-
-def checkpoint_location(path: Any) -> str:
-    """A checkpoint path as stored: absolute when local (the post-mortem finds it from any directory),
-    a URL as given; a path that is not UTF-8 keeps its raw bytes visible (b"\\xff" -> "\\\\xff")."""
-    location = os.fspath(path)
-    location = location if "://" in str(location) else os.path.abspath(location)
-    try:
-        location = os.fsencode(location).decode("utf-8", "backslashreplace")
-    except UnicodeError:            # a surrogate that no file name decodes to
-        pass
-    return clean_text(location)

@@ -10,6 +10,7 @@ import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,39 @@ def make_step(B: int = 16, T: int = 32, seed: int = 0, lag_max: int = 4, noise: 
     return dict(mask=mask, sampler_logp=sampler, trainer_logp=trainer, token_version=version, trainer_version=10,
                 rewards=rewards, group_ids=torch.arange(B) // group, truncated=lengths == T,
                 env=[envs[i % len(envs)] for i in range(B)])
+
+
+def observe_timed(watch, steps: int = 20, pause: float = 0.05) -> list[float]:
+    """Seconds each of ``steps`` ``observe`` calls took (step ``i`` is ``make_step(seed=i)``, ``pause`` s apart)."""
+    durations = []
+    for step in range(steps):
+        start = time.perf_counter()
+        watch.observe(step, **make_step(seed=step))
+        durations.append(time.perf_counter() - start)
+        time.sleep(pause)
+    return durations
+
+
+class TrickleHandler(BaseHTTPRequestHandler):
+    """A receiver that reads a POST, then sends ``answer`` one byte every 0.2 s; ``posts`` counts the
+    POSTs (per subclass)."""
+
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+    posts = 0
+
+    def do_POST(self):  # noqa: N802
+        type(self).posts += 1
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        for byte in self.answer:
+            try:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.2)
+
+    def log_message(self, *args):
+        pass
 
 
 REQUIRE_FRAMEWORKS = os.environ.get("RLWATCH_REQUIRE_FRAMEWORKS") == "1"

@@ -32,14 +32,14 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import json
 
 import pytest
 
-from .conftest import free_port, need_binary, self_signed_cert, start_process
+from .conftest import TrickleHandler, free_port, need_binary, self_signed_cert, start_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,22 +75,8 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-class _Trickle(BaseHTTPRequestHandler):
+class _Trickle(TrickleHandler):
     posts = 0
-
-    def do_POST(self):  # noqa: N802
-        _Trickle.posts += 1
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
-            try:
-                self.wfile.write(bytes([byte]))
-                self.wfile.flush()
-            except OSError:
-                return
-            time.sleep(0.2)
-
-    def log_message(self, *args):
-        pass
 
 
 class _Round:

@@ -15,7 +15,7 @@ import torch
 import rlwatch
 from rlwatch.store import StoreReader
 
-from .conftest import make_step
+from .conftest import TrickleHandler, make_step, observe_timed
 
 
 def _pragma(watch, sql: str) -> None:
@@ -82,12 +82,7 @@ def test_hanging_otlp_receiver_never_blocks_the_training_thread():
     provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(exporter, export_interval_millis=50)])
     try:
         with rlwatch.Watch(run="otlp-hang", port=None, store=None, otel=provider, alerts=False) as watch:
-            durations = []
-            for step in range(20):
-                start = time.perf_counter()
-                watch.observe(step, **make_step(seed=step))
-                durations.append(time.perf_counter() - start)
-                time.sleep(0.05)
+            durations = observe_timed(watch)
         assert max(durations) < 0.5, durations
     finally:
         provider.shutdown(timeout_millis=2000)
@@ -111,12 +106,7 @@ def test_hanging_pushgateway_and_a_stalled_scraper_never_block_training(pushgate
         watch.push.timeout = 1.0
         stalled = socket.create_connection(("127.0.0.1", watch.port))
         stalled.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")          # never finished
-        durations = []
-        for step in range(20):
-            start = time.perf_counter()
-            watch.observe(step, **make_step(seed=step))
-            durations.append(time.perf_counter() - start)
-            time.sleep(0.05)
+        durations = observe_timed(watch)
         body = urllib.request.urlopen(watch.url, timeout=5).read().decode()
         assert 'rlwatch_steps_total{run="hang"} 20.0' in body
         start = time.perf_counter()
@@ -391,21 +381,10 @@ def test_pushgateway_credentials_in_the_url_are_sent_as_basic_auth(pushgateway):
     assert watch.push.pushes >= 1 and ("export", "push") not in watch.errors.counts
 
 
-class _Trickle(BaseHTTPRequestHandler):
+class _Trickle(TrickleHandler):
     """A receiver that reads the request, then answers one byte every 0.2 s."""
 
-    def do_POST(self):  # noqa: N802
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-Slow: " + b"x" * 200 + b"\r\n\r\n":
-            try:
-                self.wfile.write(bytes([byte]))
-                self.wfile.flush()
-            except OSError:
-                return
-            time.sleep(0.2)
-
-    def log_message(self, *args):
-        pass
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-Slow: " + b"x" * 200 + b"\r\n\r\n"
 
 
 def test_a_trickling_webhook_receiver_is_cut_off_at_the_request_timeout():

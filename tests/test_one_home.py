@@ -189,3 +189,36 @@ def test_hack_ratio_is_one_fact_over_both_sources_of_verdicts():
     assert values["episodes_judged_total"][("math", "v")] == 8
     assert values["episodes_hacked_total"][("math", "v")] == 5
     assert values["env_hack_ratio"][("math", "v")] == 5 / 8
+
+
+def _producers_of(name: str) -> set[str]:
+    """Modules of rlwatch that write the family ``name`` into step values: ``x[name] = ...``,
+    ``x.setdefault(name, ...)`` or ``x.set(name, ...)``."""
+    import ast
+
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            keys = [t.slice for t in targets if isinstance(t, ast.Subscript)]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("setdefault", "set") and node.args:
+                keys.append(node.args[0])
+            if any(isinstance(k, ast.Constant) and k.value == name for k in keys):
+                found.add(str(path.relative_to(PACKAGE)))
+    return found
+
+
+def test_hack_ratio_has_one_home_that_compute_and_the_pipeline_share():
+    """``env_hack_ratio`` is written by rlwatch.values.derive_hack_ratios only; rlwatch.compute() still
+    returns it, equal to the two counters it divides."""
+    import torch
+
+    from .conftest import make_step
+
+    assert _producers_of("env_hack_ratio") == {"values.py"}
+    step = make_step(B=4, T=4, envs=("math", "code"))
+    values = rlwatch.compute(**step, hacked={"v": torch.tensor([True, False, False, False])})
+    judged, hacked = values["episodes_judged_total"], values["episodes_hacked_total"]
+    assert values["env_hack_ratio"] == {k: hacked[k] / n for k, n in judged.items()}
+    assert values["env_hack_ratio"] == {("math", "v"): 0.5, ("code", "v"): 0.0}

@@ -77,7 +77,7 @@ class AlertEvaluator:
 
     # --- per step ---------------------------------------------------------------------------
 
-    def on_step(self, step: int, values: dict) -> None:
+    def on_step(self, step: int, values: Mapping) -> None:
         with self._lock:
             self._steps.append((step, values))
             if "alert_quiet_steps" not in values:            # not behind a Watch's AlertWindows

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 from urllib.parse import urlsplit
 
-from .._queues import wait_drained
+from .._queues import stop_consumer, wait_drained
 
 logger = logging.getLogger("rlwatch")
 
@@ -282,12 +282,9 @@ class Dispatcher:
         return wait_drained(self._queue, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Deliver what is queued (at most ``timeout`` s), then stop the sending thread."""
         self.flush(timeout)
-        try:
-            self._queue.put(None, timeout=1)
-        except queue.Full:
-            pass
-        self._thread.join(timeout=timeout)
+        stop_consumer(self._queue, self._thread, timeout)
 
 
 def _printable(text: Any) -> str:

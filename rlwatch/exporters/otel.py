@@ -43,13 +43,13 @@ class OTelExporter:
         for spec in CATALOGUE:
             if spec.kind == "gauge":
                 self.instruments.append(meter.create_observable_gauge(
-                    spec.full_name, callbacks=[self._gauge_callback(spec)], unit=spec.unit, description=spec.help))
+                    spec.full_name, callbacks=[self._family_callback(spec, "gauges")], unit=spec.unit, description=spec.help))
             elif spec.kind == "info":
                 self.instruments.append(meter.create_observable_gauge(
-                    spec.full_name, callbacks=[self._info_callback(spec)], description=spec.help))
+                    spec.full_name, callbacks=[self._family_callback(spec, "info", constant=1)], description=spec.help))
             elif spec.kind == "counter":
                 self.instruments.append(meter.create_observable_counter(
-                    spec.full_name[: -len("_total")], callbacks=[self._counter_callback(spec)], unit=spec.unit,
+                    spec.full_name[: -len("_total")], callbacks=[self._family_callback(spec, "counters")], unit=spec.unit,
                     description=spec.help))
             elif spec.kind == "histogram":
                 self.instruments.append(meter.create_observable_counter(
@@ -68,25 +68,14 @@ class OTelExporter:
     def _attributes(self, spec: MetricSpec, run: str, labels: tuple[str, ...]) -> dict[str, str]:
         return {"run": run, **dict(zip(spec.labels, labels))}
 
-    def _gauge_callback(self, spec: MetricSpec) -> Callable:
+    def _family_callback(self, spec: MetricSpec, section: str, constant: int | None = None) -> Callable:
+        """Observations of ``spec``'s family in one section of the snapshot (``gauges``, ``counters``,
+        ``info``), each series with its value, or ``constant`` (info series are 1)."""
         def callback(options: Any) -> Iterable:
             snap = self._snapshot()
-            for labels, value in snap.gauges.get(spec.name, {}).items():
-                yield self._Observation(value, self._attributes(spec, snap.run, labels))
-        return callback
-
-    def _info_callback(self, spec: MetricSpec) -> Callable:
-        def callback(options: Any) -> Iterable:
-            snap = self._snapshot()
-            for labels in snap.info.get(spec.name, {}):
-                yield self._Observation(1, self._attributes(spec, snap.run, labels))
-        return callback
-
-    def _counter_callback(self, spec: MetricSpec) -> Callable:
-        def callback(options: Any) -> Iterable:
-            snap = self._snapshot()
-            for labels, value in snap.counters.get(spec.name, {}).items():
-                yield self._Observation(value, self._attributes(spec, snap.run, labels))
+            for labels, value in getattr(snap, section).get(spec.name, {}).items():
+                yield self._Observation(value if constant is None else constant,
+                                        self._attributes(spec, snap.run, labels))
         return callback
 
     def _histogram_callback(self, spec: MetricSpec) -> Callable:

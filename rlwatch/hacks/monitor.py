@@ -10,11 +10,13 @@ checker named with ``use_checker`` lives in an importable module, as the built-i
 are Python code, and in a thread they would compete with the training loop for the GIL. With a
 lambda, a closure or a function of the training script itself among them, a thread does the
 work instead. A detector that hangs holds up its worker; the queue then fills and later batches
-are dropped and counted, the trainer never waits, and nothing waits for the worker at exit.
+are dropped and counted, the trainer never waits, and ``close()`` waits a bounded time (the
+queued batches up to its ``timeout``, then a few seconds for the worker; a child still running is
+killed).
 ``collect()`` hands the verdicts finished since the last call to the Watch, which exports them
 with the next step: ``episodes_judged_total`` / ``episodes_hacked_total`` per environment and
-detector (the step pipeline derives ``env_hack_ratio`` from them, rlwatch.pipeline.derive_hack_ratios). A few flagged episodes are kept (text
-truncated) for the post-mortem.
+detector (the step pipeline derives ``env_hack_ratio`` from them, ``rlwatch.values.derive_hack_ratios``).
+A few flagged episodes are kept (text truncated) for the post-mortem.
 
 The batch-level reward/length detector is a per-environment signal computed with the other
 signals (``rlwatch_env_reward_length_corr``); the DriftDetector scores its jumps against the
@@ -32,7 +34,9 @@ import threading
 import time
 from typing import Any, Iterable
 
+from .._queues import stop_consumer
 from ..errors import HookErrors
+from ..values import Values
 from .judge import BatchResult, Example, _clean_keys, judge_batch
 from .registry import Detector, resolve
 
@@ -162,8 +166,9 @@ class HackMonitor:
             self.examples.extend(result.examples[:max(0, room)])
             self._done += 1
 
-    def collect(self) -> dict[str, dict[tuple[str, ...], float]] | None:
-        """Counts of the verdicts finished since the last call, as step values (None when there are none)."""
+    def collect(self) -> Values | None:
+        """Counts of the verdicts finished since the last call, as step values (None when there are none):
+        counter increments, which the step pipeline adds to the step's own (StepValues.merge)."""
         with self._lock:
             judged, hacked = self._judged, self._hacked
             self._judged, self._hacked = {}, {}
@@ -195,12 +200,9 @@ class HackMonitor:
             time.sleep(0.005)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Judge what is queued (at most ``timeout`` s), then stop the worker thread and the child process."""
         self.flush(timeout)
-        try:
-            self._queue.put(None, timeout=1)
-        except queue.Full:
-            pass
-        self._thread.join(timeout=5)
+        stop_consumer(self._queue, self._thread, 5.0)
         if self._process is not None:
             try:
                 self._process.wait(timeout=5)

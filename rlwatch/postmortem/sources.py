@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..metrics import CATALOGUE
-
-Values = dict[str, dict[tuple[str, ...], float | None]]
+from ..values import Values
 
 # Framework scalars that measure the policy's real quality, best first.
 QUALITY_KEYS = ("heldout_true_reward", "eval/true_reward", "eval_reward", "eval/reward", "val/test_score",

@@ -1,5 +1,6 @@
 """Per-environment signals: episodes, reward, reward-length correlation, truncation, zero-variance
-groups, hack rates (summed on the device), failures by kind (counted on the host)."""
+groups, hack counts (summed on the device; their ratio: rlwatch.values.derive_hack_ratios), failures by
+kind (counted on the host)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..values import derive_hack_ratios
 from .pending import Pending, Values, _div
 
 def env_signals(out: Pending, env_index: torch.Tensor, env_names: Sequence[str], rewards: torch.Tensor | None,
@@ -85,9 +87,9 @@ def _finish_envs(flat: list[float], zero: list[float] | None, names: list[str], 
     for detector in detectors:
         count = col["hacked/" + detector]
         det_rows = [(name, detector) for name in envs]
-        out.setdefault("env_hack_ratio", {}).update({row: _div(c, e) for row, c, e in zip(det_rows, count, episodes)})
         out.setdefault("episodes_hacked_total", {}).update(dict(zip(det_rows, count)))
         out.setdefault("episodes_judged_total", {}).update(dict(zip(det_rows, episodes)))
+    derive_hack_ratios(out)
     return out
 
 
