@@ -22,6 +22,7 @@ from .config import DEFAULT_PORT, WatchConfig, default_run_name  # noqa: F401 - 
 from .errors import HookErrors, guard
 from .lifecycle import Services
 from .pipeline import StepListener, StepPipeline, few_threads_for, one_intra_op_thread_here, tensor_bytes
+from .fields import StepFields
 from .record import LabelRegistry, RecordBuilder, clean_text
 from .signals import Values
 from .state import MetricState
@@ -176,6 +177,10 @@ class Watch:
     def observe(self, step: int, **fields: Any) -> Values | None:
         """Compute and export one step. Returns the step's values, or None if it could not be used,
         or at once with None when ``background=True`` (the step is computed on rlwatch's thread)."""
+        return self.observe_fields(step, StepFields.from_mapping(fields))
+
+    def observe_fields(self, step: int, fields: StepFields) -> Values | None:
+        """:meth:`observe` with the fields already typed (the integrations' entry point)."""
         if not self.active:
             return None
         if self._closing:
@@ -204,9 +209,9 @@ class Watch:
                 return
         guard(self.errors, "integration", "deferred", job)
 
-    def _observe(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> Values | None:
+    def _observe(self, step: int, fields: StepFields, on_training_thread: bool) -> Values | None:
         with self._lock:
-            episodes = fields.pop("episodes", None)
+            episodes = fields.episodes
             result = self.pipeline.run(step, fields, on_training_thread)
             if result is None:
                 return None
