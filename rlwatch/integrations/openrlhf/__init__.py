@@ -31,6 +31,9 @@ initialised yet, with a fixed ``runtime_env``; three ways to attach rlwatch:
 
 When the trainer runs in your own process instead, call :func:`instrument` before building it.
 
+Submodules: ``samples`` (the policy-version clocks, dispatch stamps, data sources) and
+``experiences`` (a step's ``Experience`` batches -> its fields and the detectors' episodes).
+
 Which process exports
     Ray runs the hook in every worker process (the trainer actor, the DeepSpeed GPU actors, the vLLM
     engines, the async generator); what it does there, and when the Watch is created, is
@@ -54,7 +57,8 @@ What is wrapped (``PATCHES``; every patch is ``_base.Instrumentor.wrap``)
       attribute of the ``Experience`` that OpenRLHF never reads), its data source and finish reason.
     * ``BasePPOTrainer.save_logs_and_checkpoints(global_step, logs_dict, client_states)``: every
       scalar OpenRLHF logs is mirrored with ``watch.log_scalars`` (``rlwatch_framework_metric``),
-      and the checkpoint written at ``ckpt.save_steps`` is recorded with ``watch.record_checkpoint``.
+      the headline signals join ``logs_dict`` (``rlwatch/`` keys, see ``_trainer_logs``), and the
+      checkpoint written at ``ckpt.save_steps`` is recorded with ``watch.record_checkpoint``.
     * ``openrlhf.datasets.prompts_dataset.PromptDataset.__init__``: remembers the dataset so that a
       prompt's ``datasource`` column can be found again (OpenRLHF drops it from training samples).
 
@@ -77,7 +81,7 @@ Field mapping (``Experience`` -> ``Watch.observe``)
     (batch mean). Sampling temperature/top_p/top_k come from the generate call.
 
 Configuration
-    The RLWATCH_* variables of ``_base.env_watch_options`` (through ``runtime_env.env_vars``); the run
+    The RLWATCH_* variables of ``rlwatch.config.env_watch_options`` (through ``runtime_env.env_vars``); the run
     defaults to ``--logger.wandb.run_name``, the group size to ``rollout.n_samples_per_prompt``
     (RLWATCH_GROUP_SIZE=0: no group-size check). With importance-sampling correction on, the
     masked-IS band of the mismatch signals is OpenRLHF's ``--algo.advantage.is_correction_threshold``.

@@ -8,7 +8,7 @@ import math
 from typing import Any, Mapping
 
 from ...fields import StepFields
-from .._base import config_get
+from .._base import config_get, episode_dicts
 
 # --- turning Experiences into one observe() ------------------------------------------------------
 
@@ -96,20 +96,33 @@ def _truncation(experiences: list[Any], rows: list[dict | None]) -> Any:
     return truncated
 
 
+def _info_columns(experiences: list[Any], keys: list[str]) -> dict[str, list[Any]]:
+    """Each agent ``extra_logs`` entry in ``keys`` per sample, from ``Experience.info`` (None for the
+    samples of a batch whose entry is missing or is not one value per sample)."""
+    import torch
+
+    columns: dict[str, list[Any]] = {}
+    for key in keys:
+        column: list[Any] = []
+        for e in experiences:
+            v = e.info.get(key) if isinstance(getattr(e, "info", None), Mapping) else None
+            b = int(e.action_mask.shape[0])
+            column += (v.detach().reshape(-1).to("cpu").tolist() if isinstance(v, torch.Tensor) and v.numel() == b
+                       else [None] * b)
+        columns[key] = column
+    return columns
+
+
 def _extra_logs(experiences: list[Any], rows: list[dict | None]) -> dict[str, float]:
     """``extra_logs/<name>``: the batch mean of each per-sample agent ``extra_logs`` entry."""
     import torch
 
     extra: dict[str, float] = {}
-    keys = {k for r in rows if r is not None for k in r.get("extra_logs", ())}
-    for key in sorted(keys):
-        values = []
-        for e in experiences:
-            v = e.info.get(key) if isinstance(e.info, Mapping) else None
-            if isinstance(v, torch.Tensor) and v.numel() == int(e.action_mask.shape[0]):
-                values.append(v.detach().reshape(-1).to("cpu").double())
+    keys = sorted({k for r in rows if r is not None for k in r.get("extra_logs", ())})
+    for key, column in _info_columns(experiences, keys).items():
+        values = [v for v in column if v is not None]
         if values:
-            mean = float(torch.cat(values).mean())
+            mean = float(torch.tensor(values, dtype=torch.float64).mean())
             if math.isfinite(mean):
                 extra[f"extra_logs/{key}"] = mean
     return extra
@@ -117,22 +130,13 @@ def _extra_logs(experiences: list[Any], rows: list[dict | None]) -> dict[str, fl
 
 def episodes_from_experiences(experiences: list[Any], fields: StepFields, metas: list[dict | None]
                               ) -> list[dict[str, Any]]:
-    """One episode per sample for the reward-hack detectors: response token ids, reward, environment,
-    truncation, and the agent's per-sample ``extra_logs`` (an independent checker's verdict logged
-    there as ``true_pass`` feeds the ``verifier_disagreement`` detector)."""
-    import torch
-
+    """One episode per sample for the reward-hack detectors (:func:`~.._base.episode_dicts`): response
+    token ids, reward, environment, truncation, and the agent's per-sample ``extra_logs`` (an
+    independent checker's verdict logged there as ``true_pass`` feeds the ``verifier_disagreement``
+    detector)."""
     experiences = [e for e in experiences if getattr(e, "action_mask", None) is not None]
     keys = sorted({k for m in metas if m is not None for k in m.get("extra_logs", ())})
-    per_key: dict[str, list[float | None]] = {}
-    for key in keys:
-        column: list[float | None] = []
-        for e in experiences:
-            v = e.info.get(key) if isinstance(getattr(e, "info", None), Mapping) else None
-            b = int(e.action_mask.shape[0])
-            column += (v.detach().reshape(-1).to("cpu").tolist() if isinstance(v, torch.Tensor) and v.numel() == b
-                       else [None] * b)
-        per_key[key] = column
+    per_key = _info_columns(experiences, keys)
     ids: list[list[int] | None] = []
     for e in experiences:
         sequences, mask = getattr(e, "sequences", None), e.action_mask.bool()
@@ -141,16 +145,6 @@ def episodes_from_experiences(experiences: list[Any], fields: StepFields, metas:
             continue
         responses = sequences[:, -mask.shape[1]:].to("cpu")
         ids += [row[m].tolist() for row, m in zip(responses, mask.to("cpu"))]
-    B = int(fields.mask.shape[0])
-    rewards = fields.rewards.tolist() if fields.rewards is not None else [0.0] * B
-    env = fields.env or ["default"] * B
-    truncated = fields.truncated.tolist() if fields.truncated is not None else [False] * B
-    out = []
-    for i in range(B):
-        extra = {k: (bool(v[i]) if k == "true_pass" else v[i]) for k, v in per_key.items() if v[i] is not None}
-        episode = {"env": env[i], "reward": rewards[i], "truncated": bool(truncated[i]), "extra": extra}
-        if ids[i] is not None:
-            episode["response_ids"] = ids[i]
-        out.append(episode)
-    return out
-
+    extras = [{k: (bool(v[i]) if k == "true_pass" else v[i]) for k, v in per_key.items() if v[i] is not None}
+              for i in range(int(fields.mask.shape[0]))]
+    return episode_dicts(fields, extras, ids)

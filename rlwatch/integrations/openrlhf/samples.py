@@ -18,23 +18,6 @@ META = "_rlwatch_meta"
 CLOCK_ACTOR = "rlwatch-openrlhf-policy-version"
 
 
-class LocalClock:
-    """Weight broadcasts counted in this process (sync mode: generation and broadcast share it)."""
-
-    def __init__(self) -> None:
-        self.id = f"local:{os.getpid()}"
-        self._value = 0
-        self._lock = threading.Lock()
-
-    def read(self) -> int:
-        return self._value
-
-    def bump(self) -> int:
-        with self._lock:
-            self._value += 1
-            return self._value
-
-
 class _VersionCounter:
     """The Ray actor behind :class:`RayClock` (one per job, named, no CPU)."""
 
@@ -47,6 +30,19 @@ class _VersionCounter:
 
     def read(self) -> int:
         return self.version
+
+
+class LocalClock(_VersionCounter):
+    """Weight broadcasts counted in this process (sync mode: generation and broadcast share it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.id = f"local:{os.getpid()}"
+        self._lock = threading.Lock()
+
+    def bump(self) -> int:
+        with self._lock:
+            return super().bump()
 
 
 class RayClock:

@@ -64,7 +64,7 @@ in the one gather of episode-level data per generation batch. With guard actions
 request is all-reduced across ranks at each step end so that every rank stops together. (The CPU
 tests run one process.)
 
-Cost: one host transfer per step (``Watch.observe``) and one per generation batch (its episode
+Cost: one host transfer per step (``Watch.observe_fields``) and one per generation batch (its episode
 signals), besides a copy of the rewards to the host where TRL reads them anyway.
 
 ``trl.experimental.async_grpo.AsyncGRPOTrainer`` is a different trainer (packed tree-attention

@@ -155,7 +155,8 @@ _attached: "weakref.WeakKeyDictionary[Any, _Attachment]" = weakref.WeakKeyDictio
 def attach(trainer: Any, watch: Any, callback: RLWatchCallback | None = None, owns_watch: bool = False,
            sync_guard: bool = False, probe_rollouts: bool = True, trainer_logs: bool = True) -> bool:
     """Attach an existing Watch to ``trainer``. False (one warning, nothing patched) when the
-    installed TRL is outside the supported range or the trainer is already watched.
+    installed TRL is outside the supported range or the trainer is already watched; False, counted
+    as a hook error (``integration``/``trl_instrument``), when patching it fails.
 
     ``probe_rollouts``: keep the first 32 sequences of the first generation batch in
     ``<output_dir>/rlwatch-probe-rollouts.safetensors`` for ``rlwatch postmortem --probe``.
@@ -226,8 +227,9 @@ def watch(trainer: Any, **watch_options: Any):
     on CPU (where that thread would only compete with the trainer's own threads for the same cores:
     measured slower, see ``bench/bench_trl_overhead.py``) and with a ``guard`` (which must act at
     the step that fired),
-    ``framework="trl"``, the installed TRL version, ``group_size=num_generations`` and the TRL
-    settings that shape the signals as run metadata. A second call on the same trainer warns and
+    ``framework="trl"``, the installed TRL version, ``group_size=num_generations``, the run store
+    ``<output_dir>/rlwatch.db`` and the run ``args.run_name`` (else the output directory's name),
+    and the TRL settings that shape the signals as run metadata. A second call on the same trainer warns and
     returns the first Watch. On an unsupported TRL version the Watch is returned unattached (one
     warning, nothing patched).
     """

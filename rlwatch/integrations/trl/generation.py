@@ -219,8 +219,8 @@ class GenerationSignals:
 
 class GenerationPath:
     """The episode-level half of :class:`~.grpo.GRPOInstrumentor` (a mixin: it uses the instrumentor's
-    ``trainer``, ``watch``, ``capture``, ``listener``, ``_builder``, ``_serial``, ``_env_scalars`` and
-    ``probe_path``): gather, keep and compute each scored generation batch."""
+    ``trainer``, ``watch``, ``capture``, ``listener``, ``_builder``, ``_serial``, ``_env_scalars``,
+    ``probe_path`` and ``probe_rows``): gather, keep and compute each scored generation batch."""
 
     def _local_episode_table(self, output: dict, captured: dict | None) -> tuple[torch.Tensor, list[str] | None]:
         """[B, 2] int64 (truncated, completion length as TRL counts it) of this process's batch, and its

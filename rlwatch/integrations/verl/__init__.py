@@ -13,6 +13,8 @@ launches the job, so a patch made in the launcher does not reach it. Ray's
 ``ray.init``; see ``examples/verl_launch.sh``.) When the trainer runs in your own process instead,
 call :func:`instrument` before building it.
 
+``batch`` reads a step's ``DataProto`` or TransferQueue batch into its fields and episodes.
+
 Which process exports
     Ray runs the hook in every worker process (the TaskRunner, the FSDP/Megatron GPU workers, the
     rollout servers, the reward and agent-loop workers); what it does there, and when the Watch is
@@ -31,7 +33,8 @@ What is wrapped (``PATCHES``; every patch is ``_base.Instrumentor.wrap``)
       0.9.1): its batch is a ``KVBatchMeta`` of keys; the per-token fields are read from
       TransferQueue with ``tq.kv_batch_get`` before ``fit`` calls ``tq.kv_clear``.
     * ``verl.utils.tracking.Tracking.log(data, step)``: every scalar verl logs is mirrored with
-      ``watch.log_scalars`` (``rlwatch_framework_metric{name}``). verl asserts on unknown backend
+      ``watch.log_scalars`` (``rlwatch_framework_metric{name}``), then the headline signals join
+      ``data`` (``rlwatch/`` keys, see ``_trainer_logs``). verl asserts on unknown backend
       names, so rlwatch wraps the method instead of registering a backend.
     * ``_save_checkpoint`` of ``RayPPOTrainer`` and the v1 ``PPOTrainer``: after it returns,
       ``default_local_dir/global_step_N`` is recorded with ``watch.record_checkpoint``. A trainer
