@@ -20,9 +20,9 @@ from typing import Any, Callable, Mapping
 from . import __version__, config as env
 from .config import DEFAULT_PORT, WatchConfig, default_run_name  # noqa: F401 - public names
 from .errors import HookErrors, guard
+from .fields import StepFields
 from .lifecycle import Services
 from .pipeline import StepListener, StepPipeline, few_threads_for, one_intra_op_thread_here, tensor_bytes
-from .fields import StepFields
 from .record import LabelRegistry, RecordBuilder, clean_text
 from .signals import Values
 from .state import MetricState

@@ -99,6 +99,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from ...config import rlwatch_variables, variables_or_defaults
+from ...fields import StepFields
 from .._base import Call, Hook, Patch, RayActorInstrumentor, config_get, context_value, framework_watch_options
 from .._trainer_logs import mirror_call
 from .experiences import episodes_from_experiences, fields_from_experiences
@@ -205,7 +206,7 @@ def checkpoint_dir(args: Any, global_step: int) -> str | None:
 # --- the instrumentor ----------------------------------------------------------------------------
 
 class OpenRLHFInstrumentor(RayActorInstrumentor):
-    """Wraps OpenRLHF's trainer, experience maker and sample generator (``PATCHES``; see the module
+    """Wraps OpenRLHF's trainer, experience maker and sample generator (``PATCHES``; see the package
     docstring)."""
 
     package = "openrlhf"
@@ -215,7 +216,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
 
     def __init__(self) -> None:
         super().__init__()
-        self.last_fields: dict | None = None
+        self.last_fields: StepFields | None = None          # the latest step's, without its episodes
         self._local_clock: LocalClock | None = None
         self._ray_clock: RayClock | None = None
         self._clock_lock = threading.Lock()

@@ -154,7 +154,7 @@ def checkpoint_dir(trainer: Any) -> tuple[int, str] | None:
 # --- the instrumentor ----------------------------------------------------------------------------
 
 class VerlInstrumentor(RayActorInstrumentor):
-    """Wraps verl's metric, logging and checkpoint functions (``PATCHES``; see the module docstring)."""
+    """Wraps verl's metric, logging and checkpoint functions (``PATCHES``; see the package docstring)."""
 
     package = "verl"
     supported = SUPPORTED
