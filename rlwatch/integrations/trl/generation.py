@@ -165,7 +165,6 @@ class Generation:
             self.failed = [UNSCORABLE if bad else None for bad in torch.isnan(self.rewards).tolist()]
 
 
-
 class GenerationSignals:
     """A Watch step listener (placed first) that exports the episode-level values of the generation
     batches with the optimizer step that scored them, repeats the latest batch's gauges on steps that
@@ -214,7 +213,6 @@ class GenerationSignals:
     def close(self) -> None:
         with self._lock:
             self._pending.clear()
-
 
 
 class GenerationPath:
@@ -368,7 +366,6 @@ class GenerationPath:
                     if _put_mean(out, key, values):
                         self._env_scalars.add(key)
         return out
-
 
 
 def _put_mean(out: dict[str, float], name: str, values: list[float]) -> bool:

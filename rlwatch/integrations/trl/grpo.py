@@ -30,7 +30,6 @@ GATHER_ONLY = (PATCHES[0], Patch(None, "_generate_and_score_completions",
                                  Hook("trl_gather", before="_forget_rewards", after="_gather_only")))
 
 
-
 @dataclass
 class MicroBatch:
     """What one ``_compute_loss`` call trained on (device tensors, [b, T])."""
@@ -225,7 +224,6 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
             self.watch.observe_fields(step, self.step_fields(micro))
 
 
-
 def sampling_fields(trainer: Any) -> dict[str, Any]:
     """Sampling parameters of the trainer's generation (and vLLM's log-prob mode when it is TRL's)."""
     out: dict[str, Any] = {}
@@ -236,7 +234,6 @@ def sampling_fields(trainer: Any) -> dict[str, Any]:
     if getattr(trainer, "use_vllm", False) and getattr(trainer, "rollout_func", None) is None:
         out["logprobs_mode"] = "processed_logprobs"      # what TRL's vLLM backend asks for
     return out
-
 
 
 def _cat_tokens(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
