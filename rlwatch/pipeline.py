@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
 
 from .errors import HookErrors, guard
+from .fields import StepFields
 from .record import RecordBuilder, StepRecord
 from .signals import SignalConfig, Workspace, compute_step
 from .state import MetricState
@@ -83,7 +84,7 @@ class StepPipeline:
         self.hack_detectors = hack_detectors
         self._last_time: float | None = None
 
-    def run(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> tuple[StepRecord, StepValues] | None:
+    def run(self, step: int, fields: StepFields, on_training_thread: bool) -> tuple[StepRecord, StepValues] | None:
         """Every stage for one observed step; (record, values), or None when the step was unusable."""
         started = time.perf_counter()
         record = self.build(step, fields)
@@ -98,7 +99,7 @@ class StepPipeline:
         self.sinks(record.step, values, timing)
         return record, values
 
-    def build(self, step: int, fields: Mapping[str, Any]) -> StepRecord | None:
+    def build(self, step: int, fields: StepFields) -> StepRecord | None:
         return guard(self.errors, "validate", None, lambda: self.builder.build(step, fields, self.workspace))
 
     def compute(self, record: StepRecord, on_training_thread: bool) -> StepValues | None:

@@ -1,8 +1,8 @@
 """The step record: one training step's data, normalised and validated.
 
-:meth:`RecordBuilder.build` turns the keyword fields of ``Watch.observe`` (tensors on any device,
-numpy arrays, lists) into a :class:`StepRecord` whose tensors share the mask's device. The tensors
-are checked by shape and dtype only, with no host sync; ``step`` and ``trainer_version`` are host
+:meth:`RecordBuilder.build` turns a step's :class:`~rlwatch.fields.StepFields` (tensors on any
+device, numpy arrays, lists) into a :class:`StepRecord` whose tensors share the mask's device. The
+tensors are checked by shape and dtype only, with no host sync; ``step`` and ``trainer_version`` are host
 numbers, read with ``.item()`` when passed as tensors (a sync if those live on an accelerator).
 A field that cannot be used is reported to :class:`~rlwatch.errors.HookErrors` (which raises in
 strict mode) and dropped; the rest of the record is still used.
@@ -17,6 +17,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 from .errors import HookErrors
+from .fields import FIELDS, StepFields
 
 
 class BufferPool(Protocol):
@@ -28,12 +29,6 @@ class BufferPool(Protocol):
 
 #: Per-token fields, [B, T] like the mask.
 TOKEN_FIELDS = ("sampler_logp", "trainer_logp", "entropy")
-#: Every field ``observe`` accepts besides ``step``.
-FIELDS = frozenset({
-    "mask", "sampler_logp", "trainer_logp", "token_version", "seq_version", "trainer_version", "rewards",
-    "group_ids", "truncated", "env", "hacked", "failed", "entropy", "temperature", "top_p", "top_k",
-    "logprobs_mode",
-})
 
 MAX_LABEL_LENGTH = 120
 DEFAULT_LABEL = "default"
@@ -138,11 +133,14 @@ class RecordBuilder:
     def _bad(self, field_name: str, kind: str, message: str) -> None:
         self.errors.report("validate", kind, message, field=field_name)
 
-    def build(self, step: Any, fields: Mapping[str, Any], ws: BufferPool | None = None) -> StepRecord | None:
-        """Normalise ``fields``; None when the record has no usable mask. The float mask is written
-        into ``ws`` when given (valid until the next step)."""
-        unknown = sorted(set(fields) - FIELDS)
-        for name in unknown:
+    def build(self, step: Any, fields: StepFields | Mapping[str, Any], ws: BufferPool | None = None
+              ) -> StepRecord | None:
+        """Normalise ``fields`` (a mapping: ``observe``'s keywords, ``episodes`` not among them);
+        None when the record has no usable mask. The float mask is written into ``ws`` when given
+        (valid until the next step)."""
+        if not isinstance(fields, StepFields):
+            fields = StepFields.from_mapping(fields, episodes=False)
+        for name in fields.unknown:
             self._bad(name, "unknown_field", f"unknown field (known: {', '.join(sorted(FIELDS))})")
         try:
             step = int(step.item() if isinstance(step, torch.Tensor) else step)
@@ -151,31 +149,31 @@ class RecordBuilder:
         except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
             self._bad("step", "type", f"step must be an int, got {type(step).__name__} ({exc})")
             return None
-        mask = self._mask(fields.get("mask"), ws)
+        mask = self._mask(fields.mask, ws)
         if mask is None:
             return None
         B, T = mask.shape
         device = mask.device
         rec = StepRecord(step=step, mask=mask)
         for name in TOKEN_FIELDS:
-            if fields.get(name) is not None:
-                setattr(rec, name, self._token_tensor(name, fields[name], mask))
+            if getattr(fields, name) is not None:
+                setattr(rec, name, self._token_tensor(name, getattr(fields, name), mask))
         self._versions(rec, fields, B, T, device)
-        rec.rewards = self._episode_tensor("rewards", fields.get("rewards"), B, device, float_=True)
-        rec.group_ids = self._group_ids(fields.get("group_ids"), B, device)
-        rec.truncated = self._episode_tensor("truncated", fields.get("truncated"), B, device, bool_=True)
-        self._env(rec, fields.get("env"), B, device)
-        self._hacked(rec, fields.get("hacked"), B, device)
-        rec.failed = self._failed(fields.get("failed"), B)
+        rec.rewards = self._episode_tensor("rewards", fields.rewards, B, device, float_=True)
+        rec.group_ids = self._group_ids(fields.group_ids, B, device)
+        rec.truncated = self._episode_tensor("truncated", fields.truncated, B, device, bool_=True)
+        self._env(rec, fields.env, B, device)
+        self._hacked(rec, fields.hacked, B, device)
+        rec.failed = self._failed(fields.failed, B)
         for key in ("temperature", "top_p", "top_k"):
-            value = fields.get(key)
+            value = getattr(fields, key)
             if value is not None:
                 try:
                     rec.sampling[key] = float(value)
                 except (TypeError, ValueError):
                     self._bad(key, "type", f"expected a number, got {type(value).__name__}")
-        if fields.get("logprobs_mode") is not None:
-            rec.sampling["logprobs_mode"], _ = self.failure_kinds.clean(fields["logprobs_mode"])
+        if fields.logprobs_mode is not None:
+            rec.sampling["logprobs_mode"], _ = self.failure_kinds.clean(fields.logprobs_mode)
         return rec
 
     def _mask(self, value: Any, ws: BufferPool | None) -> torch.Tensor | None:
@@ -243,10 +241,10 @@ class RecordBuilder:
             return t.to(torch.float64)      # NaN/inf kept: the signals count and exclude them
         return t
 
-    def _versions(self, rec: StepRecord, fields: Mapping[str, Any], B: int, T: int, device: torch.device) -> None:
-        name = "token_version" if fields.get("token_version") is not None else "seq_version"
-        value = fields.get(name)
-        tv = fields.get("trainer_version")
+    def _versions(self, rec: StepRecord, fields: StepFields, B: int, T: int, device: torch.device) -> None:
+        name = "token_version" if fields.token_version is not None else "seq_version"
+        value = getattr(fields, name)
+        tv = fields.trainer_version
         if tv is not None:
             try:
                 tv_f = float(tv.item() if isinstance(tv, torch.Tensor) else tv)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 from . import config as env
 from .config import DEFAULT_PORT, WatchConfig, default_run_name  # noqa: F401 - public names
 from .errors import HookErrors, guard
+from .fields import StepFields
 from .lifecycle import Services, run_metadata
 from .pipeline import (StepListener, StepPipeline, few_threads_for, one_intra_op_thread_here, standard_listeners,
                        tensor_bytes)
@@ -148,6 +149,10 @@ class Watch:
     def observe(self, step: int, **fields: Any) -> StepValues | None:
         """Compute and export one step. Returns the step's values, or None if it could not be used,
         or at once with None when ``background=True`` (the step is computed on rlwatch's thread)."""
+        return self.observe_fields(step, StepFields.from_mapping(fields))
+
+    def observe_fields(self, step: int, fields: StepFields) -> StepValues | None:
+        """:meth:`observe` with the fields already typed (the integrations' entry point)."""
         if not self.active:
             return None
         if self._closing:
@@ -176,9 +181,9 @@ class Watch:
                 return
         guard(self.errors, "integration", "deferred", job)
 
-    def _observe(self, step: int, fields: dict[str, Any], on_training_thread: bool) -> StepValues | None:
+    def _observe(self, step: int, fields: StepFields, on_training_thread: bool) -> StepValues | None:
         with self._lock:
-            episodes = fields.pop("episodes", None)
+            episodes = fields.episodes
             result = self.pipeline.run(step, fields, on_training_thread)
             if result is None:
                 return None

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from types import FrameType, ModuleType
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
-from ..config import disabled, env_flag, env_watch_options, rank
+from ..config import disabled, env_watch_options, rank
 from ..errors import guarded as errors_guarded
 
 logger = logging.getLogger("rlwatch")
@@ -63,8 +63,8 @@ class Hook:
     """What a patched function does besides calling the original. ``before``, ``after`` and
     ``around`` name methods of the instrumentor: ``before(call)`` and ``after(call)`` (the original's
     return value in ``call.result``) run guarded under ``kind``; ``around(call)`` returns a context
-    manager entered around the original (it only sets a flag or a context variable and must not
-    raise). ``watch=True``: the hooks need the Watch, created on this call if there is none yet
+    manager entered around the original (not guarded: it must not raise, so it only sets flags or a
+    context variable). ``watch=True``: the hooks need the Watch, created on this call if there is none yet
     (:meth:`RayActorInstrumentor.resolve`); they are skipped when none could be created."""
 
     kind: str
@@ -281,6 +281,23 @@ def config_get(config: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
+def episode_dicts(fields: Any, extras: list[dict], response_ids: list | None = None) -> list[dict[str, Any]]:
+    """One reward-hack detector episode per sample of a step's ``StepFields``: environment
+    ("default" without labels), reward (0.0 without rewards), truncation (False without flags), the
+    per-sample ``extras[i]`` and, where known, ``response_ids[i]``."""
+    B = int(fields.mask.shape[0])
+    rewards = fields.rewards.double().cpu().tolist() if fields.rewards is not None else [0.0] * B
+    env = fields.env or ["default"] * B
+    truncated = fields.truncated.tolist() if fields.truncated is not None else [False] * B
+    out = []
+    for i in range(B):
+        episode = {"env": str(env[i]), "reward": rewards[i], "truncated": bool(truncated[i]), "extra": extras[i]}
+        if response_ids is not None and response_ids[i] is not None:
+            episode["response_ids"] = response_ids[i]
+        out.append(episode)
+    return out
+
+
 class RayActorInstrumentor(Instrumentor):
     """An instrumentor delivered into every Ray worker by an import hook (verl, OpenRLHF), because
     their trainer loops run in Ray actors that a patch made in the launcher never reaches.
@@ -431,5 +448,5 @@ def guarded(watch: Any, kind: str) -> Callable[[Callable], Callable]:
 
 
 __all__ = ["Call", "Hook", "Instrumentor", "Patch", "RayActorInstrumentor", "caller_self", "config_get",
-           "context_value", "env_flag", "env_watch_options", "framework_watch_options", "guarded", "installed_version",
-           "version_supported"]
+           "context_value", "env_watch_options", "episode_dicts", "framework_watch_options", "guarded",
+           "installed_version", "version_supported"]

@@ -15,7 +15,6 @@ fraction; no versions: no lag; no groups: no zero-variance fractions).
 from __future__ import annotations
 
 import math
-
 from typing import Any, Mapping
 
 from ..config import trainer_logs_enabled
@@ -36,11 +35,6 @@ HEADLINE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 ALERTS_KEY = PREFIX + "alerts_firing"
 KEYS = frozenset([PREFIX + key for key, _, _ in HEADLINE] + [ALERTS_KEY])
-
-
-def enabled() -> bool:
-    """RLWATCH_TRAINER_LOGS: unset or anything but 0/false/no/off means on."""
-    return trainer_logs_enabled()
 
 
 def headline(watch: Any) -> dict[str, float]:
@@ -72,7 +66,7 @@ def merged(logs: Any, watch: Any) -> Any:
     """``logs`` with the headline keys added (a new dict; ``logs`` itself when it is not a mapping,
     when mirroring is off or when there is nothing to add), appended after the framework's own
     keys, which win on a clash."""
-    if not isinstance(logs, Mapping) or not enabled():
+    if not isinstance(logs, Mapping) or not trainer_logs_enabled():
         return logs
     extra = headline(watch)
     if not extra:

@@ -31,6 +31,9 @@ initialised yet, with a fixed ``runtime_env``; three ways to attach rlwatch:
 
 When the trainer runs in your own process instead, call :func:`instrument` before building it.
 
+Submodules: ``samples`` (the policy-version clocks, dispatch stamps, data sources) and
+``experiences`` (a step's ``Experience`` batches -> its fields and the detectors' episodes).
+
 Which process exports
     Ray runs the hook in every worker process (the trainer actor, the DeepSpeed GPU actors, the vLLM
     engines, the async generator); what it does there, and when the Watch is created, is
@@ -54,7 +57,8 @@ What is wrapped (``PATCHES``; every patch is ``_base.Instrumentor.wrap``)
       attribute of the ``Experience`` that OpenRLHF never reads), its data source and finish reason.
     * ``BasePPOTrainer.save_logs_and_checkpoints(global_step, logs_dict, client_states)``: every
       scalar OpenRLHF logs is mirrored with ``watch.log_scalars`` (``rlwatch_framework_metric``),
-      and the checkpoint written at ``ckpt.save_steps`` is recorded with ``watch.record_checkpoint``.
+      the headline signals join ``logs_dict`` (``rlwatch/`` keys, see ``_trainer_logs``), and the
+      checkpoint written at ``ckpt.save_steps`` is recorded with ``watch.record_checkpoint``.
     * ``openrlhf.datasets.prompts_dataset.PromptDataset.__init__``: remembers the dataset so that a
       prompt's ``datasource`` column can be found again (OpenRLHF drops it from training samples).
 
@@ -77,7 +81,7 @@ Field mapping (``Experience`` -> ``Watch.observe``)
     (batch mean). Sampling temperature/top_p/top_k come from the generate call.
 
 Configuration
-    The RLWATCH_* variables of ``_base.env_watch_options`` (through ``runtime_env.env_vars``); the run
+    The RLWATCH_* variables of ``rlwatch.config.env_watch_options`` (through ``runtime_env.env_vars``); the run
     defaults to ``--logger.wandb.run_name``, the group size to ``rollout.n_samples_per_prompt``
     (RLWATCH_GROUP_SIZE=0: no group-size check). With importance-sampling correction on, the
     masked-IS band of the mismatch signals is OpenRLHF's ``--algo.advantage.is_correction_threshold``.
@@ -88,18 +92,18 @@ from __future__ import annotations
 import collections
 import contextvars
 import logging
-import math
 import os
 import sys
 import threading
-import time
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
-from ..config import rlwatch_variables, variables_or_defaults
-from ._base import Call, Hook, Patch, RayActorInstrumentor, config_get, context_value, framework_watch_options
-from ._trainer_logs import mirror_call
+from ...config import rlwatch_variables, variables_or_defaults
+from ...fields import StepFields
+from .._base import Call, Hook, Patch, RayActorInstrumentor, config_get, context_value, framework_watch_options
+from .._trainer_logs import mirror_call
+from .experiences import episodes_from_experiences, fields_from_experiences
+from .samples import CLOCK_ACTOR, META, LocalClock, RayClock, _DataSources, _Dispatch, sample_meta  # noqa: F401
 
 logger = logging.getLogger("rlwatch")
 
@@ -129,14 +133,9 @@ PATCHES: dict[str, list[Patch]] = {
     PROMPTS_DATASET: [Patch("PromptDataset", "__init__", Hook("openrlhf_dataset", after="_remember_dataset"))],
 }
 
-#: Name of the attribute rlwatch sets on each generated ``Experience`` (OpenRLHF reads dataclass
-#: fields only, so it never sees it; it survives pickling through Ray queues).
-META = "_rlwatch_meta"
 #: OpenRLHF's own ``ray.init`` environment (``cli/train_ppo_ray.py``), kept by the launcher.
 OPENRLHF_ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN",
                          "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
-#: Name of the shared version counter actor (async mode), in the job's Ray namespace.
-CLOCK_ACTOR = "rlwatch-openrlhf-policy-version"
 #: Pending dispatch stamps kept per process at most (prompts whose responses never came back).
 MAX_PENDING_PROMPTS = 100_000
 
@@ -177,118 +176,6 @@ def watch_options_from_env(environ: Mapping[str, str] | None = None, args: Any =
     return opts
 
 
-# --- the policy-version clock --------------------------------------------------------------------
-
-class LocalClock:
-    """Weight broadcasts counted in this process (sync mode: generation and broadcast share it)."""
-
-    def __init__(self) -> None:
-        self.id = f"local:{os.getpid()}"
-        self._value = 0
-        self._lock = threading.Lock()
-
-    def read(self) -> int:
-        return self._value
-
-    def bump(self) -> int:
-        with self._lock:
-            self._value += 1
-            return self._value
-
-
-class _VersionCounter:
-    """The Ray actor behind :class:`RayClock` (one per job, named, no CPU)."""
-
-    def __init__(self) -> None:
-        self.version = 0
-
-    def bump(self) -> int:
-        self.version += 1
-        return self.version
-
-    def read(self) -> int:
-        return self.version
-
-
-class RayClock:
-    """Weight broadcasts counted in a named Ray actor, shared by the processes of one job: in async
-    mode the ``TrainingActor`` broadcasts and the ``GenerateSamplesActor`` stamps. Reads are cached
-    for ``ttl`` seconds (a broadcast happens once per training step, seconds to minutes apart)."""
-
-    def __init__(self, ttl: float = 0.05) -> None:
-        import ray
-
-        self._ray = ray
-        namespace = ray.get_runtime_context().namespace
-        self.id = f"ray:{namespace}/{CLOCK_ACTOR}"
-        self.handle = ray.remote(num_cpus=0, max_restarts=0)(_VersionCounter).options(
-            name=CLOCK_ACTOR, get_if_exists=True).remote()
-        self.ttl = ttl
-        self._cached: tuple[float, int] | None = None
-
-    def read(self) -> int:
-        now = time.monotonic()
-        if self._cached is not None and now - self._cached[0] < self.ttl:
-            return self._cached[1]
-        value = int(self._ray.get(self.handle.read.remote(), timeout=30))
-        self._cached = (now, value)
-        return value
-
-    def bump(self) -> int:
-        value = int(self._ray.get(self.handle.bump.remote(), timeout=30))
-        self._cached = (time.monotonic(), value)
-        return value
-
-
-# --- per-sample stamps ---------------------------------------------------------------------------
-
-@dataclass
-class _Dispatch:
-    version: int
-    remaining: int
-    sampling: dict
-
-
-def sample_meta(experience: Any) -> dict | None:
-    """What rlwatch stamped on a generated (single-sample) ``Experience``, or None."""
-    try:
-        return vars(experience).get(META)
-    except TypeError:
-        return None
-
-
-class _DataSources:
-    """prompt -> ``datasource`` of the PromptDatasets built in this process (weakly held)."""
-
-    def __init__(self) -> None:
-        self._datasets: list[weakref.ref] = []
-        self._index: dict[str, str] = {}
-        self._indexed: set[int] = set()
-        self._lock = threading.Lock()
-
-    def add(self, dataset: Any) -> None:
-        with self._lock:
-            self._datasets.append(weakref.ref(dataset))
-
-    def lookup(self, prompt: Any) -> str | None:
-        if not isinstance(prompt, str):
-            return None
-        with self._lock:
-            live = []
-            for ref in self._datasets:
-                dataset = ref()
-                if dataset is None:
-                    continue
-                live.append(ref)
-                if id(dataset) not in self._indexed:
-                    self._indexed.add(id(dataset))
-                    for text, source in zip(getattr(dataset, "prompts", []), getattr(dataset, "datasources", [])):
-                        if isinstance(text, str):
-                            self._index.setdefault(text, str(source))
-            self._datasets = live
-            return self._index.get(prompt)
-
-
 # --- the step context (set by train_step, read by make_experience_batch) --------------------------
 
 @dataclass
@@ -299,153 +186,6 @@ class _StepContext:
 
 
 _STEP: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar("rlwatch_openrlhf_step", default=None)
-
-
-# --- turning Experiences into one observe() ------------------------------------------------------
-
-def _pad_cat(tensors: list[Any], width: int) -> Any:
-    import torch
-
-    rows = []
-    for t in tensors:
-        t = t.detach()
-        if t.dim() == 1:
-            t = t.unsqueeze(0)
-        if t.shape[1] < width:
-            t = torch.nn.functional.pad(t, (0, width - t.shape[1]))
-        rows.append(t.to("cpu"))
-    return torch.cat(rows, dim=0)
-
-
-def fields_from_experiences(experiences: list[Any], metas: list[dict | None], args: Any,
-                            trainer_version: int | None = None, clock_id: str | None = None
-                            ) -> tuple[dict[str, Any], dict[str, float]]:
-    """(``observe`` fields, agent extra-log scalars) for one training step.
-
-    ``experiences``: what ``make_experience_batch`` returned (micro-batches of samples, each
-    ``[b, A_i]``, right-padded to different widths); ``metas[i]``: the stamp of
-    ``rollout_samples[i]``, which OpenRLHF's ``Experience.index`` points back to."""
-    import torch
-
-    experiences = [e for e in experiences if getattr(e, "action_mask", None) is not None]
-    if not experiences:
-        return {}, {}
-    width = max(int(e.action_mask.shape[-1]) for e in experiences)
-    fields: dict[str, Any] = {"mask": _pad_cat([e.action_mask for e in experiences], width).bool()}
-    if all(e.action_log_probs is not None for e in experiences):
-        fields["trainer_logp"] = _pad_cat([e.action_log_probs for e in experiences], width).float()
-    if all(e.rollout_log_probs is not None for e in experiences):
-        fields["sampler_logp"] = _pad_cat([e.rollout_log_probs for e in experiences], width).float()
-        fields["logprobs_mode"] = "processed_logprobs"     # what OpenRLHF asks vLLM for
-    if all(e.rewards is not None for e in experiences):
-        fields["rewards"] = torch.cat([e.rewards.detach().reshape(-1).to("cpu") for e in experiences]).double()
-    rows = _sample_rows(experiences, metas, args, fields)
-    truncated = _truncation(experiences, rows)
-    if truncated is not None:
-        fields["truncated"] = truncated
-    if any(r is not None and r.get("env") for r in rows):
-        fields["env"] = [(r.get("env") if r is not None else None) or "default" for r in rows]
-    stamps = [r.get("version") if r is not None else None for r in rows]
-    if trainer_version is not None and stamps and all(s is not None for s in stamps):
-        if all(r.get("clock") == clock_id for r in rows if r is not None):
-            fields["seq_version"] = torch.tensor([[int(a), int(b)] for a, b in stamps], dtype=torch.int64)
-            fields["trainer_version"] = int(trainer_version)
-    sampling = next((r.get("sampling") for r in rows if r is not None and r.get("sampling")), None) or {}
-    for key in ("temperature", "top_p", "top_k"):
-        value = sampling.get(key)
-        if value is not None and not (key == "top_k" and value <= 0):
-            fields[key] = value
-    return fields, _extra_logs(experiences, rows)
-
-
-def _sample_rows(experiences: list[Any], metas: list[dict | None], args: Any, fields: dict[str, Any]
-                 ) -> list[dict | None]:
-    """Each sample's stamp, through ``Experience.index`` (None where it cannot be found); sets the
-    group ids (OpenRLHF's own grouping: ``index // n_samples_per_prompt``) in ``fields``."""
-    import torch
-
-    index: list[int] = []
-    for e in experiences:
-        if e.index is None or len(e.index) != int(e.action_mask.shape[0]):
-            return [None] * int(fields["mask"].shape[0])
-        index.extend(int(i) for i in e.index)
-    n = int(config_get(args, "rollout.n_samples_per_prompt", 1) or 1)
-    if n > 1:
-        fields["group_ids"] = torch.tensor(index, dtype=torch.int64) // n
-    return [metas[i] if 0 <= i < len(metas) else None for i in index]
-
-
-def _truncation(experiences: list[Any], rows: list[dict | None]) -> Any:
-    """[B] bool: the stamped finish reason where there is one, else OpenRLHF's ``truncated``."""
-    import torch
-
-    truncated = None
-    if all(e.truncated is not None for e in experiences):
-        truncated = torch.cat([e.truncated.detach().reshape(-1).to("cpu").bool() for e in experiences])
-    if any(r is not None and r.get("truncated") is not None for r in rows):
-        flags = [bool(r["truncated"]) if r is not None and r.get("truncated") is not None
-                 else (bool(truncated[i]) if truncated is not None else False) for i, r in enumerate(rows)]
-        truncated = torch.tensor(flags, dtype=torch.bool)
-    return truncated
-
-
-def _extra_logs(experiences: list[Any], rows: list[dict | None]) -> dict[str, float]:
-    """``extra_logs/<name>``: the batch mean of each per-sample agent ``extra_logs`` entry."""
-    import torch
-
-    extra: dict[str, float] = {}
-    keys = {k for r in rows if r is not None for k in r.get("extra_logs", ())}
-    for key in sorted(keys):
-        values = []
-        for e in experiences:
-            v = e.info.get(key) if isinstance(e.info, Mapping) else None
-            if isinstance(v, torch.Tensor) and v.numel() == int(e.action_mask.shape[0]):
-                values.append(v.detach().reshape(-1).to("cpu").double())
-        if values:
-            mean = float(torch.cat(values).mean())
-            if math.isfinite(mean):
-                extra[f"extra_logs/{key}"] = mean
-    return extra
-
-
-def episodes_from_experiences(experiences: list[Any], fields: Mapping[str, Any], metas: list[dict | None]
-                              ) -> list[dict[str, Any]]:
-    """One episode per sample for the reward-hack detectors: response token ids, reward, environment,
-    truncation, and the agent's per-sample ``extra_logs`` (an independent checker's verdict logged
-    there as ``true_pass`` feeds the ``verifier_disagreement`` detector)."""
-    import torch
-
-    experiences = [e for e in experiences if getattr(e, "action_mask", None) is not None]
-    keys = sorted({k for m in metas if m is not None for k in m.get("extra_logs", ())})
-    per_key: dict[str, list[float | None]] = {}
-    for key in keys:
-        column: list[float | None] = []
-        for e in experiences:
-            v = e.info.get(key) if isinstance(getattr(e, "info", None), Mapping) else None
-            b = int(e.action_mask.shape[0])
-            column += (v.detach().reshape(-1).to("cpu").tolist() if isinstance(v, torch.Tensor) and v.numel() == b
-                       else [None] * b)
-        per_key[key] = column
-    ids: list[list[int] | None] = []
-    for e in experiences:
-        sequences, mask = getattr(e, "sequences", None), e.action_mask.bool()
-        if sequences is None:
-            ids += [None] * int(mask.shape[0])
-            continue
-        responses = sequences[:, -mask.shape[1]:].to("cpu")
-        ids += [row[m].tolist() for row, m in zip(responses, mask.to("cpu"))]
-    B = int(fields["mask"].shape[0])
-    rewards = fields["rewards"].tolist() if "rewards" in fields else [0.0] * B
-    env = fields.get("env") or ["default"] * B
-    truncated = fields["truncated"].tolist() if "truncated" in fields else [False] * B
-    out = []
-    for i in range(B):
-        extra = {k: (bool(v[i]) if k == "true_pass" else v[i]) for k, v in per_key.items() if v[i] is not None}
-        episode = {"env": env[i], "reward": rewards[i], "truncated": bool(truncated[i]), "extra": extra}
-        if ids[i] is not None:
-            episode["response_ids"] = ids[i]
-        out.append(episode)
-    return out
 
 
 def checkpoint_dir(args: Any, global_step: int) -> str | None:
@@ -466,7 +206,7 @@ def checkpoint_dir(args: Any, global_step: int) -> str | None:
 # --- the instrumentor ----------------------------------------------------------------------------
 
 class OpenRLHFInstrumentor(RayActorInstrumentor):
-    """Wraps OpenRLHF's trainer, experience maker and sample generator (``PATCHES``; see the module
+    """Wraps OpenRLHF's trainer, experience maker and sample generator (``PATCHES``; see the package
     docstring)."""
 
     package = "openrlhf"
@@ -476,7 +216,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
 
     def __init__(self) -> None:
         super().__init__()
-        self.last_fields: dict | None = None
+        self.last_fields: StepFields | None = None          # the latest step's, without its episodes
         self._local_clock: LocalClock | None = None
         self._ray_clock: RayClock | None = None
         self._clock_lock = threading.Lock()
@@ -553,12 +293,12 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
         experiences = list(call.result)
         fields, extra = fields_from_experiences(experiences, call.state, args, context.trainer_version,
                                                 context.clock_id)
-        if not fields:
+        if fields is None:
             return
         self.last_fields = fields
         if getattr(self.watch, "hack_detection", False):
-            fields = {**fields, "episodes": episodes_from_experiences(experiences, fields, call.state)}
-        self.last_values = self.watch.observe(context.step, **fields)
+            fields = replace(fields, episodes=episodes_from_experiences(experiences, fields, call.state))
+        self.last_values = self.watch.observe_fields(context.step, fields)
         if extra:
             self.watch.log_scalars(context.step, extra)
 
@@ -686,7 +426,3 @@ def launch(argv: list[str] | None = None, module: str = "openrlhf.cli.train_ppo_
         ray.init(runtime_env=ray_runtime_env())
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    launch()

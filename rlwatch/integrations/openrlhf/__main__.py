@@ -1,0 +1,5 @@
+"""``python -m rlwatch.integrations.openrlhf <OpenRLHF arguments>``: see :func:`launch`."""
+
+from . import launch
+
+launch()
