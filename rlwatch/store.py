@@ -21,11 +21,11 @@ process killed at any moment leaves a store that opens and holds every committed
 may open the file while the run writes it (WAL), with :class:`~rlwatch.store_reader.StoreReader`
 (re-exported here). Every value is converted at submission (0-d tensors and numpy scalars to
 numbers, strings made encodable). A batch that fails is written again row by row, so that a row
-the database refuses costs that row only; a database locked by
-another process is retried with backoff for up to ``retry_seconds`` (the trainer never waits:
-the queue absorbs the steps meanwhile). When the queue is full or a row finally fails, the row
-is dropped and counted (``dropped``), never blocking or raising into the trainer. ``flush()``
-returning True means every row submitted before it is committed (and the WAL synced).
+the database refuses costs that row only; a database locked by another process is retried with
+backoff for up to ``retry_seconds`` (the trainer never waits: the queue absorbs the steps
+meanwhile). When the queue is full or a row finally fails, the row is dropped and counted
+(``dropped``), never blocking or raising into the trainer. ``flush()`` returning True means every
+row submitted before it is committed (and the WAL synced).
 """
 
 from __future__ import annotations
