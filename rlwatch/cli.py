@@ -279,15 +279,8 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rlwatch", formatter_class=_HelpFormatter,
-        description="Health signals for RL post-training of LLMs: a hook in the trainer exports them to "
-                    "Prometheus, with alert rules, Grafana dashboards and a post-mortem.",
-        epilog="Start with `rlwatch demo`; `rlwatch COMMAND --help` for a command's options.")
-    parser.add_argument("--version", action=_VersionAction, help="print the version and where rlwatch is installed")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def _add_demo(sub: Any) -> None:
+    """``rlwatch demo`` and its options."""
     p = _command(sub, "demo", _cmd_demo, "train a tiny RL policy that collapses, watched live, then explained",
                  "Train a tiny GRPO policy on CPU under a scenario (by default its sampler is 8 updates stale "
                  "and it collapses), serve its signals on /metrics, show the signals and alerts live, and end "
@@ -304,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "prometheus, prometheus-alertmanager); steps are paced for its scrapes")
     p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live terminal view")
 
+
+def _add_up(sub: Any) -> None:
+    """``rlwatch up`` and its options."""
     p = _command(sub, "up", _cmd_up, "start a local Prometheus + Alertmanager (+ Grafana) with rlwatch's rules",
                  "Start Prometheus and Alertmanager (and Grafana when grafana-server is on PATH) with rlwatch's "
                  "rules and dashboards, bound to --addr, in the background. Stop them with `rlwatch down` (from "
@@ -323,12 +319,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base URL of the runbook the alerts link to (default: $RLWATCH_RUNBOOK_URL, else "
                         "http://127.0.0.1:9400/runbook, served by every rlwatch exporter)")
 
+
+def _add_down(sub: Any) -> None:
+    """``rlwatch down`` and its options."""
     p = _command(sub, "down", _cmd_down, "stop what `rlwatch up` started",
                  f"Stop the servers `rlwatch up` started. Without --dir: the stack in ./{DEFAULT_STACK_DIR} if it "
                  "runs, else the one running stack listed in $RLWATCH_STATE_DIR (default ~/.local/state/rlwatch).")
     p.add_argument("--dir", default=None, help="the stack's directory (as given to rlwatch up)")
     p.add_argument("--all", action="store_true", help="stop every running stack")
 
+
+def _add_run(sub: Any) -> None:
+    """``rlwatch run`` and its options."""
     p = _command(sub, "run", _cmd_run, "run a training command with rlwatch attached (no code change)",
                  "Run COMMAND with rlwatch installed in every Python process it starts (and in its Ray workers): "
                  "supported trainers (TRL GRPOTrainer, verl, OpenRLHF) get a Watch automatically, which says "
@@ -340,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no start and summary lines from rlwatch run itself")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
 
+
+def _add_postmortem(sub: Any) -> None:
+    """``rlwatch postmortem`` and its options."""
     p = _command(sub, "postmortem", _cmd_postmortem, "explain a run: collapse, first changes, alerts, cause, "
                  "resume point, coverage, and divergence from a good run")
     p.add_argument("path", nargs="?", help="run store, TRL output directory or verl checkpoint directory")
@@ -359,8 +364,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score every checkpoint on stored rollouts (safetensors); alone, the "
                         "rlwatch-probe-rollouts.safetensors the TRL integration keeps in the output directory")
 
+
+def _add_files(sub: Any) -> None:
+    """``rlwatch files`` and its options."""
     p = _command(sub, "files", _cmd_files, "where the shipped rules, runbook, dashboards and examples are")
     p.add_argument("--copy", metavar="DIR", help="copy alerts/, dashboards/ and examples/ into DIR")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rlwatch`` parser: one subcommand per ``_add_*`` above, in the order --help lists them."""
+    parser = argparse.ArgumentParser(
+        prog="rlwatch", formatter_class=_HelpFormatter,
+        description="Health signals for RL post-training of LLMs: a hook in the trainer exports them to "
+                    "Prometheus, with alert rules, Grafana dashboards and a post-mortem.",
+        epilog="Start with `rlwatch demo`; `rlwatch COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and where rlwatch is installed")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_demo(sub)
+    _add_up(sub)
+    _add_down(sub)
+    _add_run(sub)
+    _add_postmortem(sub)
+    _add_files(sub)
     return parser
 
 

@@ -102,6 +102,31 @@ class WatchConfig:
         return self.sd_dir if self.sd_dir is not None else _get("RLWATCH_SD_DIR")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits in the job (from the launcher's variables, :func:`rank`): its global
+    ``rank``, ``local_rank`` and the ``world`` size; whether it exports (``active``: rank 0, or every
+    rank with ``all_ranks``); its ``run`` name (``<run>-rank<N>`` when every rank of a job of several
+    exports); and the offset added to its port (the local rank with ``all_ranks``, else 0)."""
+
+    rank: int
+    local_rank: int
+    world: int
+    active: bool
+    run: str
+    port_offset: int
+
+
+def placement(run: str | None, all_ranks: bool) -> Placement:
+    """The :class:`Placement` of a Watch with these ``run`` and ``all_ranks`` options."""
+    from .record import clean_text
+
+    global_rank, local, world = rank()
+    base = clean_text(run or default_run_name())     # $RLWATCH_RUN may hold surrogate escapes
+    return Placement(global_rank, local, world, active=global_rank == 0 or all_ranks,
+                     run=f"{base}-rank{global_rank}" if all_ranks and world > 1 else base,
+                     port_offset=local if all_ranks else 0)
+
 # --- reading the environment -----------------------------------------------------------------------
 
 def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:

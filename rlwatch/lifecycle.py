@@ -2,12 +2,13 @@
 
 :class:`Services` owns the exporters (the /metrics endpoint, Pushgateway, OpenTelemetry), the run
 store, the file_sd registration, the in-process alert evaluator (its notifiers and its stall
-watchdog), the alert step windows it reads, and the background step worker; it exports the run's
-metadata and settings at start, writes what the user records about the run (checkpoints, events,
-framework scalars) to the store, waits for the queued steps in :meth:`Services.flush`, and
-:meth:`Services.close` stops them in the reverse order of what depends on what. :class:`Health` is
-rlwatch's own health (hook errors, store counters), read into the exported state when an exporter
-takes a snapshot, never pushed by the step path.
+watchdog), the alert step windows it reads, and the background step worker (in its
+:class:`StepScheduler`, which decides where each observed step runs and refuses steps once the Watch
+closes); it exports the run's metadata and settings at start, writes what the user records about the
+run (checkpoints, events, framework scalars) to the store, waits for the queued steps in
+:meth:`Services.flush`, and :meth:`Services.close` stops them in the reverse order of what depends on
+what. :class:`Health` is rlwatch's own health (hook errors, store counters), read into the exported
+state when an exporter takes a snapshot, never pushed by the step path.
 
 Every start-up failure is counted through :mod:`rlwatch.errors` (``stage="export"``, ``"store"``
 or ``"alerts"``) and leaves that part off; the others still start.
@@ -25,6 +26,7 @@ from typing import Any, Callable, Mapping
 from ._queues import OrderedWorker
 from .config import WatchConfig
 from .errors import HookErrors, describe, guard
+from .pipeline import tensor_bytes
 from .record import LabelRegistry, clean_text
 from .state import MetricState
 
@@ -118,6 +120,58 @@ def _static_settings(cfg: WatchConfig) -> dict[str, dict]:
     return {"staleness_bound": {(): cfg.staleness_bound}, "is_cap": {(): cfg.is_cap}}
 
 
+class StepScheduler:
+    """Where observed steps and deferred jobs run: inline, or in order on rlwatch's background worker
+    thread (``background=True``); once :attr:`closing`, observed steps are refused and counted."""
+
+    def __init__(self, errors: HookErrors) -> None:
+        self.errors = errors
+        self.worker: OrderedWorker | None = None
+        self.closing = False              # set when the Watch starts closing
+
+    def start_worker(self, max_bytes: int, initializer: Callable[[], None] | None = None) -> None:
+        self.worker = OrderedWorker("rlwatch-steps", lambda exc: self.errors.report(
+            "background", type(exc).__name__, describe(exc), exc=exc), initializer=initializer, max_bytes=max_bytes)
+
+    def run_step(self, compute: Callable[[bool], Any], fields: Mapping[str, Any]) -> Any:
+        """Run one observed step: ``compute(True)`` inline without a worker, ``compute(False)`` in place
+        on the worker's own thread (a deferred job observing), else queued on the worker (None; its
+        input tensors, ``fields``, count against the worker's byte bound). Refused once closing."""
+        if self.closing:
+            return self._refused_after_close()
+        worker = self.worker
+        if worker is None:
+            return compute(True)
+        if worker.is_current():
+            return compute(False)
+        if not worker.submit(lambda: compute(False), tensor_bytes(fields)) and self.closing:
+            self._refused_after_close()
+        return None
+
+    def defer(self, job: Callable[[], Any]) -> bool:
+        """Queue ``job`` on the worker, after the steps queued so far; False when the caller must run
+        it now (no worker, called from the worker, or refused while closing)."""
+        worker = self.worker
+        if worker is not None and not self.closing and not worker.is_current():
+            return worker.submit(job) or not self.closing
+        return False
+
+    def _refused_after_close(self) -> None:
+        self.errors.report("observe", "after_close", "a step observed after close() was not used",
+                           raise_in_strict=False)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait for the queued steps to be computed; True at once on the worker's own thread (the
+        steps before the caller already ran) or without a worker."""
+        worker = self.worker
+        return worker.drain(timeout) if worker is not None and not worker.is_current() else True
+
+    def close(self) -> None:
+        """Compute and export the steps still queued (at most 30 s)."""
+        if self.worker is not None and not self.worker.close(timeout=30.0):
+            self.errors.report("background", "close", "steps still queued after 30 s were not computed")
+
+
 class Services:
     """The optional parts of one Watch, started from its :class:`~rlwatch.config.WatchConfig`."""
 
@@ -134,7 +188,7 @@ class Services:
         self.push: Any = None
         self.otel: Any = None
         self.evaluator: Any = None
-        self.worker: OrderedWorker | None = None
+        self.steps = StepScheduler(errors)             # where steps run: inline or on the background worker
         self.windows: Any = None                       # the alert step windows (a step listener)
         self.alert_overrides: dict[str, float] = {}    # the run's valid overrides (the alert windows read them)
         self.scalar_names = LabelRegistry(256)         # the framework scalars' names (capped)
@@ -162,9 +216,14 @@ class Services:
         if cfg.alerts if cfg.alerts is not None else self.store is not None:
             self.start_alerts(cfg, overrides)
         if cfg.background and not cfg.strict:
-            self.worker = OrderedWorker("rlwatch-steps", lambda exc: self.errors.report(
-                "background", type(exc).__name__, describe(exc), exc=exc),
-                initializer=initializer, max_bytes=cfg.background_max_bytes)
+            self.steps.start_worker(cfg.background_max_bytes, initializer)
+
+    def attach(self, pipeline: Any) -> None:
+        """Connect the step pipeline to what :meth:`start` started: the alert step windows listen after
+        drift and diagnosis (before the user's listeners), the store and the evaluator are its sinks."""
+        pipeline.listeners.insert(2, self.windows)
+        pipeline.store = self.store
+        pipeline.evaluator = self.evaluator
 
     def start_store(self, path: str | None, metadata: Mapping[str, Any]) -> None:
         if not path:
@@ -258,16 +317,10 @@ class Services:
         the steps before the caller already ran), then for the store to commit them; False when
         ``timeout`` seconds passed first."""
         deadline = time.monotonic() + timeout
-        worker = self.worker
-        drained = worker.drain(timeout) if worker is not None and not worker.is_current() else True
+        drained = self.steps.drain(timeout)
         if self.store is None:
             return drained
         return self.store.flush(max(0.0, deadline - time.monotonic())) and drained
-
-    def close_worker(self) -> None:
-        """Compute and export the steps still queued (at most 30 s)."""
-        if self.worker is not None and not self.worker.close(timeout=30.0):
-            self.errors.report("background", "close", "steps still queued after 30 s were not computed")
 
     def close(self) -> None:
         """Stop the exporters (a last push), remove the file_sd entry, then flush and close the store."""

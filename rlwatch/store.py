@@ -18,13 +18,14 @@ Tables:
 
 Writes go through a bounded queue to one writer thread, which commits after every batch; a
 process killed at any moment leaves a store that opens and holds every committed step. Readers
-may open the file while the run writes it (WAL). Every value is converted at submission (0-d
-tensors and numpy scalars to numbers, strings made encodable). A batch that fails is written
-again row by row, so that a row the database refuses costs that row only; a database locked by
-another process is retried with backoff for up to ``retry_seconds`` (the trainer never waits:
-the queue absorbs the steps meanwhile). When the queue is full or a row finally fails, the row
-is dropped and counted (``dropped``), never blocking or raising into the trainer. ``flush()``
-returning True means every row submitted before it is committed (and the WAL synced).
+may open the file while the run writes it (WAL), with :class:`~rlwatch.store_reader.StoreReader`
+(re-exported here). Every value is converted at submission (0-d tensors and numpy scalars to
+numbers, strings made encodable). A batch that fails is written again row by row, so that a row
+the database refuses costs that row only; a database locked by another process is retried with
+backoff for up to ``retry_seconds`` (the trainer never waits: the queue absorbs the steps
+meanwhile). When the queue is full or a row finally fails, the row is dropped and counted
+(``dropped``), never blocking or raising into the trainer. ``flush()`` returning True means every
+row submitted before it is committed (and the WAL synced).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from ._queues import wait_drained
+from .store_reader import StepRow, StoreReader, decode_values  # noqa: F401 - read side, public here
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (run TEXT PRIMARY KEY, started REAL, meta TEXT);
@@ -118,50 +120,43 @@ def encode_values(values: dict[str, dict[tuple[str, ...], float | None]]) -> str
     return json.dumps(out, separators=(",", ":"), default=str)
 
 
-def decode_values(text: str) -> dict[str, dict[tuple[str, ...], float | None]]:
-    raw = json.loads(text)
-    return {name: {tuple(row[:-1]): row[-1] for row in rows} for name, rows in raw.items()}
+@dataclass
+class StoreCounts:
+    """What happened to the submitted rows, counted by the submitting and the writing side."""
+
+    dropped: int = 0              # steps lost (queue full, refused after close, or a failed write)
+    dropped_rows: int = 0         # rows of any table lost
+    written_steps: int = 0
+    step_conflicts: int = 0       # steps observed again: the earlier row moved to step_history
+    retries: int = 0              # batch writes retried because another connection held the lock
 
 
 class RunStore:
-    """Asynchronous writer for one store file. ``submit_*`` never block; ``flush`` waits."""
+    """Asynchronous writer for one store file. ``submit_*`` never block; ``flush`` waits. The rows
+    go through a bounded queue to a :class:`_StoreWriter` on its own thread."""
 
     def __init__(self, path: str, on_error: Callable[[str, BaseException], None] | None = None,
                  max_queue: int = 4096, busy_timeout: float = 5.0, retry_seconds: float = 120.0) -> None:
         self.path = os.fspath(path)
         self._on_error = on_error or (lambda kind, exc: None)
-        self.dropped = 0              # steps lost (queue full, refused after close, or a failed write)
-        self.dropped_rows = 0         # rows of any table lost
-        self.written_steps = 0
-        self.step_conflicts = 0       # steps observed again: the earlier row moved to step_history
-        self.retries = 0              # batch writes retried because another connection held the lock
-        self.retry_seconds = retry_seconds
+        self.counts = StoreCounts()
         self.attempt = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
         self._closed = False
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        self._conn = self._connect(self.path, busy_timeout)   # raises on an unusable path: no store
-        self._thread = threading.Thread(target=self._run, name="rlwatch-store", daemon=True)
+        conn = _connect(self.path, busy_timeout)           # raises on an unusable path: no store
+        self._writer = _StoreWriter(conn, self._queue, self.counts, self.attempt, retry_seconds, self._on_error)
+        self._thread = threading.Thread(target=self._writer.run, name="rlwatch-store", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _connect(path: str, busy_timeout: float = 5.0) -> sqlite3.Connection:
-        conn = sqlite3.connect(path, timeout=busy_timeout, check_same_thread=False, isolation_level=None)
-        deadline = time.monotonic() + 30.0
-        while True:                       # another process may hold the lock while we set up
-            try:
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=NORMAL")
-                conn.executescript(SCHEMA)
-                columns = {row[1] for row in conn.execute("PRAGMA table_info(steps)")}
-                if "attempt" not in columns:          # a store written before attempts existed
-                    conn.execute("ALTER TABLE steps ADD COLUMN attempt TEXT")
-                return conn
-            except sqlite3.OperationalError as exc:
-                if not _locked(exc) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+    dropped = property(lambda self: self.counts.dropped)
+    dropped_rows = property(lambda self: self.counts.dropped_rows)
+    written_steps = property(lambda self: self.counts.written_steps)
+    step_conflicts = property(lambda self: self.counts.step_conflicts)
+    retries = property(lambda self: self.counts.retries)
+    retry_seconds = property(lambda self: self._writer.retry_seconds,
+                             lambda self, seconds: setattr(self._writer, "retry_seconds", seconds))
 
     # --- submissions (training thread) --------------------------------------------------------
 
@@ -178,8 +173,8 @@ class RunStore:
 
     def _lose(self, item: tuple, kind: str, exc: BaseException) -> None:
         rows = len(item[1]) if len(item) > 2 and item[2] == "many" else 1
-        self.dropped += sum(1 for _ in _step_rows(item))
-        self.dropped_rows += rows
+        self.counts.dropped += sum(1 for _ in _step_rows(item))
+        self.counts.dropped_rows += rows
         self._on_error(kind, exc)
 
     def submit_run(self, run: str, meta: dict[str, Any]) -> None:
@@ -227,110 +222,6 @@ class RunStore:
         self._put(("INSERT INTO events (run, time, kind, detail) VALUES (?, ?, ?, ?)",
                    (bindable(run), time.time(), bindable(kind), bindable(detail))))
 
-    # --- writer thread --------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            batch = [item]
-            while len(batch) < 256:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stop = any(x is _STOP for x in batch)
-            self._write([x for x in batch if x is not _STOP])
-            for _ in batch:
-                self._queue.task_done()
-            if stop:
-                return
-
-    def _write(self, batch: list[tuple]) -> None:
-        """Write ``batch`` in one transaction; when it fails, retry while another connection holds
-        the lock (bounded), then fall back to one row at a time so that only the rows the
-        database refuses are lost (counted, and noted in ``events``)."""
-        if not batch:
-            return
-        deadline = time.monotonic() + self.retry_seconds
-        delay = 0.05
-        while True:
-            try:
-                self._transaction(batch)
-                return
-            except Exception as exc:  # noqa: BLE001 - disk full, read-only, locked, unbindable
-                self._rollback()
-                if _locked(exc) and time.monotonic() < deadline:
-                    self.retries += 1
-                    if self.retries == 1:
-                        self._on_error("locked", exc)        # once: the retries are counted in .retries
-                    time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                    delay = min(delay * 2, 1.0)
-                    continue
-                if len(batch) == 1 and not _is_many(batch[0]):
-                    self._drop(batch[0], exc)
-                    return
-                break
-        for item in batch:                  # one row at a time: a bad row costs itself only
-            for row in ([(item[0], row, "row") for row in item[1]] if _is_many(item) else [item]):
-                self._write([row])
-
-    def _transaction(self, batch: list[tuple]) -> None:
-        conn = self._conn
-        conn.execute("BEGIN")
-        steps = conflicts = 0
-        first_conflict = None
-        for sql, params, *mode in batch:
-            kind = mode[0] if mode else None
-            if kind == "many":
-                conn.executemany(sql, params)
-            elif kind == "step":
-                moved = conn.execute("INSERT INTO step_history SELECT run, step, time, data, attempt, ? FROM steps "
-                                     "WHERE run = ? AND step = ?", (time.time(), params[0], params[1])).rowcount
-                if moved > 0:
-                    conflicts += 1
-                    first_conflict = first_conflict or params
-                conn.execute("INSERT OR REPLACE INTO steps (run, step, time, data, attempt) VALUES (?, ?, ?, ?, ?)",
-                             params)
-                steps += 1
-            elif kind == "sync":
-                continue
-            else:
-                conn.execute(sql, params)
-        if conflicts and self.step_conflicts == 0:
-            conn.execute("INSERT INTO events (run, time, kind, detail) VALUES (?, ?, ?, ?)",
-                         (first_conflict[0], time.time(), "step_conflict",
-                          f"step {first_conflict[1]} was observed again (attempt {self.attempt}); the earlier "
-                          "row is kept in step_history, later re-observed steps are counted"))
-        conn.execute("COMMIT")
-        self.written_steps += steps
-        self.step_conflicts += conflicts
-        if any(mode and mode[0] == "sync" for _, _, *mode in batch):
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")      # syncs the WAL before copying
-
-    def _rollback(self) -> None:
-        try:
-            self._conn.execute("ROLLBACK")
-        except Exception:  # noqa: BLE001 - no transaction open
-            pass
-
-    def _drop(self, item: tuple, exc: BaseException) -> None:
-        """Count one row the database refused and note it in ``events`` (when that can be written)."""
-        if item[0] == "PRAGMA wal_checkpoint(PASSIVE)":
-            self._on_error("sync", exc)
-            return
-        self.dropped += sum(1 for _ in _step_rows(item))
-        self.dropped_rows += 1
-        self._on_error("write", exc)
-        step = item[1][1] if item[0] == "step" else None
-        what = f"step {step}" if step is not None else "a row (" + item[0].split("(")[0].strip()[:40] + ")"
-        try:
-            self._conn.execute("INSERT INTO events (run, time, kind, detail) VALUES (?, ?, ?, ?)",
-                               (item[1][0] if item[1] and isinstance(item[1][0], str) else None, time.time(),
-                                "store_row_dropped",
-                                f"{what} could not be written: {type(exc).__name__}: {bindable(str(exc))[:200]}"))
-        except Exception:  # noqa: BLE001 - the database refuses everything (disk full): counted above
-            pass
-
     # --- control ------------------------------------------------------------------------------
 
     @property
@@ -360,8 +251,144 @@ class RunStore:
                 pass
             self._thread.join(timeout=timeout)
         try:
-            self._conn.close()
+            self._writer.conn.close()
         except Exception:  # noqa: BLE001
+            pass
+
+
+def _connect(path: str, busy_timeout: float = 5.0) -> sqlite3.Connection:
+    """A WAL-mode connection with the schema in place (a store from before ``attempt`` gets the column)."""
+    conn = sqlite3.connect(path, timeout=busy_timeout, check_same_thread=False, isolation_level=None)
+    deadline = time.monotonic() + 30.0
+    while True:                       # another process may hold the lock while we set up
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.executescript(SCHEMA)
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(steps)")}
+            if "attempt" not in columns:          # a store written before attempts existed
+                conn.execute("ALTER TABLE steps ADD COLUMN attempt TEXT")
+            return conn
+        except sqlite3.OperationalError as exc:
+            if not _locked(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+class _StoreWriter:
+    """The writer thread: takes batches of rows off ``items`` (up to 256 at a time), writes each batch
+    in one transaction on ``conn``, retries while another connection holds the lock (up to
+    ``retry_seconds``), then falls back to one row at a time; counts into ``counts``."""
+
+    def __init__(self, conn: sqlite3.Connection, items: queue.Queue, counts: StoreCounts, attempt: str,
+                 retry_seconds: float, on_error: Callable[[str, BaseException], None]) -> None:
+        self.conn = conn
+        self.items = items
+        self.counts = counts
+        self.attempt = attempt
+        self.retry_seconds = retry_seconds
+        self.on_error = on_error
+
+    def run(self) -> None:
+        while True:
+            item = self.items.get()
+            batch = [item]
+            while len(batch) < 256:
+                try:
+                    batch.append(self.items.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(x is _STOP for x in batch)
+            self._write([x for x in batch if x is not _STOP])
+            for _ in batch:
+                self.items.task_done()
+            if stop:
+                return
+
+    def _write(self, batch: list[tuple]) -> None:
+        """Write ``batch`` in one transaction; when it fails, retry while another connection holds
+        the lock (bounded), then fall back to one row at a time so that only the rows the
+        database refuses are lost (counted, and noted in ``events``)."""
+        if not batch:
+            return
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
+            try:
+                self._transaction(batch)
+                return
+            except Exception as exc:  # noqa: BLE001 - disk full, read-only, locked, unbindable
+                self._rollback()
+                if _locked(exc) and time.monotonic() < deadline:
+                    self.counts.retries += 1
+                    if self.counts.retries == 1:
+                        self.on_error("locked", exc)        # once: the retries are counted in .retries
+                    time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                    delay = min(delay * 2, 1.0)
+                    continue
+                if len(batch) == 1 and not _is_many(batch[0]):
+                    self._drop(batch[0], exc)
+                    return
+                break
+        for item in batch:                  # one row at a time: a bad row costs itself only
+            for row in ([(item[0], row, "row") for row in item[1]] if _is_many(item) else [item]):
+                self._write([row])
+
+    def _transaction(self, batch: list[tuple]) -> None:
+        conn = self.conn
+        conn.execute("BEGIN")
+        steps = conflicts = 0
+        first_conflict = None
+        for sql, params, *mode in batch:
+            kind = mode[0] if mode else None
+            if kind == "many":
+                conn.executemany(sql, params)
+            elif kind == "step":
+                moved = conn.execute("INSERT INTO step_history SELECT run, step, time, data, attempt, ? FROM steps "
+                                     "WHERE run = ? AND step = ?", (time.time(), params[0], params[1])).rowcount
+                if moved > 0:
+                    conflicts += 1
+                    first_conflict = first_conflict or params
+                conn.execute("INSERT OR REPLACE INTO steps (run, step, time, data, attempt) VALUES (?, ?, ?, ?, ?)",
+                             params)
+                steps += 1
+            elif kind == "sync":
+                continue
+            else:
+                conn.execute(sql, params)
+        if conflicts and self.counts.step_conflicts == 0:
+            conn.execute("INSERT INTO events (run, time, kind, detail) VALUES (?, ?, ?, ?)",
+                         (first_conflict[0], time.time(), "step_conflict",
+                          f"step {first_conflict[1]} was observed again (attempt {self.attempt}); the earlier "
+                          "row is kept in step_history, later re-observed steps are counted"))
+        conn.execute("COMMIT")
+        self.counts.written_steps += steps
+        self.counts.step_conflicts += conflicts
+        if any(mode and mode[0] == "sync" for _, _, *mode in batch):
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")      # syncs the WAL before copying
+
+    def _rollback(self) -> None:
+        try:
+            self.conn.execute("ROLLBACK")
+        except Exception:  # noqa: BLE001 - no transaction open
+            pass
+
+    def _drop(self, item: tuple, exc: BaseException) -> None:
+        """Count one row the database refused and note it in ``events`` (when that can be written)."""
+        if item[0] == "PRAGMA wal_checkpoint(PASSIVE)":
+            self.on_error("sync", exc)
+            return
+        self.counts.dropped += sum(1 for _ in _step_rows(item))
+        self.counts.dropped_rows += 1
+        self.on_error("write", exc)
+        step = item[1][1] if item[0] == "step" else None
+        what = f"step {step}" if step is not None else "a row (" + item[0].split("(")[0].strip()[:40] + ")"
+        try:
+            self.conn.execute("INSERT INTO events (run, time, kind, detail) VALUES (?, ?, ?, ?)",
+                               (item[1][0] if item[1] and isinstance(item[1][0], str) else None, time.time(),
+                                "store_row_dropped",
+                                f"{what} could not be written: {type(exc).__name__}: {bindable(str(exc))[:200]}"))
+        except Exception:  # noqa: BLE001 - the database refuses everything (disk full): counted above
             pass
 
 
@@ -372,100 +399,3 @@ def _is_many(item: tuple) -> bool:
 def _step_rows(item: tuple) -> Iterable[None]:
     if item is not _STOP and len(item) > 2 and item[2] == "step":
         yield None
-
-
-@dataclass
-class StepRow:
-    step: int
-    time: float
-    values: dict[str, dict[tuple[str, ...], float | None]]
-
-    def get(self, name: str, labels: tuple[str, ...] = ()) -> float | None:
-        return self.values.get(name, {}).get(tuple(labels))
-
-
-class StoreReader:
-    """Read access to a store file, safe while a run is writing it."""
-
-    def __init__(self, path: str) -> None:
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no rlwatch store at {path}")
-        self.path = path
-        self._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
-        self._conn.row_factory = sqlite3.Row
-
-    def close(self) -> None:
-        self._conn.close()
-
-    def __enter__(self) -> "StoreReader":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
-        return list(self._conn.execute(sql, tuple(params)))
-
-    def runs(self) -> list[str]:
-        return [r["run"] for r in self._rows("SELECT run FROM runs ORDER BY started")] or \
-            [r["run"] for r in self._rows("SELECT DISTINCT run FROM steps")]
-
-    def meta(self, run: str) -> dict[str, Any]:
-        rows = self._rows("SELECT meta FROM runs WHERE run = ?", (run,))
-        return json.loads(rows[0]["meta"]) if rows else {}
-
-    def steps(self, run: str) -> list[StepRow]:
-        """One row per step: its latest observation."""
-        return [StepRow(r["step"], r["time"], decode_values(r["data"]))
-                for r in self._rows("SELECT step, time, data FROM steps WHERE run = ? ORDER BY step", (run,))]
-
-    def step_history(self, run: str) -> list[tuple[StepRow, str | None, float]]:
-        """Earlier observations of re-observed steps: (row, attempt that wrote it, time replaced)."""
-        if not self._has_table("step_history"):
-            return []
-        return [(StepRow(r["step"], r["time"], decode_values(r["data"])), r["attempt"], r["replaced"])
-                for r in self._rows("SELECT * FROM step_history WHERE run = ? ORDER BY replaced, step", (run,))]
-
-    def attempts(self, run: str) -> list[dict[str, Any]]:
-        """The processes that wrote ``run``, oldest first (id, started, pid, host)."""
-        if not self._has_table("attempts"):
-            return []
-        return [dict(id=r["id"], started=r["started"], pid=r["pid"], host=r["host"])
-                for r in self._rows("SELECT * FROM attempts WHERE run = ? ORDER BY started", (run,))]
-
-    def _has_table(self, name: str) -> bool:
-        return bool(self._rows("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)))
-
-    def series(self, run: str, name: str, labels: tuple[str, ...] = ()) -> list[tuple[int, float]]:
-        """(step, value) pairs of one signal, skipping steps where it is absent."""
-        out = []
-        for row in self.steps(run):
-            value = row.get(name, labels)
-            if value is not None:
-                out.append((row.step, value))
-        return out
-
-    def scalars(self, run: str) -> dict[str, list[tuple[int, float]]]:
-        out: dict[str, list[tuple[int, float]]] = {}
-        for r in self._rows("SELECT step, name, value FROM scalars WHERE run = ? ORDER BY step", (run,)):
-            out.setdefault(r["name"], []).append((r["step"], r["value"]))
-        return out
-
-    def alerts(self, run: str) -> list[dict[str, Any]]:
-        return [dict(step=r["step"], time=r["time"], name=r["name"], severity=r["severity"], state=r["state"],
-                     labels=json.loads(r["labels"] or "{}"), value=r["value"],
-                     annotations=json.loads(r["annotations"] or "{}"))
-                for r in self._rows("SELECT * FROM alerts WHERE run = ? ORDER BY id", (run,))]
-
-    def checkpoints(self, run: str) -> list[tuple[int, str]]:
-        return [(r["step"], r["path"]) for r in
-                self._rows("SELECT step, path FROM checkpoints WHERE run = ? ORDER BY step", (run,))]
-
-    def hack_examples(self, run: str) -> list[dict[str, Any]]:
-        return [dict(step=r["step"], env=r["env"], detector=r["detector"], reason=r["reason"], prompt=r["prompt"],
-                     response=r["response"], reward=r["reward"])
-                for r in self._rows("SELECT * FROM hack_examples WHERE run = ? ORDER BY id", (run,))]
-
-    def events(self, run: str) -> list[dict[str, Any]]:
-        return [dict(time=r["time"], kind=r["kind"], detail=r["detail"])
-                for r in self._rows("SELECT * FROM events WHERE run = ? ORDER BY id", (run,))]

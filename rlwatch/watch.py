@@ -4,7 +4,9 @@
 (validate, compute on the tensors' device with one host transfer, derive, evaluate the alerts,
 export and store). The parts that live as long as the Watch (endpoint, store, push, OpenTelemetry,
 alert evaluator, background worker) are started and stopped by :class:`rlwatch.lifecycle.Services`.
-Nothing raises into the trainer unless ``strict=True`` (the policy: :mod:`rlwatch.errors`).
+Every option is a field of :class:`rlwatch.config.WatchConfig` (``watch.options``), which also finds
+the process's rank and run name (:func:`rlwatch.config.placement`). Nothing raises into the trainer
+unless ``strict=True`` (the policy: :mod:`rlwatch.errors`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .fields import StepFields
 from .lifecycle import Services, run_metadata
 from .pipeline import (StepListener, StepPipeline, few_threads_for, one_intra_op_thread_here, standard_listeners,
                        tensor_bytes)
-from .record import RecordBuilder, clean_text
+from .record import RecordBuilder
 from .state import MetricState
 from .values import StepValues
 
@@ -78,10 +80,6 @@ class Watch:
         listeners: extra :class:`~rlwatch.pipeline.StepListener` run after drift, diagnosis and the
             alert step windows, before the alert evaluator (``watch.listeners`` is the list, in order).
 
-    The step's path is :class:`rlwatch.pipeline.StepPipeline`; the parts started and stopped with the
-    Watch are :class:`rlwatch.lifecycle.Services`; every option is a field of
-    :class:`rlwatch.config.WatchConfig` (``watch.options``); errors follow :mod:`rlwatch.errors`.
-
     Durability: ``observe`` returns once the step is exported (computed, or queued with
     ``background=True``); the store writes it a moment later on its own thread, so a process killed
     right after ``observe`` may lose the last steps. ``flush()`` returning True is the point to rely
@@ -107,15 +105,13 @@ class Watch:
         self.options = cfg
         self.errors = HookErrors(strict=strict)
         self.strict = strict
-        self.rank, local_rank, world = env.rank()
-        self.active = self.rank == 0 or all_ranks
-        base_run = clean_text(run or default_run_name())     # $RLWATCH_RUN may hold surrogate escapes
-        self.run = f"{base_run}-rank{self.rank}" if all_ranks and world > 1 else base_run
+        where = env.placement(run, all_ranks)          # rank, whether it exports, the run's name
+        self.rank, self.active, self.run = where.rank, where.active, where.run
         self.config = cfg.signal_config()
         self.state = MetricState(self.run)
-        self.metadata = run_metadata(cfg, self.config, self.rank, world)
+        self.metadata = run_metadata(cfg, self.config, self.rank, where.world)
         self._lock = threading.Lock()
-        self._closed = self._closing = False
+        self._closed = False
         self.background = background and not strict      # steps computed on rlwatch's thread
         self.listeners: list[StepListener] = standard_listeners(staleness_bound, listeners)
         self.pipeline = StepPipeline(self.run, self.config, self.state, self.errors,
@@ -124,10 +120,8 @@ class Watch:
         if not self.active:
             logger.info("rlwatch: rank %d is not rank 0; this process exports nothing (all_ranks=False)", self.rank)
             return
-        self.services.start(cfg, self.metadata, local_rank if all_ranks else 0, one_intra_op_thread_here)
-        self.listeners.insert(2, self.services.windows)     # after drift and diagnosis, before the user's
-        self.pipeline.store = self.services.store
-        self.pipeline.evaluator = self.services.evaluator
+        self.services.start(cfg, self.metadata, where.port_offset, one_intra_op_thread_here)
+        self.services.attach(self.pipeline)
 
     # --- the parts the services own (read-only views, as before the split) ------------------------
 
@@ -140,9 +134,8 @@ class Watch:
     exposition = property(lambda self: self.services.exposition)
     evaluator = property(lambda self: self.services.evaluator)
     hacks = property(lambda self: self.pipeline.hacks)
-    _worker = property(lambda self: self.services.worker)
+    _worker = property(lambda self: self.services.steps.worker)
     _builder = property(lambda self: self.pipeline.builder)       # the TRL integration reads its env cap
-    _workspace = property(lambda self: self.pipeline.workspace)
 
     # --- the hook ---------------------------------------------------------------------------------
 
@@ -155,31 +148,14 @@ class Watch:
         """:meth:`observe` with the fields already typed (the integrations' entry point)."""
         if not self.active:
             return None
-        if self._closing:
-            self._refused_after_close()
-            return None
-        worker = self._worker
-        if worker is not None:
-            if worker.is_current():             # a deferred job observing: compute in place
-                return self._observe(step, fields, on_training_thread=False)
-            if not worker.submit(lambda: self._observe(step, fields, on_training_thread=False),
-                                 tensor_bytes(fields)) and self._closing:
-                self._refused_after_close()
-            return None
-        return self._observe(step, fields, on_training_thread=True)
-
-    def _refused_after_close(self) -> None:
-        self.errors.report("observe", "after_close", "a step observed after close() was not used",
-                           raise_in_strict=False)
+        steps = self.services.steps         # inline, or queued on rlwatch's thread with background=True
+        return steps.run_step(lambda inline: self._observe(step, fields, on_training_thread=inline), fields)
 
     def defer(self, job: Callable[[], Any]) -> None:
         """Run ``job`` after the steps observed so far: on rlwatch's thread with ``background=True``,
         else now. Integrations hand their per-step work here; errors are counted, never raised."""
-        worker = self._worker
-        if worker is not None and not self._closing and not worker.is_current():
-            if worker.submit(job) or not self._closing:
-                return
-        guard(self.errors, "integration", "deferred", job)
+        if not self.services.steps.defer(job):
+            guard(self.errors, "integration", "deferred", job)
 
     def _observe(self, step: int, fields: StepFields, on_training_thread: bool) -> StepValues | None:
         with self._lock:
@@ -246,10 +222,10 @@ class Watch:
         """Stop the endpoint, push a last time, and flush the store. Idempotent. Steps observed
         by other threads once close() started are refused and counted
         (``rlwatch_hook_errors_total{stage="observe",kind="after_close"}``), never lost silently."""
-        if self._closing:
+        if self.services.steps.closing:
             return
-        self._closing = True              # observe() refuses from here on
-        self.services.close_worker()      # the steps still queued are computed and exported first
+        self.services.steps.closing = True  # observe() refuses from here on
+        self.services.steps.close()       # the steps still queued are computed and exported first
         with self._lock:                  # an observe() computing on another thread finishes first
             self._closed = True
         self.pipeline.close()             # listeners, evaluator, hack monitor

@@ -166,7 +166,7 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
     from .. import Watch
     from ..postmortem import run_postmortem
     from . import WATCH_CONFIG
-    from .scenario import SCENARIOS, collapse_step, run_scenario
+    from .scenario import SCENARIOS, collapse_step
 
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
@@ -175,46 +175,28 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
     directory = Path(out) / f"{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
     directory.mkdir(parents=True, exist_ok=True)
     run = f"demo-{scenario}"
-    stack = None
+    stack = urls = None
     prometheus_alerts = alertmanager_alerts = None
     stack_pids: dict[str, int] = {}
-    sd_dir = None
     if with_prometheus:
         if not port:
             raise ValueError("--with-prometheus needs the metrics endpoint (a --port)")
         stack = _prometheus_stack(directory / "stack")
-        sd_dir = str(stack[0].sd_dir)
         urls = {name: info["url"] for name, info in stack[1].items()}
         stack_pids = {name: info["pid"] for name, info in stack[1].items()}
         print(f"Prometheus {urls['prometheus']}  Alertmanager {urls['alertmanager']}", flush=True)
     watch = Watch(run=run, port=port, port_fallback=True, store=str(directory / "run.db"), framework="rlwatch-demo",
-                  metadata={"scenario": scenario, "config": config.__dict__}, sd_dir=sd_dir, **WATCH_CONFIG)
+                  metadata={"scenario": scenario, "config": config.__dict__},
+                  sd_dir=str(stack[0].sd_dir) if stack is not None else None, **WATCH_CONFIG)
     view = None
     quiet = _NoAlertLog()
     logging.getLogger("rlwatch").addFilter(quiet)
     try:
-        if stack is not None:
-            target = f"127.0.0.1:{watch.port}"
-            if not _wait_scraped(urls["prometheus"], target):
-                print("warning: Prometheus has not scraped the demo yet; its first steps may be missed", flush=True)
+        if stack is not None and not _wait_scraped(urls["prometheus"], f"127.0.0.1:{watch.port}"):
+            print("warning: Prometheus has not scraped the demo yet; its first steps may be missed", flush=True)
         view = LiveView(scenario, config.steps, watch.url, enabled=live)
         watch.on_alert(view.alert)
-
-        def on_step(info: Any) -> None:
-            values = watch.observe(info.step, **info.fields,
-                                   **({"episodes": info.episodes} if scenario == "hack" else {}))
-            watch.log_scalars(info.step, info.metrics)
-            shown = {k: v for k, v in info.metrics.items() if isinstance(v, (int, float))}
-            for key, _, _ in HEADLINE:
-                v = (values or {}).get(key, {}).get(())
-                if v is not None:
-                    shown[key] = v
-            view.update(info.step, shown, watch.evaluator.firing() if watch.evaluator else [])
-            if stack is not None:
-                time.sleep(PROMETHEUS_PACE_S)     # let the 1 s scrapes see the run step by step
-
-        result = run_scenario(config, on_step=on_step, checkpoint_dir=str(directory / "checkpoints"),
-                              on_checkpoint=watch.record_checkpoint)
+        result = _train(watch, view, config, scenario, directory, paced=stack is not None)
         if stack is not None:
             time.sleep(3.0)                       # the last step's scrape and rule evaluation
             prometheus_alerts, alertmanager_alerts = _fired(urls["prometheus"], urls["alertmanager"], run)
@@ -229,6 +211,40 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
             down(stack[0].directory)
     document = run_postmortem(str(directory / "run.db"), out_dir=str(directory / "report"))
     collapse = collapse_step(result.heldout)
+    _print_summary(document, collapse, directory, result.seconds, prometheus_alerts, alertmanager_alerts)
+    document["demo"] = {"directory": str(directory), "collapse_step": collapse, "seconds": result.seconds,
+                        "prometheus_alerts": prometheus_alerts, "alertmanager_alerts": alertmanager_alerts,
+                        "stopped_servers": stack_pids}
+    (directory / "demo.json").write_text(json.dumps(document["demo"], indent=2))
+    return document
+
+
+def _train(watch: Any, view: LiveView, config: Any, scenario: str, directory: Path, paced: bool) -> Any:
+    """Train the scenario with ``watch`` observing every step (the episodes too, for "hack") and
+    ``view`` showing it; ``paced`` waits :data:`PROMETHEUS_PACE_S` per step for the scrapes."""
+    from .scenario import run_scenario
+
+    def on_step(info: Any) -> None:
+        values = watch.observe(info.step, **info.fields,
+                               **({"episodes": info.episodes} if scenario == "hack" else {}))
+        watch.log_scalars(info.step, info.metrics)
+        shown = {k: v for k, v in info.metrics.items() if isinstance(v, (int, float))}
+        for key, _, _ in HEADLINE:
+            v = (values or {}).get(key, {}).get(())
+            if v is not None:
+                shown[key] = v
+        view.update(info.step, shown, watch.evaluator.firing() if watch.evaluator else [])
+        if paced:
+            time.sleep(PROMETHEUS_PACE_S)     # let the 1 s scrapes see the run step by step
+
+    return run_scenario(config, on_step=on_step, checkpoint_dir=str(directory / "checkpoints"),
+                        on_checkpoint=watch.record_checkpoint)
+
+
+def _print_summary(document: dict, collapse: int | None, directory: Path, seconds: float,
+                   prometheus_alerts: list[str] | None, alertmanager_alerts: list[str] | None) -> None:
+    """The demo's closing lines: the first critical alert against the collapse, the cause and the
+    resume point, what a real Prometheus fired, and where the store and report are."""
     critical = [a for a in document["alerts"] if a["severity"] == "critical"]
     print()
     if collapse is not None and critical:
@@ -248,12 +264,7 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
         print(f"Prometheus fired: {', '.join(prometheus_alerts) or 'nothing'}; "
               f"Alertmanager received: {', '.join(alertmanager_alerts or []) or 'nothing'}")
     print(f"Run store {directory / 'run.db'}; report and plots in {directory / 'report'} "
-          f"({result.seconds:.0f} s of training).")
-    document["demo"] = {"directory": str(directory), "collapse_step": collapse, "seconds": result.seconds,
-                        "prometheus_alerts": prometheus_alerts, "alertmanager_alerts": alertmanager_alerts,
-                        "stopped_servers": stack_pids}
-    (directory / "demo.json").write_text(json.dumps(document["demo"], indent=2))
-    return document
+          f"({seconds:.0f} s of training).")
 
 
 __all__ = ["run_demo"]

@@ -165,84 +165,38 @@ def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, che
     gen = torch.Generator().manual_seed(config.seed)
     heldout_set = make_prompts(config.heldout_prompts // 2, config, torch.Generator().manual_seed(12345), heldout=True)
     versions: dict[int, dict[str, torch.Tensor]] = {0: _snapshot(model)}
-    sampler_temp = config.sampler_temperature or config.trainer_temperature
     result = ScenarioResult(config=config)
-    g, n_per_env = config.group_size, config.prompts_per_step // 2
     names = TASK_SETS[config.tasks]
 
     for step in range(config.steps):
         trainer_version = step
         for group in optimizer.param_groups:
             group["lr"] = config.lr * min(1.0, (step + 1) / max(1, config.warmup_steps))
-        v_new = max(0, trainer_version - config.lag)
-        behaviour.load_state_dict(versions[v_new])
-        task = make_prompts(n_per_env, config, gen)
-        task = {k: v.repeat_interleave(g, dim=0) for k, v in task.items()}
-        b = task["prompts"].shape[0]
-        old, switch, v_old = None, None, v_new
-        if config.partial_rollouts:
-            v_old = max(0, v_new - 1)
-            older.load_state_dict(versions[v_old])
-            old = older
-            is_partial = torch.rand(b, generator=gen) < config.partial_fraction
-            cut = torch.randint(1, config.max_digits + 1, (b,), generator=gen)
-            switch = torch.where(is_partial, cut, 0)
-        out = sample(behaviour, task["prompts"], config.max_response, gen, sampler_temp, config.sampler_top_p,
-                     old=old, switch=switch)
-        batch = {**task, **out}
-        rewards, true_pass = grade(out["responses"], out["truncated"], task["targets"], task["target_len"],
-                                   task["env"], config.hack, config.partial_credit)
-        failed = None
-        if config.failure_rate > 0 and step >= config.failure_from:
-            failed = torch.rand(b, generator=gen) < config.failure_rate
-            rewards = rewards.masked_fill(failed, 0.0)
-            true_pass = true_pass & ~failed
-        mask = out["mask"]
+        rollout = _rollout(config, step, versions, behaviour, older, gen)
         with torch.no_grad():
-            trainer_logp, entropy = token_logp_entropy(model, task["prompts"], out["responses"],
+            trainer_logp, entropy = token_logp_entropy(model, rollout.task["prompts"], rollout.out["responses"],
                                                        config.trainer_temperature)
+        mask = rollout.out["mask"]
         trainer_logp = trainer_logp.masked_fill(~mask, 0.0)
         entropy = entropy.masked_fill(~mask, 0.0)
-        token_version = torch.where(out["from_old"], v_old, v_new).long().masked_fill(~mask, 0)
-        fields = {
-            "mask": mask, "sampler_logp": out["logp"], "trainer_logp": trainer_logp,
-            "token_version": token_version, "trainer_version": trainer_version, "rewards": rewards,
-            "group_ids": torch.arange(b, dtype=torch.long) // g + step * (b // g),
-            "truncated": out["truncated"].clone(), "env": [names[e] for e in task["env"].tolist()],
-            "entropy": entropy, "temperature": float(sampler_temp),
-            "top_p": float(config.sampler_top_p if config.sampler_top_p is not None else 1.0),
-        }
-        if failed is not None:
-            fields["failed"] = ["timeout" if f else None for f in failed.tolist()]
-        advantages = group_advantages(rewards, g)
-        weights = behaviour_weights(trainer_logp, out["logp"], mask, config)
-        stats = ppo_update(model, optimizer, batch, advantages, weights, trainer_logp, config, gen)
+        token_version = torch.where(rollout.out["from_old"], rollout.v_old, rollout.v_new).long().masked_fill(~mask, 0)
+        fields = _observed_fields(config, step, rollout, trainer_logp, entropy, token_version, names)
+        advantages = group_advantages(rollout.rewards, config.group_size)
+        weights = behaviour_weights(trainer_logp, rollout.out["logp"], mask, config)
+        stats = ppo_update(model, optimizer, rollout.batch, advantages, weights, trainer_logp, config, gen)
         versions[trainer_version + 1] = _snapshot(model)
         for v in [v for v in versions if v < trainer_version + 1 - config.lag - 1]:
             del versions[v]
 
-        m = mask.float()
-        n_tok = m.sum().clamp(min=1.0)
-        hacked = (rewards >= 0.999) & ~true_pass
-        metrics = {
-            "step": step, "train_reward": rewards.mean().item(), "train_true_pass": true_pass.float().mean().item(),
-            "entropy": ((entropy * m).sum() / n_tok).item(),
-            "mismatch": (((trainer_logp - out["logp"]).abs() * m).sum() / n_tok).item(),
-            "mean_lag": (((trainer_version - token_version) * m).sum() / n_tok).item(),
-            "response_length": m.sum(1).mean().item(), "truncated_frac": out["truncated"].float().mean().item(),
-            **stats,
-        }
-        for i, name in enumerate(names):
-            rows = task["env"] == i
-            metrics[f"hacked_frac/{name}"] = hacked[rows].float().mean().item()
-            metrics[f"true_pass/{name}"] = true_pass[rows].float().mean().item()
+        metrics = _step_metrics(step, rollout, trainer_logp, entropy, token_version, stats, names)
         if step % config.eval_every == 0 or step == config.steps - 1:
             score = evaluate(model, heldout_set, config)
             metrics["heldout_true_reward"] = score
             result.heldout.append((step, score))
         result.history.append(metrics)
         if on_step is not None:
-            on_step(StepInfo(step=step, fields=fields, episodes=_episodes(batch, rewards, true_pass, names), metrics=metrics))
+            on_step(StepInfo(step=step, fields=fields, metrics=metrics,
+                             episodes=_episodes(rollout.batch, rollout.rewards, rollout.true_pass, names)))
         if checkpoint_dir is not None and (step + 1) % checkpoint_every == 0:
             path = _save_checkpoint(model, config, step, trainer_version + 1, checkpoint_dir)
             if on_checkpoint is not None:
@@ -251,6 +205,94 @@ def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, che
             break
     result.seconds = time.perf_counter() - t0
     return result
+
+
+@dataclass
+class _Rollout:
+    """One step's sampled and graded episodes: ``task`` (the prompts, each repeated ``group_size``
+    times), ``out`` (what :func:`sample` returned), ``batch`` (both), per-episode ``rewards`` and
+    ``true_pass`` [B], ``failed`` [B] (None when no failure is injected), and the versions that
+    sampled: ``v_new``, and ``v_old`` for the first part of a partial rollout."""
+
+    task: dict[str, torch.Tensor]
+    out: dict[str, torch.Tensor]
+    batch: dict[str, torch.Tensor]
+    rewards: torch.Tensor
+    true_pass: torch.Tensor
+    failed: torch.Tensor | None
+    v_new: int
+    v_old: int
+    sampler_temp: float
+
+
+def _rollout(config: ScenarioConfig, step: int, versions: dict[int, dict[str, torch.Tensor]], behaviour: Policy,
+             older: Policy, gen: torch.Generator) -> _Rollout:
+    """Sample the step's groups with the policy ``config.lag`` versions old (spliced with the one
+    before it for partial rollouts), grade them, and fail a share of them when configured."""
+    g, trainer_version = config.group_size, step
+    sampler_temp = config.sampler_temperature or config.trainer_temperature
+    v_new = max(0, trainer_version - config.lag)
+    behaviour.load_state_dict(versions[v_new])
+    task = make_prompts(config.prompts_per_step // 2, config, gen)
+    task = {k: v.repeat_interleave(g, dim=0) for k, v in task.items()}
+    b = task["prompts"].shape[0]
+    old, switch, v_old = None, None, v_new
+    if config.partial_rollouts:
+        v_old = max(0, v_new - 1)
+        older.load_state_dict(versions[v_old])
+        old = older
+        is_partial = torch.rand(b, generator=gen) < config.partial_fraction
+        cut = torch.randint(1, config.max_digits + 1, (b,), generator=gen)
+        switch = torch.where(is_partial, cut, 0)
+    out = sample(behaviour, task["prompts"], config.max_response, gen, sampler_temp, config.sampler_top_p,
+                 old=old, switch=switch)
+    rewards, true_pass = grade(out["responses"], out["truncated"], task["targets"], task["target_len"],
+                               task["env"], config.hack, config.partial_credit)
+    failed = None
+    if config.failure_rate > 0 and step >= config.failure_from:
+        failed = torch.rand(b, generator=gen) < config.failure_rate
+        rewards = rewards.masked_fill(failed, 0.0)
+        true_pass = true_pass & ~failed
+    return _Rollout(task, out, {**task, **out}, rewards, true_pass, failed, v_new, v_old, sampler_temp)
+
+
+def _observed_fields(config: ScenarioConfig, step: int, rollout: _Rollout, trainer_logp: torch.Tensor,
+                     entropy: torch.Tensor, token_version: torch.Tensor, names: tuple[str, ...]) -> dict:
+    """``observe(step, **fields)``'s keywords for the step: what a trainer hands rlwatch."""
+    out, b, g = rollout.out, rollout.task["prompts"].shape[0], config.group_size
+    fields = {
+        "mask": out["mask"], "sampler_logp": out["logp"], "trainer_logp": trainer_logp,
+        "token_version": token_version, "trainer_version": step, "rewards": rollout.rewards,
+        "group_ids": torch.arange(b, dtype=torch.long) // g + step * (b // g),
+        "truncated": out["truncated"].clone(), "env": [names[e] for e in rollout.task["env"].tolist()],
+        "entropy": entropy, "temperature": float(rollout.sampler_temp),
+        "top_p": float(config.sampler_top_p if config.sampler_top_p is not None else 1.0),
+    }
+    if rollout.failed is not None:
+        fields["failed"] = ["timeout" if f else None for f in rollout.failed.tolist()]
+    return fields
+
+
+def _step_metrics(step: int, rollout: _Rollout, trainer_logp: torch.Tensor, entropy: torch.Tensor,
+                  token_version: torch.Tensor, stats: dict, names: tuple[str, ...]) -> dict:
+    """The step's own metrics (what a trainer would log), per environment for hacks and true passes."""
+    out, rewards, true_pass = rollout.out, rollout.rewards, rollout.true_pass
+    m = out["mask"].float()
+    n_tok = m.sum().clamp(min=1.0)
+    hacked = (rewards >= 0.999) & ~true_pass
+    metrics = {
+        "step": step, "train_reward": rewards.mean().item(), "train_true_pass": true_pass.float().mean().item(),
+        "entropy": ((entropy * m).sum() / n_tok).item(),
+        "mismatch": (((trainer_logp - out["logp"]).abs() * m).sum() / n_tok).item(),
+        "mean_lag": (((step - token_version) * m).sum() / n_tok).item(),
+        "response_length": m.sum(1).mean().item(), "truncated_frac": out["truncated"].float().mean().item(),
+        **stats,
+    }
+    for i, name in enumerate(names):
+        rows = rollout.task["env"] == i
+        metrics[f"hacked_frac/{name}"] = hacked[rows].float().mean().item()
+        metrics[f"true_pass/{name}"] = true_pass[rows].float().mean().item()
+    return metrics
 
 
 def scenario(name: str, **overrides) -> ScenarioConfig:

@@ -237,6 +237,30 @@ def _events(ax: Any, report: Report, data: RunData) -> None:
                    color="red", alpha=0.07, label="after the collapse")
 
 
+class _Figures:
+    """Where the plots go: ``new()`` opens an 8x3 figure, ``save`` titles, writes and closes it."""
+
+    def __init__(self, plt: Any, directory: Path) -> None:
+        self.plt = plt
+        self.directory = directory
+        self.written: list[Path] = []
+
+    def new(self) -> tuple[Any, Any]:
+        return self.plt.subplots(figsize=(8, 3))
+
+    def save(self, fig: Any, ax: Any, title: str, name: str) -> None:
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        handles, _ = ax.get_legend_handles_labels()
+        if handles:
+            ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        path = self.directory / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        self.plt.close(fig)
+        self.written.append(path)
+
+
 def plots(report: Report, data: RunData, directory: Path, baseline: RunData | None = None) -> list[Path]:
     """PNG plots: the overview signals, each first mover with its change marked, and (with a
     baseline) both runs' curves of every diverged signal. Returns the written paths."""
@@ -247,22 +271,18 @@ def plots(report: Report, data: RunData, directory: Path, baseline: RunData | No
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    from .analysis import quality_series
-
     directory.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
+    figures = _Figures(plt, directory)
+    _overview_plots(figures, report, data)
+    _change_plots(figures, report, data)
+    if baseline is not None and report.comparison is not None:
+        _comparison_plots(figures, report, data, baseline)
+    return figures.written
 
-    def save(fig: Any, ax: Any, title: str, name: str) -> None:
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        handles, _ = ax.get_legend_handles_labels()
-        if handles:
-            ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        path = directory / f"{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+
+def _overview_plots(figures: _Figures, report: Report, data: RunData) -> None:
+    """One plot per :data:`PLOTTED` signal the run has (a line per label set), with the events."""
+    from .analysis import quality_series
 
     for key, title in PLOTTED:
         if key == "quality":
@@ -274,15 +294,18 @@ def plots(report: Report, data: RunData, directory: Path, baseline: RunData | No
         series_list = [(n, s) for n, s in series_list if s]
         if not series_list:
             continue
-        fig, ax = plt.subplots(figsize=(8, 3))
+        fig, ax = figures.new()
         for name, series in series_list:
             ax.plot([s for s, _ in series], [v for _, v in series], label=_mpl(name), lw=1.2)
         _events(ax, report, data)
-        save(fig, ax, title, key)
+        figures.save(fig, ax, title, key)
 
+
+def _change_plots(figures: _Figures, report: Report, data: RunData) -> None:
+    """The first :data:`PLOTTED_CHANGES` first movers: reference level, noise band, change and alarm."""
     for i, change in enumerate(report.first_signals[:PLOTTED_CHANGES]):
         series = data.series(change.signal, change.labels)
-        fig, ax = plt.subplots(figsize=(8, 3))
+        fig, ax = figures.new()
         ax.plot([s for s, _ in series], [v for _, v in series], lw=1.2, color="C0", label=_mpl(change.name))
         ax.axhline(change.before, color="C2", lw=0.8, ls="--", label=f"reference level {_fmt(change.before)}")
         ax.axhspan(change.before - change.noise, change.before + change.noise, color="C2", alpha=0.1,
@@ -291,75 +314,109 @@ def plots(report: Report, data: RunData, directory: Path, baseline: RunData | No
         ax.axvline(change.alarm_step, color="C3", lw=0.8, ls=":", label=f"confirmed at step {change.alarm_step}")
         if report.collapse_step is not None:
             ax.axvline(report.collapse_step, color="k", lw=1.0, ls="-.", label=f"collapse at {report.collapse_step}")
-        save(fig, ax, f"{_mpl(change.name)}: changed at step {change.step}", f"change-{i + 1:02d}-{_slug(change.name)}")
+        figures.save(fig, ax, f"{_mpl(change.name)}: changed at step {change.step}",
+                     f"change-{i + 1:02d}-{_slug(change.name)}")
 
-    if baseline is not None and report.comparison is not None:
-        good_label = _mpl(f"good: {baseline.run}")
-        bad_label = _mpl(f"this run: {data.run}")
-        keys = [(d.signal, d.labels, d.step) for d in report.comparison.divergences[:PLOTTED_CHANGES]]
-        qk, _ = quality_series(data)
-        if qk and qk not in {k[0] for k in keys}:
-            keys.append((qk, (), None))
-        for i, (signal, labels, step) in enumerate(keys):
-            mine, theirs = data.series(signal, labels), baseline.series(signal, labels)
-            if not mine or not theirs:
-                continue
-            fig, ax = plt.subplots(figsize=(8, 3))
-            ax.plot([s for s, _ in theirs], [v for _, v in theirs], lw=1.2, color="C2", label=good_label)
-            ax.plot([s for s, _ in mine], [v for _, v in mine], lw=1.2, color="C3", label=bad_label)
-            if step is not None:
-                ax.axvline(step, color="k", lw=1.0, ls="--", label=f"diverged from step {step}")
-            name = signal + (f"{{{','.join(l for l in labels if l)}}}" if any(labels) else "")
-            save(fig, ax, f"{_mpl(name)}: this run against the good run", f"compare-{i + 1:02d}-{_slug(name)}")
-    return written
+
+def _comparison_plots(figures: _Figures, report: Report, data: RunData, baseline: RunData) -> None:
+    """Both runs' curves of the first diverged signals, and of the quality signal."""
+    from .analysis import quality_series
+
+    good_label = _mpl(f"good: {baseline.run}")
+    bad_label = _mpl(f"this run: {data.run}")
+    keys = [(d.signal, d.labels, d.step) for d in report.comparison.divergences[:PLOTTED_CHANGES]]
+    qk, _ = quality_series(data)
+    if qk and qk not in {k[0] for k in keys}:
+        keys.append((qk, (), None))
+    for i, (signal, labels, step) in enumerate(keys):
+        mine, theirs = data.series(signal, labels), baseline.series(signal, labels)
+        if not mine or not theirs:
+            continue
+        fig, ax = figures.new()
+        ax.plot([s for s, _ in theirs], [v for _, v in theirs], lw=1.2, color="C2", label=good_label)
+        ax.plot([s for s, _ in mine], [v for _, v in mine], lw=1.2, color="C3", label=bad_label)
+        if step is not None:
+            ax.axvline(step, color="k", lw=1.0, ls="--", label=f"diverged from step {step}")
+        name = signal + (f"{{{','.join(l for l in labels if l)}}}" if any(labels) else "")
+        figures.save(fig, ax, f"{_mpl(name)}: this run against the good run", f"compare-{i + 1:02d}-{_slug(name)}")
 
 
 # --- markdown -----------------------------------------------------------------------------------------
 
 def markdown(report: Report, images: list[Path], directory: Path) -> Path:
+    """Write ``directory/postmortem.md``: headline, cause, first changes, alerts, hacks, probe, resume
+    point, coverage, the comparison with a good run and the plots (``images``). Returns its path."""
     lines = [f"# Post-mortem: {md(report.run)}", "", f"**{md(headline(report))}.**", "",
              f"Source: {md(report.source)}.", ""]
+    lines += _md_cause(report) + _md_changes(report) + _md_alerts(report) + _md_hacks(report) + _md_probe(report)
+    lines += _md_resume_and_coverage(report)
+    if report.comparison is not None:
+        lines += _md_comparison(report.comparison)
+    lines += ["", "## Plots", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in images] if images else ["None (matplotlib is not installed)."]
+    path = directory / "postmortem.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _md_cause(report: Report) -> list[str]:
     if report.cause == NO_CAUSE:
-        lines += ["## Cause", "", "**No cause found.**", ""]
+        lines = ["## Cause", "", "**No cause found.**", ""]
     else:
-        lines += ["## Cause", "", f"**{md(report.cause)}**" + (
+        lines = ["## Cause", "", f"**{md(report.cause)}**" + (
             f" ({report.diagnosis.confidence} confidence)" if report.cause == report.diagnosis.cause else ""), ""]
-    lines += [f"- {md(e)}" for e in report.evidence] + [""]
-    lines += ["## Signals that changed first", "",
-              "Each signal's first change found by a two-sided CUSUM over the whole run (reference: its first "
-              "values; noise: robust, floored at the smallest meaningful shift).", ""]
-    if report.first_signals:
-        lines += ["| from step | confirmed | signal | before | after | size | lead |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {c.step} | {c.alarm_step} | {code(c.name)} | {_fmt(c.before)} | "
-                  f"{_fmt(c.after)} | {_size(c)}{'' if c.concerning else ' (not a trouble direction)'} | "
-                  f"{_lead(c.lead)} |" for c in report.first_signals]
-    else:
-        lines.append("None: no signal moved by more than its noise.")
-    lines += ["", "## Alert timeline", ""]
-    if report.alerts:
-        lines += ["| step | severity | alert | labels |", "|---|---|---|---|"]
-        lines += [f"| {_fmt(a.get('step'))} | {md(a.get('severity', ''))} | {md(a['name'])} | "
-                  f"{md(', '.join(f'{k}={v}' for k, v in sorted(a.get('labels', {}).items())), 300)} |"
-                  for a in report.alerts]
-    else:
-        lines.append("None fired.")
-    if report.hacks:
-        lines += ["", "## Reward hacks", ""]
-        for h in report.hacks:
-            lines.append(f"- **{md(h['env'])} / {md(h['detector'])}**: {h['early_rate']:.1%} early, "
-                         f"{h['late_rate']:.1%} late")
-            for e in h["examples"]:
-                lines.append(f"  - step {e['step']}, reward {_fmt(e.get('reward'))}: {md(e['reason'], 200)}: "
-                             f"{md(e['response'], 120)}")
-    if report.probe:
-        lines += ["", "## Checkpoint probe", "",
-                  "Mean log-prob of the stored rollouts' response tokens under each checkpoint, and the mean "
-                  "per-token KL to the next checkpoint (how far that update moved the policy).", "",
-                  "| step | mean log p | KL to next | checkpoint | error |", "|---|---|---|---|---|"]
-        lines += [f"| {r['step']} | {_fmt(r.get('mean_logp'))} | {_fmt(r.get('kl_to_next'))} | {code(r['path'])} | "
-                  f"{md(r.get('error') or '', 300)} |" for r in report.probe]
+    return lines + [f"- {md(e)}" for e in report.evidence] + [""]
+
+
+def _md_changes(report: Report) -> list[str]:
+    lines = ["## Signals that changed first", "",
+             "Each signal's first change found by a two-sided CUSUM over the whole run (reference: its first "
+             "values; noise: robust, floored at the smallest meaningful shift).", ""]
+    if not report.first_signals:
+        return lines + ["None: no signal moved by more than its noise."]
+    lines += ["| from step | confirmed | signal | before | after | size | lead |", "|---|---|---|---|---|---|---|"]
+    return lines + [f"| {c.step} | {c.alarm_step} | {code(c.name)} | {_fmt(c.before)} | "
+                    f"{_fmt(c.after)} | {_size(c)}{'' if c.concerning else ' (not a trouble direction)'} | "
+                    f"{_lead(c.lead)} |" for c in report.first_signals]
+
+
+def _md_alerts(report: Report) -> list[str]:
+    lines = ["", "## Alert timeline", ""]
+    if not report.alerts:
+        return lines + ["None fired."]
+    lines += ["| step | severity | alert | labels |", "|---|---|---|---|"]
+    return lines + [f"| {_fmt(a.get('step'))} | {md(a.get('severity', ''))} | {md(a['name'])} | "
+                    f"{md(', '.join(f'{k}={v}' for k, v in sorted(a.get('labels', {}).items())), 300)} |"
+                    for a in report.alerts]
+
+
+def _md_hacks(report: Report) -> list[str]:
+    if not report.hacks:
+        return []
+    lines = ["", "## Reward hacks", ""]
+    for h in report.hacks:
+        lines.append(f"- **{md(h['env'])} / {md(h['detector'])}**: {h['early_rate']:.1%} early, "
+                     f"{h['late_rate']:.1%} late")
+        for e in h["examples"]:
+            lines.append(f"  - step {e['step']}, reward {_fmt(e.get('reward'))}: {md(e['reason'], 200)}: "
+                         f"{md(e['response'], 120)}")
+    return lines
+
+
+def _md_probe(report: Report) -> list[str]:
+    if not report.probe:
+        return []
+    return ["", "## Checkpoint probe", "",
+            "Mean log-prob of the stored rollouts' response tokens under each checkpoint, and the mean "
+            "per-token KL to the next checkpoint (how far that update moved the policy).", "",
+            "| step | mean log p | KL to next | checkpoint | error |", "|---|---|---|---|---|"] + [
+        f"| {r['step']} | {_fmt(r.get('mean_logp'))} | {_fmt(r.get('kl_to_next'))} | {code(r['path'])} | "
+        f"{md(r.get('error') or '', 300)} |" for r in report.probe]
+
+
+def _md_resume_and_coverage(report: Report) -> list[str]:
     r = report.resume
-    lines += ["", "## Resume from", ""]
+    lines = ["", "## Resume from", ""]
     if r is not None and r.checkpoint:
         lines.append(f"{code(r.checkpoint[1])} (step {r.checkpoint[0]}): {md(r.reason)}.")
     else:
@@ -368,25 +425,18 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
     lines += ["", "## Coverage", ""]
     lines += [f"- carried: {c['family']} ({c['steps']} steps)" for c in cov.carried]
     lines += [f"- **not carried: {m['family']}**: {m['why']}" for m in cov.missing]
-    lines += [f"- note: {md(n, 300)}" for n in cov.notes]
-    if report.comparison is not None:
-        c = report.comparison
-        lines += ["", "## Against a good run", "", f"Good run: {md(c.good)}.", ""]
-        if c.common_steps is None:
-            lines.append("The two runs have no step in common.")
-        else:
-            lines += [f"Aligned by step: {c.common_steps[0]}..{c.common_steps[1]} ({c.common_steps[2]} steps in "
-                      f"common), {len(c.compared)} signals compared (CUSUM on the per-step difference).", ""]
-            if c.divergences:
-                lines += ["| from step | confirmed | signal | this run | good run | difference | size |",
-                          "|---|---|---|---|---|---|---|"]
-                lines += [f"| {d.step} | {d.alarm_step} | {code(d.name)} | {_fmt(d.bad)} | "
-                          f"{_fmt(d.good)} | {_fmt(d.difference)} | {_size(d)} |" for d in c.divergences]
-            else:
-                lines.append("Diverged: none (no signal left the good run's by more than its noise).")
-    lines += ["", "## Plots", ""]
-    lines += [f"![{p.stem}]({p.name})" for p in images] if images else ["None (matplotlib is not installed)."]
-    path = directory / "postmortem.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return lines + [f"- note: {md(n, 300)}" for n in cov.notes]
 
+
+def _md_comparison(c: Comparison) -> list[str]:
+    lines = ["", "## Against a good run", "", f"Good run: {md(c.good)}.", ""]
+    if c.common_steps is None:
+        return lines + ["The two runs have no step in common."]
+    lines += [f"Aligned by step: {c.common_steps[0]}..{c.common_steps[1]} ({c.common_steps[2]} steps in "
+              f"common), {len(c.compared)} signals compared (CUSUM on the per-step difference).", ""]
+    if not c.divergences:
+        return lines + ["Diverged: none (no signal left the good run's by more than its noise)."]
+    lines += ["| from step | confirmed | signal | this run | good run | difference | size |",
+              "|---|---|---|---|---|---|---|"]
+    return lines + [f"| {d.step} | {d.alarm_step} | {code(d.name)} | {_fmt(d.bad)} | "
+                    f"{_fmt(d.good)} | {_fmt(d.difference)} | {_size(d)} |" for d in c.divergences]

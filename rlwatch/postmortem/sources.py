@@ -16,7 +16,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..metrics import CATALOGUE
 from ..values import Values
@@ -148,6 +148,8 @@ def from_store(path: str | Path, run: str | None = None) -> RunData:
 
 
 def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) -> RunData:
+    """Read ``run`` (default: the store's last) from the tables ``kinds`` names; a malformed row is
+    skipped and counted in an ``unreadable`` event per kind of row."""
     runs = [str(r) for r in store.runs() if r is not None]
     if not runs:
         raise PostmortemInputError(f"{path}: the store holds no run")
@@ -161,36 +163,11 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) 
     def note(what: str, count: int = 1) -> None:
         skipped[what] = skipped.get(what, 0) + count
 
-    by_step: dict[int, Values] = {}
-    for row in store._rows("SELECT step, data FROM steps WHERE run = ? ORDER BY step", (run,)):
-        try:
-            step = int(row["step"])
-            by_step[step] = _values(json.loads(row["data"]))
-        except _READ_ERRORS:
-            note("malformed step rows")
-    data.steps = sorted(by_step.items())
+    data.steps = _read_steps(store, run, note)
     if "scalars" in kinds:
-        for row in store._rows("SELECT step, name, value FROM scalars WHERE run = ? ORDER BY step", (run,)):
-            value = _number(row["value"])
-            try:
-                data.scalars.setdefault(str(row["name"]), []).append((int(row["step"]), value))
-            except _READ_ERRORS:
-                note("malformed scalar rows")
-        data.scalars = {k: [(s, v) for s, v in pts if v is not None] for k, pts in data.scalars.items()}
-        data.scalars = {k: pts for k, pts in data.scalars.items() if pts}
+        data.scalars = _read_scalars(store, run, note)
     if "alerts" in kinds:
-        for row in store._rows("SELECT * FROM alerts WHERE run = ? ORDER BY id", (run,)):
-            try:
-                labels = json.loads(row["labels"] or "{}")
-                if not isinstance(labels, dict):
-                    raise TypeError("labels")
-                step = row["step"]
-                data.alerts.append(dict(step=None if step is None else int(step), time=_number(row["time"]),
-                                        name=str(row["name"]), severity=str(row["severity"] or ""),
-                                        state=str(row["state"] or "firing"), value=_number(row["value"]),
-                                        labels={str(k): str(v) for k, v in labels.items()}))
-            except _READ_ERRORS:
-                note("malformed alert rows")
+        data.alerts = _read_alerts(store, run, note)
     if "checkpoints" in kinds:
         for row in store._rows("SELECT step, path FROM checkpoints WHERE run = ? ORDER BY step", (run,)):
             try:
@@ -201,14 +178,7 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) 
         for row in store._rows("SELECT time, kind, detail FROM events WHERE run = ? ORDER BY id", (run,)):
             data.events.append(dict(time=_number(row["time"]), kind=str(row["kind"]), detail=str(row["detail"])))
     if "hack_examples" in kinds:
-        for row in store._rows("SELECT * FROM hack_examples WHERE run = ? ORDER BY id", (run,)):
-            try:
-                data.hack_examples.append(dict(step=int(row["step"]), env=str(row["env"]),
-                                               detector=str(row["detector"]), reason=str(row["reason"]),
-                                               prompt=str(row["prompt"]), response=str(row["response"]),
-                                               reward=_number(row["reward"])))
-            except _READ_ERRORS:
-                note("malformed hack example rows")
+        data.hack_examples = _read_hack_examples(store, run, note)
     try:
         data.meta = store.meta(run)
     except _READ_ERRORS:
@@ -216,6 +186,61 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) 
     for what, count in skipped.items():
         data.events.append({"time": None, "kind": "unreadable", "detail": f"{count} {what} skipped"})
     return data
+
+
+def _read_steps(store: Any, run: str, note: Callable[[str], None]) -> list[tuple[int, Values]]:
+    """(step, values) of every readable step row, in step order."""
+    by_step: dict[int, Values] = {}
+    for row in store._rows("SELECT step, data FROM steps WHERE run = ? ORDER BY step", (run,)):
+        try:
+            step = int(row["step"])
+            by_step[step] = _values(json.loads(row["data"]))
+        except _READ_ERRORS:
+            note("malformed step rows")
+    return sorted(by_step.items())
+
+
+def _read_scalars(store: Any, run: str, note: Callable[[str], None]) -> dict[str, list[tuple[int, float]]]:
+    """``{name: [(step, value)]}`` of the framework scalars with a finite value."""
+    scalars: dict[str, list[tuple[int, float | None]]] = {}
+    for row in store._rows("SELECT step, name, value FROM scalars WHERE run = ? ORDER BY step", (run,)):
+        value = _number(row["value"])
+        try:
+            scalars.setdefault(str(row["name"]), []).append((int(row["step"]), value))
+        except _READ_ERRORS:
+            note("malformed scalar rows")
+    finite = {k: [(s, v) for s, v in pts if v is not None] for k, pts in scalars.items()}
+    return {k: pts for k, pts in finite.items() if pts}
+
+
+def _read_alerts(store: Any, run: str, note: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The alert events in the order they were written (labels as strings)."""
+    alerts = []
+    for row in store._rows("SELECT * FROM alerts WHERE run = ? ORDER BY id", (run,)):
+        try:
+            labels = json.loads(row["labels"] or "{}")
+            if not isinstance(labels, dict):
+                raise TypeError("labels")
+            step = row["step"]
+            alerts.append(dict(step=None if step is None else int(step), time=_number(row["time"]),
+                               name=str(row["name"]), severity=str(row["severity"] or ""),
+                               state=str(row["state"] or "firing"), value=_number(row["value"]),
+                               labels={str(k): str(v) for k, v in labels.items()}))
+        except _READ_ERRORS:
+            note("malformed alert rows")
+    return alerts
+
+
+def _read_hack_examples(store: Any, run: str, note: Callable[[str], None]) -> list[dict[str, Any]]:
+    examples = []
+    for row in store._rows("SELECT * FROM hack_examples WHERE run = ? ORDER BY id", (run,)):
+        try:
+            examples.append(dict(step=int(row["step"]), env=str(row["env"]), detector=str(row["detector"]),
+                                 reason=str(row["reason"]), prompt=str(row["prompt"]), response=str(row["response"]),
+                                 reward=_number(row["reward"])))
+        except _READ_ERRORS:
+            note("malformed hack example rows")
+    return examples
 
 
 # --- TRL output directory -----------------------------------------------------------------------------
