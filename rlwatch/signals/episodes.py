@@ -6,8 +6,8 @@ lengths, truncation and the per-environment sums, packed in one float64 vector w
 No host synchronisation, no data-dependent shape, no Python branch on tensor values, and no float
 atomics: per-group counts are one int64 scatter-add over offset slots, a group's constancy is
 tested against one of its own rewards (written by a plain scatter, so whichever write wins gives the
-same answer), and every per-environment sum is a product with the one-hot [E, B] environment matrix
-(integer counts are exact in float64), deterministic on every device.
+same answer), and every per-environment sum is a reduction of the product with the one-hot [E, B]
+environment matrix (integer counts are exact in float64), deterministic on every device.
 
 Shapes: B episodes; ``ok`` [B] bool (episodes that did not fail for an infrastructure reason);
 ``rewards`` [B] float; ``group_ids`` [B] int64; ``env_index`` [B] int64 into E environments, with
@@ -109,7 +109,7 @@ def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor 
             columns.append(truncated.double())
         if hacked is not None:
             columns += list(hacked.double().unbind(0))
-        parts.append((one_hot @ torch.stack(columns, 1)).reshape(-1))                  # [E', C]
+        parts.append(_per_env(one_hot, torch.stack(columns, 1)))                       # [E', C]
         if zero_var is not None and index is not None:
             # A group counts once for each environment among its episodes: distinct (group,
             # environment) pairs from one sort of group * E' + environment.
@@ -119,8 +119,15 @@ def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor 
             group_of, env_of = pair // E, pair % E
             counted = torch.stack([first, first & zero_var[group_of]], 1).double()     # [B, 2]
             env_hot = (env_of.unsqueeze(0) == slots.unsqueeze(1)).double()
-            parts.append((env_hot @ counted).reshape(-1))                              # [E', 2]
+            parts.append(_per_env(env_hot, counted))                                   # [E', 2]
     return torch.cat(parts)
+
+
+def _per_env(one_hot: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Row-major [E', C] sums of ``columns`` [B, C] per environment (``one_hot`` [E', B] float64), as a
+    broadcast product and one sum: no BLAS call (whose first use on a host allocates its own
+    buffers), fused into one kernel when compiled."""
+    return (one_hot.unsqueeze(-1) * columns.unsqueeze(0)).sum(1).reshape(-1)
 
 
 def _group_index(group_ids: torch.Tensor) -> torch.Tensor:
