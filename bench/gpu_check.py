@@ -13,6 +13,11 @@ needs only torch with CUDA and this repository):
 3. Profile of one compiled ``compute_step`` at 1M tokens (torch.profiler): aten ops, kernel
    launches, cudaMemcpyAsync calls and device-to-host copies; extra peak device memory / inputs.
 
+The compiled engine covers the whole step (token and episode signals, one function, one vector).
+Compilations are bounded so that the script stays under 5 minutes: the speed table's signature is
+compiled first (the speed table and the profile then compile nothing), and the correctness part
+compiles at most MAX_COMPILED_SIGNATURES more, none started COMPILE_BUDGET_S after the script began.
+
 Goals (issue 17): <= 1.0 ms at 1M tokens, <= 3 ms at 16M, <= 40 kernel launches, exactly one
 device-to-host transfer per step, extra device memory <= 1x the inputs. The script prints each
 figure next to its goal and exits non-zero if the correctness comparison fails.
@@ -40,6 +45,8 @@ from rlwatch.signals import SignalConfig, Workspace, compute_step, engine  # noq
 
 DEVICE = "cuda"          # --dry-run-on-cpu replaces it, to check the script itself on a host without a GPU
 MAX_COMPILED_SIGNATURES = 5   # (dtype, version layout, quantile method) combinations compiled
+COMPILE_BUDGET_S = 120        # no new compiled signature this long after the script began
+SCRIPT_START = time.perf_counter()
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SIZES = ((64, 512), (512, 2048), (1024, 4096), (2048, 8192))
 
@@ -117,7 +124,8 @@ def correctness(cases: int, paths: tuple[str, ...] = ("inplace", "fused", "compi
         cpu, _ = values_of(fields, "cpu", "inplace", exact)
         for path in paths:
             if path == "compiled" and (kind, exact) not in signatures:
-                if len(signatures) >= MAX_COMPILED_SIGNATURES:
+                if (len(signatures) >= MAX_COMPILED_SIGNATURES
+                        or time.perf_counter() - SCRIPT_START > COMPILE_BUDGET_S):
                     continue
                 signatures.add((kind, exact))
             cuda, n = values_of(fields, DEVICE, path, exact)
@@ -168,16 +176,25 @@ def speed(rounds: int, sizes) -> None:
 
 
 def profile_counts(B: int = 512, T: int = 2048) -> None:
+    """torch.profiler counts of one compute_step (compiled, then eager) on DEVICE: aten ops, kernel
+    launches, cudaMemcpyAsync calls and device-to-host copies; and inductor's generated kernels per
+    graph (counted when this call compiles)."""
+    import torch._inductor.metrics as inductor_metrics
+    from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
-    inputs = to_device(make_inputs(B, T), "cuda")
+    cuda = DEVICE == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    inputs = to_device(make_inputs(B, T), DEVICE)
     for mode in ("always", "never"):
+        kernels_before, graphs_before = inductor_metrics.generated_kernel_count, counters["stats"]["unique_graphs"]
         run = rlwatch_runner(inputs, mode)
         run()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        with profile(activities=activities) as prof:
             run()
-            torch.cuda.synchronize()
+            sync()
         events = prof.events()
         launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                         "cuLaunchKernelEx"))
@@ -185,9 +202,14 @@ def profile_counts(B: int = 512, T: int = 2048) -> None:
         dtoh = sum(1 for e in events if "DtoH" in e.name or "Device -> Pageable" in e.name
                    or "Device -> Pinned" in e.name)
         aten = sum(1 for e in events if e.name.startswith("aten::"))
-        print(f"== profile of one compute_step at {B}x{T}, {'compiled' if mode == 'always' else 'eager'}: "
-              f"{aten} aten ops, {launches} kernel launches (goal <= 40), {memcpy} cudaMemcpyAsync, "
-              f"{dtoh} device-to-host copies (goal 1)")
+        line = (f"== profile of one compute_step at {B}x{T}, {'compiled' if mode == 'always' else 'eager'}: "
+                f"{aten} aten ops, {launches} kernel launches (goal <= 40), {memcpy} cudaMemcpyAsync, "
+                f"{dtoh} device-to-host copies (goal 1)")
+        graphs = counters["stats"]["unique_graphs"] - graphs_before
+        if mode == "always" and graphs:
+            line += (f"; inductor generated {(inductor_metrics.generated_kernel_count - kernels_before) / graphs:.0f}"
+                     f" kernels per graph ({graphs} graphs compiled here)")
+        print(line)
 
 
 def main() -> None:
@@ -208,10 +230,14 @@ def main() -> None:
         print(f"DRY RUN ON CPU (torch {torch.__version__}): checks the script, measures nothing about GPUs")
         ok = correctness(3, ("inplace", "fused"))
         speed(2, ((16, 64), (64, 512)))
+        profile_counts(16, 64)            # on CPU: no kernel launches or copies to count, the code runs
     else:
         if not torch.cuda.is_available():
             sys.exit("gpu_check: CUDA is not available (torch " + torch.__version__ + ")")
         print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
+        compile_start = time.perf_counter()
+        rlwatch_runner(to_device(make_inputs(64, 512), DEVICE), "always")    # the speed table's signature
+        print(f"compiled the speed table's signature in {time.perf_counter() - compile_start:.0f} s")
         ok = correctness(10 if args.quick else args.cases)
         speed(5 if args.quick else args.rounds, SIZES[:3] if args.quick else SIZES)
         profile_counts()

@@ -13,7 +13,10 @@ One module per concern, in the order a step runs through them:
 - :mod:`.step`: :func:`compute_step` / :func:`compute`, and the token signals' choice between
   the fused engine (:mod:`.fused`, :mod:`.engine`) and the in-place path:
 - :mod:`.mismatch`: mismatch and importance sampling; :mod:`.lag`: version lag;
-- :mod:`.groups`: groups, rewards, lengths, entropy; :mod:`.environments`: per environment.
+- :mod:`.episodes`: every episode signal as one pure function (rewards, groups, lengths,
+  truncation, per environment), run with the token signals by :func:`.fused.step_core`;
+- :mod:`.groups`, :mod:`.environments`: the same signals one function each (kept as the reference
+  the episode function is tested against), entropy, failures by kind.
 
 This module only re-exports the names other code imports. The size limits are read at call time
 from :mod:`.settings`: change ``rlwatch.signals.settings.EXACT_QUANTILE_MAX_TOKENS`` (not a copy here).
@@ -21,7 +24,7 @@ from :mod:`.settings`: change ``rlwatch.signals.settings.EXACT_QUANTILE_MAX_TOKE
 
 from __future__ import annotations
 
-from . import engine, fused
+from . import engine, episodes, fused
 from .environments import env_signals, failure_counts
 from .groups import entropy_signal, group_index, group_signals, length_signals, reward_signals
 from .lag import lag_signals, put_lag_histogram, token_lag_counts
@@ -33,7 +36,7 @@ from .step import compute, compute_step, token_signals
 
 __all__ = [
     "SAFETY_BOUND", "Pending", "SignalConfig", "Values",
-    "Workspace", "bin_counts", "compute", "compute_step", "engine", "entropy_signal", "env_signals",
+    "Workspace", "bin_counts", "compute", "compute_step", "engine", "episodes", "entropy_signal", "env_signals",
     "failure_counts", "fused", "group_index", "group_signals", "importance_ratio_signals", "lag_signals",
     "length_signals", "masked_quantiles", "mismatch_signals", "put_lag_histogram", "quantile_from_counts",
     "reward_signals", "token_lag_counts", "token_signals",

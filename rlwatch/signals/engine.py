@@ -1,9 +1,9 @@
-"""Runs :func:`~rlwatch.signals.fused.token_core` compiled when a compiled version is ready, eagerly
-otherwise, and compiles it off the caller's thread so that no step ever waits for a compilation.
+"""Runs :func:`~rlwatch.signals.fused.step_core` (the token signals and, when given, the episode
+signals of a step, as one function) compiled when a compiled version is ready, eagerly otherwise, and compiles it off the caller's thread so that no step ever waits for a compilation.
 
 Compiled functions are shared by the whole process, one per *signature* (device, dtypes, which
-inputs are present, quantile method). Shapes are dynamic, so batch and sequence sizes do not
-recompile. The step's thread only ever runs code already compiled (``torch._dynamo.run``): a guard
+inputs are present, quantile method, number of hack detectors). Shapes are dynamic, so batch,
+sequence and environment counts do not recompile (steps of fewer than 3 sequences run eagerly). The step's thread only ever runs code already compiled (``torch._dynamo.run``): a guard
 that fails there runs the eager function instead of compiling. A compilation that fails (no C++
 compiler, an unsupported backend) is remembered and its signature stays eager; the reason is kept
 in :func:`status`.
@@ -49,12 +49,17 @@ def wants_compile(device: torch.device, override: str | None = None) -> bool:
     return mode == "always" or (mode == "auto" and device.type == "cuda")
 
 
-def signature(args: tuple[Any, ...], exact: bool) -> tuple | None:
+#: The episode inputs of :func:`fused.step_core`, in order.
+EPISODE_INPUTS = ("ok", "rewards", "group_ids", "env_index", "env_slots", "truncated", "hacked", "bounds")
+
+
+def signature(args: tuple[Any, ...], exact: bool, episodes: tuple[Any, ...] | None = None) -> tuple | None:
     """What a compiled function is specialised on; None when the inputs should run eagerly
-    (sizes 0 or 1, which dynamic shapes specialise, or non-contiguous tensors)."""
+    (sizes 0 or 1, which dynamic shapes specialise, or non-contiguous tensors). ``episodes``: the
+    :data:`EPISODE_INPUTS` tensors (each may be None) or None for the token signals alone."""
     mask, trainer, sampler, version = args[:4]
     B, T = mask.shape
-    if B < 2 or T < 2:
+    if B < 3 or T < 2:          # dynamic shapes specialise sizes 0 and 1 (B - 1 in the episode block)
         return None
     # Dynamo guards on each tensor's dispatch keys: inference tensors and normal ones compile apart.
     key: list[Any] = [mask.device, mask.dtype, exact,
@@ -74,24 +79,58 @@ def signature(args: tuple[Any, ...], exact: bool) -> tuple | None:
             key.append(t.dtype)
     if not mask.is_contiguous():
         return None
+    if episodes is not None:
+        for name, t in zip(EPISODE_INPUTS, episodes):
+            if t is None:
+                key.append(None)
+                continue
+            if not t.is_contiguous() or t.device != mask.device or (name == "env_slots" and t.numel() < 2):
+                return None
+            # The number of detectors is part of the signature (a dimension of 1 is specialised).
+            key.append((t.dtype, t.is_inference(), t.shape[0] if name == "hacked" else None))
     return tuple(key)
 
 
 def _fresh_core() -> Callable[..., torch.Tensor]:
-    """A copy of token_core with its own code object: dynamo keeps compiled code and its
+    """A copy of step_core with its own code object: dynamo keeps compiled code and its
     recompilation limit per code object, so each signature gets its own."""
-    code = fused.token_core.__code__
-    fn = types.FunctionType(code.replace(), fused.token_core.__globals__, code.co_name,
-                            fused.token_core.__defaults__, fused.token_core.__closure__)
-    fn.__kwdefaults__ = fused.token_core.__kwdefaults__
+    core = fused.step_core
+    code = core.__code__
+    fn = types.FunctionType(code.replace(), core.__globals__, code.co_name, core.__defaults__, core.__closure__)
+    fn.__kwdefaults__ = core.__kwdefaults__
     return fn
 
 
 # Example sizes compiled for each signature. Inductor picks some lowerings by size (a scatter-add
 # into a 4,097-bin or 65,536-bin histogram is lowered differently when it has more indices than
 # bins), which dynamo guards as bounds on B * T; compiling one example on each side of those bounds
-# covers every step size.
-EXAMPLE_SIZES = ((3, 5), (2, 3000), (2, 40000))
+# covers every step size (guards seen on CPU: B * T <= 4,096, >= 32,767, >= 65,536). The episode
+# block's sorts are lowered differently above 4,096 episodes: the last example covers large batches
+# of large steps (more than 4,096 episodes and 65,536 positions; a step with more than 4,096 episodes
+# but fewer positions runs eagerly). Dynamo also guards equal sizes as equal ("duck sizing"), so no
+# example size may equal another input's size (see _example_sizes).
+EXAMPLE_SIZES = ((13, 17), (14, 700), (14, 3000), (14, 40000), (4500, 20))
+
+
+def _example_sizes(args: tuple[Any, ...], episodes: tuple[Any, ...] | None) -> tuple[list[tuple[int, int]], int]:
+    """EXAMPLE_SIZES and the example's number of environment slots, each moved off the sizes of
+    the fixed inputs (thresholds, constants, bounds, hack detectors), so that no equality between
+    them is guarded."""
+    taken = {t.shape[0] for t in args[4:] if isinstance(t, torch.Tensor) and t.dim() == 1} | {2, 3}
+    if episodes is not None and episodes[EPISODE_INPUTS.index("hacked")] is not None:
+        taken.add(episodes[EPISODE_INPUTS.index("hacked")][3])
+    slots = 4
+    while slots in taken:
+        slots += 1
+    taken.add(slots)
+    sizes = []
+    for B, T in EXAMPLE_SIZES:
+        while B in taken:
+            B += 1
+        while T in taken or T == B:
+            T += 1
+        sizes.append((B, T))
+    return sizes, slots
 
 
 def _example(args: tuple[Any, ...], B: int = 3, T: int = 5) -> tuple[Any, ...]:
@@ -121,6 +160,38 @@ def _example(args: tuple[Any, ...], B: int = 3, T: int = 5) -> tuple[Any, ...]:
     return (ex_mask, like(trainer, (B, T)), like(sampler, (B, T)), ex_version, *args[4:])
 
 
+def _example_episodes(spec: tuple[Any, ...] | None, B: int, slots: int = 4) -> tuple[Any, ...]:
+    """Episode inputs for B episodes with the dtypes, devices and inference-ness of ``spec`` (from
+    :func:`_episode_spec`): a few groups and environments, some failures."""
+    if spec is None:
+        return (None,) * len(EPISODE_INPUTS)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for name, s in zip(EPISODE_INPUTS, spec):
+        if s is None or isinstance(s, torch.Tensor):          # None, or bounds (kept as is)
+            out.append(s)
+            continue
+        dtype, device, inference, rows = s
+        shape = {"hacked": (rows, B), "env_slots": (slots,)}.get(name, (B,))
+        high = {"group_ids": max(B // 2, 2), "env_index": 3}.get(name, 2)
+        with torch.inference_mode(inference):
+            if dtype.is_floating_point:
+                value = torch.randint(0, 3, shape, generator=g).to(dtype).to(device)
+            else:
+                value = torch.randint(0, high, shape, generator=g).to(dtype).to(device)
+        out.append(value)
+    return tuple(out)
+
+
+def _episode_spec(episodes: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """What :func:`_example_episodes` needs, without keeping the caller's tensors alive."""
+    if episodes is None:
+        return None
+    return tuple(None if t is None else (t if name == "bounds" else
+                                         (t.dtype, t.device, t.is_inference(), t.shape[0] if t.dim() == 2 else None))
+                 for name, t in zip(EPISODE_INPUTS, episodes))
+
+
 def _example_spec(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What :func:`_example` needs of ``args`` without keeping the caller's [B, T] tensors alive:
     empty tensors of the same dtypes, devices, layout and inference-ness, and the rest as is."""
@@ -135,11 +206,13 @@ def _example_spec(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*spec, *args[4:])
 
 
-def _compile(key: tuple, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _compile(key: tuple, args: tuple[Any, ...], kwargs: dict[str, Any],
+             episodes: tuple[Any, ...] | None = None) -> None:
     try:
         fn = torch.compile(_fresh_core(), dynamic=True, fullgraph=True)
-        for B, T in EXAMPLE_SIZES:
-            example = _example(args, B, T)
+        sizes, slots = _example_sizes(args, episodes)
+        for B, T in sizes:
+            example = (*_example(args, B, T), *_example_episodes(episodes, B, slots))
             with torch.inference_mode():         # as compute_step runs
                 fn(*example, **kwargs)
             del example
@@ -158,15 +231,16 @@ def _compile(key: tuple, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 
 def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, eager: bool = True,
-        wait: bool = False) -> tuple[torch.Tensor | None, bool]:
-    """token_core(*args[:-1], exact_quantiles=exact, over_from=args[-1]) and whether the compiled
-    version ran; (None, False) when no compiled version is ready and ``eager`` is False. Starts a
-    background compilation for the signature on first sight when compiling is wanted; ``wait``
-    blocks until it finishes (tests and benchmarks)."""
+        wait: bool = False, episodes: tuple[Any, ...] | None = None) -> tuple[torch.Tensor | None, bool]:
+    """step_core(*args[:-1], *episodes, exact_quantiles=exact, over_from=args[-1]) and whether the
+    compiled version ran; (None, False) when no compiled version is ready and ``eager`` is False.
+    ``episodes``: the :data:`EPISODE_INPUTS` (None: the token signals alone). Starts a background
+    compilation for the signature on first sight when compiling is wanted; ``wait`` blocks until it
+    finishes (tests and benchmarks)."""
     kwargs = dict(exact_quantiles=exact, over_from=args[-1])
-    call_args = args[:-1]
+    call_args = (*args[:-1], *(episodes if episodes is not None else (None,) * len(EPISODE_INPUTS)))
     mask = args[0]
-    key = signature(args, exact) if wants_compile(mask.device, compile) else None
+    key = signature(args, exact, episodes) if wants_compile(mask.device, compile) else None
     if key is not None:
         with _lock:
             fn = _compiled.get(key)
@@ -174,7 +248,8 @@ def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, eager
             start = fn is None and thread is None and key not in _failed
             if start:
                 thread = _pending[key] = threading.Thread(
-                    target=_compile, args=(key, _example_spec(call_args), kwargs), name="rlwatch-compile")
+                    target=_compile, args=(key, _example_spec(args[:-1]), kwargs, _episode_spec(episodes)),
+                    name="rlwatch-compile")
         if start:
             thread.start()
         if fn is None and wait and thread is not None:
@@ -184,7 +259,7 @@ def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, eager
             return fn(*call_args, **kwargs), True
     if not eager:
         return None, False
-    return fused.token_core(*call_args, **kwargs), False
+    return fused.step_core(*call_args, **kwargs), False
 
 
 def status() -> dict[str, Any]:

@@ -235,3 +235,23 @@ def _abs_quantiles(a: torch.Tensor, valid: torch.Tensor, n: torch.Tensor, max_a:
                             max_a.double().reshape(1)])
         q = _from_counts(hist.double().cumsum(0), values, n, qs)
     return q
+
+
+def step_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_logp: torch.Tensor | None,
+              version: torch.Tensor | None, trainer_version: torch.Tensor, thresholds: torch.Tensor,
+              abs_mids: torch.Tensor, bucket_index: torch.Tensor, qs: torch.Tensor,
+              ok: torch.Tensor | None, rewards: torch.Tensor | None, group_ids: torch.Tensor | None,
+              env_index: torch.Tensor | None, env_slots: torch.Tensor | None, truncated: torch.Tensor | None,
+              hacked: torch.Tensor | None, bounds: torch.Tensor | None,
+              exact_quantiles: bool, over_from: torch.Tensor) -> torch.Tensor:
+    """:func:`token_core`'s vector, then (when ``ok`` is given) the episode block of
+    :func:`rlwatch.signals.episodes.episode_core`: the whole step in one function, one vector."""
+    from .episodes import episode_core
+
+    tokens = token_core(mask, trainer_logp, sampler_logp, version, trainer_version, thresholds, abs_mids,
+                        bucket_index, qs, exact_quantiles, over_from)
+    if ok is None or bounds is None:
+        return tokens
+    episodes = episode_core(mask.sum(-1), ok, rewards, group_ids, env_index, env_slots, truncated, hacked,
+                            bounds, qs)
+    return torch.cat([tokens, episodes])

@@ -61,14 +61,21 @@ def _ratio_of(r: float, n: float) -> float | None:
 
 
 def importance_ratio_signals(out: Pending, r: torch.Tensor, valid: torch.Tensor, sum_em1: torch.Tensor,
-                             n: torch.Tensor) -> None:
+                             n: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Minimum, mean and maximum of the token importance ratio w = exp(r) over the valid tokens (r clamped
     to [-SAFETY_BOUND, SAFETY_BOUND] as everywhere): what TRL logs as sampling/importance_sampling_ratio/*
     before its correction truncates or masks. r, valid: [B, T], r 0 and valid 0 off the valid set;
-    sum_em1: sum of exp(r) - 1 over them; n: their count. Two reductions; exp on the host."""
+    sum_em1: sum of exp(r) - 1 over them; n: their count; ``scratch``: two [B, T] buffers of r's dtype
+    to overwrite. Exp on the host."""
     if r.numel():
-        keep = valid > 0
-        low, high = torch.where(keep, r, torch.inf).amin(), torch.where(keep, r, -torch.inf).amax()
+        # r + big off the valid set (exactly r on it) for the minimum, r - big for the maximum: plain
+        # arithmetic passes, several times cheaper on CPU than torch.where with a boolean mask. A valid
+        # r beyond big (~1e37 nats) would read as big, which the clamp to SAFETY_BOUND makes the same ratio.
+        big = torch.finfo(r.dtype).max / 4
+        invalid, shifted = scratch if scratch is not None else (torch.empty_like(r), torch.empty_like(r))
+        torch.sub(valid, 1.0, out=invalid).neg_()                               # 1 off the valid set
+        low = torch.add(r, invalid, alpha=big, out=shifted).amin()
+        high = shifted.sub_(invalid, alpha=2 * big).amax()
     else:
         low = high = torch.zeros((), dtype=r.dtype, device=r.device)
     out.derive("is_ratio_min", _ratio_of, low, n)
@@ -106,7 +113,7 @@ def mismatch_signals(out: Pending, trainer_logp: torch.Tensor, sampler_logp: tor
     scratch = ws.get("tmp", shape, work, device)
     w_minus_1 = torch.clamp(r, -SAFETY_BOUND, SAFETY_BOUND, out=ws.get("em1", shape, work, device)).expm1_()
     sum_em1 = _weight_moments(out, r, w_minus_1, scratch, config.is_cap, n)
-    importance_ratio_signals(out, r, valid, sum_em1, n)
+    importance_ratio_signals(out, r, valid, sum_em1, n, scratch=(scratch, r_and_s[1]))
     _weight_threshold_counts(out, w_minus_1, scratch, config, n)
     neg_log_mu_scaled = _log_ratio_slope(out, r_and_s, sampler_logp, valid, sum_r, n, into=w_minus_1)
     _sequence_signals(out, r, valid, config)

@@ -15,8 +15,9 @@ import torch
 
 from . import fused, settings
 from ..metrics import LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS
-from .environments import env_signals, failure_counts
-from .groups import entropy_signal, group_index, group_signals, length_signals, reward_signals
+from .environments import failure_counts
+from .episodes import env_columns, episode_core, episode_layout, finish_episodes
+from .groups import entropy_signal
 from .lag import _bucket_counts, lag_signals
 from .mismatch import _ess_ratio, _ratio_of, _slope, mismatch_signals
 from .pending import Pending, Values, _apply, _div
@@ -41,10 +42,61 @@ def _fused_constants(config: SignalConfig, device: torch.device) -> tuple[torch.
             _constant((float(math.floor(config.staleness_bound)) + 1.0,), device).reshape(()))
 
 
-def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: Workspace | None) -> bool:
-    """The token-level signals (tokens, mismatch, importance sampling, version lag) from the fused
-    engine, compiled when ready, else eagerly on small steps. False when the caller should use the
-    in-place path (a large step with no compiled engine yet)."""
+class EpisodeInputs:
+    """The episode inputs of :func:`episodes.episode_core` for one record, and how to read its block."""
+
+    def __init__(self, record: "StepRecord", config: SignalConfig) -> None:
+        device = record.mask.device
+        B = record.batch_size
+        if record.failed is not None:
+            ok = torch.tensor([f is None for f in record.failed], dtype=torch.bool).to(device, non_blocking=True)
+        else:
+            ok = torch.ones(B, dtype=torch.bool, device=device)
+        rewards = record.rewards
+        groups = record.group_ids if rewards is not None else None
+        envs = list(record.env_names) if record.env_index is not None else []
+        self.detectors = list(record.hacked) if envs else []
+        hacked = torch.stack([record.hacked[d] for d in self.detectors]) if self.detectors else None
+        # The env sums have max(E, 2) rows, so that one compiled function serves every E (a
+        # dimension of 1 would be specialised).
+        # (uint8: never the same cached tensor as another input, which dynamo would guard on).
+        slots = _constant((0,) * max(len(envs), 2), device, torch.uint8) if envs else None
+        given = config.reward_bounds is not None
+        bounds = _constant((*(float(b) for b in config.reward_bounds or (0.0, 0.0)), 1.0 if given else 0.0), device)
+        self.tensors = (ok, rewards, groups, record.env_index if envs else None, slots, record.truncated,
+                        hacked, bounds)
+        self.envs = envs
+        self.columns = env_columns(rewards is not None, record.truncated is not None, self.detectors)
+        self.pos = episode_layout(rewards is not None, groups is not None, slots.numel() if envs else 0,
+                                  len(self.columns), record.truncated is not None)
+
+    def finish(self, v: list[float]) -> "Values":
+        return finish_episodes(v, self.pos, self.envs, self.columns, self.detectors)
+
+
+def engine_inputs(record: "StepRecord", config: SignalConfig) -> tuple[tuple[Any, ...], bool]:
+    """The token arguments of :func:`engine.run` for ``record`` and whether |r| quantiles are exact."""
+    mask = record.mask
+    mismatch = record.trainer_logp is not None and record.sampler_logp is not None
+    lag = record.version is not None and record.trainer_version is not None
+    device = mask.device
+    exact = mask.numel() <= settings.EXACT_QUANTILE_MAX_TOKENS
+    trainer_version = (torch.tensor(float(record.trainer_version), dtype=torch.float64).to(device, non_blocking=True)
+                       if lag else None)
+    version = record.version if lag else None
+    if version is not None and version.shape != mask.shape:
+        version = version.contiguous()          # [B] or [B, 2], often a strided slice: cheap to copy
+    args = (mask, record.trainer_logp if mismatch else None, record.sampler_logp if mismatch else None,
+            version, trainer_version, *_fused_constants(config, device))
+    return args, exact
+
+
+def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: Workspace | None,
+                  episodes: EpisodeInputs | None = None) -> bool:
+    """The token-level signals (tokens, mismatch, importance sampling, version lag) and, when
+    ``episodes`` is given, the episode signals, from the fused engine (one function, one vector),
+    compiled when ready, else eagerly on small steps. False when the caller should use the in-place
+    path (a large step with no compiled engine yet)."""
     from . import engine
 
     mask = record.mask
@@ -55,15 +107,9 @@ def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: 
     compile = ws.compile if ws is not None else "never"
     if n_all > settings.FUSED_EAGER_MAX_TOKENS and not engine.wants_compile(device, compile):
         return False
-    exact = n_all <= settings.EXACT_QUANTILE_MAX_TOKENS
-    trainer_version = (torch.tensor(float(record.trainer_version), dtype=torch.float64).to(device, non_blocking=True)
-                       if lag else None)
-    version = record.version if lag else None
-    if version is not None and version.shape != mask.shape:
-        version = version.contiguous()          # [B] or [B, 2], often a strided slice: cheap to copy
-    args = (mask, record.trainer_logp if mismatch else None, record.sampler_logp if mismatch else None,
-            version, trainer_version, *_fused_constants(config, device))
-    vector, _ = engine.run(args, exact, compile, eager=n_all <= settings.FUSED_EAGER_MAX_TOKENS)
+    args, exact = engine_inputs(record, config)
+    vector, _ = engine.run(args, exact, compile, eager=n_all <= settings.FUSED_EAGER_MAX_TOKENS,
+                           episodes=episodes.tensors if episodes is not None else None)
     if vector is None:
         return False
     pos = fused.layout(mismatch, lag, len(PROB_BIN_LABELS), len(LAG_BUCKETS))
@@ -71,7 +117,10 @@ def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: 
     def finish(v: list[float]) -> "Values":
         if ws is not None and v[pos["compiled"]] == 1.0:
             ws.compiled_steps += 1
-        return _finish_tokens(v, pos, mismatch, lag)
+        values = _finish_tokens(v, pos, mismatch, lag)
+        if episodes is not None:
+            values.update(episodes.finish(v[pos["size"]:]))
+        return values
     out.host(finish, out.vector(vector))
     return True
 
@@ -166,10 +215,9 @@ def compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | Non
 def _compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | None) -> Values:
     out = Pending()
     mask = record.mask
-    B = record.batch_size
-    device = mask.device
-    per_seq = mask.sum(-1)                                                     # [B] response lengths
-    if not token_signals(out, record, config, ws):
+    episodes = EpisodeInputs(record, config)
+    if not token_signals(out, record, config, ws, episodes):
+        per_seq = mask.sum(-1)                                                 # [B] response lengths
         tokens = per_seq.sum()
         out.put("tokens", tokens)
         out.put("tokens_total", tokens)
@@ -177,30 +225,11 @@ def _compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | No
             mismatch_signals(out, record.trainer_logp, record.sampler_logp, mask, config, ws, tokens)
         if record.version is not None and record.trainer_version is not None:
             lag_signals(out, record.version, record.trainer_version, mask, config, ws, per_seq)
-    if record.failed is not None:
-        ok = torch.tensor([f is None for f in record.failed], dtype=torch.bool).to(device, non_blocking=True)
-    else:
-        ok = torch.ones(B, dtype=torch.bool, device=device)
-    groups = group_zero_var = None
-    ok_reward = ok
-    if record.rewards is not None:
-        # A NaN or infinite reward is counted and its episode excluded from every reward signal (as
-        # a failed episode is), never read as 0.
-        finite = torch.isfinite(record.rewards)
-        nonfinite = (ok & ~finite).sum()
-        out.put("nonfinite_rewards", nonfinite)
-        out.put("nonfinite_rewards_total", nonfinite)
-        ok_reward = ok & finite
-        reward_signals(out, record.rewards, ok_reward)
-        if record.group_ids is not None:
-            groups = group_index(record.group_ids)
-            group_zero_var = group_signals(out, record.rewards, groups, ok_reward, config)
-    lengths = length_signals(out, mask, record.truncated, per_seq)
+        # The episode signals: the same function as the fused engine's episode block, eagerly.
+        vector = episode_core(per_seq, *episodes.tensors, _constant((0.5, 0.99), mask.device))
+        out.host(episodes.finish, out.vector(vector))
     if record.entropy is not None:
         entropy_signal(out, record.entropy, mask)
-    if record.env_index is not None:
-        env_signals(out, record.env_index, record.env_names, record.rewards, ok_reward, record.truncated,
-                    groups, group_zero_var, record.hacked, lengths)
     values = out.resolve()
     _put_record_values(values, record)
     return values
