@@ -86,16 +86,7 @@ def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor 
             index = _group_index(group_ids)
             zero_var, group_part = _groups(r, ok_r, okf, index, bounds)
             parts.append(group_part)
-    if B == 0:                     # an empty batch (the compiled function never sees one)
-        parts.append(torch.full((3,), torch.nan, dtype=torch.float64, device=device))
-    else:
-        top = (torch.ones_like(lengths).sum() - 1).clamp_min(0)
-        rank = qs[-1] * top
-        lo = rank.floor()
-        hi = (lo + 1).minimum(top)
-        v = lengths.sort().values[torch.stack([lo, hi]).long()]               # a gather, not a read
-        p99 = v[0] + (rank - lo) * (v[1] - v[0])
-        parts.append(torch.stack([lengths.mean(), lengths.amax(), p99]))
+    parts.append(_length_stats(lengths, qs[-1]))
     if truncated is not None:
         parts.append(truncated.double().mean().reshape(1))
     if env_index is not None and env_slots is not None:
@@ -121,6 +112,20 @@ def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor 
             env_hot = (env_of.unsqueeze(0) == slots.unsqueeze(1)).double()
             parts.append(_per_env(env_hot, counted))                                   # [E', 2]
     return torch.cat(parts)
+
+
+def _length_stats(lengths: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[3] float64: mean, max and the ``q`` quantile (linear interpolation) of [B] response lengths;
+    NaN for an empty batch (which the compiled function never sees)."""
+    if lengths.shape[0] == 0:
+        return torch.full((3,), torch.nan, dtype=torch.float64, device=lengths.device)
+    top = (torch.ones_like(lengths).sum() - 1).clamp_min(0)
+    rank = q * top
+    lo = rank.floor()
+    hi = (lo + 1).minimum(top)
+    v = lengths.sort().values[torch.stack([lo, hi]).long()]               # a gather, not a read
+    p99 = v[0] + (rank - lo) * (v[1] - v[0])
+    return torch.stack([lengths.mean(), lengths.amax(), p99])
 
 
 def _per_env(one_hot: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
