@@ -12,6 +12,7 @@ import torch
 from ...fields import StepFields
 from ...record import RecordBuilder
 from .._base import Call, Hook, Instrumentor, Patch, guarded
+from .._base import pad_cat as _cat_tokens
 from .generation import (PROBE_ROWS, hack_episode_inputs, judges_hacks, VERSION_KEY, Generation, GenerationPath, GenerationSignals, audit_verdicts,
                          env_labels, eos_and_pad, episodes, truncation_flags)
 
@@ -238,11 +239,4 @@ def sampling_fields(trainer: Any) -> dict[str, Any]:
     if getattr(trainer, "use_vllm", False) and getattr(trainer, "rollout_func", None) is None:
         out["logprobs_mode"] = "processed_logprobs"      # what TRL's vLLM backend asks for
     return out
-
-
-def _cat_tokens(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Concatenate [b_i, T_i] tensors along the batch, right-padding to ``width`` with zeros."""
-    padded = [t if t.shape[1] == width else torch.nn.functional.pad(t, (0, width - t.shape[1]))
-              for t in tensors]
-    return padded[0] if len(padded) == 1 else torch.cat(padded)
 
