@@ -41,7 +41,7 @@ from .callback import (RLWatchCallback, attach, mirror_into_log, save_on_critica
 from .generation import (ENV_COLUMNS, GENERATION_FAMILIES, MAX_ENV_SCALARS, PROBE_ROWS,  # noqa: F401
                          STEP_EPISODE_FAMILIES, UNSCORABLE, VERSION_KEY, AuditedReward, Generation, GenerationSignals,
                          audit_verdicts, audited, env_labels, env_labels_present, eos_and_pad, episodes,
-                         truncation_flags, hack_episode_inputs, judges_hacks, merge_episode_inputs)
+                         truncation_flags, hack_episode_inputs, judges_hacks)
 from .grpo import (GATHER_ONLY, PATCHES, SUPPORTED, GRPOInstrumentor, MicroBatch, _cat_tokens,  # noqa: F401
                    sampling_fields)
 

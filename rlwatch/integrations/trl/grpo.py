@@ -169,9 +169,8 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
             # are built by a Watch.defer job (rlwatch's thread with background=True, else right here).
             step, verdicts = int(trainer.state.global_step), audit_verdicts(trainer, len(completions))
             local = per_func[start:start + B]
-            self.watch.defer(lambda: self.watch.submit_episodes(step, episodes(
-                trainer, prompts, completions, completion_ids_list, local, truncated, env, verdicts)))
-
+            self.watch.defer(lambda: self.watch.submit_episodes(step, episodes(trainer, [hack_episode_inputs(
+                trainer, prompts, completions, completion_ids_list, local, truncated, env, verdicts)])))
 
     def _on_loss(self, inputs: dict) -> None:
         """Keep what this micro-batch trained on until the optimizer step ends."""
@@ -208,7 +207,6 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
         else:
             self.listener.unavailable[("entropy", "not_computed")] = 1.0
         return fields
-
 
     def flush(self, step: int) -> None:
         """Observe the optimizer step that just ended: take the step's micro-batches and scored

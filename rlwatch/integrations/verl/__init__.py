@@ -165,20 +165,14 @@ class VerlInstrumentor(RayActorInstrumentor):
 
     def _uninstrument(self) -> None:
         # Modules imported while instrumented bound the wrapper themselves (not through patch()).
-        for name, wrapper in self._wrappers.items():
-            for module in list(sys.modules.values()):
-                try:
-                    if isinstance(module, ModuleType) and vars(module).get(name) is wrapper:
-                        setattr(module, name, wrapper.__rlwatch_original__)
-                except TypeError:
-                    continue
+        self._rebind(list(sys.modules.values()), restore=True)
         self._wrappers.clear()
         super()._uninstrument()
 
     def _patch_module(self, module: ModuleType) -> None:
         super()._patch_module(module)
         if module.__name__ != METRIC_UTILS:
-            self._rebind(module)
+            self._rebind([module])
             return
         for owner, attribute, _ in PATCHES[METRIC_UTILS]:
             wrapper = getattr(module, attribute, None)
@@ -186,19 +180,19 @@ class VerlInstrumentor(RayActorInstrumentor):
                 self._wrappers[attribute] = wrapper
         # Patched after other modules (verl's trainers, a user's recipe) bound the original with
         # ``from verl.trainer.ppo.metric_utils import compute_data_metrics``: rebind them all.
-        for other in list(sys.modules.values()):
-            if isinstance(other, ModuleType) and other is not module:
-                self._rebind(other)
+        self._rebind([other for other in list(sys.modules.values()) if other is not module])
 
-    def _rebind(self, module: ModuleType) -> None:
-        """Point names a module imported from metric_utils (``from ... import f``) at the wrapper."""
-        try:
-            namespace = vars(module)
-        except TypeError:
-            return
-        for name, wrapper in list(self._wrappers.items()):
-            if namespace.get(name) is wrapper.__rlwatch_original__:
-                self.replace(module, name, wrapper)
+    def _rebind(self, modules: list[Any], restore: bool = False) -> None:
+        """Point names that ``modules`` imported from metric_utils (``from ... import f``) at the
+        wrapper (``restore``: back at the original)."""
+        for module in modules:
+            namespace = vars(module) if isinstance(module, ModuleType) else {}
+            for name, wrapper in list(self._wrappers.items()):
+                original = wrapper.__rlwatch_original__
+                if restore and namespace.get(name) is wrapper:
+                    setattr(module, name, original)
+                elif not restore and namespace.get(name) is original:
+                    self.replace(module, name, wrapper)
 
     # the Watch
 
