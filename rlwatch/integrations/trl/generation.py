@@ -200,27 +200,19 @@ class GenerationSignals:
             self._pending.append(values)
 
     def on_step(self, step: int, values: dict) -> dict:
-        from ...metrics import BY_NAME
+        from ...values import ADDITIVE_KINDS, StepValues, kind_of
 
         for name in STEP_EPISODE_FAMILIES:
             values.pop(name, None)
         with self._lock:
             pending, self._pending = self._pending, []
-        extra: dict = {}
+        extra = StepValues()
         for batch in pending:                  # normally one: a step's batches are computed together
-            for name, family in batch.items():
-                spec = BY_NAME.get(name)
-                if spec is not None and spec.kind == "counter":
-                    merged = extra.setdefault(name, {})
-                    for labels, v in family.items():
-                        merged[labels] = (merged.get(labels) or 0.0) + (v or 0.0)
-                else:
-                    extra[name] = dict(family)
+            extra.merge(batch)
         if pending:
-            self._gauges = {name: family for name, family in extra.items()
-                            if BY_NAME.get(name) is None or BY_NAME[name].kind != "counter"}
+            self._gauges = {name: family for name, family in extra.items() if kind_of(name) not in ADDITIVE_KINDS}
         else:
-            extra.update({name: dict(family) for name, family in self._gauges.items()})
+            extra.merge(self._gauges)
         if self.unavailable:
             extra["signal_unavailable_total"] = dict(self.unavailable)
             self.unavailable = {}
