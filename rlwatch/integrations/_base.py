@@ -434,6 +434,13 @@ class RayActorInstrumentor(Instrumentor):
     def _watch_options(self, context: Any) -> dict[str, Any]:
         raise NotImplementedError
 
+    def step_or_count(self, step: Any) -> int:
+        """``step`` when the framework gives one (an int), else the next of this process's own count."""
+        if isinstance(step, int):
+            return step
+        self._fallback_step += 1
+        return self._fallback_step
+
     def observe(self, step: int, fields: Any, episodes: Callable[[Any], list] | None = None) -> None:
         """Hand one step's ``StepFields`` to the Watch (with ``episodes(fields)`` for the reward-hack
         detectors when it runs them) and keep its values in ``last_values``; nothing for None."""

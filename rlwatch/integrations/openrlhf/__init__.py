@@ -284,10 +284,8 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
     def _observe(self, call: Call) -> None:
         """``make_experience_batch(self, rollout_samples)``: one ``observe`` of its Experiences."""
         args = call.context
-        context = _STEP.get()
-        if context is None:                         # called outside train_step (a user's own loop)
-            self._fallback_step += 1
-            context = self._step_context(args, self._fallback_step)
+        # Outside train_step (a user's own loop): this process's own step count.
+        context = _STEP.get() or self._step_context(args, self.step_or_count(None))
         experiences = list(call.result)
         fields, extra = fields_from_experiences(experiences, call.state, args, context.trainer_version,
                                                 context.clock_id)

@@ -13,8 +13,8 @@ from ...fields import StepFields
 from ...record import RecordBuilder
 from .._base import Call, Hook, Instrumentor, Patch, guarded
 from .._base import pad_cat as _cat_tokens
-from .generation import (PROBE_ROWS, hack_episode_inputs, judges_hacks, VERSION_KEY, Generation, GenerationPath, GenerationSignals, audit_verdicts,
-                         env_labels, eos_and_pad, episodes, truncation_flags)
+from .generation import (PROBE_ROWS, VERSION_KEY, Generation, GenerationPath, GenerationSignals, audit_verdicts,
+                         env_labels, eos_and_pad, episodes, hack_episode_inputs, judges_hacks, truncation_flags)
 
 SUPPORTED = ">=1.15,<1.17"
 

@@ -211,13 +211,6 @@ class VerlInstrumentor(RayActorInstrumentor):
         return {"trainer": type(trainer).__name__ if trainer is not None else None,
                 "use_v1": config_get(getattr(trainer, "config", None), "trainer.use_v1")}
 
-    def _step(self, trainer: Any) -> int:
-        steps = getattr(trainer, "global_steps", None)
-        if isinstance(steps, int):
-            return steps
-        self._fallback_step += 1
-        return self._fallback_step
-
     # hooks (see PATCHES)
 
     def _observe_dataproto(self, call: Call) -> None:
@@ -225,7 +218,8 @@ class VerlInstrumentor(RayActorInstrumentor):
             return
         trainer, batch = call.context, call.arg(0, "batch")
         fields = fields_from_dataproto(batch, getattr(trainer, "config", None), trainer_version(trainer))
-        self.observe(self._step(trainer), fields, lambda fields: episodes_from_dataproto(batch, fields))
+        step = self.step_or_count(getattr(trainer, "global_steps", None))
+        self.observe(step, fields, lambda fields: episodes_from_dataproto(batch, fields))
 
     def _v1_scope(self, call: Call) -> Any:
         return context_value(_IN_V1_METRICS, True)
