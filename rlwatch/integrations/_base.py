@@ -27,7 +27,7 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType, ModuleType
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
@@ -298,6 +298,25 @@ def episode_dicts(fields: Any, extras: list[dict], response_ids: list | None = N
     return out
 
 
+def pad_cat(tensors: list[Any], width: int) -> Any:
+    """Concatenate [b_i, T_i] tensors along the batch, right-padding narrower ones to ``width`` with
+    zeros (a wider one is left as it is, for the record's validation to report)."""
+    import torch
+
+    padded = [t if t.shape[1] >= width else torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
+    return padded[0] if len(padded) == 1 else torch.cat(padded)
+
+
+def version_pairs(first: Iterable[Any], last: Iterable[Any]) -> Any:
+    """[B, 2] int64 (first, last) policy versions per sample, or None when any sample lacks one."""
+    import torch
+
+    first, last = list(first), list(last)
+    if not first or any(v is None for v in first) or any(v is None for v in last):
+        return None
+    return torch.tensor([[int(a), int(b)] for a, b in zip(first, last)], dtype=torch.int64)
+
+
 class RayActorInstrumentor(Instrumentor):
     """An instrumentor delivered into every Ray worker by an import hook (verl, OpenRLHF), because
     their trainer loops run in Ray actors that a patch made in the launcher never reaches.
@@ -415,6 +434,22 @@ class RayActorInstrumentor(Instrumentor):
     def _watch_options(self, context: Any) -> dict[str, Any]:
         raise NotImplementedError
 
+    def step_or_count(self, step: Any) -> int:
+        """``step`` when the framework gives one (an int), else the next of this process's own count."""
+        if isinstance(step, int):
+            return step
+        self._fallback_step += 1
+        return self._fallback_step
+
+    def observe(self, step: int, fields: Any, episodes: Callable[[Any], list] | None = None) -> None:
+        """Hand one step's ``StepFields`` to the Watch (with ``episodes(fields)`` for the reward-hack
+        detectors when it runs them) and keep its values in ``last_values``; nothing for None."""
+        if fields is None:
+            return
+        if episodes is not None and getattr(self.watch, "hack_detection", False):
+            fields = replace(fields, episodes=episodes(fields))
+        self.last_values = self.watch.observe_fields(step, fields)
+
     def _watch_metadata(self, context: Any) -> dict[str, Any]:
         return {}
 
@@ -449,4 +484,4 @@ def guarded(watch: Any, kind: str) -> Callable[[Callable], Callable]:
 
 __all__ = ["Call", "Hook", "Instrumentor", "Patch", "RayActorInstrumentor", "caller_self", "config_get",
            "context_value", "env_watch_options", "episode_dicts", "framework_watch_options", "guarded",
-           "installed_version", "version_supported"]
+           "installed_version", "pad_cat", "version_pairs", "version_supported"]

@@ -1,15 +1,6 @@
-"""The headline signals, mirrored into the trainer's own logs under an ``rlwatch/`` prefix.
-
-Teams read W&B, TensorBoard or MLflow first. Each integration adds these keys to what the
-framework logs itself (TRL: ``trainer.log``, so ``log_history`` and every ``report_to`` backend;
-verl: the metrics dict that ``Tracking.log`` receives; OpenRLHF: the ``logs_dict`` of
-``save_logs_and_checkpoints``). On by default; ``RLWATCH_TRAINER_LOGS=0`` turns it off everywhere
-(TRL also takes ``watch(trainer, trainer_logs=False)``).
-
-The values are those of the latest step the Watch computed: the step being logged when rlwatch
-computes on the training thread (the default on CPU), possibly the one before when it computes in
-the background. A key is absent while its signal is (no sampler log-probs: no k3, ESS, TIS
-fraction; no versions: no lag; no groups: no zero-variance fractions).
+"""The headline signals, mirrored into the trainer's own logs under an ``rlwatch/`` prefix: which
+logs each integration adds them to, the keys, ``RLWATCH_TRAINER_LOGS`` and which step's values they
+are: README, "Where the signals go" ("The trainer's own logs"). A key is absent while its signal is.
 """
 
 from __future__ import annotations

@@ -34,13 +34,11 @@ When the trainer runs in your own process instead, call :func:`instrument` befor
 Submodules: ``samples`` (the policy-version clocks, dispatch stamps, data sources) and
 ``experiences`` (a step's ``Experience`` batches -> its fields and the detectors' episodes).
 
-Which process exports
-    Ray runs the hook in every worker process (the trainer actor, the DeepSpeed GPU actors, the vLLM
-    engines, the async generator); what it does there, and when the Watch is created, is
-    ``_base.RayActorInstrumentor``'s. A training step is observed only in the single-controller
-    trainer process (``PPOTrainer``, or ``TrainingActor`` in async mode): exactly one process per
-    job exports. The sample generator (the same process in sync mode, ``GenerateSamplesActor`` in
-    async mode) only stamps each sample with a policy version, its data source and finish reason.
+Which process exports (see ``_base.RayActorInstrumentor``)
+    A training step is observed only in the single-controller trainer process (``PPOTrainer``, or
+    ``TrainingActor`` in async mode): exactly one process per job exports. The sample generator (the
+    same process in sync mode, ``GenerateSamplesActor`` in async mode) only stamps each sample with
+    a policy version, its data source and finish reason.
 
 What is wrapped (``PATCHES``; every patch is ``_base.Instrumentor.wrap``)
     * ``openrlhf.trainer.ppo_trainer.BasePPOTrainer.train_step(rollout_samples, global_step)``:
@@ -95,7 +93,7 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ...config import rlwatch_variables, variables_or_defaults
@@ -286,19 +284,15 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
     def _observe(self, call: Call) -> None:
         """``make_experience_batch(self, rollout_samples)``: one ``observe`` of its Experiences."""
         args = call.context
-        context = _STEP.get()
-        if context is None:                         # called outside train_step (a user's own loop)
-            self._fallback_step += 1
-            context = self._step_context(args, self._fallback_step)
+        # Outside train_step (a user's own loop): this process's own step count.
+        context = _STEP.get() or self._step_context(args, self.step_or_count(None))
         experiences = list(call.result)
         fields, extra = fields_from_experiences(experiences, call.state, args, context.trainer_version,
                                                 context.clock_id)
         if fields is None:
             return
         self.last_fields = fields
-        if getattr(self.watch, "hack_detection", False):
-            fields = replace(fields, episodes=episodes_from_experiences(experiences, fields, call.state))
-        self.last_values = self.watch.observe_fields(context.step, fields)
+        self.observe(context.step, fields, lambda fields: episodes_from_experiences(experiences, fields, call.state))
         if extra:
             self.watch.log_scalars(context.step, extra)
 

@@ -8,22 +8,15 @@ import math
 from typing import Any, Mapping
 
 from ...fields import StepFields
-from .._base import config_get, episode_dicts
+from .._base import config_get, episode_dicts, pad_cat, version_pairs
 
 # --- turning Experiences into one observe() ------------------------------------------------------
 
-def _pad_cat(tensors: list[Any], width: int) -> Any:
+def _tokens(experiences: list[Any], name: str, width: int) -> Any:
+    """The [b_i, A_i] attribute ``name`` of every Experience, copied to the host as one [B, width] tensor."""
     import torch
 
-    rows = []
-    for t in tensors:
-        t = t.detach()
-        if t.dim() == 1:
-            t = t.unsqueeze(0)
-        if t.shape[1] < width:
-            t = torch.nn.functional.pad(t, (0, width - t.shape[1]))
-        rows.append(t.to("cpu"))
-    return torch.cat(rows, dim=0)
+    return pad_cat([torch.atleast_2d(getattr(e, name).detach()).to("cpu", copy=True) for e in experiences], width)
 
 
 def fields_from_experiences(experiences: list[Any], metas: list[dict | None], args: Any,
@@ -40,11 +33,11 @@ def fields_from_experiences(experiences: list[Any], metas: list[dict | None], ar
     if not experiences:
         return None, {}
     width = max(int(e.action_mask.shape[-1]) for e in experiences)
-    fields = StepFields(mask=_pad_cat([e.action_mask for e in experiences], width).bool())
+    fields = StepFields(mask=_tokens(experiences, "action_mask", width).bool())
     if all(e.action_log_probs is not None for e in experiences):
-        fields.trainer_logp = _pad_cat([e.action_log_probs for e in experiences], width).float()
+        fields.trainer_logp = _tokens(experiences, "action_log_probs", width).float()
     if all(e.rollout_log_probs is not None for e in experiences):
-        fields.sampler_logp = _pad_cat([e.rollout_log_probs for e in experiences], width).float()
+        fields.sampler_logp = _tokens(experiences, "rollout_log_probs", width).float()
         fields.logprobs_mode = "processed_logprobs"     # what OpenRLHF asks vLLM for
     if all(e.rewards is not None for e in experiences):
         fields.rewards = torch.cat([e.rewards.detach().reshape(-1).to("cpu") for e in experiences]).double()
@@ -55,7 +48,7 @@ def fields_from_experiences(experiences: list[Any], metas: list[dict | None], ar
     stamps = [r.get("version") if r is not None else None for r in rows]
     if trainer_version is not None and stamps and all(s is not None for s in stamps):
         if all(r.get("clock") == clock_id for r in rows if r is not None):
-            fields.seq_version = torch.tensor([[int(a), int(b)] for a, b in stamps], dtype=torch.int64)
+            fields.seq_version = version_pairs(*zip(*stamps))
             fields.trainer_version = int(trainer_version)
     sampling = next((r.get("sampling") for r in rows if r is not None and r.get("sampling")), None) or {}
     for key in ("temperature", "top_p", "top_k"):

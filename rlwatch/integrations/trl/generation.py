@@ -107,28 +107,6 @@ def audit_verdicts(trainer: Any, n: int) -> list[bool | None]:
     return verdicts
 
 
-def episodes(trainer: Any, prompts: list, completions: list, completion_ids_list: list, per_func: torch.Tensor,
-             truncated: torch.Tensor, env: list[str] | None,
-             verdicts: list[bool | None] | None = None) -> list[dict[str, Any]]:
-    """One episode per completion for the reward-hack detectors: text, ids, weighted reward, the reward
-    components per function and, for :class:`AuditedReward` functions, the checker's verdict."""
-    names = list(trainer.reward_func_names)
-    weights = trainer.reward_weights.detach().to("cpu", torch.float64)
-    rewards = (per_func * weights).nansum(dim=1).tolist()
-    components = per_func.tolist()
-    if verdicts is None:
-        verdicts = audit_verdicts(trainer, len(completions))
-    out = []
-    for i, completion in enumerate(completions):
-        extra: dict[str, Any] = {"reward_components": {n: c for n, c in zip(names, components[i]) if c == c}}
-        if verdicts[i] is not None:
-            extra["true_pass"] = verdicts[i]
-        out.append({"env": env[i] if env else "default", "reward": rewards[i], "prompt": _text(prompts[i]),
-                    "response": _text(completion), "response_ids": list(completion_ids_list[i]),
-                    "truncated": bool(truncated[i]), "extra": extra})
-    return out
-
-
 def judges_hacks(watch: Any) -> bool:
     """Whether a run's Watches judge reward hacks: the ``hack_detectors`` option, which (unlike
     ``Watch.hack_detection``) reads the same on exporting and non-exporting processes."""
@@ -136,21 +114,35 @@ def judges_hacks(watch: Any) -> bool:
 
 
 def hack_episode_inputs(trainer: Any, prompts: list, completions: list, completion_ids_list: list,
-                        per_func: torch.Tensor, truncated: torch.Tensor, env: list[str] | None) -> tuple:
-    """This process's share of :func:`episodes`' inputs as plain picklable values (for ``gather_object``):
-    prompts, completions, ids, [B, F] reward rows, [B] truncation, [B] environments, [B] checker verdicts."""
+                        per_func: torch.Tensor, truncated: torch.Tensor, env: list[str] | None,
+                        verdicts: list[bool | None] | None = None) -> tuple:
+    """One process's share of :func:`episodes`' inputs as plain picklable values (for ``gather_object``):
+    prompts, completions, ids, [B, F] reward rows, [B] truncation, [B] environments, [B] checker
+    verdicts (``verdicts``, else read now: the next reward call replaces them)."""
     return (list(prompts), list(completions), [[int(i) for i in ids] for ids in completion_ids_list],
             per_func.tolist(), truncated.tolist(),
             list(env) if env is not None else ["default"] * len(completions),
-            audit_verdicts(trainer, len(completions)))
+            verdicts if verdicts is not None else audit_verdicts(trainer, len(completions)))
 
 
-def merge_episode_inputs(parts: list[tuple]) -> tuple:
-    """:func:`episodes`' arguments (after the trainer) for the processes' shares, concatenated in order."""
+def episodes(trainer: Any, parts: list[tuple]) -> list[dict[str, Any]]:
+    """One episode per completion of the processes' shares (:func:`hack_episode_inputs`, in process
+    order) for the reward-hack detectors: text, ids, weighted reward, the reward components per
+    function and, for :class:`AuditedReward` functions, the checker's verdict."""
     prompts, completions, ids, rows, truncated, env, verdicts = ([x for part in parts for x in part[k]]
                                                                  for k in range(7))
-    return (prompts, completions, ids, torch.tensor(rows, dtype=torch.float64).reshape(len(ids), -1),
-            torch.tensor(truncated, dtype=torch.bool), env, verdicts)
+    names = list(trainer.reward_func_names)
+    weights = trainer.reward_weights.detach().to("cpu", torch.float64)
+    per_func = torch.tensor(rows, dtype=torch.float64).reshape(len(ids), len(names))
+    rewards = (per_func * weights).nansum(dim=1).tolist()
+    out = []
+    for i, completion in enumerate(completions):
+        extra: dict[str, Any] = {"reward_components": {n: c for n, c in zip(names, rows[i]) if c == c}}
+        if verdicts[i] is not None:
+            extra["true_pass"] = verdicts[i]
+        out.append({"env": env[i], "reward": rewards[i], "prompt": _text(prompts[i]), "response": _text(completion),
+                    "response_ids": ids[i], "truncated": bool(truncated[i]), "extra": extra})
+    return out
 
 
 def env_labels(inputs: list[dict]) -> list[str] | None:
@@ -208,27 +200,19 @@ class GenerationSignals:
             self._pending.append(values)
 
     def on_step(self, step: int, values: dict) -> dict:
-        from ...metrics import BY_NAME
+        from ...values import ADDITIVE_KINDS, StepValues, kind_of
 
         for name in STEP_EPISODE_FAMILIES:
             values.pop(name, None)
         with self._lock:
             pending, self._pending = self._pending, []
-        extra: dict = {}
+        extra = StepValues()
         for batch in pending:                  # normally one: a step's batches are computed together
-            for name, family in batch.items():
-                spec = BY_NAME.get(name)
-                if spec is not None and spec.kind == "counter":
-                    merged = extra.setdefault(name, {})
-                    for labels, v in family.items():
-                        merged[labels] = (merged.get(labels) or 0.0) + (v or 0.0)
-                else:
-                    extra[name] = dict(family)
+            extra.merge(batch)
         if pending:
-            self._gauges = {name: family for name, family in extra.items()
-                            if BY_NAME.get(name) is None or BY_NAME[name].kind != "counter"}
+            self._gauges = {name: family for name, family in extra.items() if kind_of(name) not in ADDITIVE_KINDS}
         else:
-            extra.update({name: dict(family) for name, family in self._gauges.items()})
+            extra.merge(self._gauges)
         if self.unavailable:
             extra["signal_unavailable_total"] = dict(self.unavailable)
             self.unavailable = {}
@@ -297,7 +281,7 @@ class GenerationPath:
         if not whole:
             return
         trainer, step = self.trainer, int(self.trainer.state.global_step)
-        self.watch.defer(lambda: self.watch.submit_episodes(step, episodes(trainer, *merge_episode_inputs(whole))))
+        self.watch.defer(lambda: self.watch.submit_episodes(step, episodes(trainer, whole)))
 
     def _on_generation(self, output: dict) -> None:
         """Stamp the batch with the policy version; keep its episode-level data for the step's flush."""
@@ -355,7 +339,6 @@ class GenerationPath:
                 errors.report("integration", "trl_probe_rollouts", f"{type(exc).__name__}: {exc}", exc=exc)
 
         threading.Thread(target=write, name="rlwatch-probe-rollouts", daemon=True).start()
-
 
     def generation_fields(self, generations: list[Generation]) -> StepFields:
         """Episode-level fields of the generation batches scored in one step, as one record: a mask of

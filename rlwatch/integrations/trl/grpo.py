@@ -12,8 +12,9 @@ import torch
 from ...fields import StepFields
 from ...record import RecordBuilder
 from .._base import Call, Hook, Instrumentor, Patch, guarded
-from .generation import (PROBE_ROWS, hack_episode_inputs, judges_hacks, VERSION_KEY, Generation, GenerationPath, GenerationSignals, audit_verdicts,
-                         env_labels, eos_and_pad, episodes, truncation_flags)
+from .._base import pad_cat as _cat_tokens
+from .generation import (PROBE_ROWS, VERSION_KEY, Generation, GenerationPath, GenerationSignals, audit_verdicts,
+                         env_labels, eos_and_pad, episodes, hack_episode_inputs, judges_hacks, truncation_flags)
 
 SUPPORTED = ">=1.15,<1.17"
 
@@ -168,9 +169,8 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
             # are built by a Watch.defer job (rlwatch's thread with background=True, else right here).
             step, verdicts = int(trainer.state.global_step), audit_verdicts(trainer, len(completions))
             local = per_func[start:start + B]
-            self.watch.defer(lambda: self.watch.submit_episodes(step, episodes(
-                trainer, prompts, completions, completion_ids_list, local, truncated, env, verdicts)))
-
+            self.watch.defer(lambda: self.watch.submit_episodes(step, episodes(trainer, [hack_episode_inputs(
+                trainer, prompts, completions, completion_ids_list, local, truncated, env, verdicts)])))
 
     def _on_loss(self, inputs: dict) -> None:
         """Keep what this micro-batch trained on until the optimizer step ends."""
@@ -208,7 +208,6 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
             self.listener.unavailable[("entropy", "not_computed")] = 1.0
         return fields
 
-
     def flush(self, step: int) -> None:
         """Observe the optimizer step that just ended: take the step's micro-batches and scored
         generation batches, and hand assembling and computing them to ``Watch.defer`` (rlwatch's
@@ -238,11 +237,4 @@ def sampling_fields(trainer: Any) -> dict[str, Any]:
     if getattr(trainer, "use_vllm", False) and getattr(trainer, "rollout_func", None) is None:
         out["logprobs_mode"] = "processed_logprobs"      # what TRL's vLLM backend asks for
     return out
-
-
-def _cat_tokens(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Concatenate [b_i, T_i] tensors along the batch, right-padding to ``width`` with zeros."""
-    padded = [t if t.shape[1] == width else torch.nn.functional.pad(t, (0, width - t.shape[1]))
-              for t in tensors]
-    return padded[0] if len(padded) == 1 else torch.cat(padded)
 

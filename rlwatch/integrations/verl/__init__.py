@@ -15,12 +15,9 @@ call :func:`instrument` before building it.
 
 ``batch`` reads a step's ``DataProto`` or TransferQueue batch into its fields and episodes.
 
-Which process exports
-    Ray runs the hook in every worker process (the TaskRunner, the FSDP/Megatron GPU workers, the
-    rollout servers, the reward and agent-loop workers); what it does there, and when the Watch is
-    created, is ``_base.RayActorInstrumentor``'s. Only the trainer process (the TaskRunner actor,
-    which holds the gathered batch and the ``Tracking`` logger) calls the wrapped functions, so
-    exactly one process per job exports.
+Which process exports (see ``_base.RayActorInstrumentor``)
+    Only the trainer process (the TaskRunner actor, which holds the gathered batch and the
+    ``Tracking`` logger) calls the wrapped functions, so exactly one process per job exports.
 
 What is wrapped (``PATCHES``; every patch is ``_base.Instrumentor.wrap``)
     * ``verl.trainer.ppo.metric_utils.compute_data_metrics(batch, use_critic)``: the gathered
@@ -70,7 +67,6 @@ import sys
 from types import ModuleType
 from typing import Any, Mapping
 
-from ...fields import StepFields
 from .._base import (Call, Hook, Patch, RayActorInstrumentor, caller_self, config_get, context_value,
                      framework_watch_options)
 from .._trainer_logs import mirror_call, without_headline
@@ -169,20 +165,14 @@ class VerlInstrumentor(RayActorInstrumentor):
 
     def _uninstrument(self) -> None:
         # Modules imported while instrumented bound the wrapper themselves (not through patch()).
-        for name, wrapper in self._wrappers.items():
-            for module in list(sys.modules.values()):
-                try:
-                    if isinstance(module, ModuleType) and vars(module).get(name) is wrapper:
-                        setattr(module, name, wrapper.__rlwatch_original__)
-                except TypeError:
-                    continue
+        self._rebind(list(sys.modules.values()), restore=True)
         self._wrappers.clear()
         super()._uninstrument()
 
     def _patch_module(self, module: ModuleType) -> None:
         super()._patch_module(module)
         if module.__name__ != METRIC_UTILS:
-            self._rebind(module)
+            self._rebind([module])
             return
         for owner, attribute, _ in PATCHES[METRIC_UTILS]:
             wrapper = getattr(module, attribute, None)
@@ -190,19 +180,19 @@ class VerlInstrumentor(RayActorInstrumentor):
                 self._wrappers[attribute] = wrapper
         # Patched after other modules (verl's trainers, a user's recipe) bound the original with
         # ``from verl.trainer.ppo.metric_utils import compute_data_metrics``: rebind them all.
-        for other in list(sys.modules.values()):
-            if isinstance(other, ModuleType) and other is not module:
-                self._rebind(other)
+        self._rebind([other for other in list(sys.modules.values()) if other is not module])
 
-    def _rebind(self, module: ModuleType) -> None:
-        """Point names a module imported from metric_utils (``from ... import f``) at the wrapper."""
-        try:
-            namespace = vars(module)
-        except TypeError:
-            return
-        for name, wrapper in list(self._wrappers.items()):
-            if namespace.get(name) is wrapper.__rlwatch_original__:
-                self.replace(module, name, wrapper)
+    def _rebind(self, modules: list[Any], restore: bool = False) -> None:
+        """Point names that ``modules`` imported from metric_utils (``from ... import f``) at the
+        wrapper (``restore``: back at the original)."""
+        for module in modules:
+            namespace = vars(module) if isinstance(module, ModuleType) else {}
+            for name, wrapper in list(self._wrappers.items()):
+                original = wrapper.__rlwatch_original__
+                if restore and namespace.get(name) is wrapper:
+                    setattr(module, name, original)
+                elif not restore and namespace.get(name) is original:
+                    self.replace(module, name, wrapper)
 
     # the Watch
 
@@ -221,17 +211,6 @@ class VerlInstrumentor(RayActorInstrumentor):
         return {"trainer": type(trainer).__name__ if trainer is not None else None,
                 "use_v1": config_get(getattr(trainer, "config", None), "trainer.use_v1")}
 
-    def _observe(self, step: int, fields: StepFields | None) -> None:
-        if fields is not None:
-            self.last_values = self.watch.observe_fields(step, fields)
-
-    def _step(self, trainer: Any) -> int:
-        steps = getattr(trainer, "global_steps", None)
-        if isinstance(steps, int):
-            return steps
-        self._fallback_step += 1
-        return self._fallback_step
-
     # hooks (see PATCHES)
 
     def _observe_dataproto(self, call: Call) -> None:
@@ -239,9 +218,8 @@ class VerlInstrumentor(RayActorInstrumentor):
             return
         trainer, batch = call.context, call.arg(0, "batch")
         fields = fields_from_dataproto(batch, getattr(trainer, "config", None), trainer_version(trainer))
-        if getattr(self.watch, "hack_detection", False):
-            fields.episodes = episodes_from_dataproto(batch, fields)
-        self._observe(self._step(trainer), fields)
+        step = self.step_or_count(getattr(trainer, "global_steps", None))
+        self.observe(step, fields, lambda fields: episodes_from_dataproto(batch, fields))
 
     def _v1_scope(self, call: Call) -> Any:
         return context_value(_IN_V1_METRICS, True)
@@ -251,8 +229,8 @@ class VerlInstrumentor(RayActorInstrumentor):
         import transfer_queue as tq
 
         trainer, global_steps = call.args[0], int(call.arg(4, "global_steps"))
-        self._observe(global_steps, fields_from_transfer_queue(tq, call.arg(1, "batch"), trainer.config,
-                                                               global_steps - 1))
+        self.observe(global_steps, fields_from_transfer_queue(tq, call.arg(1, "batch"), trainer.config,
+                                                              global_steps - 1))
 
     def _tracking_log(self, call: Call) -> None:
         """``Tracking.log(self, data, step)``: mirror verl's scalars, then add the headline signals to

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from ...fields import StepFields
-from .._base import config_get, episode_dicts
+from .._base import config_get, episode_dicts, version_pairs
 
 #: Fields read from TransferQueue for the v1 trainer (absent ones are skipped).
 V1_FIELDS = ("response_mask", "old_log_probs", "rollout_log_probs", "rm_scores", "entropy", "uid",
@@ -57,16 +57,6 @@ def _finish_flags(non_tensor: Mapping[str, Any], size: int) -> Any:
             return torch.tensor([bool(v) for v in items], dtype=torch.bool)
         return torch.tensor([str(v).lower() == "length" for v in items], dtype=torch.bool)
     return None
-
-
-def _versions(first: Iterable[Any], last: Iterable[Any]) -> Any:
-    """[B, 2] int64 (first, last) policy versions, or None when any sample lacks one."""
-    import torch
-
-    first, last = list(first), list(last)
-    if not first or any(v is None for v in first) or any(v is None for v in last):
-        return None
-    return torch.tensor([[int(a), int(b)] for a, b in zip(first, last)], dtype=torch.int64)
 
 
 def _labels(values: Any) -> list[Any] | None:
@@ -127,7 +117,7 @@ def fields_from_dataproto(batch: Any, config: Any = None, trainer_version: int |
         fields.entropy = tensors[entropy]
     versions = None
     if trainer_version is not None and "min_global_steps" in extra and "max_global_steps" in extra:
-        versions = _versions(extra["min_global_steps"], extra["max_global_steps"])
+        versions = version_pairs(extra["min_global_steps"], extra["max_global_steps"])
     return _sample_fields(fields, extra, B, response_length, prompt_length, config, versions, trainer_version)
 
 
@@ -239,5 +229,5 @@ def fields_from_transfer_queue(tq: Any, batch: Any, config: Any = None,
         fields.entropy = padded["entropy"]
     versions = None
     if trainer_version is not None:
-        versions = _versions([t.get("min_global_steps") for t in tags], [t.get("max_global_steps") for t in tags])
+        versions = version_pairs([t.get("min_global_steps") for t in tags], [t.get("max_global_steps") for t in tags])
     return _sample_fields(fields, extra, len(keys), response_length, prompt_length, config, versions, trainer_version)
