@@ -120,15 +120,99 @@ def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
     return t
 
 
+def map_labels(items: list[Any], registry: LabelRegistry) -> tuple[list[str], list[int], list[str], bool, bool]:
+    """[B] raw labels -> (labels, [B] index into the distinct names, the distinct names in first-seen
+    order, whether any was converted, whether any went over the registry's cap). One pass over the
+    episodes (not tokens) on the host; equal raw values are cleaned once."""
+    names: dict[str, int] = {}
+    index: list[int] = []
+    labels: list[str] = []
+    cache: dict[Any, str] = {}
+    bad_label = overflow = False
+    for item in items:
+        try:
+            label = cache[item]
+        except (KeyError, TypeError):
+            text, bad = registry.clean(item)
+            label, over = registry.map(text)
+            bad_label |= bad
+            overflow |= over
+            try:
+                cache[item] = label
+            except TypeError:
+                pass
+        labels.append(label)
+        index.append(names.setdefault(label, len(names)))
+    return labels, index, list(names), bad_label, overflow
+
+
+class LabelFields:
+    """The label-valued fields of a step (``env``, ``failed``) checked and capped per run: a label that is
+    not a string, cannot be encoded or is too long is converted, and labels past a cap become
+    ``OTHER_LABEL``; both are counted as validation errors."""
+
+    def __init__(self, errors: HookErrors, env_cap: int, failure_kind_cap: int) -> None:
+        self.errors = errors
+        self.envs = LabelRegistry(env_cap)
+        self.failure_kinds = LabelRegistry(failure_kind_cap)
+
+    def _bad(self, field_name: str, kind: str, message: str) -> None:
+        self.errors.report("validate", kind, message, field=field_name)
+
+    def labels(self, name: str, value: Any, B: int) -> list[Any] | None:
+        if isinstance(value, str):
+            return [value] * B
+        try:
+            items = value.tolist() if hasattr(value, "tolist") else list(value)
+        except TypeError:
+            self._bad(name, "type", f"expected {B} labels or one string, got {type(value).__name__}")
+            return None
+        if len(items) != B:
+            self._bad(name, "shape", f"{len(items)} labels for {B} sequences")
+            return None
+        return items
+
+    def env(self, rec: StepRecord, value: Any, B: int, device: torch.device) -> None:
+        items = self.labels("env", value if value is not None else DEFAULT_LABEL, B)
+        labels, index, rec.env_names, bad_label, overflow = map_labels(
+            items if items is not None else [DEFAULT_LABEL] * B, self.envs)
+        if bad_label:
+            self._bad("env", "label", f"non-string, unencodable or over-long ({MAX_LABEL_LENGTH}+ chars) "
+                                    "labels converted")
+        if overflow:
+            self._bad("env", "label_cap", f"more than {self.envs.cap} distinct environments; the rest "
+                                          f"are counted as '{OTHER_LABEL}'")
+        rec.env = labels
+        rec.env_index = torch.tensor(index, dtype=torch.int64).to(device, non_blocking=True)
+
+    def failed(self, value: Any, B: int) -> list[str | None] | None:
+        if value is None:
+            return None
+        items = self.labels("failed", value, B)
+        if items is None:
+            return None
+        out: list[str | None] = []
+        for item in items:
+            if item is None or item is False or item == "":
+                out.append(None)
+                continue
+            text, bad = self.failure_kinds.clean(item if item is not True else "failed")
+            label, over = self.failure_kinds.map(text)
+            if bad or over:
+                self._bad("failed", "label", "failure kind converted or over the cap")
+            out.append(label)
+        return out
+
+
 class RecordBuilder:
     """Builds :class:`StepRecord` objects for one run, keeping label caps across steps."""
 
     def __init__(self, errors: HookErrors, env_cap: int = 64, detector_cap: int = 32,
                  failure_kind_cap: int = 32) -> None:
         self.errors = errors
-        self.envs = LabelRegistry(env_cap)
+        self.labels = LabelFields(errors, env_cap, failure_kind_cap)
+        self.envs = self.labels.envs                 # the TRL integration reads its cap
         self.detectors = LabelRegistry(detector_cap)
-        self.failure_kinds = LabelRegistry(failure_kind_cap)
 
     def _bad(self, field_name: str, kind: str, message: str) -> None:
         self.errors.report("validate", kind, message, field=field_name)
@@ -162,9 +246,13 @@ class RecordBuilder:
         rec.rewards = self._episode_tensor("rewards", fields.rewards, B, device, float_=True)
         rec.group_ids = self._group_ids(fields.group_ids, B, device)
         rec.truncated = self._episode_tensor("truncated", fields.truncated, B, device, bool_=True)
-        self._env(rec, fields.env, B, device)
+        self.labels.env(rec, fields.env, B, device)
         self._hacked(rec, fields.hacked, B, device)
-        rec.failed = self._failed(fields.failed, B)
+        rec.failed = self.labels.failed(fields.failed, B)
+        self._sampling(rec, fields)
+        return rec
+
+    def _sampling(self, rec: StepRecord, fields: StepFields) -> None:
         for key in ("temperature", "top_p", "top_k"):
             value = getattr(fields, key)
             if value is not None:
@@ -173,8 +261,7 @@ class RecordBuilder:
                 except (TypeError, ValueError):
                     self._bad(key, "type", f"expected a number, got {type(value).__name__}")
         if fields.logprobs_mode is not None:
-            rec.sampling["logprobs_mode"], _ = self.failure_kinds.clean(fields.logprobs_mode)
-        return rec
+            rec.sampling["logprobs_mode"], _ = self.labels.failure_kinds.clean(fields.logprobs_mode)
 
     def _mask(self, value: Any, ws: BufferPool | None) -> torch.Tensor | None:
         if value is None:
@@ -300,52 +387,6 @@ class RecordBuilder:
             t = t.nan_to_num(0.0, 0.0, 0.0)
         return t.to(torch.int64)
 
-    def _labels(self, name: str, value: Any, B: int) -> list[Any] | None:
-        if isinstance(value, str):
-            return [value] * B
-        try:
-            items = value.tolist() if hasattr(value, "tolist") else list(value)
-        except TypeError:
-            self._bad(name, "type", f"expected {B} labels or one string, got {type(value).__name__}")
-            return None
-        if len(items) != B:
-            self._bad(name, "shape", f"{len(items)} labels for {B} sequences")
-            return None
-        return items
-
-    def _env(self, rec: StepRecord, value: Any, B: int, device: torch.device) -> None:
-        items = self._labels("env", value if value is not None else DEFAULT_LABEL, B)
-        if items is None:
-            items = [DEFAULT_LABEL] * B
-        names: dict[str, int] = {}
-        index: list[int] = []
-        labels: list[str] = []
-        cache: dict[Any, str] = {}
-        bad_label = overflow = False
-        for item in items:                      # one pass over episodes (not tokens), host strings
-            try:
-                label = cache[item]
-            except (KeyError, TypeError):
-                text, bad = self.envs.clean(item)
-                label, over = self.envs.map(text)
-                bad_label |= bad
-                overflow |= over
-                try:
-                    cache[item] = label
-                except TypeError:
-                    pass
-            labels.append(label)
-            index.append(names.setdefault(label, len(names)))
-        if bad_label:
-            self._bad("env", "label", f"non-string, unencodable or over-long ({MAX_LABEL_LENGTH}+ chars) "
-                                    "labels converted")
-        if overflow:
-            self._bad("env", "label_cap", f"more than {self.envs.cap} distinct environments; the rest "
-                                          f"are counted as '{OTHER_LABEL}'")
-        rec.env = labels
-        rec.env_names = list(names)
-        rec.env_index = torch.tensor(index, dtype=torch.int64).to(device, non_blocking=True)
-
     def _hacked(self, rec: StepRecord, value: Any, B: int, device: torch.device) -> None:
         if value is None:
             return
@@ -358,22 +399,3 @@ class RecordBuilder:
             t = self._episode_tensor(f"hacked[{label}]", v, B, device, bool_=True)
             if t is not None:
                 rec.hacked[label] = t if label not in rec.hacked else (rec.hacked[label] | t)
-
-    def _failed(self, value: Any, B: int) -> list[str | None] | None:
-        if value is None:
-            return None
-        items = self._labels("failed", value, B)
-        if items is None:
-            return None
-        out: list[str | None] = []
-        for item in items:
-            if item is None or item is False or item == "":
-                out.append(None)
-                continue
-            text, bad = self.failure_kinds.clean(item if item is not True else "failed")
-            label, over = self.failure_kinds.map(text)
-            if bad or over:
-                self._bad("failed", "label", "failure kind converted or over the cap")
-            out.append(label)
-        return out
-
