@@ -180,22 +180,24 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
     s = torch.where(torch.isfinite(s), s, 0.0)                            # log mu on valid tokens
     # Per-token columns reduced together: one pass over the tokens once compiled.
     sums = _sums([valid, r, r * r, a, em1 - r, em1, em1 * em1, em1_t, em1_t * em1_t, r * s, s * s, s])
-    # w against the four IS thresholds (exact, strict): sign of w - 1 - t for each t.
-    dist = em1.unsqueeze(0) - thr[:4].reshape(4, *([1] * em1.dim()))
-    above, below = (dist > 0).sum((1, 2)), (dist < 0).sum((1, 2))
+    # w against the four IS thresholds (exact, strict): high, low, MIS below, MIS above (int64).
+    t_high, t_low, t_lo, t_hi = thr[:4].unbind()
+    counts = torch.stack([em1 > t_high, em1 < t_low, em1 < t_lo, em1 > t_hi]).sum((1, 2))
     # Sampler-probability bands: band k holds log mu in [edge k-1, edge k).
     edges = thr[4:-4]
-    band = (s.unsqueeze(-1) >= edges).sum(-1, keepdim=True)               # [B, T, 1] 0 .. bands-1
-    one_hot = band == torch.arange(edges.numel() + 1, device=device)      # [B, T, bands]
+    band = (s.unsqueeze(-1) >= edges).sum(-1, keepdim=True)               # [B, T, 1] 0 .. bands-1 (not
+    # bucketize: its CPU kernel goes multi-threaded from 200 elements, slow on a busy host)
+    one_hot = (band == torch.arange(edges.numel() + 1, device=device)).to(work)   # [B, T, bands] (a bool
+    # factor would take the slow broadcast-and-promote path)
     band_sums = (torch.stack([a, valid], -1).unsqueeze(-1) * one_hot.unsqueeze(-2)).sum((0, 1))   # [2, bands]
     # Sequence level: s_b = sum_t r over sequences with at least one valid token.
     seq_r = r.sum(-1).double()
     has = (valid.sum(-1) > 0).double()
     seq_abs = seq_r.abs()
-    seq_dist = seq_r.unsqueeze(0) - thresholds[-4:].unsqueeze(-1)         # s_b - (log C, -log C, log lo, log hi)
-    terms = torch.cat([torch.stack([has, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))]),
-                       (seq_dist > 0).double(), (seq_dist < 0).double()])
-    seq_sums = (terms * has).sum(-1)                                      # [11]
+    log_cap, neg_log_cap, log_lo, log_hi = thresholds[-4:].unbind()
+    terms = torch.stack([has, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)),
+                         seq_r > log_cap, seq_r < neg_log_cap, seq_r < log_lo, seq_r > log_hi])   # float64
+    seq_sums = (terms * has).sum(-1)                                      # [7]
     seq_max = (seq_abs * has).amax() if B else seq_abs.sum()
     n = sums[0]
     q = _abs_quantiles(a, valid, n, max_a, abs_mids, qs, exact_quantiles or n_all == 0)
@@ -205,10 +207,9 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
         r_range = torch.stack([torch.where(keep, r, torch.inf).amin(), torch.where(keep, r, -torch.inf).amax()])
     else:
         r_range = torch.zeros(2, dtype=work, device=device)
-    counts = torch.stack([above[0], below[1], below[2], above[3]])        # high, low, mis below/above
     # torch.cat promotes every part to float64 (exactly: float32 and int64 counts fit).
     return [(tokens - n).reshape(1), sums[:4], max_a.reshape(1), sums[4:9], counts, sums[9:],
-            seq_sums[:4], seq_sums[8:9], seq_sums[6:7] + seq_sums[9:10], seq_max.reshape(1), q, r_range,
+            seq_sums[:5], seq_sums[5:6] + seq_sums[6:7], seq_max.reshape(1), q, r_range,
             band_sums.t().reshape(-1)]
 
 
@@ -220,9 +221,13 @@ def _abs_quantiles(a: torch.Tensor, valid: torch.Tensor, n: torch.Tensor, max_a:
         if n_all == 0:
             q = torch.full((2,), torch.nan, dtype=torch.float64, device=device)
         else:
-            ordered = torch.where(valid.reshape(-1) > 0, a.reshape(-1), torch.inf).sort().values
+            # |r| >= +0 everywhere and 0 off the valid set: its bit patterns sort as its values, with
+            # the n_all - n off-set zeros first (an integer sort is cheaper than a float one).
+            bits = a.reshape(-1).view(torch.int32 if work == torch.float32 else torch.int64)
+            ordered = bits.sort().values.view(work)
             lo, hi, frac = _quantiles(n, qs)
-            v = ordered[torch.stack([lo, hi]).long()].double()
+            at = (torch.stack([lo, hi]) + (n_all - n.double())).clamp_max(n_all - 1)
+            v = ordered[at.long()].double()
             q = torch.where(n > 0, v[0] + frac * (v[1] - v[0]), torch.nan)
     else:
         a32 = a if work == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).float()
