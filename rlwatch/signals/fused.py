@@ -122,7 +122,7 @@ def _lag_block(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch
     has = per_seq > 0
     counts = torch.zeros(LAG_SIZE, dtype=torch.int64, device=device)
     if version.dim() == 2 and version.shape == mask.shape:
-        lag1 = mask * (trainer_version.float() + 1.0) - version.float() * mask            # lag + 1, 0 off mask
+        lag1 = (trainer_version.float() + 1.0 - version.float()) * mask                  # lag + 1, 0 off mask
         counts = _count_into(counts, lag1.clamp(0.0, float(LAG_SIZE - 1)).int())
         negative = counts[0].double() - (B * T - n_mask)
         if T:
