@@ -176,8 +176,8 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
     em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1()                    # w - 1, 0 off the valid set
     thr = thresholds.to(work)
     em1_t = torch.minimum(em1, thr[0])                                    # min(w, C) - 1
-    s = (sampler_logp * valid).to(work)
-    s = torch.where(torch.isfinite(s), s, 0.0)                            # log mu on valid tokens
+    keep = valid > 0
+    s = torch.where(keep, sampler_logp.to(work), 0.0)                     # log mu on valid tokens (finite there)
     # Per-token columns reduced together: one pass over the tokens once compiled.
     sums = _sums([valid, r, r * r, a, em1 - r, em1, em1 * em1, em1_t, em1_t * em1_t, r * s, s * s, s])
     # w against the four IS thresholds (exact, strict): high, low, MIS below, MIS above (int64).
@@ -201,7 +201,6 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
     q = _abs_quantiles(a, valid, n, max_a, abs_mids, qs, exact_quantiles or n_all == 0)
     # Smallest and largest r over the valid tokens (the importance ratio's min and max, exp on the host).
     if n_all:
-        keep = valid > 0
         r_range = torch.stack([torch.where(keep, r, torch.inf).amin(), torch.where(keep, r, -torch.inf).amax()])
     else:
         r_range = torch.zeros(2, dtype=work, device=device)
