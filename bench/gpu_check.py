@@ -12,6 +12,8 @@ needs only torch with CUDA and this repository):
    eager version of 13 core signals (bench_signals.reference_runner) and one read of the inputs.
 3. Profile of one compiled ``compute_step`` at 1M tokens (torch.profiler): aten ops, kernel
    launches, cudaMemcpyAsync calls and device-to-host copies; extra peak device memory / inputs.
+   Next to the CUDA launches: inductor's generated kernels for one CPU graph of the same step (the
+   proxy tests/test_engine.py bounds in CI; one CPU compilation, ``--no-cpu-kernels`` skips it).
 
 The compiled engine covers the whole step (token and episode signals, one function, one vector).
 Compilations are bounded so that the script stays under 5 minutes: the speed table's signature is
@@ -175,7 +177,35 @@ def speed(rounds: int, sizes) -> None:
     print("  goals: compiled <= 1.0 ms at 1M tokens, <= 3 ms at 16M; extra device memory <= 1x the inputs")
 
 
-def profile_counts(B: int = 512, T: int = 2048) -> None:
+def cpu_kernel_count(B: int = 16, T: int = 17) -> float | None:
+    """Inductor's generated kernels for one CPU graph of the whole step (the proxy CI measures in
+    tests/test_engine.py, bound ``MAX_CPU_KERNELS_PER_GRAPH``): step_core compiled once on a CPU copy
+    of a [B, T] step, without inductor's caches; None when compiling on CPU fails (no C++ compiler)."""
+    import torch._functorch.config
+    import torch._inductor.config
+    import torch._inductor.metrics as inductor_metrics
+    from torch._dynamo.utils import counters
+
+    from rlwatch.signals import fused
+    from rlwatch.signals.step import EpisodeInputs, engine_inputs
+
+    record = RecordBuilder(HookErrors(strict=True)).build(0, make_inputs(B, T), Workspace())
+    kernels, graphs = inductor_metrics.generated_kernel_count, counters["stats"]["unique_graphs"]
+    try:
+        with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            args, exact = engine_inputs(record, SignalConfig())
+            episodes = EpisodeInputs(record, SignalConfig()).tensors
+            fn = torch.compile(fused.step_core, dynamic=True, fullgraph=True)
+            fn(*args[:-1], *episodes, exact_quantiles=exact, over_from=args[-1])
+    except Exception as exc:   # noqa: BLE001 -- a report line, not a failure of the GPU check
+        print(f"  (CPU kernel count unavailable: {type(exc).__name__}: {str(exc)[:200]})")
+        return None
+    graphs = counters["stats"]["unique_graphs"] - graphs
+    return (inductor_metrics.generated_kernel_count - kernels) / max(graphs, 1)
+
+
+def profile_counts(B: int = 512, T: int = 2048, cpu_kernels: float | None = None) -> None:
     """torch.profiler counts of one compute_step (compiled, then eager) on DEVICE: aten ops, kernel
     launches, cudaMemcpyAsync calls and device-to-host copies; and inductor's generated kernels per
     graph (counted when this call compiles)."""
@@ -203,7 +233,9 @@ def profile_counts(B: int = 512, T: int = 2048) -> None:
                    or "Device -> Pinned" in e.name)
         aten = sum(1 for e in events if e.name.startswith("aten::"))
         line = (f"== profile of one compute_step at {B}x{T}, {'compiled' if mode == 'always' else 'eager'}: "
-                f"{aten} aten ops, {launches} kernel launches (goal <= 40), {memcpy} cudaMemcpyAsync, "
+                f"{aten} aten ops, {launches} kernel launches (goal <= 40"
+                + (f"; CPU inductor proxy: {cpu_kernels:.0f} kernels per graph" if cpu_kernels is not None else "")
+                + f"), {memcpy} cudaMemcpyAsync, "
                 f"{dtoh} device-to-host copies (goal 1)")
         graphs = counters["stats"]["unique_graphs"] - graphs_before
         if mode == "always" and graphs:
@@ -219,6 +251,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="10 cases, 5 rounds, sizes up to 4M tokens")
     parser.add_argument("--dry-run-on-cpu", action="store_true",
                         help="run every part on CPU (tiny sizes, no profile): checks the script, not the GPU")
+    parser.add_argument("--no-cpu-kernels", action="store_true",
+                        help="skip compiling one CPU graph for the CPU kernel count printed next to the launches")
     parser.add_argument("--verl-path", help="a directory to put on sys.path for verl (e.g. unpacked wheels)")
     args = parser.parse_args()
     if args.verl_path:
@@ -230,7 +264,7 @@ def main() -> None:
         print(f"DRY RUN ON CPU (torch {torch.__version__}): checks the script, measures nothing about GPUs")
         ok = correctness(3, ("inplace", "fused"))
         speed(2, ((16, 64), (64, 512)))
-        profile_counts(16, 64)            # on CPU: no kernel launches or copies to count, the code runs
+        profile_counts(16, 64, cpu_kernel_count())   # on CPU: no launches or copies to count, the code runs
     else:
         if not torch.cuda.is_available():
             sys.exit("gpu_check: CUDA is not available (torch " + torch.__version__ + ")")
@@ -240,7 +274,7 @@ def main() -> None:
         print(f"compiled the speed table's signature in {time.perf_counter() - compile_start:.0f} s")
         ok = correctness(10 if args.quick else args.cases)
         speed(5 if args.quick else args.rounds, SIZES[:3] if args.quick else SIZES)
-        profile_counts()
+        profile_counts(cpu_kernels=None if args.no_cpu_kernels else cpu_kernel_count())
     print(f"total {time.perf_counter() - start:.0f} s; correctness {'PASSED' if ok else 'FAILED'}")
     sys.exit(0 if ok else 1)
 

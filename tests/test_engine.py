@@ -213,10 +213,10 @@ def test_compiled_equals_eager_without_graph_breaks():
 
 
 # Generated kernels per compiled graph of a whole step (tokens, mismatch, lag, groups, envs) on CPU,
-# measured 106 on average over the graphs of one signature, 122 for one graph of the histogram
-# path (torch 2.13, inductor C++): a regression bound, not the CUDA goal (40 launches), which
-# bench/gpu_check.py measures with torch.profiler on a GPU.
-MAX_CPU_KERNELS_PER_GRAPH = 130
+# measured 99 on average over the 4 graphs of this test's signature (106 before the direct threshold
+# comparisons; torch 2.13, inductor C++): a regression bound, not the CUDA goal (40 launches), which
+# bench/gpu_check.py measures with torch.profiler on a GPU and prints next to this CPU count.
+MAX_CPU_KERNELS_PER_GRAPH = 104
 
 
 @pytest.mark.slow

@@ -84,7 +84,7 @@ def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor 
         parts.append(torch.stack([(ok & ~finite).double(), okf, r, r * r]).sum(1))   # r is 0 where not ok_r
         if group_ids is not None:
             index = _group_index(group_ids)
-            zero_var, group_part = _groups(r, ok_r, okf, index, bounds)
+            zero_var, group_part = _groups(r, ok_r, index, bounds)
             parts.append(group_part)
     parts.append(_length_stats(lengths, qs[-1]))
     if truncated is not None:
@@ -144,7 +144,7 @@ def _group_index(group_ids: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, starts.cumsum(0))
 
 
-def _groups(r: torch.Tensor, ok_r: torch.Tensor, okf: torch.Tensor, index: torch.Tensor,
+def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor,
             bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-variance flags per group slot [B] bool, and the group sums [8] float64."""
     B = r.shape[0]
@@ -152,33 +152,31 @@ def _groups(r: torch.Tensor, ok_r: torch.Tensor, okf: torch.Tensor, index: torch
     ref = r.new_zeros(B + 1).scatter_(0, torch.where(ok_r, index, B), r)[:B]
     differs = ok_r & (r != ref[index])
     # Group sizes and the episodes differing from their group's reference: one integer scatter-add.
-    counts = torch.zeros(2 * B, dtype=torch.int64, device=r.device).scatter_add_(
-        0, torch.cat([index, index + B]), torch.cat([ok_r.long(), differs.long()]))
-    size, n_differ = counts[:B], counts[B:]
+    size, n_differ = torch.zeros(2 * B, dtype=torch.int64, device=r.device).scatter_add_(
+        0, torch.cat([index, index + B]), torch.cat([ok_r, differs]).long()).view(2, B).unbind()
     exists = size > 0
     zero_var = exists & (n_differ == 0)
-    # Classify constant groups by the configured (fail, pass) rewards, else the batch's range; when
-    # the batch is one constant, by sign.
-    big = torch.finfo(torch.float64).max
-    inferred = (torch.stack([torch.where(ok_r, r, big).amin(), torch.where(ok_r, r, -big).amax()]) if B
-                else r.new_tensor([big, -big]))
+    # Classify constant groups by the configured (fail, pass) rewards, else the batch's range
+    # (+inf, -inf without usable episodes); when the batch is one constant, by sign.
+    if B:
+        neg_lo, hi = torch.where(ok_r, torch.stack([-r, r]), -torch.inf).amax(1).unbind()
+    else:
+        neg_lo, hi = r.new_full((2,), -torch.inf).unbind()
     given = bounds[2] > 0
-    lo = torch.where(given, bounds[0], torch.where(inferred[0] == big, torch.inf, inferred[0]))
-    hi = torch.where(given, bounds[1], torch.where(inferred[1] == -big, -torch.inf, inferred[1]))
+    lo = torch.where(given, bounds[0], -neg_lo)
+    hi = torch.where(given, bounds[1], hi)
     spread = hi > lo
-    at_pass = torch.where(spread, ref >= hi, ref > 0)
-    at_fail = torch.where(spread, ref <= lo, ref <= 0)
-    passes = zero_var & at_pass
-    fails = zero_var & ~passes & at_fail
-    constant = zero_var & ~passes & ~fails
-    episode_zero_var = zero_var[index].double() * okf
+    at_pass = zero_var & torch.where(spread, ref >= hi, ref > 0)
+    at_fail = zero_var & ~at_pass & torch.where(spread, ref <= lo, ref <= 0)
+    # Groups, passing, failing and other constant groups, zero-variance episodes, usable episodes.
+    sums = torch.stack([exists, at_pass, at_fail, zero_var & ~at_pass & ~at_fail, zero_var[index] & ok_r,
+                        ok_r]).sum(1)
     sizes = size.double()
-    sums = torch.stack([exists, passes, fails, constant]).double().sum(1)
     if B == 0:
         extremes = torch.full((2,), torch.nan, dtype=torch.float64, device=r.device)
     else:
         extremes = torch.stack([torch.where(exists, sizes, torch.inf).amin(), sizes.amax()])
-    return zero_var, torch.cat([sums, torch.stack([episode_zero_var.sum(), okf.sum()]), extremes])
+    return zero_var, torch.cat([sums, extremes])
 
 
 def finish_episodes(v: list[float], pos: dict[str, Any], envs: list[str], columns: list[str],

@@ -122,7 +122,7 @@ def _lag_block(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch
     has = per_seq > 0
     counts = torch.zeros(LAG_SIZE, dtype=torch.int64, device=device)
     if version.dim() == 2 and version.shape == mask.shape:
-        lag1 = mask * (trainer_version.float() + 1.0) - version.float() * mask            # lag + 1, 0 off mask
+        lag1 = (trainer_version.float() + 1.0 - version.float()) * mask                  # lag + 1, 0 off mask
         counts = _count_into(counts, lag1.clamp(0.0, float(LAG_SIZE - 1)).int())
         negative = counts[0].double() - (B * T - n_mask)
         if T:
@@ -176,40 +176,51 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
     em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1()                    # w - 1, 0 off the valid set
     thr = thresholds.to(work)
     em1_t = torch.minimum(em1, thr[0])                                    # min(w, C) - 1
-    s = (sampler_logp * valid).to(work)
-    s = torch.where(torch.isfinite(s), s, 0.0)                            # log mu on valid tokens
+    keep = valid > 0
+    s = torch.where(keep, sampler_logp.to(work), 0.0)                     # log mu on valid tokens (finite there)
     # Per-token columns reduced together: one pass over the tokens once compiled.
     sums = _sums([valid, r, r * r, a, em1 - r, em1, em1 * em1, em1_t, em1_t * em1_t, r * s, s * s, s])
-    # w against the four IS thresholds (exact, strict): sign of w - 1 - t for each t.
-    dist = em1.unsqueeze(0) - thr[:4].reshape(4, *([1] * em1.dim()))
-    above, below = (dist > 0).sum((1, 2)), (dist < 0).sum((1, 2))
+    # w against the four IS thresholds (exact, strict): high, low, MIS below, MIS above (int64).
+    t_high, t_low, t_lo, t_hi = thr[:4].unbind()
+    counts = torch.stack([em1 > t_high, em1 < t_low, em1 < t_lo, em1 > t_hi]).sum((1, 2))
     # Sampler-probability bands: band k holds log mu in [edge k-1, edge k).
     edges = thr[4:-4]
-    band = (s.unsqueeze(-1) >= edges).sum(-1, keepdim=True)               # [B, T, 1] 0 .. bands-1
-    one_hot = band == torch.arange(edges.numel() + 1, device=device)      # [B, T, bands]
-    band_sums = (torch.stack([a, valid], -1).unsqueeze(-1) * one_hot.unsqueeze(-2)).sum((0, 1))   # [2, bands]
+    band = (s.unsqueeze(-1) >= edges).sum(-1, keepdim=True)               # [B, T, 1] 0 .. bands-1 (not
+    # bucketize: its CPU kernel goes multi-threaded from 200 elements, slow on a busy host)
+    band_sums = _band_sums(torch.stack([a, valid], -1).unsqueeze(-1), band, edges.numel() + 1)    # [2, bands]
     # Sequence level: s_b = sum_t r over sequences with at least one valid token.
     seq_r = r.sum(-1).double()
     has = (valid.sum(-1) > 0).double()
     seq_abs = seq_r.abs()
-    seq_dist = seq_r.unsqueeze(0) - thresholds[-4:].unsqueeze(-1)         # s_b - (log C, -log C, log lo, log hi)
-    terms = torch.cat([torch.stack([has, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))]),
-                       (seq_dist > 0).double(), (seq_dist < 0).double()])
-    seq_sums = (terms * has).sum(-1)                                      # [11]
+    log_cap, neg_log_cap, log_lo, log_hi = thresholds[-4:].unbind()
+    terms = torch.stack([has, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)),
+                         seq_r > log_cap, seq_r < neg_log_cap, seq_r < log_lo, seq_r > log_hi])   # float64
+    seq_sums = (terms * has).sum(-1)                                      # [7]
     seq_max = (seq_abs * has).amax() if B else seq_abs.sum()
     n = sums[0]
     q = _abs_quantiles(a, valid, n, max_a, abs_mids, qs, exact_quantiles or n_all == 0)
     # Smallest and largest r over the valid tokens (the importance ratio's min and max, exp on the host).
     if n_all:
-        keep = valid > 0
         r_range = torch.stack([torch.where(keep, r, torch.inf).amin(), torch.where(keep, r, -torch.inf).amax()])
     else:
         r_range = torch.zeros(2, dtype=work, device=device)
-    counts = torch.stack([above[0], below[1], below[2], above[3]])        # high, low, mis below/above
     # torch.cat promotes every part to float64 (exactly: float32 and int64 counts fit).
     return [(tokens - n).reshape(1), sums[:4], max_a.reshape(1), sums[4:9], counts, sums[9:],
-            seq_sums[:4], seq_sums[8:9], seq_sums[6:7] + seq_sums[9:10], seq_max.reshape(1), q, r_range,
+            seq_sums[:5], seq_sums[5:6] + seq_sums[6:7], seq_max.reshape(1), q, r_range,
             band_sums.t().reshape(-1)]
+
+
+def _band_sums(values: torch.Tensor, band: torch.Tensor, bands: int) -> torch.Tensor:
+    """Sums [2, bands] of ``values`` [B, T, 2, 1] by ``band`` [B, T, 1] (int64 in [0, bands)).
+    Compiled: a product with the one-hot matrix, fused into the reduction. Eagerly: the same
+    [B, T, 2, bands] terms written by one scatter into zeros (half the time of the broadcast
+    product) and summed in the same order, so both give the same bits."""
+    if torch.compiler.is_compiling():
+        one_hot = band == torch.arange(bands, device=band.device)                       # [B, T, bands]
+        return (values * one_hot.unsqueeze(-2)).sum((0, 1))
+    B, T = band.shape[:2]
+    terms = values.new_zeros(B, T, 2, bands).scatter_(-1, band.unsqueeze(-1).expand(B, T, 2, 1), values)
+    return terms.sum((0, 1))
 
 
 def _abs_quantiles(a: torch.Tensor, valid: torch.Tensor, n: torch.Tensor, max_a: torch.Tensor,
@@ -220,9 +231,13 @@ def _abs_quantiles(a: torch.Tensor, valid: torch.Tensor, n: torch.Tensor, max_a:
         if n_all == 0:
             q = torch.full((2,), torch.nan, dtype=torch.float64, device=device)
         else:
-            ordered = torch.where(valid.reshape(-1) > 0, a.reshape(-1), torch.inf).sort().values
+            # |r| >= +0 everywhere and 0 off the valid set: its bit patterns sort as its values, with
+            # the n_all - n off-set zeros first (an integer sort is cheaper than a float one).
+            bits = a.reshape(-1).view(torch.int32 if work == torch.float32 else torch.int64)
+            ordered = bits.sort().values.view(work)
             lo, hi, frac = _quantiles(n, qs)
-            v = ordered[torch.stack([lo, hi]).long()].double()
+            at = (torch.stack([lo, hi]) + (n_all - n.double())).clamp_max(n_all - 1)
+            v = ordered[at.long()].double()
             q = torch.where(n > 0, v[0] + frac * (v[1] - v[0]), torch.nan)
     else:
         a32 = a if work == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).float()
