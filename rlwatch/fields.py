@@ -11,17 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-#: Every field ``observe`` accepts besides ``step``.
-FIELDS = frozenset({
-    "mask", "sampler_logp", "trainer_logp", "token_version", "seq_version", "trainer_version", "rewards",
-    "group_ids", "truncated", "env", "hacked", "failed", "entropy", "temperature", "top_p", "top_k",
-    "logprobs_mode",
-})
-
-#: What ``observe`` takes besides the record's fields: episodes for the reward-hack detectors.
-ACCEPTED = FIELDS | {"episodes"}
-
-
 @dataclass(eq=False)
 class StepFields(Mapping):
     """One step's inputs as ``Watch.observe`` takes them (its docstring gives shapes and units), unchecked.
@@ -72,5 +61,9 @@ class StepFields(Mapping):
         return sum(1 for _ in self)
 
 
-_ORDER = tuple(name for name in StepFields.__dataclass_fields__ if name in ACCEPTED)
-assert set(_ORDER) == ACCEPTED
+#: What ``observe`` takes besides ``step``, in declaration order: the record's fields and ``episodes``.
+_ORDER = tuple(name for name in StepFields.__dataclass_fields__ if name != "unknown")
+#: Every field ``observe`` accepts besides ``step``.
+ACCEPTED = frozenset(_ORDER)
+#: The record's fields: what ``observe`` accepts besides the reward-hack detectors' ``episodes``.
+FIELDS = ACCEPTED - {"episodes"}
