@@ -3,17 +3,31 @@
 lengths, truncation and the per-environment sums, packed in one float64 vector whose layout
 :func:`episode_layout` describes and whose host formulas :func:`finish_episodes` applies.
 
-No host synchronisation, no data-dependent shape, no Python branch on tensor values, and no float
-atomics: per-group counts are one int64 scatter-add over offset slots, a group's constancy is
-tested against one of its own rewards (written by a plain scatter, so whichever write wins gives the
-same answer), and every per-environment sum is a reduction of the product with the one-hot [E, B]
-environment matrix (integer counts are exact in float64), deterministic on every device.
+Every per-episode quantity is a row of one [K, B] matrix (named by :func:`episode_layout`), reduced
+once for the step's sums and once for its maxima; the per-environment sums are one product of its
+first rows with the one-hot [E', 1, B] environment matrix, reduced once. About 60 operations for a
+step with rewards, groups, truncation and environments, whatever B.
 
-Shapes: B episodes; ``ok`` [B] bool (episodes that did not fail for an infrastructure reason);
-``rewards`` [B] float; ``group_ids`` [B] int64; ``env_index`` [B] int64 into E environments, with
-``env_slots`` any tensor of E' >= E elements (its shape is the row count of the sums, so that one
-compiled function serves every E up to E'); ``truncated`` [B] bool; ``hacked`` [D, B] bool;
-``bounds`` float64 [3] = (fail reward, pass reward, 1 when configured else 0).
+Groups: one sort of the group ids, then each episode's *group slot* is the position of its id's
+first occurrence in the sorted ids (one ``searchsorted``): equal ids share a slot, slots are in
+[0, B). A group's constancy is tested against one of its own usable rewards (written by a plain
+scatter, so whichever write wins gives the same answer); group sizes and the episodes differing from
+that reward are integer counts (``bincount`` on CPU, an int64 scatter-add elsewhere). A group counts
+once for each environment among its episodes: the (group slot, environment) pairs are numbered and
+the episode whose index a plain scatter leaves in a pair's cell is that pair's one representative
+(again: any winner gives the same counts).
+
+No host synchronisation, no data-dependent shape, no Python branch on tensor values and no float
+atomics: every sum is a reduction, every count an integer, so the values are the same on every
+device. A constant group is classified on the host: the device counts constant groups at or past
+the batch's reward range, at or past the configured (fail, pass) rewards and above 0, and the host
+picks the rule (:func:`finish_episodes`).
+
+Shapes: B episodes; ``per_seq`` [B] response lengths (tokens, integers); ``ok`` [B] bool (episodes
+that did not fail for an infrastructure reason); ``rewards`` [B] float64; ``group_ids`` [B] int64;
+``env_index`` [B] int64 into E environments, with ``env_slots`` any tensor of E' >= E elements (its
+shape is the row count of the per-environment sums, so that one compiled function serves every E up
+to E'); ``truncated`` [B] bool; ``hacked`` [D, B] bool; ``bounds`` float64 [3] = :func:`bound_values`.
 """
 
 from __future__ import annotations
@@ -26,31 +40,61 @@ import torch
 from ..metrics import ZERO_VARIANCE_KINDS
 from .pending import Values, _div
 
+#: The response-length quantile (linear interpolation between order statistics, as torch.quantile).
+LENGTH_QUANTILE = 0.99
+#: Rows of the group block, one value per group slot: usable episodes > 0, constant, usable episodes
+#: of constant groups, usable episodes, B + 1 - usable episodes (0 for an empty slot, so that its
+#: maximum gives the smallest group), then the constant groups at the batch's highest reward and at
+#: its lowest, at the configured pass and fail rewards, and above 0.
+GROUP_ROWS = ("groups", "zero_var", "zero_var_episodes", "size", "size_gap",
+              "range_pass", "range_fail", "bounds_pass", "bounds_fail", "sign_pass")
 
-def episode_layout(rewards: bool, groups: bool, envs: int, env_columns: int, truncated: bool) -> dict[str, Any]:
-    """Positions in :func:`episode_core`'s output (``envs`` = E', the rows of the env sums)."""
-    at, pos = 0, {}
 
-    def take(name: str, size: int) -> None:
-        nonlocal at
-        pos[name], at = slice(at, at + size), at + size
+def bound_values(reward_bounds: tuple[float, float] | None) -> tuple[float, float, float]:
+    """The ``bounds`` input of :func:`episode_core`: (pass, -fail, the smallest positive float64),
+    the thresholds that ``ref >= t`` and ``-ref >= t`` compare group rewards with."""
+    fail, passing = (float(b) for b in reward_bounds or (0.0, 0.0))
+    return passing, -fail, 5e-324
+
+
+def _main_rows(rewards: bool, groups: bool, envs: bool, truncated: bool) -> list[str]:
+    """The per-episode rows that :func:`episode_core` stacks, in order (``hacked`` rows follow)."""
+    rows = ["episodes", "all_ok", "length"]
     if rewards:
-        take("rewards", 4)                 # non-finite rewards, n, sum r, sum r^2
-        if groups:
-            take("groups", 8)              # groups, pass, fail, constant, zero-var episodes, n, size min, max
-    take("lengths", 3)                     # mean, max, p99
+        rows += ["ok", "r", "rr"] + (["n", "nn", "rn"] if envs else [])
     if truncated:
-        take("truncated", 1)
+        rows.append("truncated")
+    if envs and rewards and groups:
+        rows += ["pairs", "pairs_zero_var"]
+    return rows
+
+
+def episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, detectors: list[str]) -> dict[str, Any]:
+    """Positions in :func:`episode_core`'s output (``envs`` = E', the rows of the per-environment
+    sums; 0 without environments): ``rows`` (name -> row of the [K, B] matrix), then slices of the
+    output: ``sums`` [K], ``maxes`` [K], ``range`` (highest reward, -lowest; with groups), ``p99``
+    (the two order statistics around the length quantile), ``env`` ([E', width] row-major: the
+    first ``width`` rows summed per environment)."""
+    groups = rewards and groups
+    rows = _main_rows(rewards, groups, envs > 0, truncated) + ["hacked/" + d for d in detectors]
+    width = len(rows)
+    if groups:
+        rows += GROUP_ROWS
+    K = len(rows)
+    pos: dict[str, Any] = {"rows": {name: k for k, name in enumerate(rows)}, "width": width,
+                           "sums": slice(0, K), "maxes": slice(K, 2 * K)}
+    at = 2 * K
+    if groups:
+        pos["range"], at = slice(at, at + 2), at + 2
+    pos["p99"], at = slice(at, at + 2), at + 2
     if envs:
-        take("env_sums", envs * env_columns)
-        if rewards and groups:
-            take("env_groups", envs * 2)
+        pos["env"], at = slice(at, at + envs * width), at + envs * width
     pos["size"] = at
     return pos
 
 
 def env_columns(rewards: bool, truncated: bool, detectors: list[str]) -> list[str]:
-    """Names of the per-environment sums, in :func:`episode_core`'s column order."""
+    """Names of the per-environment sums that :func:`rlwatch.signals.environments._finish_envs` reads."""
     names = ["episodes"]
     if rewards:
         names += ["ok", "r", "n", "rr", "nn", "rn"]
@@ -62,155 +106,194 @@ def env_columns(rewards: bool, truncated: bool, detectors: list[str]) -> list[st
 def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor | None,
                  group_ids: torch.Tensor | None, env_index: torch.Tensor | None, env_slots: torch.Tensor | None,
                  truncated: torch.Tensor | None, hacked: torch.Tensor | None, bounds: torch.Tensor,
-                 qs: torch.Tensor) -> torch.Tensor:
+                 qs: torch.Tensor | None = None) -> torch.Tensor:
     """Every per-episode sum of one step, packed as :func:`episode_layout` says (float64).
 
-    per_seq: [B] response lengths (tokens); qs: float64 (0.5, 0.99), the last used for the length p99.
+    per_seq: [B] response lengths (tokens). ``qs`` is not used (the length quantile is
+    :data:`LENGTH_QUANTILE`, applied on the host); it keeps the caller's signature.
     """
-    B = per_seq.shape[0]
-    device = per_seq.device
-    lengths = per_seq.double()
-    okf = ok.double()
-    parts: list[torch.Tensor] = []
-    zero_var = index = None
-    ok_r = ok
-    r = okf
-    if rewards is not None:
-        # A NaN or infinite reward is counted and its episode left out of every reward signal.
-        finite = torch.isfinite(rewards)
-        ok_r = ok & finite
-        okf = ok_r.double()
-        r = torch.where(ok_r, rewards.double(), 0.0)
-        parts.append(torch.stack([(ok & ~finite).double(), okf, r, r * r]).sum(1))   # r is 0 where not ok_r
-        if group_ids is not None:
-            index = _group_index(group_ids)
-            zero_var, group_part = _groups(r, ok_r, index, bounds)
-            parts.append(group_part)
-    parts.append(_length_stats(lengths, qs[-1]))
+    envs = env_index is not None and env_slots is not None
+    groups = rewards is not None and group_ids is not None
+    lengths = per_seq if per_seq.dtype == torch.float64 else per_seq.double()
+    rows: dict[str, torch.Tensor] = {"episodes": torch.ones_like(lengths), "all_ok": ok, "length": lengths}
     if truncated is not None:
-        parts.append(truncated.double().mean().reshape(1))
-    if env_index is not None and env_slots is not None:
-        slots = torch.arange(env_slots.shape[0], device=device)
-        one_hot = (env_index.unsqueeze(0) == slots.unsqueeze(1)).double()         # [E', B]
-        columns = [torch.ones_like(okf)]
-        if rewards is not None:
-            n = lengths * okf
-            columns += [okf, r, n, r * r, n * n, r * n]
-        if truncated is not None:
-            columns.append(truncated.double())
-        if hacked is not None:
-            columns += list(hacked.double().unbind(0))
-        parts.append(_per_env(one_hot, torch.stack(columns, 1)))                       # [E', C]
-        if zero_var is not None and index is not None:
-            # A group counts once for each environment among its episodes: distinct (group,
-            # environment) pairs from one sort of group * E' + environment.
-            E = env_slots.shape[0]
-            pair = (index * E + env_index).sort().values
-            first = torch.cat([pair.new_ones(1, dtype=torch.bool), pair[1:] != pair[:-1]])[:B]
-            group_of, env_of = pair // E, pair % E
-            counted = torch.stack([first, first & zero_var[group_of]], 1).double()     # [B, 2]
-            env_hot = (env_of.unsqueeze(0) == slots.unsqueeze(1)).double()
-            parts.append(_per_env(env_hot, counted))                                   # [E', 2]
-    return torch.cat(parts)
+        rows["truncated"] = truncated
+    compiled = torch.compiler.is_compiling()
+    parts: list[torch.Tensor] = []
+    group_rows: list[torch.Tensor] = []
+    if rewards is not None:
+        # A NaN or infinite reward is counted (all_ok - ok) and its episode left out of every reward signal.
+        ok_r = ok & torch.isfinite(rewards)
+        r = torch.where(ok_r, rewards, 0.0)
+        rows.update(ok=ok_r, r=r, rr=r * r)
+        if envs:
+            n = lengths * ok_r
+            rows.update(n=n, nn=n * n, rn=r * n)
+        if groups:
+            index = torch.searchsorted(group_ids.sort().values, group_ids)      # [B] group slots
+            group_rows, reward_range, zero_var = _groups(r, ok_r, index, bounds, compiled)
+            parts.append(reward_range)
+            if envs:
+                rows.update(_pairs(index, env_index, env_slots.shape[0], zero_var))
+    main = [rows[name] for name in _main_rows(rewards is not None, groups, envs, truncated is not None)]
+    sums = _reduce(main, hacked, group_rows, env_index if envs else None,
+                   env_slots.shape[0] if envs else 0, compiled)
+    return torch.cat([*sums[:2], *parts, _length_order_statistics(lengths.sort().values), *sums[2:]])
 
 
-def _length_stats(lengths: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """[3] float64: mean, max and the ``q`` quantile (linear interpolation) of [B] response lengths;
-    NaN for an empty batch (which the compiled function never sees)."""
-    if lengths.shape[0] == 0:
-        return torch.full((3,), torch.nan, dtype=torch.float64, device=lengths.device)
-    top = (torch.ones_like(lengths).sum() - 1).clamp_min(0)
-    rank = q * top
-    lo = rank.floor()
-    hi = (lo + 1).minimum(top)
-    v = lengths.sort().values[torch.stack([lo, hi]).long()]               # a gather, not a read
-    p99 = v[0] + (rank - lo) * (v[1] - v[0])
-    return torch.stack([lengths.mean(), lengths.amax(), p99])
+def _reduce(main: list[torch.Tensor], hacked: torch.Tensor | None, group_rows: list[torch.Tensor],
+            env_index: torch.Tensor | None, E: int, compiled: bool) -> list[torch.Tensor]:
+    """The sums [K] and maxima [K] of the rows (``main``, then ``hacked`` [D, B], then
+    ``group_rows``), and with environments the [E', width] row-major sums of the first
+    ``width`` = len(main) + D rows per environment. Eagerly: one [K, B] float64 matrix, reduced
+    once per kind; compiled: separate row reductions, which inductor fuses into one pass over the
+    episodes without materialising the matrix (a stack of many rows is one copy loop per row)."""
+    matrix = [torch.stack(main)]
+    if hacked is not None:
+        matrix.append(hacked)
+    width = sum(m.shape[0] for m in matrix)
+    matrix += group_rows
+    m = torch.cat(matrix) if len(matrix) > 1 else matrix[0]                  # [K, B] float64
+    B = m.shape[1]
+    out = [m.sum(1), m.amax(1) if B else m.new_full((m.shape[0],), torch.nan)]
+    if E:
+        slots = torch.arange(E, device=m.device).view(-1, 1, 1)
+        block = m[:width] if width < m.shape[0] else m
+        out.append(((env_index == slots) * block).sum(-1).reshape(-1))      # [E', width]
+    return out
 
 
-def _per_env(one_hot: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """Row-major [E', C] sums of ``columns`` [B, C] per environment (``one_hot`` [E', B] float64), as a
-    broadcast product and one sum: no BLAS call (whose first use on a host allocates its own
-    buffers), fused into one kernel when compiled."""
-    return (one_hot.unsqueeze(-1) * columns.unsqueeze(0)).sum(1).reshape(-1)
+def _length_order_statistics(sorted_lengths: torch.Tensor) -> torch.Tensor:
+    """[2] float64: the order statistics lo and min(lo + 1, B - 1) of the sorted [B] lengths, lo =
+    floor(LENGTH_QUANTILE * (B - 1)); NaN for an empty batch (which compiled code never sees)."""
+    B = sorted_lengths.shape[0]
+    if torch.compiler.is_compiling():          # B is symbolic: the positions as a tensor
+        rank = torch.full((1,), LENGTH_QUANTILE, dtype=torch.float64, device=sorted_lengths.device) * (B - 1)
+        lo = rank.floor().long()
+        return sorted_lengths[torch.cat([lo, (lo + 1).clamp_max(B - 1)])]
+    if B == 0:
+        return torch.full((2,), torch.nan, dtype=torch.float64, device=sorted_lengths.device)
+    if B == 1:
+        return sorted_lengths.expand(2)
+    lo = math.floor(LENGTH_QUANTILE * (B - 1))
+    return sorted_lengths[lo:lo + 2]
 
 
-def _group_index(group_ids: torch.Tensor) -> torch.Tensor:
-    """Group ids [B] compacted to 0..G-1 (by sorted id), without a host sync."""
-    order = torch.argsort(group_ids, stable=True)
-    g_sorted = group_ids[order]
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=group_ids.device),
-                        (g_sorted[1:] != g_sorted[:-1]).long()])
-    return torch.empty_like(order).scatter_(0, order, starts.cumsum(0))
+def _counts(slots: list[torch.Tensor], size: int) -> list[torch.Tensor]:
+    """Occurrences [size] int64 of each index tensor's values (in [0, size)): a ``bincount`` each on
+    CPU, one int64 scatter-add over offset slots elsewhere (bincount's output size is data-dependent,
+    which compiled code cannot have, and syncs on CUDA)."""
+    if slots[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        return [torch.bincount(s, minlength=size) for s in slots]
+    index = torch.cat([s + k * size if k else s for k, s in enumerate(slots)])
+    counts = torch.zeros(len(slots) * size, dtype=torch.int64, device=index.device)
+    return list(counts.scatter_add_(0, index, torch.ones_like(index)).view(len(slots), size).unbind())
 
 
-def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor,
-            bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-variance flags per group slot [B] bool, and the group sums [8] float64."""
+def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor, bounds: torch.Tensor,
+            compiled: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The :data:`GROUP_ROWS` per group slot (one [10, B] matrix eagerly, ten [B] rows compiled),
+    the batch's reward range [2] (highest, -lowest usable reward; -inf without one) and the constant
+    flags per slot [B + 1] bool."""
     B = r.shape[0]
-    # One reward of each group's usable episodes (the last write wins: any one of them will do).
-    ref = r.new_zeros(B + 1).scatter_(0, torch.where(ok_r, index, B), r)[:B]
-    differs = ok_r & (r != ref[index])
-    # Group sizes and the episodes differing from their group's reference: one integer scatter-add.
-    size, n_differ = torch.zeros(2 * B, dtype=torch.int64, device=r.device).scatter_add_(
-        0, torch.cat([index, index + B]), torch.cat([ok_r, differs]).long()).view(2, B).unbind()
+    slot = torch.where(ok_r, index, B)                    # usable episodes; slot B collects the others
+    ref = r.new_zeros(B + 1).scatter_(0, slot, r)         # one usable reward of each group
+    differ = torch.where(r != ref.gather(0, index), slot, B)
+    size, n_differ = _counts([slot, differ], B + 1)
     exists = size > 0
     zero_var = exists & (n_differ == 0)
-    # Classify constant groups by the configured (fail, pass) rewards, else the batch's range
-    # (+inf, -inf without usable episodes); when the batch is one constant, by sign.
     if B:
-        neg_lo, hi = torch.where(ok_r, torch.stack([-r, r]), -torch.inf).amax(1).unbind()
+        reward_range = torch.where(ok_r, torch.stack([r, -r]), -torch.inf).amax(1)
     else:
-        neg_lo, hi = r.new_full((2,), -torch.inf).unbind()
-    given = bounds[2] > 0
-    lo = torch.where(given, bounds[0], -neg_lo)
-    hi = torch.where(given, bounds[1], hi)
-    spread = hi > lo
-    at_pass = zero_var & torch.where(spread, ref >= hi, ref > 0)
-    at_fail = zero_var & ~at_pass & torch.where(spread, ref <= lo, ref <= 0)
-    # Groups, passing, failing and other constant groups, zero-variance episodes, usable episodes.
-    sums = torch.stack([exists, at_pass, at_fail, zero_var & ~at_pass & ~at_fail, zero_var[index] & ok_r,
-                        ok_r]).sum(1)
-    sizes = size.double()
-    if B == 0:
-        extremes = torch.full((2,), torch.nan, dtype=torch.float64, device=r.device)
-    else:
-        extremes = torch.stack([torch.where(exists, sizes, torch.inf).amin(), sizes.amax()])
-    return zero_var, torch.cat([sums, extremes])
+        reward_range = r.new_full((2,), -torch.inf)
+    # Constant groups at or past each threshold: ref >= highest, -ref >= -lowest, ref >= pass,
+    # -ref >= -fail, ref > 0 (the host picks the rule that applies).
+    thresholds = torch.cat([reward_range, bounds])
+    neg = -ref
+    slots = [exists, zero_var, zero_var * size, size, (B + 1 - size) * exists]
+    kinds = (torch.stack([ref, neg, ref, neg, ref]) >= thresholds.unsqueeze(1)) & zero_var
+    return [torch.cat([torch.stack(slots), kinds])[:, :B]], reward_range, zero_var
+
+
+def _pairs(index: torch.Tensor, env_index: torch.Tensor, E: int, zero_var: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows ``pairs`` (the episode represents its distinct (group, environment) pair) and
+    ``pairs_zero_var`` (and its group is constant), [B] bool each."""
+    pair = env_index.add(index, alpha=E)                  # [B] in [0, B * E')
+    order = torch.arange(index.shape[0], device=index.device)
+    winner = torch.empty(index.shape[0] * E, dtype=torch.int64, device=index.device).scatter_(0, pair, order)
+    first = winner.gather(0, pair) == order
+    return {"pairs": first, "pairs_zero_var": first & zero_var.gather(0, index)}
 
 
 def finish_episodes(v: list[float], pos: dict[str, Any], envs: list[str], columns: list[str],
-                    detectors: list[str]) -> Values:
-    """The host formulas of the episode signals from :func:`episode_core`'s vector ``v``."""
+                    detectors: list[str], reward_bounds: tuple[float, float] | None = None) -> Values:
+    """The host formulas of the episode signals from :func:`episode_core`'s vector ``v``
+    (``reward_bounds``: the configured (fail, pass) rewards, None when inferred per batch)."""
     from .environments import _finish_envs
     from .groups import _std
 
+    rows = pos["rows"]
+    sums, maxes = v[pos["sums"]], v[pos["maxes"]]
+
+    def total(name: str) -> float:
+        return sums[rows[name]]
+
+    B = total("episodes")
     out: Values = {}
-    if "rewards" in pos:
-        nonfinite, n, s, sq = v[pos["rewards"]]
+    if "ok" in rows:
+        n, s = total("ok"), total("r")
+        nonfinite = total("all_ok") - n
         out["nonfinite_rewards"] = {(): nonfinite}
         out["nonfinite_rewards_total"] = {(): nonfinite}
         out["reward_mean"] = {(): _div(s, n)}
-        out["reward_std"] = {(): _std([n, s, sq])}
-    if "groups" in pos:
-        groups, *kinds, zero_eps, n, size_min, size_max = v[pos["groups"]]
+        out["reward_std"] = {(): _std([n, s, total("rr")])}
+    if "groups" in rows:
+        groups = total("groups")
+        kinds = _constant_kinds(total, v[pos["range"]], reward_bounds)
         out["groups"] = {(): groups}
         out["groups_total"] = {(): groups}
         out["zero_variance_groups_ratio"] = {(k,): _div(c, groups) for k, c in zip(ZERO_VARIANCE_KINDS, kinds)}
         out["zero_variance_groups_total"] = {(k,): c for k, c in zip(ZERO_VARIANCE_KINDS, kinds)}
-        out["zero_gradient_episodes_ratio"] = {(): _div(zero_eps, n)}
-        out["_group_size_min"] = {(): size_min}
-        out["_group_size_max"] = {(): size_max}
-    mean, longest, p99 = v[pos["lengths"]]
-    out["response_length_mean"] = {(): mean}
-    out["response_length_max"] = {(): longest}
-    out["response_length_p99"] = {(): p99}
-    if "truncated" in pos:
-        out["truncated_ratio"] = {(): v[pos["truncated"]][0]}
-    if "env_sums" in pos:
-        C, E = len(columns), len(envs)
-        sums = v[pos["env_sums"]][:E * C]
-        zero = v[pos["env_groups"]][:E * 2] if "env_groups" in pos else None
-        out.update(_finish_envs(sums, zero, columns, envs, detectors))
-    return {name: {k: (x if x is not None and math.isfinite(x) else None) for k, x in rows.items()}
-            for name, rows in out.items()}
+        out["zero_gradient_episodes_ratio"] = {(): _div(total("zero_var_episodes"), total("ok"))}
+        gap = maxes[rows["size_gap"]]
+        out["_group_size_min"] = {(): B + 1 - gap if gap > 0 else None}
+        out["_group_size_max"] = {(): maxes[rows["size"]]}
+    out["response_length_mean"] = {(): _div(total("length"), B)}
+    out["response_length_max"] = {(): maxes[rows["length"]]}
+    out["response_length_p99"] = {(): _quantile(*v[pos["p99"]], B)}
+    if "truncated" in rows:
+        out["truncated_ratio"] = {(): _div(total("truncated"), B)}
+    if "env" in pos:
+        width, env = pos["width"], v[pos["env"]]
+        flat = [env[e * width + rows[c]] for e in range(len(envs)) for c in columns]
+        zero = None
+        if "pairs" in rows:
+            zero = [env[e * width + rows[c]] for e in range(len(envs)) for c in ("pairs", "pairs_zero_var")]
+        out.update(_finish_envs(flat, zero, columns, envs, detectors))
+    return {name: {k: (x if x is not None and math.isfinite(x) else None) for k, x in rows_.items()}
+            for name, rows_ in out.items()}
+
+
+def _constant_kinds(total: Any, reward_range: list[float],
+                    reward_bounds: tuple[float, float] | None) -> tuple[float, float, float]:
+    """Constant groups passing, failing and other. Classified by the configured (fail, pass)
+    rewards, else by the batch's range (a constant group at its highest reward passes, at its
+    lowest fails); when these do not span an interval (one constant batch), by sign."""
+    if reward_bounds is not None:
+        fail, passing = reward_bounds
+        rule = "bounds" if passing > fail else "sign"
+    else:
+        highest, neg_lowest = reward_range
+        rule = "range" if highest > -neg_lowest else "sign"
+    zero = total("zero_var")
+    at_pass = total(rule + "_pass")
+    at_fail = zero - at_pass if rule == "sign" else total(rule + "_fail")
+    return at_pass, at_fail, zero - at_pass - at_fail
+
+
+def _quantile(lo_value: float, hi_value: float, B: float) -> float | None:
+    """The LENGTH_QUANTILE quantile from its two order statistics (the formula of torch.quantile)."""
+    if not B:
+        return None
+    rank = LENGTH_QUANTILE * (B - 1)
+    return lo_value + (rank - math.floor(rank)) * (hi_value - lo_value)

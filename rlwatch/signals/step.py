@@ -16,7 +16,7 @@ import torch
 from . import fused, settings
 from ..metrics import LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS
 from .environments import failure_counts
-from .episodes import env_columns, episode_core, episode_layout, finish_episodes
+from .episodes import bound_values, env_columns, episode_core, episode_layout, finish_episodes
 from .groups import entropy_signal
 from .lag import _bucket_counts, lag_signals
 from .mismatch import _ess_ratio, _ratio_of, _slope, mismatch_signals
@@ -61,17 +61,17 @@ class EpisodeInputs:
         # dimension of 1 would be specialised).
         # (uint8: never the same cached tensor as another input, which dynamo would guard on).
         slots = _constant((0,) * max(len(envs), 2), device, torch.uint8) if envs else None
-        given = config.reward_bounds is not None
-        bounds = _constant((*(float(b) for b in config.reward_bounds or (0.0, 0.0)), 1.0 if given else 0.0), device)
+        self.reward_bounds = config.reward_bounds
+        bounds = _constant(bound_values(config.reward_bounds), device)
         self.tensors = (ok, rewards, groups, record.env_index if envs else None, slots, record.truncated,
                         hacked, bounds)
         self.envs = envs
         self.columns = env_columns(rewards is not None, record.truncated is not None, self.detectors)
         self.pos = episode_layout(rewards is not None, groups is not None, slots.numel() if envs else 0,
-                                  len(self.columns), record.truncated is not None)
+                                  record.truncated is not None, self.detectors)
 
     def finish(self, v: list[float]) -> "Values":
-        return finish_episodes(v, self.pos, self.envs, self.columns, self.detectors)
+        return finish_episodes(v, self.pos, self.envs, self.columns, self.detectors, self.reward_bounds)
 
 
 def engine_inputs(record: "StepRecord", config: SignalConfig) -> tuple[tuple[Any, ...], bool]:
