@@ -138,22 +138,29 @@ def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor 
     main = [rows[name] for name in _main_rows(rewards is not None, groups, envs, truncated is not None)]
     sums = _reduce(main, hacked, group_rows, env_index if envs else None,
                    env_slots.shape[0] if envs else 0, compiled)
-    return torch.cat([*sums[:2], *parts, _length_order_statistics(lengths.sort().values), *sums[2:]])
+    return torch.cat([*sums[:2], *parts, _length_order_statistics(per_seq.sort().values), *sums[2:]])
 
 
 def _reduce(main: list[torch.Tensor], hacked: torch.Tensor | None, group_rows: list[torch.Tensor],
             env_index: torch.Tensor | None, E: int, compiled: bool) -> list[torch.Tensor]:
     """The sums [K] and maxima [K] of the rows (``main``, then ``hacked`` [D, B], then
-    ``group_rows``), and with environments the [E', width] row-major sums of the first
-    ``width`` = len(main) + D rows per environment. Eagerly: one [K, B] float64 matrix, reduced
-    once per kind; compiled: separate row reductions, which inductor fuses into one pass over the
-    episodes without materialising the matrix (a stack of many rows is one copy loop per row)."""
-    matrix = [torch.stack(main)]
-    if hacked is not None:
-        matrix.append(hacked)
-    width = sum(m.shape[0] for m in matrix)
-    matrix += group_rows
-    m = torch.cat(matrix) if len(matrix) > 1 else matrix[0]                  # [K, B] float64
+    ``group_rows``: [B] rows or [k, B] blocks), and with environments the [E', width] row-major sums
+    of the first ``width`` = len(main) + D rows per environment, all from one [K, B] float64 matrix.
+    Eagerly the matrix is one stack and one cat. Compiled it is one chain of ``where`` over the row
+    number: inductor lowers a CPU cat (and a GPU cat of more than 8 inputs) to one copy loop per
+    input, while the chain is one elementwise loop (it evaluates every row at each element: a few
+    dozen operations per element, nothing against a launch)."""
+    D = hacked.shape[0] if hacked is not None else 0
+    width = len(main) + D
+    if compiled:
+        rows = main + (list(hacked.unbind()) if hacked is not None else []) + group_rows
+        row = torch.arange(len(rows), device=rows[0].device).view(-1, 1)
+        m = rows[-1].double().expand(len(rows), -1)
+        for k in range(len(rows) - 2, -1, -1):
+            m = torch.where(row == k, rows[k], m)
+    else:
+        matrix = [torch.stack(main)] + ([hacked] if hacked is not None else []) + group_rows
+        m = torch.cat(matrix) if len(matrix) > 1 else matrix[0]
     B = m.shape[1]
     out = [m.sum(1), m.amax(1) if B else m.new_full((m.shape[0],), torch.nan)]
     if E:
@@ -164,13 +171,13 @@ def _reduce(main: list[torch.Tensor], hacked: torch.Tensor | None, group_rows: l
 
 
 def _length_order_statistics(sorted_lengths: torch.Tensor) -> torch.Tensor:
-    """[2] float64: the order statistics lo and min(lo + 1, B - 1) of the sorted [B] lengths, lo =
+    """[2]: the order statistics lo and min(lo + 1, B - 1) of the sorted [B] lengths, lo =
     floor(LENGTH_QUANTILE * (B - 1)); NaN for an empty batch (which compiled code never sees)."""
     B = sorted_lengths.shape[0]
     if torch.compiler.is_compiling():          # B is symbolic: the positions as a tensor
-        rank = torch.full((1,), LENGTH_QUANTILE, dtype=torch.float64, device=sorted_lengths.device) * (B - 1)
-        lo = rank.floor().long()
-        return sorted_lengths[torch.cat([lo, (lo + 1).clamp_max(B - 1)])]
+        device = sorted_lengths.device
+        rank = torch.full((2,), LENGTH_QUANTILE, dtype=torch.float64, device=device) * (B - 1)
+        return sorted_lengths[(rank.floor().long() + torch.arange(2, device=device)).clamp_max(B - 1)]
     if B == 0:
         return torch.full((2,), torch.nan, dtype=torch.float64, device=sorted_lengths.device)
     if B == 1:
@@ -179,15 +186,13 @@ def _length_order_statistics(sorted_lengths: torch.Tensor) -> torch.Tensor:
     return sorted_lengths[lo:lo + 2]
 
 
-def _counts(slots: list[torch.Tensor], size: int) -> list[torch.Tensor]:
-    """Occurrences [size] int64 of each index tensor's values (in [0, size)): a ``bincount`` each on
-    CPU, one int64 scatter-add over offset slots elsewhere (bincount's output size is data-dependent,
-    which compiled code cannot have, and syncs on CUDA)."""
-    if slots[0].device.type == "cpu" and not torch.compiler.is_compiling():
-        return [torch.bincount(s, minlength=size) for s in slots]
-    index = torch.cat([s + k * size if k else s for k, s in enumerate(slots)])
-    counts = torch.zeros(len(slots) * size, dtype=torch.int64, device=index.device)
-    return list(counts.scatter_add_(0, index, torch.ones_like(index)).view(len(slots), size).unbind())
+def _counts(index: torch.Tensor, weights: torch.Tensor, size: int) -> torch.Tensor:
+    """Sums [size] of the integer ``weights`` by ``index`` (in [0, size)): a ``bincount`` on CPU
+    (float64, exact below 2^53), an int64 scatter-add elsewhere (bincount's output size is
+    data-dependent, which compiled code cannot have, and it syncs on CUDA)."""
+    if index.device.type == "cpu" and not torch.compiler.is_compiling():
+        return torch.bincount(index, weights, size)
+    return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add_(0, index, weights)
 
 
 def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor, bounds: torch.Tensor,
@@ -197,21 +202,28 @@ def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor, bounds: to
     flags per slot [B + 1] bool."""
     B = r.shape[0]
     slot = torch.where(ok_r, index, B)                    # usable episodes; slot B collects the others
-    ref = r.new_zeros(B + 1).scatter_(0, slot, r)         # one usable reward of each group
-    differ = torch.where(r != ref.gather(0, index), slot, B)
-    size, n_differ = _counts([slot, differ], B + 1)
-    exists = size > 0
-    zero_var = exists & (n_differ == 0)
+    # One usable reward of each group (a slot without one keeps whatever the buffer held: only
+    # episodes that go to slot B read it, and only constant groups' values are used).
+    ref = r.new_empty(B + 1).scatter_(0, slot, r)
+    # Per slot: usable episodes + (B + 1) * those differing from the slot's reward, one integer sum.
+    counts = _counts(slot, torch.where(r != ref.gather(0, index), B + 2, 1), B + 1)
+    exists = counts > 0
+    zero_var = exists & (counts <= B)
+    size = counts % (B + 1)
     if B:
         reward_range = torch.where(ok_r, torch.stack([r, -r]), -torch.inf).amax(1)
     else:
         reward_range = r.new_full((2,), -torch.inf)
     # Constant groups at or past each threshold: ref >= highest, -ref >= -lowest, ref >= pass,
     # -ref >= -fail, ref > 0 (the host picks the rule that applies).
-    thresholds = torch.cat([reward_range, bounds])
     neg = -ref
     slots = [exists, zero_var, zero_var * size, size, (B + 1 - size) * exists]
-    kinds = (torch.stack([ref, neg, ref, neg, ref]) >= thresholds.unsqueeze(1)) & zero_var
+    if compiled:
+        thresholds = reward_range.unbind() + bounds.unbind()
+        kinds = [(x >= t) & zero_var for x, t in zip((ref, neg, ref, neg, ref), thresholds)]
+        return [x[:B] for x in slots + kinds], reward_range, zero_var
+    thresholds = torch.cat([reward_range, bounds]).unsqueeze(1)
+    kinds = (torch.stack([ref, neg, ref, neg, ref]) >= thresholds) & zero_var
     return [torch.cat([torch.stack(slots), kinds])[:, :B]], reward_range, zero_var
 
 
