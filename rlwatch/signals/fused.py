@@ -86,15 +86,6 @@ def _eager_rows(n_all: int) -> bool:
     return not torch.compiler.is_compiling() and n_all <= _EXACT_F32_COUNT
 
 
-def _row_sums(groups: list[torch.Tensor], stacked: bool) -> list[torch.Tensor]:
-    """Sums over the last two dimensions of each group [k, B, T] (bool groups are counts), as parts
-    of the output in group order: one concatenated buffer and one sum when ``stacked``, else one
-    sum per group (boolean ones in int64)."""
-    if stacked:
-        return [torch.cat(groups).sum((1, 2))]
-    return [g.sum((1, 2)) for g in groups]
-
-
 def _ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The order statistics [2, Q] (0-based, float64) that each ``qs``-quantile of ``n`` items lies
     between, and its position between them [Q] (linear interpolation, as ``torch.quantile``; the upper
@@ -167,37 +158,44 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
     em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1()                    # w - 1, 0 off the valid set
     thr = thresholds if work == torch.float64 else thresholds.to(work)
     em1_t = em1.clamp(max=thr[0])                                         # min(w, C) - 1
-    x = torch.stack([r, s, em1, em1_t])                                   # [4, B, T]; then their squares
     # Sampler-probability bands: band k holds log mu in [edge k-1, edge k) (not bucketize: its CPU
     # kernel goes multi-threaded from 200 elements, slow on a busy host). Off the valid set s = 0
     # falls in the last band, with |r| = 0 and no valid token.
     edges = thr[4:-4]
     bands = edges.numel() + 1
-    band = (s >= edges.view(-1, 1, 1)).sum(0)                             # [B, T] 0 .. bands - 1
-    in_band = band == _cached(("bands", bands, device), lambda: torch.arange(bands, device=device).view(-1, 1, 1))
-    stacked = _eager_rows(n_all)
-    # The rows [k, B, T] summed over the tokens, in MISMATCH_FIELDS order: |r|, k3 terms, r s, valid
-    # tokens, r, s, w - 1, min(w, C) - 1, their squares, w against the four IS thresholds (exact,
-    # strict: w > C, w > high, w < 1/C, w < low) and |r| and valid tokens by band.
-    first = ([torch.stack([a, em1 - r, r * s, keep])] if stacked else
-             [torch.stack([a, em1 - r, r * s]), keep.unsqueeze(0)])
-    groups = [*first, x, x * x, em1 > thr[0:4:3].view(2, 1, 1), em1 < thr[1:3].view(2, 1, 1),
-              a * in_band, in_band & keep]
-    if stacked:
-        rows = torch.cat(groups)                                          # [K, B, T] in the work dtype
+    # The rows summed over the tokens, in MISMATCH_FIELDS order: |r|, k3 terms, r s, valid tokens,
+    # r, s, w - 1, min(w, C) - 1, their squares, w against the four IS thresholds (exact, strict:
+    # w > C, w > high, w < 1/C, w < low), |r| and valid tokens by band.
+    if _eager_rows(n_all):
+        # Eagerly: groups of rows [k, B, T] by broadcasting, one buffer, one sum.
+        x = torch.stack([r, s, em1, em1_t])                               # [4, B, T]; then their squares
+        band = (s >= edges.view(-1, 1, 1)).sum(0)                         # [B, T] 0 .. bands - 1
+        in_band = band == _cached(("bands", bands, device),
+                                  lambda: torch.arange(bands, device=device).view(-1, 1, 1))
+        rows = torch.cat([torch.stack([a, em1 - r, r * s, keep]), x, x * x, em1 > thr[0:4:3].view(2, 1, 1),
+                          em1 < thr[1:3].view(2, 1, 1), a * in_band, in_band & keep])   # [K, B, T] work dtype
         parts = [rows.sum((1, 2))]
         per_seq = rows[3:5].sum(-1)                                       # [2, B]: valid tokens, sum of r
         n = parts[0][3:4]
+        # Largest r, -smallest r and largest |r| over the valid tokens (-inf without any).
+        if n_all:
+            parts.append(torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2)))
+        else:
+            parts.append(torch.zeros(3, dtype=work, device=device))
     else:
-        parts = [g.sum((1, 2)) for g in groups]                           # fused by inductor; counts int64
+        # Compiled: the rows as the last dimension of one [B, T, K] tensor reduced over the tokens in
+        # float64 (exact counts): one reduction whose K values the output takes as they are, which
+        # inductor computes without materialising the rows, reading each token once.
+        band = sum(s >= edges[k] for k in range(bands - 1))
+        in_band = [band == k for k in range(bands)]
+        rows = [a, em1 - r, r * s, keep, r, s, em1, em1_t, r * r, s * s, em1 * em1, em1_t * em1_t,
+                em1 > thr[0], em1 > thr[3], em1 < thr[1], em1 < thr[2], *(a * i for i in in_band),
+                *(i & keep for i in in_band)]
+        parts = [torch.stack(rows, -1).sum((0, 1), dtype=torch.float64)]
         per_seq = torch.stack([keep.sum(-1), r.sum(-1)])
-        n = parts[1]
-    # Largest r, -smallest r and largest |r| over the valid tokens (-inf without any).
-    if n_all:
-        parts.append(torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2)))
-    else:
-        parts.append(torch.zeros(3, dtype=work, device=device))
-    max_a = parts[-1][2:]
+        n = parts[0][3:4]
+        parts.append(torch.where(keep.unsqueeze(-1), torch.stack([r, -r, a], -1), -torch.inf).amax((0, 1)))
+    extremes = parts[-1]
     # Sequence level: s_b = sum_t r over sequences with a valid token. Without one s_b = 0, so every
     # term but the count is 0 (log C, log high > 0 > -log C, log low).
     valid_count, seq_r = per_seq.double().unbind()
@@ -205,14 +203,15 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
     terms = torch.cat([torch.stack([valid_count > 0, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))]),
                        seq_r > thresholds[-4::3, None], seq_r < thresholds[-3:-1, None]])    # [7, B] float64
     parts += [terms.sum(-1), seq_abs.amax(0, keepdim=True) if B else seq_abs.new_zeros(1)]
-    parts.append(_abs_quantiles(a, keep, n, max_a, abs_mids, qs, exact_quantiles or n_all == 0))
+    parts.append(_abs_quantiles(a, keep, n, extremes, abs_mids, qs, exact_quantiles or n_all == 0))
     return parts
 
 
-def _abs_quantiles(a: torch.Tensor, keep: torch.Tensor, n: torch.Tensor, max_a: torch.Tensor,
+def _abs_quantiles(a: torch.Tensor, keep: torch.Tensor, n: torch.Tensor, extremes: torch.Tensor,
                    abs_mids: torch.Tensor, qs: torch.Tensor, exact_quantiles: bool) -> torch.Tensor:
     """|r| quantiles [Q] float64 (meaningless when n = 0): a sort on small steps, else the float32
-    bit-pattern histogram. a: [B, T] |r|, 0 off the valid set ``keep``; n [1]: the valid tokens."""
+    bit-pattern histogram. a: [B, T] |r|, 0 off the valid set ``keep``; n [1]: the valid tokens;
+    ``extremes``: [max r, -min r, max |r|]."""
     n_all, device, work = a.numel(), a.device, a.dtype
     lohi, frac = _ranks(n, qs)
     if exact_quantiles:
@@ -230,7 +229,7 @@ def _abs_quantiles(a: torch.Tensor, keep: torch.Tensor, n: torch.Tensor, max_a: 
     # Bin 0: below 2^-40, less the n_all - n zeros off the valid set; the top bin: from 2^24.
     hist = torch.cat([every[:ABS_FIRST].sum(0, keepdim=True) - (n_all - n).long(), every[ABS_FIRST:last],
                       every[last:].sum(0, keepdim=True)])
-    values = torch.cat([torch.zeros(1, dtype=torch.float64, device=device), abs_mids, max_a.double()])
+    values = torch.cat([torch.zeros(1, dtype=torch.float64, device=device), abs_mids, extremes[2:].double()])
     at = torch.searchsorted(hist.cumsum(0, dtype=torch.float64), lohi, right=True).clamp_max(hist.numel() - 1)
     return _interpolate(values[at], frac)
 
