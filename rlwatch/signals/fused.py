@@ -32,25 +32,30 @@ LAG_SIZE = LAG_EXACT_MAX + 2            # bin k holds lag k - 1; bin 0 off-mask 
 # Float32 sums of 0/1 rows are exact up to 2**24 positions; larger eager steps sum counts as int64.
 _EXACT_F32_COUNT = 1 << 24
 
-#: Names of the mismatch block, in the order :func:`_mismatch_block` produces them. ``band_abs`` and
-#: ``band_tokens`` are slices (|r| sum and valid tokens per sampler-probability band); ``neg_min_r``
-#: is minus the smallest valid r. Sums over no valid token (n = 0) are 0 and the maxima -inf: the
-#: host formulas read n first.
+#: Names of the mismatch block, in the order :func:`_mismatch_block` produces them: sums over the
+#: valid tokens of 1, r, s = log mu, w - 1, min(w, C) - 1, |r|, k3 terms, r s, then of their squares
+#: (``n_sq`` = n; ``sq_a``, ``sq_k3``, ``sq_rs`` unused), counts against the IS thresholds, and
+#: ``band_abs`` and ``band_positions``, slices: |r| sums and positions per sampler-probability band
+#: (positions off the valid set have s = 0, in the last band, so every band but the last counts
+#: valid tokens only). ``neg_min_r`` is minus the smallest valid r. Without valid tokens (n = 0)
+#: the sums are 0 and the maxima -inf: the host formulas read n first.
 MISMATCH_FIELDS = (
-    "sum_a", "sum_k3", "rs", "n", "sum_r", "s_sum", "sum_em1", "sum_em1t", "sum_r2", "ss", "sq_em1", "sq_em1t",
-    "high", "mis_above", "low", "mis_below", "band_abs", "band_tokens", "max_r", "neg_min_r", "max_a",
-    "seq_n", "seq_abs", "seq_chi2", "seq_high", "seq_mis_above", "seq_low", "seq_mis_below", "seq_max",
+    "n", "sum_r", "s_sum", "sum_em1", "sum_em1t", "sum_a", "sum_k3", "rs",
+    "n_sq", "sum_r2", "ss", "sq_em1", "sq_em1t", "sq_a", "sq_k3", "sq_rs",
+    "high", "low", "mis_below", "mis_above", "band_abs", "band_positions", "max_r", "neg_min_r", "max_a",
+    "seq_n", "seq_abs", "seq_chi2", "seq_high", "seq_low", "seq_mis_below", "seq_mis_above", "seq_max",
     "q50", "q99",
 )
 #: Names of the lag block, in order (``lag_cum``: the cumulative counts at the histogram buckets;
 #: ``n_ok`` the tokens of non-negative lag; the negative ones are the mask's other tokens).
-LAG_FIELDS = ("lag_cum", "n_ok", "lag_sum", "over", "lag_p99", "lag_seq_n", "lag_seq_max_sum", "spans", "lag_max")
-_SLICES = ("band_abs", "band_tokens", "lag_cum")
+LAG_FIELDS = ("lag_cum", "n_ok", "lag_sum", "over", "lag_p50", "lag_p99", "lag_seq_n", "lag_seq_max_sum", "spans",
+              "lag_max")
+_SLICES = ("band_abs", "band_positions", "lag_cum")
 
 
 def layout(mismatch: bool, lag: bool, bands: int, buckets: int) -> dict[str, int | slice]:
     """Positions in :func:`token_core`'s output: ``tokens`` first, then the mismatch block
-    (``band_abs`` and ``band_tokens`` slices of ``bands`` values), the lag block (``lag_cum`` a slice
+    (``band_abs`` and ``band_positions`` slices of ``bands`` values), the lag block (``lag_cum`` a slice
     of ``buckets`` values), and last ``compiled`` (1 when compiled code produced the vector)."""
     at, pos = 1, {"tokens": 0}
     names = (MISMATCH_FIELDS if mismatch else ()) + (LAG_FIELDS if lag else ())
@@ -79,6 +84,13 @@ def _cached(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     return tensor
 
 
+def _signs(dtype: torch.dtype, device: torch.device, dims: int) -> torch.Tensor:
+    """(1, -1, -1, 1) shaped [4, 1 ...] (``dims`` dimensions): x against thresholds t as (x - t) * sign
+    > 0 gives x > t, x < t, x < t, x > t, exactly (x - t is 0 only where x == t, and keeps its sign)."""
+    return _cached(("signs", dtype, device, dims), lambda: torch.tensor(
+        (1.0, -1.0, -1.0, 1.0), dtype=dtype, device=device).view((4,) + (1,) * (dims - 1)))
+
+
 def _eager_rows(n_all: int) -> bool:
     """Whether per-token rows are stacked into one buffer and reduced by one sum (eager steps whose
     0/1 rows sum exactly in float32), rather than reduced one by one (compiled: inductor fuses the
@@ -89,8 +101,9 @@ def _eager_rows(n_all: int) -> bool:
 def _ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The order statistics [2, Q] (0-based, float64) that each ``qs``-quantile of ``n`` items lies
     between, and its position between them [Q] (linear interpolation, as ``torch.quantile``; the upper
-    one equals the lower where the rank is whole, which interpolates to the same value)."""
-    rank = qs * (n - 1).clamp_min(0)
+    one equals the lower where the rank is whole, which interpolates to the same value). With n = 0
+    the ranks are negative (indices from the end, a value the host ignores)."""
+    rank = qs * (n - 1)
     low = rank.floor()
     return torch.stack([low, rank.ceil()]), rank - low
 
@@ -99,6 +112,15 @@ def _interpolate(pairs: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
     """Values [Q] between the order statistics ``pairs`` [2, Q]: low + frac * (high - low)."""
     low, high = pairs.unbind()
     return low + frac * (high - low)
+
+
+def _lag_hist(lag1: torch.Tensor) -> torch.Tensor:
+    """Tokens by lag 0 .. LAG_EXACT_MAX [LAG_EXACT_MAX + 1] (larger lags in the last bin) from lag + 1
+    per token (<= 0 off the mask and for negative lags: not counted). Eagerly on CPU one histc of
+    unit bins centred on the integers (exact); else integer counts."""
+    if lag1.device.type == "cpu" and not torch.compiler.is_compiling():
+        return torch.histc(lag1.clamp(max=float(LAG_SIZE - 1)), LAG_SIZE - 1, 0.5, LAG_SIZE - 0.5)
+    return _count_into(LAG_SIZE, lag1.clamp(0.0, float(LAG_SIZE - 1)).long())[1:]
 
 
 def _count_into(size: int, index: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,7 +158,9 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     # 1 when this ran as compiled code, 0 eagerly (a guard that fails on the step's thread runs
     # eagerly). Float64, so that torch.cat promotes every part to float64 (exactly: float32 sums and
     # int64 counts fit).
-    parts.append(mask.new_full((1,), 1.0 if torch.compiler.is_compiling() else 0.0, dtype=torch.float64))
+    device = mask.device
+    parts.append(_cached(("compiled", device), lambda: torch.full((1,), 1.0 if torch.compiler.is_compiling() else 0.0,
+                                                                  dtype=torch.float64, device=device)))
     return torch.cat(parts)
 
 
@@ -163,20 +187,20 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
     # falls in the last band, with |r| = 0 and no valid token.
     edges = thr[4:-4]
     bands = edges.numel() + 1
-    # The rows summed over the tokens, in MISMATCH_FIELDS order: |r|, k3 terms, r s, valid tokens,
-    # r, s, w - 1, min(w, C) - 1, their squares, w against the four IS thresholds (exact, strict:
-    # w > C, w > high, w < 1/C, w < low), |r| and valid tokens by band.
+    # The rows summed over the tokens, in MISMATCH_FIELDS order: valid tokens, r, s, w - 1,
+    # min(w, C) - 1, |r|, k3 terms, r s, their squares, w against the four IS thresholds (exact,
+    # strict: w > C, w < 1/C, w < low, w > high), |r| and positions by band.
     if _eager_rows(n_all):
         # Eagerly: groups of rows [k, B, T] by broadcasting, one buffer, one sum.
-        x = torch.stack([r, s, em1, em1_t])                               # [4, B, T]; then their squares
+        y = torch.stack([keep, r, s, em1, em1_t, a, em1 - r, r * s])          # [8, B, T]; then their squares
         band = (s >= edges.view(-1, 1, 1)).sum(0)                         # [B, T] 0 .. bands - 1
         in_band = band == _cached(("bands", bands, device),
                                   lambda: torch.arange(bands, device=device).view(-1, 1, 1))
-        rows = torch.cat([torch.stack([a, em1 - r, r * s, keep]), x, x * x, em1 > thr[0:4:3].view(2, 1, 1),
-                          em1 < thr[1:3].view(2, 1, 1), a * in_band, in_band & keep])   # [K, B, T] work dtype
+        rows = torch.cat([y, y * y, (em1 - thr[:4].view(4, 1, 1)) * _signs(work, device, 3) > 0, a * in_band,
+                          in_band])                                       # [K, B, T] in the work dtype
         parts = [rows.sum((1, 2))]
-        per_seq = rows[3:5].sum(-1)                                       # [2, B]: valid tokens, sum of r
-        n = parts[0][3:4]
+        per_seq = rows[:2].sum(-1)                                        # [2, B]: valid tokens, sum of r
+        n = parts[0][:1]
         # Largest r, -smallest r and largest |r| over the valid tokens (-inf without any).
         if n_all:
             parts.append(torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2)))
@@ -188,20 +212,22 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
         # inductor computes without materialising the rows, reading each token once.
         band = sum(s >= edges[k] for k in range(bands - 1))
         in_band = [band == k for k in range(bands)]
-        rows = [a, em1 - r, r * s, keep, r, s, em1, em1_t, r * r, s * s, em1 * em1, em1_t * em1_t,
-                em1 > thr[0], em1 > thr[3], em1 < thr[1], em1 < thr[2], *(a * i for i in in_band),
-                *(i & keep for i in in_band)]
+        k3, rs = em1 - r, r * s
+        rows = [keep, r, s, em1, em1_t, a, k3, rs, keep, r * r, s * s, em1 * em1, em1_t * em1_t, a * a, k3 * k3,
+                rs * rs, em1 > thr[0], em1 < thr[1], em1 < thr[2], em1 > thr[3], *(a * i for i in in_band), *in_band]
         parts = [torch.stack(rows, -1).sum((0, 1), dtype=torch.float64)]
         per_seq = torch.stack([keep.sum(-1), r.sum(-1)])
-        n = parts[0][3:4]
+        n = parts[0][:1]
         parts.append(torch.where(keep.unsqueeze(-1), torch.stack([r, -r, a], -1), -torch.inf).amax((0, 1)))
     extremes = parts[-1]
     # Sequence level: s_b = sum_t r over sequences with a valid token. Without one s_b = 0, so every
     # term but the count is 0 (log C, log high > 0 > -log C, log low).
     valid_count, seq_r = per_seq.double().unbind()
     seq_abs = seq_r.abs()
+    # s_b > log C, s_b < -log C, s_b < log low, s_b > log high
+    against = (seq_r - thresholds[-4:].view(4, 1)) * _signs(torch.float64, device, 2) > 0
     terms = torch.cat([torch.stack([valid_count > 0, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))]),
-                       seq_r > thresholds[-4::3, None], seq_r < thresholds[-3:-1, None]])    # [7, B] float64
+                       against])                                          # [7, B] float64
     parts += [terms.sum(-1), seq_abs.amax(0, keepdim=True) if B else seq_abs.new_zeros(1)]
     parts.append(_abs_quantiles(a, keep, n, extremes, abs_mids, qs, exact_quantiles or n_all == 0))
     return parts
@@ -241,10 +267,10 @@ def _lag_block(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch
     device = mask.device
     has = per_seq > 0
     if version.shape == mask.shape:
-        if version.dtype.is_floating_point and version.dtype != torch.float32:
+        if version.dtype.is_floating_point and version.dtype not in (torch.float32, torch.float64):
             version = version.float()
-        lag1 = (trainer_version.float() + 1.0 - version) * mask                          # lag + 1, 0 off mask
-        counts = _count_into(LAG_SIZE, lag1.clamp(0.0, float(LAG_SIZE - 1)).int())
+        lag1 = (trainer_version + 1.0 - version) * mask                # lag + 1, 0 off mask (float64 for integers)
+        hist = _lag_hist(lag1)
         if T:
             big = float(LAG_SIZE) * 4.0
             top = lag1.amax(-1)                               # 1 + the largest lag of the sequence (>= 0)
@@ -266,19 +292,19 @@ def _lag_block(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch
             first = first.double()
         seq_max = trainer_version - first                                               # [B] float64
         # Sequences without tokens weigh 0 in the histogram.
-        counts = _count_into(LAG_SIZE, (seq_max + 1.0).clamp(0, LAG_SIZE - 1).long(), per_seq)
+        hist = _count_into(LAG_SIZE, (seq_max + 1.0).clamp(0, LAG_SIZE - 1).long(), per_seq)[1:]
         seq_max = torch.where(has, seq_max, 0.0)
-    hist = counts[1:]                                                         # lags 0 .. LAG_EXACT_MAX
+    # hist [LAG_EXACT_MAX + 1]: tokens by lag 0 .. LAG_EXACT_MAX (larger lags in the last bin)
     cum = hist.cumsum(0, dtype=torch.float64)
     n_ok = cum[-1:]                                                           # tokens of lag >= 0
     lags = _cached(("lags", device), lambda: torch.arange(LAG_EXACT_MAX + 1, dtype=torch.float64, device=device))
     # The lag sum and the tokens above the staleness bound in one product.
     lag_sums = (hist * torch.stack([lags, lags >= over_from])).sum(-1)
-    lohi, frac = _ranks(n_ok, qs[1:])
-    p99 = _interpolate(torch.searchsorted(cum, lohi, right=True), frac)          # bin k holds lag k
+    lohi, frac = _ranks(n_ok, qs)
+    quantiles = _interpolate(torch.searchsorted(cum, lohi, right=True), frac)    # bin k holds lag k
     seq_sums = torch.stack([has, seq_max.clamp_min(0), spans]).sum(-1, dtype=torch.float64)
     lag_max = seq_max.amax(0, keepdim=True) if B else seq_max.new_zeros(1)
-    return [cum[bucket_index], n_ok, lag_sums, p99, seq_sums, lag_max]
+    return [cum[bucket_index], n_ok, lag_sums, quantiles, seq_sums, lag_max]
 
 
 def step_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_logp: torch.Tensor | None,

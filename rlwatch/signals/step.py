@@ -137,17 +137,19 @@ def _finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: boo
         out.setdefault(name, {})[labels] = value
 
     if mismatch:
-        _finish_mismatch(at, v[pos["band_abs"]], v[pos["band_tokens"]], put)
+        _finish_mismatch(at, v[pos["band_abs"]], v[pos["band_positions"]], put)
     if lag:
         _finish_lag(at, v[pos["lag_cum"]], put, out)
     return out
 
 
-def _finish_mismatch(at: Callable[[str], float], band_abs: list[float], band_tokens: list[float],
+def _finish_mismatch(at: Callable[[str], float], band_abs: list[float], band_positions: list[float],
                      put: Callable[..., None]) -> None:
     """The mismatch and importance-sampling formulas from the fused vector's fields (``at``)."""
     n = at("n")
     nonfinite = at("tokens") - n
+    # Positions off the valid set fall in the last band: it holds the valid tokens the others do not.
+    band_tokens = [*band_positions[:-1], n - sum(band_positions[:-1])]
     for name, value in (("nonfinite_tokens", nonfinite), ("nonfinite_tokens_total", nonfinite),
                         ("mismatch_tokens", n), ("mismatch_tokens_total", n)):
         put(name, value)
@@ -191,7 +193,7 @@ def _finish_lag(at: Callable[[str], float], lag_cum: list[float], put: Callable[
     put("negative_lag_tokens_total", at("tokens") - n_ok)
     put("version_lag_mean", _div(lag_sum, n_ok))
     put("version_lag_max", at("lag_max") if n_ok > 0 else None)
-    put("version_lag_p99", at("lag_p99") if n_ok > 0 else math.nan)
+    put("version_lag_p99", at("lag_p99") if n_ok > 0 else math.nan)     # (lag_p50 is not exported)
     put("version_lag_over_bound_ratio", _div(over, n_ok))
     put("tokens_over_staleness_bound_total", over)
     put("version_lag_sequence_max_mean", _div(at("lag_seq_max_sum"), seq_n))
