@@ -28,6 +28,7 @@ from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT
 from .settings import LAG_EXACT_MAX, SAFETY_BOUND
 
 LAG_SIZE = LAG_EXACT_MAX + 2            # bin k holds lag k - 1; bin 0 off-mask and negative lags
+LAG_BINS = LAG_EXACT_MAX + 1            # the histogram of lags 0 .. LAG_EXACT_MAX
 
 # Float32 sums of 0/1 rows are exact up to 2**24 positions; larger eager steps sum counts as int64.
 _EXACT_F32_COUNT = 1 << 24
@@ -47,8 +48,9 @@ MISMATCH_FIELDS = (
     "q50", "q99",
 )
 #: Names of the lag block, in order (``lag_cum``: the cumulative counts at the histogram buckets;
-#: ``n_ok`` the tokens of non-negative lag; the negative ones are the mask's other tokens).
-LAG_FIELDS = ("lag_cum", "n_ok", "lag_sum", "over", "lag_p50", "lag_p99", "lag_seq_n", "lag_seq_max_sum", "spans",
+#: ``n_ok`` the tokens of non-negative lag (the negative ones are the mask's other tokens);
+#: ``cum_sum`` the sum of the LAG_BINS cumulative counts, LAG_BINS * n_ok minus the lag sum).
+LAG_FIELDS = ("lag_cum", "n_ok", "cum_sum", "over", "lag_p50", "lag_p99", "lag_seq_n", "lag_seq_max_sum", "spans",
               "lag_max")
 _SLICES = ("band_abs", "band_positions", "lag_cum")
 
@@ -98,6 +100,21 @@ def _eager_rows(n_all: int) -> bool:
     return not torch.compiler.is_compiling() and n_all <= _EXACT_F32_COUNT
 
 
+# CPU reductions over this many elements or more go to the thread pool, which wakes other threads for
+# microseconds of work (and stalls for milliseconds on a busy host).
+_SERIAL = 32768
+
+
+def _row_sums(rows: torch.Tensor) -> list[torch.Tensor]:
+    """Sums over the positions of each row of ``rows`` [K, B, T], as parts [k] (one for up to
+    _SERIAL elements, else in chunks of rows that each stay in one thread)."""
+    if rows.numel() < _SERIAL or rows.device.type != "cpu":
+        return [rows.sum((1, 2))]
+    K, flat = rows.shape[0], rows.reshape(rows.shape[0], -1)
+    step = max(1, (_SERIAL - 1) // max(flat.shape[1], 1))
+    return [flat[i:i + step].sum(-1) for i in range(0, K, step)]
+
+
 def _ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The order statistics [2, Q] (0-based, float64) that each ``qs``-quantile of ``n`` items lies
     between, and its position between them [Q] (linear interpolation, as ``torch.quantile``; the upper
@@ -109,18 +126,16 @@ def _ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _interpolate(pairs: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
-    """Values [Q] between the order statistics ``pairs`` [2, Q]: low + frac * (high - low)."""
+    """Values [Q] between the order statistics ``pairs`` [2, Q] (float64), as ``torch.quantile``."""
     low, high = pairs.unbind()
-    return low + frac * (high - low)
+    return torch.lerp(low, high, frac)
 
 
 def _lag_hist(lag1: torch.Tensor) -> torch.Tensor:
     """Tokens by lag 0 .. LAG_EXACT_MAX [LAG_EXACT_MAX + 1] (larger lags in the last bin) from lag + 1
-    per token (<= 0 off the mask and for negative lags: not counted). Eagerly on CPU one histc of
-    unit bins centred on the integers (exact); else integer counts."""
-    if lag1.device.type == "cpu" and not torch.compiler.is_compiling():
-        return torch.histc(lag1.clamp(max=float(LAG_SIZE - 1)), LAG_SIZE - 1, 0.5, LAG_SIZE - 0.5)
-    return _count_into(LAG_SIZE, lag1.clamp(0.0, float(LAG_SIZE - 1)).long())[1:]
+    per token (<= 0 off the mask and for negative lags: not counted), as integers. (Not histc: on
+    CPU it costs ~1.4 ms for any input.)"""
+    return _count_into(LAG_SIZE, lag1.clamp(0.0, float(LAG_SIZE - 1)).int())[1:]
 
 
 def _count_into(size: int, index: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,7 +143,7 @@ def _count_into(size: int, index: torch.Tensor, weights: torch.Tensor | None = N
     with weights on CPU). Eagerly on CPU one bincount; else an int64 scatter-add into zeros (no host
     sync, no float atomics)."""
     index = index.reshape(-1)
-    if index.device.type == "cpu" and not torch.compiler.is_compiling():
+    if index.device.type == "cpu" and not torch.compiler.is_compiling():         # one operation, no atomics
         return torch.bincount(index, None if weights is None else weights.reshape(-1).double(), size)
     index = index.long()
     src = torch.ones_like(index) if weights is None else weights.reshape(-1).long()
@@ -198,7 +213,7 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
                                   lambda: torch.arange(bands, device=device).view(-1, 1, 1))
         rows = torch.cat([y, y * y, (em1 - thr[:4].view(4, 1, 1)) * _signs(work, device, 3) > 0, a * in_band,
                           in_band])                                       # [K, B, T] in the work dtype
-        parts = [rows.sum((1, 2))]
+        parts = _row_sums(rows)
         per_seq = rows[:2].sum(-1)                                        # [2, B]: valid tokens, sum of r
         n = parts[0][:1]
         # Largest r, -smallest r and largest |r| over the valid tokens (-inf without any).
@@ -297,14 +312,14 @@ def _lag_block(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch
     # hist [LAG_EXACT_MAX + 1]: tokens by lag 0 .. LAG_EXACT_MAX (larger lags in the last bin)
     cum = hist.cumsum(0, dtype=torch.float64)
     n_ok = cum[-1:]                                                           # tokens of lag >= 0
-    lags = _cached(("lags", device), lambda: torch.arange(LAG_EXACT_MAX + 1, dtype=torch.float64, device=device))
-    # The lag sum and the tokens above the staleness bound in one product.
-    lag_sums = (hist * torch.stack([lags, lags >= over_from])).sum(-1)
+    lags = _cached(("lags", device), lambda: torch.arange(LAG_BINS, dtype=torch.float64, device=device))
+    # The sum of the lags is LAG_BINS * n_ok - sum(cum) (exact: whole numbers below 2**53).
+    sums = [cum.sum(0, keepdim=True), (hist * (lags >= over_from)).sum(0, keepdim=True)]
     lohi, frac = _ranks(n_ok, qs)
-    quantiles = _interpolate(torch.searchsorted(cum, lohi, right=True), frac)    # bin k holds lag k
+    quantiles = _interpolate(torch.searchsorted(cum, lohi, right=True).double(), frac)   # bin k: lag k
     seq_sums = torch.stack([has, seq_max.clamp_min(0), spans]).sum(-1, dtype=torch.float64)
     lag_max = seq_max.amax(0, keepdim=True) if B else seq_max.new_zeros(1)
-    return [cum[bucket_index], n_ok, lag_sums, quantiles, seq_sums, lag_max]
+    return [cum[bucket_index], n_ok, *sums, quantiles, seq_sums, lag_max]
 
 
 def step_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_logp: torch.Tensor | None,

@@ -189,7 +189,8 @@ def _finish_mismatch(at: Callable[[str], float], band_abs: list[float], band_pos
 
 def _finish_lag(at: Callable[[str], float], lag_cum: list[float], put: Callable[..., None], out: Values) -> None:
     """The version-lag formulas from the fused vector's fields (``at``)."""
-    n_ok, lag_sum, over, seq_n, spans = at("n_ok"), at("lag_sum"), at("over"), at("lag_seq_n"), at("spans")
+    n_ok, over, seq_n, spans = at("n_ok"), at("over"), at("lag_seq_n"), at("spans")
+    lag_sum = fused.LAG_BINS * n_ok - at("cum_sum")
     put("negative_lag_tokens_total", at("tokens") - n_ok)
     put("version_lag_mean", _div(lag_sum, n_ok))
     put("version_lag_max", at("lag_max") if n_ok > 0 else None)
