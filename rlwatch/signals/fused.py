@@ -30,7 +30,8 @@ from .settings import LAG_EXACT_MAX, SAFETY_BOUND
 LAG_SIZE = LAG_EXACT_MAX + 2            # bin k holds lag k - 1; bin 0 off-mask and negative lags
 LAG_BINS = LAG_EXACT_MAX + 1            # the histogram of lags 0 .. LAG_EXACT_MAX
 
-# Float32 sums of 0/1 rows are exact up to 2**24 positions; larger eager steps sum counts as int64.
+# Float32 sums of 0/1 rows are exact up to 2**24 positions; larger eager steps take the compiled
+# branch (float64 sums).
 _EXACT_F32_COUNT = 1 << 24
 
 #: Names of the mismatch block, in the order :func:`_mismatch_block` produces them: sums over the
@@ -165,7 +166,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     staleness bound.
     """
     per_seq = mask.sum(-1)                                                    # [B] float32
-    parts: list[torch.Tensor] = [per_seq.sum(0, keepdim=True)]
+    parts: list[torch.Tensor] = [per_seq.sum(0, keepdim=True, dtype=torch.float64)]     # exact: whole numbers
     if trainer_logp is not None and sampler_logp is not None:
         parts += _mismatch_block(mask, trainer_logp, sampler_logp, thresholds, abs_mids, qs, exact_quantiles)
     if version is not None:
