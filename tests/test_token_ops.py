@@ -155,7 +155,8 @@ def _reference(fields: dict, config: SignalConfig) -> dict:
     # Version lag: per token, [B] and [B, 2] versions stamp every token of a sequence with its first.
     version = fields.get("token_version", fields.get("seq_version"))
     B, T = mask.shape
-    per_token = version if version.shape == mask.shape else (version[:, 0] if version.dim() == 2 else version)[:, None].expand(B, T)
+    first = version[:, 0] if version.dim() == 2 else version
+    per_token = version if version.shape == mask.shape else first[:, None].expand(B, T)
     lag_all = (50 - per_token).double()
     lag = lag_all[mask]
     ok = lag[lag >= 0]

@@ -242,8 +242,8 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
     seq_abs = seq_r.abs()
     # s_b > log C, s_b < -log C, s_b < log low, s_b > log high
     against = (seq_r - thresholds[-4:].view(4, 1)) * _signs(torch.float64, device, 2) > 0
-    terms = torch.cat([torch.stack([valid_count > 0, seq_abs, torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))]),
-                       against])                                          # [7, B] float64
+    chi2 = torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))       # w_b^2 - 1
+    terms = torch.cat([torch.stack([valid_count > 0, seq_abs, chi2]), against])  # [7, B] float64
     parts += [terms.sum(-1), seq_abs.amax(0, keepdim=True) if B else seq_abs.new_zeros(1)]
     parts.append(_abs_quantiles(a, keep, n, extremes, abs_mids, qs, exact_quantiles or n_all == 0))
     return parts
