@@ -167,10 +167,14 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     """
     per_seq = mask.sum(-1)                                                    # [B] float32
     parts: list[torch.Tensor] = [per_seq.sum(0, keepdim=True, dtype=torch.float64)]     # exact: whole numbers
+    lag_args = (version, trainer_version, mask, per_seq, bucket_index, qs, over_from)
+    # Per-token versions: the lag block first, so that compiled, its per-sequence reductions share a
+    # loop with the mask's (inductor does not fuse nodes far apart in the graph).
+    lag = _lag_block(*lag_args) if version is not None and version.shape == mask.shape else None
     if trainer_logp is not None and sampler_logp is not None:
         parts += _mismatch_block(mask, trainer_logp, sampler_logp, thresholds, abs_mids, qs, exact_quantiles)
     if version is not None:
-        parts += _lag_block(version, trainer_version, mask, per_seq, bucket_index, qs, over_from)
+        parts += lag if lag is not None else _lag_block(*lag_args)
     # 1 when this ran as compiled code, 0 eagerly (a guard that fails on the step's thread runs
     # eagerly). Float64, so that torch.cat promotes every part to float64 (exactly: float32 sums and
     # int64 counts fit).
