@@ -213,10 +213,11 @@ def test_compiled_equals_eager_without_graph_breaks():
 
 
 # Generated kernels per compiled graph of a whole step (tokens, mismatch, lag, groups, envs) on CPU,
-# measured 99 on average over the 4 graphs of this test's signature (106 before the direct threshold
-# comparisons; torch 2.13, inductor C++): a regression bound, not the CUDA goal (40 launches), which
-# bench/gpu_check.py measures with torch.profiler on a GPU and prints next to this CPU count.
-MAX_CPU_KERNELS_PER_GRAPH = 104
+# measured 70 on average over the 3 graphs of this test's signature (99 before the token block's
+# rewrite into one [B, T, K] reduction, 106 before the direct threshold comparisons; torch 2.13,
+# inductor C++): a regression bound, not the CUDA goal (40 launches), which bench/gpu_check.py
+# measures with torch.profiler on a GPU and prints next to this CPU count.
+MAX_CPU_KERNELS_PER_GRAPH = 74
 
 
 @pytest.mark.slow

@@ -137,15 +137,19 @@ def _finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: boo
         out.setdefault(name, {})[labels] = value
 
     if mismatch:
-        _finish_mismatch(at, v[pos["bands"]], put)
+        _finish_mismatch(at, v[pos["band_abs"]], v[pos["band_positions"]], put)
     if lag:
         _finish_lag(at, v[pos["lag_cum"]], put, out)
     return out
 
 
-def _finish_mismatch(at: Callable[[str], float], bands: list[float], put: Callable[..., None]) -> None:
+def _finish_mismatch(at: Callable[[str], float], band_abs: list[float], band_positions: list[float],
+                     put: Callable[..., None]) -> None:
     """The mismatch and importance-sampling formulas from the fused vector's fields (``at``)."""
-    n, nonfinite = at("n"), at("nonfinite")
+    n = at("n")
+    nonfinite = at("tokens") - n
+    # Positions off the valid set fall in the last band: it holds the valid tokens the others do not.
+    band_tokens = [*band_positions[:-1], n - sum(band_positions[:-1])]
     for name, value in (("nonfinite_tokens", nonfinite), ("nonfinite_tokens_total", nonfinite),
                         ("mismatch_tokens", n), ("mismatch_tokens_total", n)):
         put(name, value)
@@ -160,7 +164,7 @@ def _finish_mismatch(at: Callable[[str], float], bands: list[float], put: Callab
     put("mismatch_chi2_token", _div(sq_em1 + 2 * sum_em1, n))
     put("is_ess_raw_ratio", _ess_ratio(sum_em1, sq_em1, n))
     put("is_ess_ratio", _ess_ratio(at("sum_em1t"), at("sq_em1t"), n))
-    put("is_ratio_min", _ratio_of(at("min_r"), n))
+    put("is_ratio_min", _ratio_of(-at("neg_min_r"), n))
     put("is_ratio_max", _ratio_of(at("max_r"), n))
     put("is_ratio_mean", _div(n + sum_em1, n))
     high, masked = at("high"), at("mis_below") + at("mis_above")
@@ -172,24 +176,25 @@ def _finish_mismatch(at: Callable[[str], float], bands: list[float], put: Callab
     put("mismatch_log_ratio_slope", _apply(_slope, [[at("rs"), at("ss")], at("s_sum"), sum_r, n]))
     seq_n = at("seq_n")
     for name, field in (("mismatch_seq_log_ratio_abs_mean", "seq_abs"), ("mismatch_chi2_sequence", "seq_chi2"),
-                        ("is_seq_tis_high_ratio", "seq_high"), ("is_seq_tis_low_ratio", "seq_low"),
-                        ("is_seq_mis_masked_ratio", "seq_mis")):
+                        ("is_seq_tis_high_ratio", "seq_high"), ("is_seq_tis_low_ratio", "seq_low")):
         put(name, _div(at(field), seq_n))
+    put("is_seq_mis_masked_ratio", _div(at("seq_mis_below") + at("seq_mis_above"), seq_n))
     put("mismatch_seq_log_ratio_abs_max", at("seq_max") if seq_n > 0 else None)
     for k, label in enumerate(PROB_BIN_LABELS):
-        put("mismatch_abs_log_ratio_by_prob", _div(bands[2 * k], bands[2 * k + 1]), (label,))
-        put("mismatch_tokens_by_prob", bands[2 * k + 1], (label,))
+        put("mismatch_abs_log_ratio_by_prob", _div(band_abs[k], band_tokens[k]), (label,))
+        put("mismatch_tokens_by_prob", band_tokens[k], (label,))
     for name, field in (("mismatch_abs_log_ratio_p50", "q50"), ("mismatch_abs_log_ratio_p99", "q99")):
-        put(name, min(at(field), max_a) if math.isfinite(at(field)) else None)
+        put(name, min(at(field), max_a) if n > 0 and math.isfinite(at(field)) else None)
 
 
 def _finish_lag(at: Callable[[str], float], lag_cum: list[float], put: Callable[..., None], out: Values) -> None:
     """The version-lag formulas from the fused vector's fields (``at``)."""
-    n_ok, lag_sum, over, seq_n, spans = at("n_ok"), at("lag_sum"), at("over"), at("lag_seq_n"), at("spans")
-    put("negative_lag_tokens_total", at("negative"))
+    n_ok, over, seq_n, spans = at("n_ok"), at("over"), at("lag_seq_n"), at("spans")
+    lag_sum = fused.LAG_BINS * n_ok - at("cum_sum")
+    put("negative_lag_tokens_total", at("tokens") - n_ok)
     put("version_lag_mean", _div(lag_sum, n_ok))
     put("version_lag_max", at("lag_max") if n_ok > 0 else None)
-    put("version_lag_p99", at("lag_p99"))
+    put("version_lag_p99", at("lag_p99") if n_ok > 0 else math.nan)     # (lag_p50 is not exported)
     put("version_lag_over_bound_ratio", _div(over, n_ok))
     put("tokens_over_staleness_bound_total", over)
     put("version_lag_sequence_max_mean", _div(at("lag_seq_max_sum"), seq_n))
