@@ -227,18 +227,19 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
         else:
             parts.append(torch.zeros(3, dtype=work, device=device))
     else:
-        # Compiled: the rows as the last dimension of one [B, T, K] tensor reduced over the tokens in
-        # float64 (exact counts): one reduction whose K values the output takes as they are, which
-        # inductor computes without materialising the rows, reading each token once.
+        # Compiled: one float64 sum per row (exact counts). Inductor fuses reductions over the same
+        # positions into one loop (one kernel) that reads each token once and never writes a row;
+        # a stack of the rows feeding one reduction would instead be materialised ([B, T, K]
+        # float64, 8 K bytes per position: several times the inputs).
         band = sum(s >= edges[k] for k in range(bands - 1))
         in_band = [band == k for k in range(bands)]
         k3, rs = em1 - r, r * s
         rows = [keep, r, s, em1, em1_t, a, k3, rs, keep, r * r, s * s, em1 * em1, em1_t * em1_t, a * a, k3 * k3,
                 rs * rs, em1 > thr[0], em1 < thr[1], em1 < thr[2], em1 > thr[3], *(a * i for i in in_band), *in_band]
-        parts = [torch.stack(rows, -1).sum((0, 1), dtype=torch.float64)]
+        parts = [torch.stack([row.sum(dtype=torch.float64) for row in rows])]
         per_seq = torch.stack([keep.sum(-1), r.sum(-1)])
         n = parts[0][:1]
-        parts.append(torch.where(keep.unsqueeze(-1), torch.stack([r, -r, a], -1), -torch.inf).amax((0, 1)))
+        parts.append(torch.stack([torch.where(keep, x, -torch.inf).amax() for x in (r, -r, a)]))
     extremes = parts[-1]
     # Sequence level: s_b = sum_t r over sequences with a valid token. Without one s_b = 0, so every
     # term but the count is 0 (log C, log high > 0 > -log C, log low).
