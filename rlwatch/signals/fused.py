@@ -227,19 +227,8 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
         else:
             parts.append(torch.zeros(3, dtype=work, device=device))
     else:
-        # Compiled: one float64 sum per row (exact counts). Inductor fuses reductions over the same
-        # positions into one loop (one kernel) that reads each token once and never writes a row;
-        # a stack of the rows feeding one reduction would instead be materialised ([B, T, K]
-        # float64, 8 K bytes per position: several times the inputs).
-        band = sum(s >= edges[k] for k in range(bands - 1))
-        in_band = [band == k for k in range(bands)]
-        k3, rs = em1 - r, r * s
-        rows = [keep, r, s, em1, em1_t, a, k3, rs, keep, r * r, s * s, em1 * em1, em1_t * em1_t, a * a, k3 * k3,
-                rs * rs, em1 > thr[0], em1 < thr[1], em1 < thr[2], em1 > thr[3], *(a * i for i in in_band), *in_band]
-        parts = [torch.stack([row.sum(dtype=torch.float64) for row in rows])]
-        per_seq = torch.stack([keep.sum(-1), r.sum(-1)])
+        parts, per_seq = _compiled_row_sums(keep, r, s, a, em1, em1_t, thr, edges)
         n = parts[0][:1]
-        parts.append(torch.stack([torch.where(keep, x, -torch.inf).amax() for x in (r, -r, a)]))
     extremes = parts[-1]
     # Sequence level: s_b = sum_t r over sequences with a valid token. Without one s_b = 0, so every
     # term but the count is 0 (log C, log high > 0 > -log C, log low).
@@ -252,6 +241,26 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
     parts += [terms.sum(-1), seq_abs.amax(0, keepdim=True) if B else seq_abs.new_zeros(1)]
     parts.append(_abs_quantiles(a, keep, n, extremes, abs_mids, qs, exact_quantiles or n_all == 0))
     return parts
+
+
+def _compiled_row_sums(keep: torch.Tensor, r: torch.Tensor, s: torch.Tensor, a: torch.Tensor, em1: torch.Tensor,
+                       em1_t: torch.Tensor, thr: torch.Tensor, edges: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The compiled branch of :func:`_mismatch_block`: the row sums [K] float64 (the rows of the eager
+    branch, in the same order) and the extremes [3], as parts, and the per-sequence sums [2, B].
+
+    One float64 sum per row (exact counts): inductor fuses reductions over the same positions into
+    one loop that reads each token once and never writes a row; a stack of the rows feeding one
+    reduction would instead be materialised ([B, T, K] float64, 8 K bytes per position: several
+    times the inputs; tests/test_engine.py forbids it)."""
+    bands = edges.numel() + 1
+    band = sum(s >= edges[k] for k in range(bands - 1))
+    in_band = [band == k for k in range(bands)]
+    k3, rs = em1 - r, r * s
+    rows = [keep, r, s, em1, em1_t, a, k3, rs, keep, r * r, s * s, em1 * em1, em1_t * em1_t, a * a, k3 * k3,
+            rs * rs, em1 > thr[0], em1 < thr[1], em1 < thr[2], em1 > thr[3], *(a * i for i in in_band), *in_band]
+    parts = [torch.stack([row.sum(dtype=torch.float64) for row in rows]),
+             torch.stack([torch.where(keep, x, -torch.inf).amax() for x in (r, -r, a)])]
+    return parts, torch.stack([keep.sum(-1), r.sum(-1)])
 
 
 def _abs_quantiles(a: torch.Tensor, keep: torch.Tensor, n: torch.Tensor, extremes: torch.Tensor,
