@@ -215,8 +215,8 @@ def test_compiled_equals_eager_without_graph_breaks():
 # Generated kernels per compiled graph of a whole step (tokens, mismatch, lag, groups, envs) on CPU,
 # measured 71 on average over the 3 graphs of this test's signature (torch 2.13, inductor C++; 99
 # before the token and episode blocks were rewritten). Inductor's CPU count adds one per reduction
-# even where it fuses them into one loop (the token block's 28 row sums are one loop reading each
-# position once; stacking the rows into one reduction counts 40 but materialises a [B, T, 28] float64
+# even where it fuses many into one loop (the token block's 28 row sums are two loops over the
+# positions; stacking the rows into one reduction counts 40 but materialises a [B, T, 28] float64
 # buffer, which test_compiled_step_writes_no_per_position_matrix forbids). A regression bound, not
 # the CUDA goal (40 launches), which bench/gpu_check.py measures with torch.profiler on a GPU.
 MAX_CPU_KERNELS_PER_GRAPH = 75
