@@ -39,6 +39,7 @@ import torch
 
 from ..metrics import ZERO_VARIANCE_KINDS
 from .pending import Values, _div
+from .reduce import count_into
 
 #: The response-length quantile (linear interpolation between order statistics, as torch.quantile).
 LENGTH_QUANTILE = 0.99
@@ -105,12 +106,11 @@ def env_columns(rewards: bool, truncated: bool, detectors: list[str]) -> list[st
 
 def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor | None,
                  group_ids: torch.Tensor | None, env_index: torch.Tensor | None, env_slots: torch.Tensor | None,
-                 truncated: torch.Tensor | None, hacked: torch.Tensor | None, bounds: torch.Tensor,
-                 qs: torch.Tensor | None = None) -> torch.Tensor:
+                 truncated: torch.Tensor | None, hacked: torch.Tensor | None, bounds: torch.Tensor) -> torch.Tensor:
     """Every per-episode sum of one step, packed as :func:`episode_layout` says (float64).
 
-    per_seq: [B] response lengths (tokens). ``qs`` is not used (the length quantile is
-    :data:`LENGTH_QUANTILE`, applied on the host); it keeps the caller's signature.
+    per_seq: [B] response lengths (tokens); the length quantile is :data:`LENGTH_QUANTILE`,
+    interpolated on the host.
     """
     envs = env_index is not None and env_slots is not None
     groups = rewards is not None and group_ids is not None
@@ -186,15 +186,6 @@ def _length_order_statistics(sorted_lengths: torch.Tensor) -> torch.Tensor:
     return sorted_lengths[lo:lo + 2]
 
 
-def _counts(index: torch.Tensor, weights: torch.Tensor, size: int) -> torch.Tensor:
-    """Sums [size] of the integer ``weights`` by ``index`` (in [0, size)): a ``bincount`` on CPU
-    (float64, exact below 2^53), an int64 scatter-add elsewhere (bincount's output size is
-    data-dependent, which compiled code cannot have, and it syncs on CUDA)."""
-    if index.device.type == "cpu" and not torch.compiler.is_compiling():
-        return torch.bincount(index, weights, size)
-    return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add_(0, index, weights)
-
-
 def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor, bounds: torch.Tensor,
             compiled: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """The :data:`GROUP_ROWS` per group slot (one [10, B] matrix eagerly, ten [B] rows compiled),
@@ -206,7 +197,7 @@ def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor, bounds: to
     # episodes that go to slot B read it, and only constant groups' values are used).
     ref = r.new_empty(B + 1).scatter_(0, slot, r)
     # Per slot: usable episodes + (B + 1) * those differing from the slot's reward, one integer sum.
-    counts = _counts(slot, torch.where(r != ref.gather(0, index), B + 2, 1), B + 1)
+    counts = count_into(B + 1, slot, torch.where(r != ref.gather(0, index), B + 2, 1))
     exists = counts > 0
     zero_var = exists & (counts <= B)
     size = counts % (B + 1)

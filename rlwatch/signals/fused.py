@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT
+from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT, count_into
 from .settings import LAG_EXACT_MAX, SAFETY_BOUND
 
 LAG_SIZE = LAG_EXACT_MAX + 2            # bin k holds lag k - 1; bin 0 off-mask and negative lags
@@ -136,19 +136,7 @@ def _lag_hist(lag1: torch.Tensor) -> torch.Tensor:
     """Tokens by lag 0 .. LAG_EXACT_MAX [LAG_EXACT_MAX + 1] (larger lags in the last bin) from lag + 1
     per token (<= 0 off the mask and for negative lags: not counted), as integers. (Not histc: on
     CPU it costs ~1.4 ms for any input.)"""
-    return _count_into(LAG_SIZE, lag1.clamp(0.0, float(LAG_SIZE - 1)).int())[1:]
-
-
-def _count_into(size: int, index: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Occurrences (or integer ``weights``) of ``index`` values in [0, size): int64 [size] (float64
-    with weights on CPU). Eagerly on CPU one bincount; else an int64 scatter-add into zeros (no host
-    sync, no float atomics)."""
-    index = index.reshape(-1)
-    if index.device.type == "cpu" and not torch.compiler.is_compiling():         # one operation, no atomics
-        return torch.bincount(index, None if weights is None else weights.reshape(-1).double(), size)
-    index = index.long()
-    src = torch.ones_like(index) if weights is None else weights.reshape(-1).long()
-    return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add(0, index, src)
+    return count_into(LAG_SIZE, lag1.clamp(0.0, float(LAG_SIZE - 1)).int())[1:]
 
 
 def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_logp: torch.Tensor | None,
@@ -280,7 +268,7 @@ def _abs_quantiles(a: torch.Tensor, keep: torch.Tensor, n: torch.Tensor, extreme
         return _interpolate(ordered[lohi.long()].double(), frac)
     a32 = a if work == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).float()
     bins = torch.bitwise_right_shift(a32.view(torch.int32), ABS_SHIFT)               # 0 .. 65535
-    every = _count_into(1 << (31 - ABS_SHIFT), bins).long()
+    every = count_into(1 << (31 - ABS_SHIFT), bins).long()
     last = ABS_FIRST + ABS_NBINS - 2
     # Bin 0: below 2^-40, less the n_all - n zeros off the valid set; the top bin: from 2^24.
     hist = torch.cat([every[:ABS_FIRST].sum(0, keepdim=True) - (n_all - n).long(), every[ABS_FIRST:last],
@@ -322,7 +310,7 @@ def _lag_block(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch
             first = first.double()
         seq_max = trainer_version - first                                               # [B] float64
         # Sequences without tokens weigh 0 in the histogram.
-        hist = _count_into(LAG_SIZE, (seq_max + 1.0).clamp(0, LAG_SIZE - 1).long(), per_seq)[1:]
+        hist = count_into(LAG_SIZE, (seq_max + 1.0).clamp(0, LAG_SIZE - 1).long(), per_seq)[1:]
         seq_max = torch.where(has, seq_max, 0.0)
     # hist [LAG_EXACT_MAX + 1]: tokens by lag 0 .. LAG_EXACT_MAX (larger lags in the last bin)
     cum = hist.cumsum(0, dtype=torch.float64)
@@ -353,5 +341,5 @@ def step_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_log
     if ok is None or bounds is None:
         return tokens
     episodes = episode_core(mask.sum(-1), ok, rewards, group_ids, env_index, env_slots, truncated, hacked,
-                            bounds, qs)
+                            bounds)
     return torch.cat([tokens, episodes])

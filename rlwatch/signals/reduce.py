@@ -91,20 +91,29 @@ def _sorted_quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     return s[lo] + (rank - lo) * (s[hi] - s[lo])
 
 
-def bin_counts(index: torch.Tensor, size: int, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Counts (or weight sums) of ``index`` values in [0, size), float64 [size], without a host sync.
+def count_into(size: int, index: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Occurrences (or integer ``weights``) of ``index`` values in [0, size): [size], exact. Eagerly on
+    CPU one ``bincount`` (int64 without weights, float64 with them); elsewhere, and in compiled code,
+    an int64 scatter-add into zeros: ``bincount`` sizes its output from the data (compiled code cannot
+    have that shape, and it synchronises on accelerators), and integer atomics are exact and fast
+    where float64 ones are slow."""
+    index = index if index.dim() == 1 else index.reshape(-1)          # a reshape is an operation too
+    if weights is not None and weights.dim() != 1:
+        weights = weights.reshape(-1)
+    if index.device.type == "cpu" and not torch.compiler.is_compiling():         # one operation, no atomics
+        if weights is not None and weights.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            weights = weights.double()                # float64 sums: exact for whole numbers below 2^53
+        return torch.bincount(index, weights, size)
+    index = index.long()
+    src = torch.ones_like(index) if weights is None else weights.long()
+    return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add(0, index, src)
 
-    ``torch.bincount`` sizes its output from the data, which synchronises on accelerators; there a
-    scatter-add of integers into a fixed-size tensor is used instead. Indices must already lie in
-    [0, size); weights must be whole numbers there.
-    """
-    index = index.reshape(-1)
-    if index.device.type == "cpu":
-        w = None if weights is None else weights.reshape(-1).to(torch.float64)
-        return torch.bincount(index, weights=w, minlength=size).to(torch.float64)[:size]
-    # Integer atomics: float64 atomics are slow on GPUs (the weights here are token counts).
-    src = torch.ones_like(index, dtype=torch.int64) if weights is None else weights.reshape(-1).to(torch.int64)
-    return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add_(0, index.long(), src).to(torch.float64)
+
+def bin_counts(index: torch.Tensor, size: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Counts (or weight sums) of ``index`` values in [0, size), float64 [size], without a host sync
+    (:func:`count_into`, as float64). Indices must already lie in [0, size); weights must be whole
+    numbers there."""
+    return count_into(size, index, weights).to(torch.float64)[:size]
 
 
 _ABS_VALUES: dict[torch.device, torch.Tensor] = {}

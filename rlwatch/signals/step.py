@@ -231,7 +231,7 @@ def _compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | No
         if record.version is not None and record.trainer_version is not None:
             lag_signals(out, record.version, record.trainer_version, mask, config, ws, per_seq)
         # The episode signals: the same function as the fused engine's episode block, eagerly.
-        vector = episode_core(per_seq, *episodes.tensors, _constant((0.5, 0.99), mask.device))
+        vector = episode_core(per_seq, *episodes.tensors)
         out.host(episodes.finish, out.vector(vector))
     if record.entropy is not None:
         entropy_signal(out, record.entropy, mask)
