@@ -59,7 +59,7 @@ class AlertWindows:
 
     def __init__(self, overrides: Mapping[str, float] = (), static: Mapping[str, dict] | None = None,
                  alerts: Iterable[Alert] = ALERTS) -> None:
-        self.params = thresholds(overrides)      # invalid ones are reported where the run starts
+        self.params = thresholds(overrides)
         self.static = dict(static or {})
         self.alerts = [a for a in alerts if a.condition is not None]
         self._steps: deque = deque(maxlen=HISTORY_STEPS)
