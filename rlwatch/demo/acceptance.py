@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .matrix import FAMILIES, SCENARIOS, TEST_SEEDS, TUNING_SEEDS, RunSpec, collect, derived, specs
+from .scale_free import RATIO_BOUNDS, ratio_trial
 
 #: Thresholds tuned on the tuning split (their scale depends on the policy: the toy policies move far
 #: more per update than a large model, see rlwatch.demo.WATCH_CONFIG), with the candidates tried,
@@ -384,7 +385,7 @@ def markdown(command: str, at: dict[str, dict], tried: list[dict], summaries: di
         *[f"| {name} | {yes(checks['shipped'][name])} | {yes(ok)} |" for name, ok in checks["tuned"].items()],
         f"| in-process and Prometheus verdicts equal ({agreement.get('runs', 0)} runs, "
         f"{agreement.get('steps', 0)} steps each with a step every {agreement.get('step_seconds', '-')} s; "
-        f"tuned) | - | {yes(agreement.get('ok'))} |",
+        f"tuned) | - | {yes(agreement['ok']) if agreement else 'not run'} |",
         "",
         "## Summary (test split)",
         "",
@@ -426,62 +427,6 @@ def markdown(command: str, at: dict[str, dict], tried: list[dict], summaries: di
 
 def _short(name: str) -> str:
     return name.removeprefix("RLWatch")
-
-
-#: Bounds tried for the scale-free trial: k3 / mean token entropy (prime-rl exports a KL/entropy ratio).
-RATIO_BOUNDS = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0)
-
-
-def ratio_openings(trace: dict, bound: float, overrides: dict[str, float]) -> list[int]:
-    """Steps at which a critical "k3 / entropy above ``bound``" alert (opened as RLWatchKLSpike is:
-    2 steps running or the intermittent window, held above hold_fraction x the bound) would open."""
-    from ..alerts.conditions import one
-    from ..alerts.model import Alert, Runbook
-    from ..alerts.windows import AlertWindows
-
-    def condition(h):
-        k3, entropy = h.latest("mismatch_kl_k3"), h.latest("entropy_mean")
-        ratio = None if k3 is None or not entropy else k3 / entropy
-        return one(ratio, ratio is not None and ratio > bound,
-                   ratio is not None and ratio > h.p("hold_fraction") * bound)
-
-    alert = Alert(name="KLEntropyRatio", severity="critical", summary="", description="", windows="",
-                  runbook=Runbook("", [], [], []), condition=condition, for_steps=2, intermittent=True)
-    windows = AlertWindows({k: v for k, v in overrides.items() if k.startswith(("intermittent", "hold", "clear"))},
-                           alerts=[alert])
-    opened, was_open = [], False
-    for step, raw in trace["steps"]:
-        is_open = bool(windows.on_step(step, raw)["alert_quiet_steps"])
-        if is_open and not was_open:
-            opened.append(step)
-        was_open = is_open
-    return opened
-
-
-def ratio_trial(traces: list[dict], bound: float, overrides: dict[str, float]) -> dict[str, object]:
-    """The bars' measures for the scale-free candidate at ``bound`` over ``traces``."""
-    from .config import ScenarioConfig
-    from .scenario import collapse_step
-
-    row: dict[str, object] = {"k3/entropy bound": bound, "healthy_critical_pages": 0, "collapsed": 0,
-                              "collapsed_paged_before": 0, "intermittent_ok": 0, "intermittent_runs": 0}
-    fractions = []
-    for trace in traces:
-        kind, opened = trace["spec"].kind, ratio_openings(trace, bound, overrides)
-        collapse = collapse_step(trace["heldout"]) if trace["heldout"] else None
-        if kind == "healthy":
-            row["healthy_critical_pages"] += len(opened)
-        elif kind == "collapse" and collapse:
-            row["collapsed"] += 1
-            if opened and opened[0] < collapse:
-                row["collapsed_paged_before"] += 1
-                fractions.append((collapse - opened[0]) / collapse)
-        elif kind == "intermittent":
-            row["intermittent_runs"] += 1
-            start = ScenarioConfig.intermittent_from
-            row["intermittent_ok"] += bool(opened) and 0 <= opened[0] - start < INTERMITTENT_STEPS
-    row["lead_fraction_median"] = round(statistics.median(fractions), 3) if fractions else None
-    return row
 
 
 def _agreement(test_traces: list[dict], thresholds: dict[str, float], runs: int) -> dict:
@@ -529,8 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {"tuned": score(outcomes), "shipped": score([replay(t, {}) for t in test_traces])}
     checks = {name: bars(s) for name, s in summaries.items()}
     agreement = _agreement(test_traces, chosen, args.prometheus_sample) if args.prometheus_sample else {}
-    ratio = {"tuning": [ratio_trial(tuning_traces, b, chosen) for b in RATIO_BOUNDS],
-             "test": [ratio_trial(test_traces, b, chosen) for b in RATIO_BOUNDS]}
+    ratio = {"tuning": [ratio_trial(tuning_traces, b, chosen, INTERMITTENT_STEPS) for b in RATIO_BOUNDS],
+             "test": [ratio_trial(test_traces, b, chosen, INTERMITTENT_STEPS) for b in RATIO_BOUNDS]}
     seconds = time.perf_counter() - started
     command = "python -m rlwatch.demo.acceptance " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     split = {"families": families, "scenarios": scenarios, "tuning_seeds": seeds[0], "test_seeds": seeds[1],
