@@ -38,7 +38,7 @@ def render() -> tuple[str, str]:
     import rlwatch
 
     watch = rlwatch.Watch(run="golden", port=None, store=None, alerts=True, group_size=4,
-                          alert_overrides={"mismatch_kl_warn": 0.01, "kl_k3_max": 0.05}, framework="custom",
+                          alert_overrides={"kl_k3_max": 0.05}, framework="custom",
                           framework_version="1")
     try:
         for step, fields in _steps():
