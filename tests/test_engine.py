@@ -224,6 +224,7 @@ MAX_CPU_KERNELS_PER_GRAPH = 75
 
 
 @pytest.mark.slow
+@pytest.mark.perf
 def test_compiled_step_is_one_graph_without_recompiles_and_bounded_kernels():
     """The whole step (token and episode signals) compiles with inductor on CPU: no graph break, a
     bounded number of generated kernels, and steps of other shapes, group and environment layouts
