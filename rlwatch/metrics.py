@@ -44,6 +44,12 @@ class MetricSpec:
     def full_name(self) -> str:
         return PREFIX + self.name
 
+    @property
+    def level(self) -> str:
+        """What one value summarises: the step's ``token``, ``sequence`` or ``episode`` quantities, or
+        ``step`` (the hook, the configuration, what the record or the framework states)."""
+        return _LEVELS.get(self.name) or _GROUP_LEVELS.get(self.group, "step")
+
 
 def _g(name: str, help: str, group: str, labels: tuple[str, ...] = (), unit: str = "") -> MetricSpec:
     return MetricSpec(name, "gauge", help, labels, group, unit)
@@ -218,6 +224,18 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _c("episodes_failed_total", "Episodes with an infrastructure failure, per environment and kind.", "env",
        ("env", "kind")),
 )
+
+#: The level of each section's families (:attr:`MetricSpec.level`), and of those that differ from their section's.
+_GROUP_LEVELS = {"lag": "token", "mismatch": "token", "is": "token", "groups": "episode", "length": "episode",
+                 "env": "episode"}
+_LEVELS = {
+    **dict.fromkeys(("tokens", "tokens_total", "entropy_mean"), "token"),
+    **dict.fromkeys(("reward_mean", "reward_std", "nonfinite_rewards", "nonfinite_rewards_total"), "episode"),
+    **dict.fromkeys(("mismatch_seq_log_ratio_abs_mean", "mismatch_seq_log_ratio_abs_max", "mismatch_chi2_sequence",
+                     "is_seq_tis_high_ratio", "is_seq_tis_low_ratio", "is_seq_mis_masked_ratio",
+                     "version_lag_sequence_max_mean", "partial_rollout_ratio", "partial_rollout_sequences_total"),
+                    "sequence"),
+}
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
 

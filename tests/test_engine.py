@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import threading
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import rlwatch
 from rlwatch import compute, signals
 from rlwatch.errors import HookErrors
 from rlwatch.record import RecordBuilder
@@ -363,3 +365,57 @@ def test_compiled_step_writes_no_per_position_matrix():
         # [B, T, K] with a symbolic B: a per-position matrix of K values.
         matrices = [s for s in sizes if re.fullmatch(r"\s*s\d+,\s*\w+,\s*\d+\s*", s)]
         assert not matrices, matrices
+
+
+# --- a quantity declared once (quantities + catalogue) is computed everywhere ----------------------
+
+@pytest.fixture
+def toy_quantity(monkeypatch):
+    """One extra token quantity, declared as docs/adding-a-signal.md says (a term, a sum, a metric and
+    its catalogue entry) and nothing else: the mean of r^3 over the valid tokens. Not shipped. Returns
+    its plain float64 reference."""
+    from rlwatch import metrics
+    from rlwatch.signals import quantities as q
+    from rlwatch.signals.pending import _div
+
+    spec = metrics.MetricSpec("toy_r_cubed_mean", "gauge", "Mean r^3 over the valid tokens (nats^3).", group="mismatch")
+    monkeypatch.setitem(q.TERMS, "r3", lambda t: t["r"] ** 3)
+    monkeypatch.setattr(q, "TOKEN_SUMS", q.TOKEN_SUMS + (q.TokenSum("sum_r3", "r3"),))
+    monkeypatch.setattr(q, "METRICS", q.METRICS + (q.Metric("toy_r_cubed_mean", lambda f: _div(f.sum_r3, f.n)),))
+    for module in [m for name, m in sys.modules.items() if name.startswith("rlwatch")]:
+        if getattr(module, "CATALOGUE", None) is metrics.CATALOGUE:
+            monkeypatch.setattr(module, "CATALOGUE", metrics.CATALOGUE + (spec,))
+    monkeypatch.setitem(metrics.BY_NAME, spec.name, spec)
+    _forget_compiled()
+    yield lambda f: float(((f["trainer_logp"].double() - f["sampler_logp"].double())[f["mask"]] ** 3).mean())
+    _forget_compiled()
+
+
+def _forget_compiled() -> None:
+    engine.wait()
+    with engine._lock:
+        engine._compiled.clear()
+        engine._failed.clear()
+    torch._dynamo.reset()
+
+
+def test_a_declared_quantity_is_computed_in_chunks_in_the_values_and_in_the_exposition(toy_quantity):
+    from prometheus_client import generate_latest
+
+    fields = make_step(B=6, T=10, seed=2)
+    want = toy_quantity(fields)
+    with rlwatch.Watch(run="toy", port=None, store=None, alerts=False) as watch:
+        values = watch.observe(0, **fields)
+        text = generate_latest(watch.registry).decode()
+    assert values.value("toy_r_cubed_mean") == pytest.approx(want, rel=1e-4, abs=1e-9)
+    line = next(x for x in text.splitlines() if x.startswith('rlwatch_toy_r_cubed_mean{run="toy"}'))
+    assert float(line.split()[-1]) == pytest.approx(want, rel=1e-4, abs=1e-9)
+    chunked, _ = run(fields, path="chunked")
+    assert chunked["toy_r_cubed_mean"][()] == pytest.approx(want, rel=1e-4, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_a_declared_quantity_is_computed_compiled(toy_quantity):
+    fields = make_step(B=6, T=10, seed=2)
+    compiled, _ = run(fields, path="compiled")
+    assert compiled["toy_r_cubed_mean"][()] == pytest.approx(toy_quantity(fields), rel=1e-4, abs=1e-9)

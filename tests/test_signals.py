@@ -400,3 +400,25 @@ def test_mismatch_by_lag_is_in_the_step_values_the_store_and_the_exposition(tmp_
         row = next(iter(store.steps("bylag")))
     assert row.get("mismatch_kl_k3_by_lag", ("3",)) == pytest.approx(k3, rel=1e-5)
     assert row.get("mismatch_tokens_by_lag", ("0",)) == 20.0
+
+
+def test_catalogue_levels_are_the_levels_the_engine_computes():
+    """MetricSpec.level (which TRL's per-generation families are derived from) agrees with the engine:
+    the declared token quantities are token- or sequence-level, and the families that only episode
+    inputs produce are episode-level, every episode-level family among them (TRL's generation
+    serials aside)."""
+    from rlwatch.metrics import BY_NAME
+    from rlwatch.signals import quantities
+
+    assert {BY_NAME[m.name].level for m in quantities.METRICS if m.name in BY_NAME} == {"token", "sequence"}
+    token_fields = make_step(B=8, T=16)
+    g = torch.Generator().manual_seed(0)
+    full = dict(token_fields, rewards=torch.randint(0, 2, (8,), generator=g).float(), group_ids=torch.arange(8) // 2,
+                env=["math", "code"] * 4, truncated=torch.rand(8, generator=g) < 0.5,
+                hacked={"d": torch.rand(8, generator=g) < 0.5}, failed=[None] * 7 + ["crash"])
+    everything = {n for n in compute(**full) if not n.startswith("_")} - {"token_version_lag_sum"}
+    episode_only = everything - set(compute(**token_fields))
+    assert episode_only and {BY_NAME[n].level for n in episode_only} == {"episode"}
+    episode_level = {s.name for s in CATALOGUE if s.level == "episode"}
+    assert episode_level - everything == {"generation", "generation_policy_version"}
+    assert {n for n in everything if BY_NAME[n].level == "episode"} == episode_level & everything
