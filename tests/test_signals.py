@@ -361,13 +361,9 @@ def test_pending_finishes_formulas_on_the_host_with_one_transfer():
     out.ratio("empty", torch.tensor(0.0), torch.tensor(0.0))
     out.derive("max_if_any", lambda m, n: m if n > 0 else None, torch.tensor(2.5), torch.tensor(0.0))
     out.derive("nan", lambda x: x, torch.tensor(float("nan")))
-    out.derive_vector("per_row", lambda sums, n: [s / n for s in sums], [("a",), ("b",)], torch.tensor([1.0, 3.0]), 2.0)
-    out.put_vector("raw", torch.tensor([[1.0, 2.0]]), [("x",), ("y",)])
-    with pytest.raises(ValueError):
-        out.put_vector("bad", torch.tensor([1.0]), [("x",), ("y",)])
+    out.host(lambda v: {"per_row": {("a",): v[0] / 2, ("b",): v[1] / 2}}, out.vector(torch.tensor([[1.0, 3.0]])))
     assert out.resolve() == {"count": {(): 3.0}, "mean": {(): 2.0}, "empty": {(): None}, "max_if_any": {(): None},
-                             "nan": {(): None}, "per_row": {("a",): 0.5, ("b",): 1.5},
-                             "raw": {("x",): 1.0, ("y",): 2.0}}
+                             "nan": {(): None}, "per_row": {("a",): 0.5, ("b",): 1.5}}
 
 
 def test_mismatch_by_lag_is_in_the_step_values_the_store_and_the_exposition(tmp_path):
