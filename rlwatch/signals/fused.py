@@ -30,10 +30,9 @@ import torch
 from . import quantities as q
 from . import settings
 from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT, cached, count_into
-from .settings import LAG_EXACT_MAX, SAFETY_BOUND
+from .settings import LAG_BINS, SAFETY_BOUND
 
-LAG_SIZE = LAG_EXACT_MAX + 2            # bin k holds lag k - 1; bin 0 off-mask and negative lags
-LAG_BINS = LAG_EXACT_MAX + 1            # the histogram of lags 0 .. LAG_EXACT_MAX
+LAG_SIZE = LAG_BINS + 1                 # bin k holds lag k - 1; bin 0 off-mask and negative lags
 # The lag bucket (index into LAG_BUCKET_LABELS) of each lag bin; bin 0 (no valid lag) in none.
 _LAG_BUCKET_OF_BIN = (len(q.BY_LABELS["lag"]),) + tuple(
     bisect_left(tuple(int(b) for b in q.BY_LABELS["lag"][:-1]), lag) for lag in range(LAG_BINS))

@@ -28,7 +28,7 @@ import torch
 
 from ..metrics import LAG_BUCKET_LABELS, PROB_BIN_LABELS
 from .pending import Values, _div
-from .settings import SAFETY_BOUND
+from .settings import LAG_BINS, SAFETY_BOUND
 
 #: Per-token terms from the valid-set tensors ``t`` (keep: 0/1, r, s, a = |r|, em1 = w - 1, em1_t =
 #: min(w, C) - 1); [B, T] each, 0 off the valid set.
@@ -177,8 +177,6 @@ def _quantile(f: Fields, q: float) -> float | None:
 
 
 def _lag_sum(f: Fields) -> float:
-    from .fused import LAG_BINS
-
     return LAG_BINS * f.n_ok - f.cum_sum
 
 

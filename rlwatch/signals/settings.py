@@ -12,6 +12,7 @@ import torch
 # Lag percentiles and the lag mean are exact up to this many updates; larger lags count as this
 # many (the maximum stays exact).
 LAG_EXACT_MAX = 4095
+LAG_BINS = LAG_EXACT_MAX + 1            # the lag histogram's bins: lags 0 .. LAG_EXACT_MAX
 
 SAFETY_BOUND = 20.0  # |r| clamp before exp, as verl's rollout_corr_helper.SAFETY_BOUND
 
