@@ -21,8 +21,9 @@ from rlwatch.signals import Workspace, fused
 from rlwatch.signals.step import engine_inputs
 
 # Dispatched aten operations of one eager token_core at 8 x 64 (fp32 log-probs, per-token
-# versions): 119 (116 with per-sequence versions), the per-lag mismatch included; a little headroom.
-MAX_TOKEN_CORE_OPS = 125
+# versions): 134 (130 with per-sequence versions): 107 before the per-lag mismatch, the direct
+# weight sums for the ESS and the bincount splits by band and lag; a little headroom.
+MAX_TOKEN_CORE_OPS = 140
 
 
 class _CountOps(TorchDispatchMode):

@@ -127,7 +127,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     """
     mismatch = trainer_logp is not None and sampler_logp is not None
     B, T = mask.shape
-    parts: list[list[torch.Tensor]] = []
+    whole: list[torch.Tensor] | None = None
     chunks = _chunks(B, T)
     for lo, hi in chunks:
         inputs = [mask, version, trainer_logp, sampler_logp]
@@ -142,8 +142,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
             part += lag
         if mismatch:
             part += _mismatch_part(m, trainer, sampler, thresholds, bucket, exact_quantiles)
-        parts.append(part)
-    whole = parts[0] if len(parts) == 1 else _combine(parts, version is not None, mismatch and exact_quantiles)
+        whole = part if whole is None else _combine(whole, part, version is not None, mismatch and exact_quantiles)
     out = [whole[0]]
     if mismatch:
         out += _mismatch_finish(*whole[4 if version is not None else 1:], mask.numel(), abs_mids, qs,
@@ -159,20 +158,20 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     return torch.cat(out)
 
 
-def _combine(parts: list[list[torch.Tensor]], lag: bool, exact: bool) -> list[torch.Tensor]:
-    """The chunks' parts (tokens, [lag histogram, sequence sums, largest lag], [token sums, extremes,
-    sequence sums, largest |s_b|, |r| sample]) combined: by maximum for the largest values, the exact
-    |r| samples concatenated, every other part summed (float64: exact for counts)."""
+def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exact: bool) -> list[torch.Tensor]:
+    """The parts so far and the next chunk's (tokens, [lag histogram, sequence sums, largest lag], [token
+    sums, extremes, sequence sums, largest |s_b|, |r| sample]) combined: by maximum for the largest
+    values, the exact |r| samples concatenated, every other part summed (float64: exact for counts)."""
     first_mismatch = 4 if lag else 1
     largest = ({3} if lag else set()) | {first_mismatch + 1, first_mismatch + 3}
     out = []
-    for i, xs in enumerate(zip(*parts)):
+    for i, (a, b) in enumerate(zip(whole, part)):
         if i in largest:
-            out.append(torch.stack(xs).amax(0))
+            out.append(torch.maximum(a, b))
         elif exact and i == first_mismatch + 4:
-            out.append(torch.cat(xs))
+            out.append(torch.cat([a, b]))
         else:
-            out.append(torch.stack([x.double() for x in xs]).sum(0))
+            out.append(a.double() + b)
     return out
 
 
@@ -297,13 +296,25 @@ def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
             [terms[s.term] for s in against])
         at = thr[_threshold_slice([s.against for s in against])].view(-1, 1, 1)
         groups.append((x - at) * _signs(against, thr.dtype, thr.device, 3) > 0)
+    parts = _row_sums(torch.cat(groups))
     for by in dict.fromkeys(s.by for s in sums if s.by):
-        of = [terms[s.term] for s in sums if s.by == by]
-        width = len(q.BY_LABELS[by])
-        device = y.device
-        one_hot = index[by] == cached(("by", width, device), lambda: torch.arange(width, device=device).view(-1, 1, 1))
-        groups.append((torch.stack(of).unsqueeze(1) * one_hot).flatten(0, 1))
-    return _row_sums(torch.cat(groups)), y[:2].sum(-1)
+        of = torch.stack([terms[s.term] for s in sums if s.by == by])
+        parts.append(_split_sums(of, index[by].expand(y.shape[1:]), len(q.BY_LABELS[by])))
+    return parts, y[:2].sum(-1)
+
+
+def _split_sums(of: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
+    """Sums of each term of ``of`` [n, B, T] by ``index`` [B, T] (0 .. width - 1; ``width``: none),
+    [n * width] term by term. On CPU one float64 bincount; elsewhere 0/1 rows by broadcasting, one
+    sum (no float atomics: the same values on every device)."""
+    n, device = of.shape[0], of.device
+    if device.type == "cpu":
+        offsets = cached(("by_offsets", n, width), lambda: torch.arange(n).view(-1, 1) * (width + 1))
+        flat = (index.reshape(1, -1) + offsets).reshape(-1)
+        counts = torch.bincount(flat, of.reshape(-1).double(), n * (width + 1))
+        return counts.view(n, width + 1)[:, :width].reshape(-1)
+    one_hot = index == cached(("by", width, device), lambda: torch.arange(width, device=device).view(-1, 1, 1))
+    return _row_sums((of.unsqueeze(1) * one_hot).flatten(0, 1))[0]
 
 
 def _compiled_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,

@@ -40,6 +40,8 @@ TERMS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "em1": lambda t: t["em1"],
     "em1_t": lambda t: t["em1_t"],
     "k3": lambda t: t["em1"] - t["r"],                 # w - 1 - r
+    "w": lambda t: t["em1"] + t["keep"],
+    "w_t": lambda t: t["em1_t"] + t["keep"],           # min(w, C)
     "rs": lambda t: t["r"] * t["s"],
 }
 
@@ -78,9 +80,10 @@ class SeqSum:
 #: reads their per-sequence sums.
 TOKEN_SUMS: tuple[TokenSum, ...] = (
     TokenSum("n", "keep"), TokenSum("sum_r", "r"), TokenSum("s_sum", "s"), TokenSum("sum_em1", "em1"),
-    TokenSum("sum_em1t", "em1_t"), TokenSum("sum_a", "a"), TokenSum("sum_k3", "k3"), TokenSum("rs", "rs"),
+    TokenSum("sum_w", "w"), TokenSum("sum_wt", "w_t"), TokenSum("sum_a", "a"), TokenSum("sum_k3", "k3"),
+    TokenSum("rs", "rs"),
     TokenSum("sum_r2", "r", square=True), TokenSum("ss", "s", square=True), TokenSum("sq_em1", "em1", square=True),
-    TokenSum("sq_em1t", "em1_t", square=True),
+    TokenSum("sq_w", "w", square=True), TokenSum("sq_wt", "w_t", square=True),
     TokenSum("high", "em1", against="cap_em1"), TokenSum("low", "em1", against="inv_cap_em1", above=False),
     TokenSum("mis_below", "em1", against="low_em1", above=False), TokenSum("mis_above", "em1", against="high_em1"),
     TokenSum("band_abs", "a", by="band"), TokenSum("band_n", "keep", by="band"),
@@ -148,10 +151,10 @@ class Metric:
     by: str = ""
 
 
-def ess_ratio(sum_em1: float, sq_em1: float, n: float) -> float | None:
-    """Effective sample size / n of weights w from sum(w - 1), sum((w - 1)^2) and n; (sum w)^2 <=
-    n sum w^2 (Cauchy-Schwarz), so the cap at 1 only removes float rounding."""
-    sum_w, sum_w2 = n + sum_em1, n + sq_em1 + 2 * sum_em1
+def ess_ratio(sum_w: float, sum_w2: float, n: float) -> float | None:
+    """Effective sample size / n of weights w from sum(w), sum(w^2) and n (summed directly, not as
+    n + sum(w - 1): that cancels when the weights are tiny); (sum w)^2 <= n sum w^2 (Cauchy-Schwarz),
+    so the cap at 1 only removes float rounding."""
     ratio = _div(sum_w * sum_w, n * sum_w2)
     return None if ratio is None else min(ratio, 1.0)
 
@@ -203,11 +206,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("mismatch_abs_log_ratio_p99", lambda f: _quantile(f, f.q99)),
     Metric("mismatch_chi2_token", lambda f: _div(f.sq_em1 + 2 * f.sum_em1, f.n)),      # mean(w^2 - 1)
     Metric("mismatch_log_ratio_slope", slope),
-    Metric("is_ess_raw_ratio", lambda f: ess_ratio(f.sum_em1, f.sq_em1, f.n)),
-    Metric("is_ess_ratio", lambda f: ess_ratio(f.sum_em1t, f.sq_em1t, f.n)),
+    Metric("is_ess_raw_ratio", lambda f: ess_ratio(f.sum_w, f.sq_w, f.n)),
+    Metric("is_ess_ratio", lambda f: ess_ratio(f.sum_wt, f.sq_wt, f.n)),
     Metric("is_ratio_min", lambda f: _ratio_of(-f.neg_min_r, f.n)),
     Metric("is_ratio_max", lambda f: _ratio_of(f.max_r, f.n)),
-    Metric("is_ratio_mean", lambda f: _div(f.n + f.sum_em1, f.n)),
+    Metric("is_ratio_mean", lambda f: _div(f.sum_w, f.n)),
     Metric("is_tis_high_ratio", lambda f: _div(f.high, f.n)),
     Metric("is_tis_low_ratio", lambda f: _div(f.low, f.n)),
     Metric("is_mis_masked_ratio", lambda f: _div(f.mis_below + f.mis_above, f.n)),

@@ -24,7 +24,7 @@ EXACT_QUANTILE_MAX_TOKENS = 8192
 # Eagerly, the fused function runs over chunks of whole sequences of at most this many [B, T]
 # positions, so that a large step holds a chunk's stacked sums at a time, never the step's (compiled,
 # inductor writes no per-position matrix and one chunk serves every size).
-FUSED_CHUNK_TOKENS = 32768
+FUSED_CHUNK_TOKENS = 65536
 
 
 @dataclass(frozen=True)
