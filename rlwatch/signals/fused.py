@@ -9,9 +9,9 @@ host transfer; :func:`~.quantities.finish_tokens` applies the host formulas.
 It has no host synchronisation, no data-dependent shape and no Python branch on tensor values:
 ``torch.compile(token_core, fullgraph=True, dynamic=True)`` traces it without a graph break and
 inductor fuses one reduction per declared sum into a few loops, without writing a per-position
-matrix. Eagerly the sums of each kind (plain, squares, threshold counts, ``by`` slices) are one
-stacked [k, B, T] group reduced at once (a few microseconds of dispatch per operation is what a
-small step costs), over chunks of at most ``settings.FUSED_CHUNK_TOKENS`` positions (whole
+matrix. Eagerly the sums of each kind (plain, squares, threshold counts) are one stacked [k, B, T]
+group, all reduced at once (a few microseconds of dispatch per operation is what a small step
+costs), and each ``by`` split one float64 bincount on CPU (0/1 rows elsewhere), over chunks of at most ``settings.FUSED_CHUNK_TOKENS`` positions (whole
 sequences), so that a large step never holds more than a chunk's groups; chunks' sums add, their
 extremes take the maximum, their |r| samples and lag histograms add up before the quantiles.
 Histograms use integer counts (bincount on CPU, int64 scatter-adds elsewhere, never float atomics).
