@@ -93,14 +93,12 @@ def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: 
     """The token-level signals (tokens, mismatch, importance sampling, version lag) and, when
     ``episodes`` is given, the episode signals, from the fused function (one vector), compiled when
     ready, else eagerly."""
-    mask = record.mask
     mismatch = record.trainer_logp is not None and record.sampler_logp is not None
     lag = record.version is not None and record.trainer_version is not None
     args, exact = engine_inputs(record, config)
     vector, _ = engine.run(args, exact, ws.compile if ws is not None else "never",
                            episodes=episodes.tensors if episodes is not None else None)
     pos = fused.layout(mismatch, lag)
-    assert vector is not None and mask is not None
 
     def finish(v: list[float]) -> "Values":
         if ws is not None and v[pos["compiled"]] == 1.0:
