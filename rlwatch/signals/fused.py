@@ -11,9 +11,10 @@ It has no host synchronisation, no data-dependent shape and no Python branch on 
 inductor fuses one reduction per declared sum into a few loops, without writing a per-position
 matrix. Eagerly the sums of each kind (plain, squares, threshold counts) are one stacked [k, B, T]
 group, all reduced at once (a few microseconds of dispatch per operation is what a small step
-costs), and each ``by`` split one float64 bincount on CPU (0/1 rows elsewhere), over chunks of at most ``settings.FUSED_CHUNK_TOKENS`` positions (whole
-sequences), so that a large step never holds more than a chunk's groups; chunks' sums add, their
-extremes take the maximum, their |r| samples and lag histograms add up before the quantiles.
+costs), and each ``by`` split one float64 bincount on CPU (0/1 rows elsewhere), over chunks of at
+most ``settings.FUSED_CHUNK_TOKENS`` positions (whole sequences), so that a large step never holds
+more than a chunk's groups; chunks' sums add, their extremes take the maximum, their |r| samples and
+lag histograms add up before the quantiles.
 Histograms use integer counts (bincount on CPU, int64 scatter-adds elsewhere, never float atomics).
 
 Shapes: ``mask`` [B, T] float32 0/1; log-probs [B, T] any float dtype; ``version`` [B, T], [B]
