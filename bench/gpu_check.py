@@ -3,7 +3,7 @@ needs only torch with CUDA and this repository):
 
     python bench/gpu_check.py [--rounds 15] [--cases 40] [--quick]
 
-1. Correctness: CPU (in-place engine) against CUDA (in-place, fused eager and compiled) on seeded
+1. Correctness: CPU (eager, in chunks) against CUDA (eager in chunks, in one pass, and compiled) on seeded
    random steps: shapes, masks, NaN/inf log-probs, fp32/bf16/fp16/fp64 log-probs, per-token,
    per-sequence and (first, last) versions, groups whose episodes carry different environments.
 2. Speed, medians of interleaved rounds, at 32k / 1M / 4M / 16M response tokens: rlwatch
@@ -91,16 +91,16 @@ def values_of(fields: dict, device: str, path: str, exact: bool) -> tuple[dict, 
     fields = to_device(fields, device)
     ws = Workspace(compile="always" if path == "compiled" else "never")
     record = RecordBuilder(HookErrors(strict=True)).build(0, fields, ws)
-    saved = signals.settings.EXACT_QUANTILE_MAX_TOKENS, signals.settings.FUSED_EAGER_MAX_TOKENS
+    saved = signals.settings.EXACT_QUANTILE_MAX_TOKENS, signals.settings.FUSED_CHUNK_TOKENS
     signals.settings.EXACT_QUANTILE_MAX_TOKENS = 10**12 if exact else -1
-    signals.settings.FUSED_EAGER_MAX_TOKENS = 10**12 if path == "fused" else -1
+    signals.settings.FUSED_CHUNK_TOKENS = 2 * fields["mask"].shape[-1] - 1 if path == "chunked" else 10**12
     try:
         values = compute_step(record, SignalConfig(), ws)
         if path == "compiled":
             engine.wait()
             values = compute_step(record, SignalConfig(), ws)
     finally:
-        signals.settings.EXACT_QUANTILE_MAX_TOKENS, signals.settings.FUSED_EAGER_MAX_TOKENS = saved
+        signals.settings.EXACT_QUANTILE_MAX_TOKENS, signals.settings.FUSED_CHUNK_TOKENS = saved
     return values, ws.compiled_steps
 
 
@@ -117,13 +117,13 @@ def differences(a: dict, b: dict, rel: float = 1e-4, abs_: float = 1e-5) -> list
     return out
 
 
-def correctness(cases: int, paths: tuple[str, ...] = ("inplace", "fused", "compiled")) -> bool:
+def correctness(cases: int, paths: tuple[str, ...] = ("chunked", "fused", "compiled")) -> bool:
     print(f"== correctness: CPU vs CUDA on {cases} random steps (+ mixed-environment groups)")
     failures, compiled_steps, start = 0, 0, time.perf_counter()
     signatures: set = set()       # compiled ones are capped (each compiles three example sizes)
     for seed in range(cases):
         fields, exact, kind = random_step(seed)
-        cpu, _ = values_of(fields, "cpu", "inplace", exact)
+        cpu, _ = values_of(fields, "cpu", "chunked", exact)
         for path in paths:
             if path == "compiled" and (kind, exact) not in signatures:
                 if (len(signatures) >= MAX_COMPILED_SIGNATURES
@@ -139,7 +139,7 @@ def correctness(cases: int, paths: tuple[str, ...] = ("inplace", "fused", "compi
     mixed = dict(mask=torch.ones(6, 2, dtype=torch.bool), rewards=torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0]),
                  group_ids=torch.tensor([0, 0, 1, 1, 2, 2]), env=["math", "code", "math", "math", "code", "code"])
     for _ in range(20):
-        v, _ = values_of(mixed, DEVICE, "inplace", True)
+        v, _ = values_of(mixed, DEVICE, "chunked", True)
         if v["env_zero_variance_groups_ratio"] != {("math",): 0.5, ("code",): 1.0}:
             failures += 1
             print(f"  FAIL env_zero_variance_groups_ratio on CUDA: {v['env_zero_variance_groups_ratio']}")
@@ -262,7 +262,7 @@ def main() -> None:
         global DEVICE
         DEVICE = "cpu"
         print(f"DRY RUN ON CPU (torch {torch.__version__}): checks the script, measures nothing about GPUs")
-        ok = correctness(3, ("inplace", "fused"))
+        ok = correctness(3, ("chunked", "fused"))
         speed(2, ((16, 64), (64, 512)))
         profile_counts(16, 64, cpu_kernel_count())   # on CPU: no launches or copies to count, the code runs
     else:

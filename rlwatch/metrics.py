@@ -19,6 +19,8 @@ PREFIX = "rlwatch_"
 
 #: Upper bounds (inclusive) of the version-lag histogram buckets, in policy updates; +Inf follows.
 LAG_BUCKETS: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+#: The label of each lag bucket (the histogram's in-process ``le`` rows and the per-lag families' ``lag``).
+LAG_BUCKET_LABELS: tuple[str, ...] = tuple(str(b) for b in LAG_BUCKETS) + ("+Inf",)
 
 #: Sampler-probability bins for the per-bin mismatch: [0, 0.1), [0.1, 0.5), [0.5, 0.9), [0.9, 1].
 PROB_BIN_EDGES: tuple[float, ...] = (0.1, 0.5, 0.9)
@@ -41,6 +43,12 @@ class MetricSpec:
     @property
     def full_name(self) -> str:
         return PREFIX + self.name
+
+    @property
+    def level(self) -> str:
+        """What one value summarises: the step's ``token``, ``sequence`` or ``episode`` quantities, or
+        ``step`` (the hook, the configuration, what the record or the framework states)."""
+        return _LEVELS.get(self.name) or _GROUP_LEVELS.get(self.group, "step")
 
 
 def _g(name: str, help: str, group: str, labels: tuple[str, ...] = (), unit: str = "") -> MetricSpec:
@@ -154,6 +162,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        ("prob_bin",)),
     _g("mismatch_tokens_by_prob", "Tokens by sampler probability bin in the latest step.", "mismatch",
        ("prob_bin",)),
+    _g("mismatch_kl_k3_by_lag", "Token-weighted k3 = mean(exp(r) - 1 - r) over the tokens of each version-lag "
+       "bucket (the lag histogram's buckets): the lag-0 level is the numerics floor, growth with lag is staleness.",
+       "mismatch", ("lag",)),
+    _g("mismatch_abs_log_ratio_mean_by_lag", "Mean |r| over the tokens of each version-lag bucket (nats).",
+       "mismatch", ("lag",)),
+    _g("mismatch_tokens_by_lag", "Tokens with finite log-probs and a non-negative version lag, by lag bucket, in "
+       "the latest step.", "mismatch", ("lag",)),
     _g("nonfinite_tokens", "Response tokens whose sampler or trainer log-prob is NaN or infinite.", "mismatch"),
     _c("nonfinite_tokens_total", "Response tokens with a NaN or infinite log-prob, excluded from the mismatch.",
        "mismatch"),
@@ -212,6 +227,18 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _c("episodes_failed_total", "Episodes with an infrastructure failure, per environment and kind.", "env",
        ("env", "kind")),
 )
+
+#: The level of each section's families (:attr:`MetricSpec.level`), and of those that differ from their section's.
+_GROUP_LEVELS = {"lag": "token", "mismatch": "token", "is": "token", "groups": "episode", "length": "episode",
+                 "env": "episode"}
+_LEVELS = {
+    **dict.fromkeys(("tokens", "tokens_total", "entropy_mean"), "token"),
+    **dict.fromkeys(("reward_mean", "reward_std", "nonfinite_rewards", "nonfinite_rewards_total"), "episode"),
+    **dict.fromkeys(("mismatch_seq_log_ratio_abs_mean", "mismatch_seq_log_ratio_abs_max", "mismatch_chi2_sequence",
+                     "is_seq_tis_high_ratio", "is_seq_tis_low_ratio", "is_seq_mis_masked_ratio",
+                     "version_lag_sequence_max_mean", "partial_rollout_ratio", "partial_rollout_sequences_total"),
+                    "sequence"),
+}
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
 

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .metrics import BY_NAME, LAG_BUCKETS
+from .metrics import BY_NAME, LAG_BUCKET_LABELS
 from .values import value_of
 
 LabelValues = tuple[str, ...]
@@ -21,8 +21,6 @@ Family = dict[LabelValues, float]
 #: Gauge groups whose values persist until overwritten (settings, framework scalars); every other
 #: gauge family is replaced by each step, so a signal that was not computed goes stale at once.
 STICKY_GROUPS = frozenset({"config", "sampler", "framework", "hook", "diagnosis"})
-
-HISTOGRAM_LABELS: tuple[str, ...] = tuple(str(b) for b in LAG_BUCKETS) + ("+Inf",)
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,7 @@ class MetricState:
             elif spec.kind == "counter":
                 increments.extend((name, k, v) for k, v in family.items() if v is not None)
             elif spec.kind == "histogram":
-                counts = [float(family.get((label,)) or 0.0) for label in HISTOGRAM_LABELS]
+                counts = [float(family.get((label,)) or 0.0) for label in LAG_BUCKET_LABELS]
                 total = value_of(values, name + "_sum") or 0.0
                 hist_updates[name] = (counts, float(total))
             elif spec.kind == "info":

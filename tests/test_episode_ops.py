@@ -48,6 +48,7 @@ def _count(args: tuple) -> int:
     return counter.ops
 
 
+@pytest.mark.perf
 def test_episode_core_op_count_is_small_and_independent_of_the_batch_size():
     ops = _count(_step(8))
     assert ops <= MAX_OPS, ops

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import rlwatch
 from rlwatch import InvalidFieldError, SignalConfig, compute
 from rlwatch.metrics import CATALOGUE, LAG_BUCKETS, PROB_BIN_LABELS
 from rlwatch.record import RecordBuilder
@@ -115,17 +116,6 @@ def _check_nonfinite_tokens_are_counted_and_excluded():
                  "is_ess_ratio", "is_tis_high_ratio", "mismatch_abs_log_ratio_p99"):
         assert scalar(v, name) == pytest.approx(scalar(ref, name), rel=1e-6), name
         assert math.isfinite(scalar(v, name))
-
-
-def test_masked_quantiles_exact_empty_and_nothing_kept():
-    values = torch.tensor([[0.3, 9.0, 0.1], [0.2, 0.0, 5.0]])
-    keep = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
-    got = signals.masked_quantiles(values, keep, keep.sum(), (0.5, 0.99))
-    want = torch.quantile(values[keep > 0].double(), torch.tensor([0.5, 0.99], dtype=torch.float64))
-    assert torch.allclose(got, want, rtol=1e-12, atol=0)
-    assert signals.masked_quantiles(values, torch.zeros_like(keep), torch.tensor(0.0), (0.5,)).isnan().all()
-    empty = torch.zeros(0, 3)
-    assert signals.masked_quantiles(empty, empty, torch.tensor(0.0), (0.5, 0.99)).isnan().all()
 
 
 @pytest.mark.parametrize("binned", [False, True], ids=["exact", "histogram"])
@@ -371,10 +361,60 @@ def test_pending_finishes_formulas_on_the_host_with_one_transfer():
     out.ratio("empty", torch.tensor(0.0), torch.tensor(0.0))
     out.derive("max_if_any", lambda m, n: m if n > 0 else None, torch.tensor(2.5), torch.tensor(0.0))
     out.derive("nan", lambda x: x, torch.tensor(float("nan")))
-    out.derive_vector("per_row", lambda sums, n: [s / n for s in sums], [("a",), ("b",)], torch.tensor([1.0, 3.0]), 2.0)
-    out.put_vector("raw", torch.tensor([[1.0, 2.0]]), [("x",), ("y",)])
-    with pytest.raises(ValueError):
-        out.put_vector("bad", torch.tensor([1.0]), [("x",), ("y",)])
+    out.host(lambda v: {"per_row": {("a",): v[0] / 2, ("b",): v[1] / 2}}, out.vector(torch.tensor([[1.0, 3.0]])))
     assert out.resolve() == {"count": {(): 3.0}, "mean": {(): 2.0}, "empty": {(): None}, "max_if_any": {(): None},
-                             "nan": {(): None}, "per_row": {("a",): 0.5, ("b",): 1.5},
-                             "raw": {("x",): 1.0, ("y",): 2.0}}
+                             "nan": {(): None}, "per_row": {("a",): 0.5, ("b",): 1.5}}
+
+
+def test_mismatch_by_lag_is_in_the_step_values_the_store_and_the_exposition(tmp_path):
+    """Per-token versions: lag 0 tokens in sync, lag 3 ones with a shifted log-prob; each bucket's k3
+    and |r| are its own tokens' (from the definition), exported with a ``lag`` label and stored."""
+    from prometheus_client import generate_latest
+
+    from rlwatch.store_reader import StoreReader
+
+    mask = torch.ones(4, 8, dtype=torch.bool)
+    sampler = -torch.rand(4, 8, generator=torch.Generator().manual_seed(0))
+    stale = torch.arange(8)[None, :].expand(4, 8) >= 5
+    trainer = torch.where(stale, sampler + 0.3, sampler)
+    fields = dict(mask=mask, sampler_logp=sampler, trainer_logp=trainer, trainer_version=10,
+                  token_version=torch.where(stale, 7, 10))
+    k3 = math.exp(0.3) - 1 - 0.3
+    path = str(tmp_path / "s.db")
+    with rlwatch.Watch(run="bylag", port=None, store=path, alerts=False) as watch:
+        values = watch.observe(0, **fields)
+        text = generate_latest(watch.registry).decode()
+    assert values.value("mismatch_tokens_by_lag", ("0",)) == 20.0
+    assert values.value("mismatch_tokens_by_lag", ("3",)) == 12.0
+    assert values.value("mismatch_kl_k3_by_lag", ("0",)) == pytest.approx(0.0, abs=1e-7)
+    assert values.value("mismatch_kl_k3_by_lag", ("3",)) == pytest.approx(k3, rel=1e-5)
+    assert values.value("mismatch_abs_log_ratio_mean_by_lag", ("3",)) == pytest.approx(0.3, rel=1e-5)
+    assert values.value("mismatch_kl_k3_by_lag", ("1",)) is None                  # a bucket without tokens
+    assert 'rlwatch_mismatch_tokens_by_lag{lag="3",run="bylag"} 12.0' in text
+    assert 'rlwatch_mismatch_kl_k3_by_lag{lag="3",run="bylag"}' in text
+    with StoreReader(path) as store:
+        row = next(iter(store.steps("bylag")))
+    assert row.get("mismatch_kl_k3_by_lag", ("3",)) == pytest.approx(k3, rel=1e-5)
+    assert row.get("mismatch_tokens_by_lag", ("0",)) == 20.0
+
+
+def test_catalogue_levels_are_the_levels_the_engine_computes():
+    """MetricSpec.level (which TRL's per-generation families are derived from) agrees with the engine:
+    the declared token quantities are token- or sequence-level, and the families that only episode
+    inputs produce are episode-level, every episode-level family among them (TRL's generation
+    serials aside)."""
+    from rlwatch.metrics import BY_NAME
+    from rlwatch.signals import quantities
+
+    assert {BY_NAME[m.name].level for m in quantities.METRICS if m.name in BY_NAME} == {"token", "sequence"}
+    token_fields = make_step(B=8, T=16)
+    g = torch.Generator().manual_seed(0)
+    full = dict(token_fields, rewards=torch.randint(0, 2, (8,), generator=g).float(), group_ids=torch.arange(8) // 2,
+                env=["math", "code"] * 4, truncated=torch.rand(8, generator=g) < 0.5,
+                hacked={"d": torch.rand(8, generator=g) < 0.5}, failed=[None] * 7 + ["crash"])
+    everything = {n for n in compute(**full) if not n.startswith("_")} - {"token_version_lag_sum"}
+    episode_only = everything - set(compute(**token_fields))
+    assert episode_only and {BY_NAME[n].level for n in episode_only} == {"episode"}
+    episode_level = {s.name for s in CATALOGUE if s.level == "episode"}
+    assert episode_level - everything == {"generation", "generation_policy_version"}
+    assert {n for n in everything if BY_NAME[n].level == "episode"} == episode_level & everything

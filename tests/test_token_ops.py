@@ -15,14 +15,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlwatch import SignalConfig, compute
 from rlwatch.errors import HookErrors
-from rlwatch.metrics import LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS
+from rlwatch.metrics import LAG_BUCKET_LABELS, LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS
 from rlwatch.record import RecordBuilder
 from rlwatch.signals import Workspace, fused
 from rlwatch.signals.step import engine_inputs
 
 # Dispatched aten operations of one eager token_core at 8 x 64 (fp32 log-probs, per-token
-# versions): 195 before the stacked-rows rewrite, 107 after it; a little headroom.
-MAX_TOKEN_CORE_OPS = 115
+# versions): 134 (130 with per-sequence versions): 107 before the per-lag mismatch, the direct
+# weight sums for the ESS and the bincount splits by band and lag; a little headroom.
+MAX_TOKEN_CORE_OPS = 140
 
 
 class _CountOps(TorchDispatchMode):
@@ -53,6 +54,7 @@ def _bench_like_step(B: int, T: int, layout: str) -> dict:
     return fields
 
 
+@pytest.mark.perf
 @pytest.mark.parametrize("layout", ["token", "seq", "pair"])
 def test_eager_token_core_operation_count_is_bounded(layout):
     fields = _bench_like_step(8, 64, layout)
@@ -183,6 +185,16 @@ def _reference(fields: dict, config: SignalConfig) -> dict:
         out[("token_version_lag", str(bound))] = float(((ok > previous) & (ok <= bound)).sum())
         previous = bound
     out[("token_version_lag", "+Inf")] = float((ok > previous).sum())
+    # Mismatch by lag bucket: the valid tokens of non-negative lag in each histogram bucket.
+    token_lag = lag_all[valid]
+    previous = -1
+    for bound, label in zip((*LAG_BUCKETS, math.inf), LAG_BUCKET_LABELS):
+        inside = (token_lag > previous) & (token_lag <= bound)
+        count = int(inside.sum())
+        out[("mismatch_tokens_by_lag", label)] = float(count)
+        out[("mismatch_kl_k3_by_lag", label)] = _div(float((w - 1 - r)[inside].sum()), count)
+        out[("mismatch_abs_log_ratio_mean_by_lag", label)] = _div(float(r.abs()[inside].sum()), count)
+        previous = bound
     return out
 
 

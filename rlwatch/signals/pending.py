@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -15,13 +15,12 @@ class Pending:
     """Device tensors waiting for the step's single host transfer, and the host formulas that finish
     them.
 
-    ``put(name, value, labels)`` stores a scalar and ``put_vector(name, tensor, label_rows)`` one value
-    per label row. ``derive(name, fn, *parts)`` and ``derive_vector(name, fn, rows, *parts)`` store
-    reductions whose final formula (a ratio, a variance, a correlation) runs on the host in float64
-    after the transfer: each 0-d part reaches ``fn`` as a float, each 1-d part as a list, and anything
-    else unchanged. On small batches a formula on 0-d device tensors costs more than the reductions
-    themselves. ``resolve()`` returns ``{name: {labels: float | None}}``; NaN, infinities and a
-    formula's division by zero resolve to None.
+    ``put(name, value, labels)`` stores a scalar; ``derive(name, fn, *parts)`` a reduction whose final
+    formula (a ratio, a variance) runs on the host in float64 after the transfer; ``host(fn, *parts)``
+    a formula returning several families at once (the fused vector's). Each 0-d part reaches ``fn``
+    as a float, each 1-d part (:meth:`vector`) as a list, anything else unchanged. On small batches a
+    formula on 0-d device tensors costs more than the reductions themselves. ``resolve()`` returns
+    ``{name: {labels: float | None}}``; NaN, infinities and a formula's division by zero resolve to None.
     """
 
     def __init__(self) -> None:
@@ -60,17 +59,6 @@ class Pending:
         """num / den on the host; None when den is 0."""
         self.derive(name, _div, num, den, labels=labels)
 
-    def put_vector(self, name: str, values: torch.Tensor, label_rows: Sequence[tuple[str, ...]]) -> None:
-        self.derive_vector(name, None, label_rows, values)
-
-    def derive_vector(self, name: str, fn: Callable[..., Sequence[float | None]] | None,
-                      label_rows: Sequence[tuple[str, ...]], *parts: Any) -> None:
-        rows = list(label_rows)
-        slots = tuple(self._part(p) for p in parts)
-        if fn is None and slots[0].size != len(rows):
-            raise ValueError(f"{name}: {slots[0].size} values for {len(rows)} label rows")
-        self._entries.append((name, rows, fn, slots))
-
     def resolve(self) -> dict[str, dict[tuple[str, ...], float | None]]:
         # Scalars are stacked per dtype: stacking mixed dtypes is several times slower.
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
@@ -108,15 +96,7 @@ class Pending:
                     for row, v in rows.items():
                         target[row] = _finite(v)
                 continue
-            family = out.setdefault(name, {})
-            if isinstance(labels, tuple):
-                family[labels] = _finite(_apply(fn, args) if fn else args[0])
-            else:
-                results = _apply(fn, args) if fn else args[0]
-                if results is None:
-                    results = [None] * len(labels)
-                for row, v in zip(labels, results):
-                    family[row] = _finite(v)
+            out.setdefault(name, {})[labels] = _finite(_apply(fn, args) if fn else args[0])
         return out
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ...fields import StepFields
+from ...metrics import CATALOGUE
 
 logger = logging.getLogger("rlwatch")
 
@@ -28,15 +29,11 @@ VERSION_KEY = "rlwatch_version"
 MAX_ENV_SCALARS = 64
 #: Sequences of the first generation batch kept for ``rlwatch postmortem --probe``.
 PROBE_ROWS = 32
-#: Families computed once per generation batch (whole groups); gauges among them are repeated on
-#: steps that score no batch, counters count each batch once.
-GENERATION_FAMILIES = frozenset({
-    "reward_mean", "reward_std", "groups", "groups_total", "zero_variance_groups_ratio",
-    "zero_variance_groups_total", "zero_gradient_episodes_ratio", "truncated_ratio", "response_length_mean",
-    "response_length_p99", "response_length_max", "env_episodes", "env_reward_mean", "env_truncated_ratio",
-    "env_zero_variance_groups_ratio", "env_reward_length_corr", "env_failure_ratio", "episodes_total",
-    "episodes_truncated_total", "episodes_failed_total", "generation", "generation_policy_version",
-})
+#: Families computed once per generation batch (whole groups): the episode-level ones of the catalogue
+#: but the reward-hack detectors' (judged on the step); gauges among them are repeated on steps that
+#: score no batch, counters count each batch once.
+GENERATION_FAMILIES = frozenset(spec.name for spec in CATALOGUE
+                                if spec.level == "episode" and "detector" not in spec.labels)
 #: What the token-level step record says about its own episodes; replaced by the generation's values.
 STEP_EPISODE_FAMILIES = frozenset({"response_length_mean", "response_length_p99", "response_length_max",
                                    "env_episodes", "episodes_total"})
