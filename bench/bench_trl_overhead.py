@@ -144,7 +144,7 @@ def train_once(model_path: str, workdir: Path, steps: int, tag: str, switch: Swi
                                                   "background": False})
             sidecar = _sidecar.attach(clock.watch, **{**options, **WATCH_OPTIONS, "hack_detectors": False,
                                                       "framework": "trl",
-                                                      "group_size": clock.watch.config.group_size})
+                                                      "group_size": clock.watch.signal_config.group_size})
         else:
             clock.watch = rltrl.watch(trainer, **{**options, **WATCH_OPTIONS})
     trainer.train()

@@ -83,7 +83,7 @@ def test_the_alert_evaluator_runs_after_every_listener_even_one_added_later():
     with rlwatch.Watch(run="order", port=None, store=None, alerts=True, strict=True) as watch:
         evaluate = watch.evaluator.on_step
         watch.evaluator.on_step = lambda step, values: (calls.append("evaluator"), evaluate(step, values))[1]
-        watch.listeners.append(Appended())        # appended after the evaluator was started
+        watch.listeners.add(Appended())           # added after the evaluator was started
         watch.observe(0, **make_step(seed=1))
     assert calls == ["listener", "evaluator"]
 

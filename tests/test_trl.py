@@ -310,8 +310,8 @@ def run_and_check(model_path, out_dir, run: str, *, funcs=None, rollout: bool = 
     watch = rltrl.watch(trainer, **options)
     trainer.train()
     watch.flush()
-    signal_config = SignalConfig(group_size=trainer.num_generations, is_cap=watch.config.is_cap,
-                                 mis_band=watch.config.mis_band)
+    signal_config = SignalConfig(group_size=trainer.num_generations, is_cap=watch.signal_config.is_cap,
+                                 mis_band=watch.signal_config.mis_band)
     expected = expected_rows(tap, trainer, signal_config, funcs)
     with StoreReader(store) as reader:
         rows = {row.step: row for row in reader.steps(run)}
@@ -410,7 +410,7 @@ def test_grpo_run_exports_what_trl_computed(model_path, tmp_path, caplog):
     tap = Tap(trainer)
     store = str(tmp_path / "run.db")
     watch = rltrl.watch(trainer, run="trl-e2e", port=0, store=store)
-    assert watch.config.group_size == 4
+    assert watch.signal_config.group_size == 4
     assert rltrl.trainer_device(trainer) == "cpu" and watch._worker is None     # CPU: computed inline
     trainer.train()
     watch.flush()
@@ -626,9 +626,9 @@ def test_idempotent_and_unwatch_restores(model_path, tmp_path, caplog):
 
 
 def test_unsupported_version_refuses_and_patches_nothing(model_path, tmp_path, monkeypatch, caplog):
-    from rlwatch.integrations import _base
+    from rlwatch.integrations import _instrumentor
 
-    monkeypatch.setattr(_base, "installed_version", lambda package: "1.17.0")
+    monkeypatch.setattr(_instrumentor, "installed_version", lambda package: "1.17.0")
     trainer = make_trainer(model_path, tmp_path / "out", max_steps=1)
     callbacks_before = list(trainer.callback_handler.callbacks)
     caplog.set_level(logging.WARNING, logger="rlwatch")
@@ -682,7 +682,9 @@ def test_pure_helpers():
     assert rltrl.env_labels_present(trainer)
     trainer.train_dataset.column_names = ["prompt"]
     assert not rltrl.env_labels_present(trainer)
-    padded = rltrl._cat_tokens([torch.ones(2, 3), torch.ones(1, 5)], 5)
+    from rlwatch.integrations._tensors import pad_cat
+
+    padded = pad_cat([torch.ones(2, 3), torch.ones(1, 5)], 5)
     assert padded.shape == (3, 5) and padded[:2, 3:].eq(0).all() and padded[2].eq(1).all()
 
 

@@ -13,7 +13,9 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from .analysis import NO_CAUSE, REFERENCE_POINTS, Change, Comparison, Report
+from .analysis import NO_CAUSE, Report
+from .changes import REFERENCE_POINTS, Change
+from .compare import Comparison
 from .sources import RunData
 
 PLOTTED = [("quality", "Run quality"), ("mismatch_kl_k3", "KL(mu||pi_old), k3"),
