@@ -169,8 +169,7 @@ def test_health_is_folded_once_per_scrape(monkeypatch):
 
 def test_hack_ratio_is_one_fact_over_both_sources_of_verdicts():
     """The step's ``hacked`` flags and a detector judging the same (env, detector): the counters add
-    up, and env_hack_ratio is hacked/judged of those counters (the detector's verdicts alone used to
-    replace it)."""
+    up, and env_hack_ratio is hacked/judged of those counters, not the detector's verdicts alone."""
     import torch
 
     from rlwatch import hacks
