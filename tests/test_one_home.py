@@ -116,8 +116,9 @@ def test_humanize_duration_is_prometheus(seconds, text):
     assert humanize_duration(seconds) == text
 
 
-@pytest.mark.parametrize("value, text", [(0.1, "0.1"), (100000.0, "100000"), (1e6, "1e+06"), (123456789.0, "1.23456789e+08"),
-                                         (1e-05, "1e-05"), (0.0001, "0.0001"), (2.0, "2"), (float("-inf"), "-Inf")])
+@pytest.mark.parametrize("value, text", [(0.1, "0.1"), (100000.0, "100000"), (1e6, "1e+06"),
+                                         (123456789.0, "1.23456789e+08"), (1e-05, "1e-05"), (0.0001, "0.0001"),
+                                         (2.0, "2"), (float("-inf"), "-Inf")])
 def test_plain_value_is_go_percent_v(value, text):
     from rlwatch.alerts.template import go_float
 

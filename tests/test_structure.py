@@ -18,7 +18,8 @@ from .conftest import make_step
 
 PACKAGE = Path(rlwatch.__file__).parent
 #: Reading a variable (not copying the environment for a child process).
-READS_ENV = re.compile(r"os\.environ\.get\((?!\"PYTHONPATH\")|os\.environ\[|os\.getenv|env_flag\(os\.environ|os\.environ if ")
+READS_ENV = re.compile(r"os\.environ\.get\((?!\"PYTHONPATH\")|os\.environ\[|os\.getenv|env_flag\(os\.environ"
+                       r"|os\.environ if ")
 #: Files allowed to read the environment besides rlwatch/config.py: none.
 PENDING: set[str] = set()
 

@@ -538,7 +538,6 @@ def test_background_queue_is_bounded_by_bytes():
     """Steps of 4 MiB of tensors each, observed faster than a slow rlwatch thread computes them:
     the queue never holds more than background_max_bytes (plus one step), and every step's tensors
     are freed once it ran (checked with weak references, as memory on an accelerator would be)."""
-    import time
     import weakref
 
     slow = threading.Event()

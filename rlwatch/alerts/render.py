@@ -335,7 +335,8 @@ def alertmanager_yaml() -> str:
 def overrides_yaml() -> str:
     example = {"groups": [{"name": "rlwatch-overrides", "rules": [
         {"record": "rlwatch_alert_threshold",
-         "expr": 'label_replace(label_replace(vector(3600), "run", "my-run", "", ""), "param", "stall_seconds", "", "")',
+         "expr": 'label_replace(label_replace(vector(3600), "run", "my-run", "", ""), '
+                 '"param", "stall_seconds", "", "")',
          "labels": {"source": "overrides"}}]}]}
     return (HEADER + "# Per-run overrides of the thresholds the rules compare themselves (stall_seconds,\n"
             "# clear_steps) for runs whose Watch does not set alert_overrides: one recording rule per\n"
@@ -422,5 +423,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["rules_yaml", "promtool_tests_yaml", "runbook_md", "alertmanager_yaml", "render_template", "runbook_base", "write",
-           "check", "main"]
+__all__ = ["rules_yaml", "promtool_tests_yaml", "runbook_md", "alertmanager_yaml", "render_template", "runbook_base",
+           "write", "check", "main"]

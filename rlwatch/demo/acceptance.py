@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = [replay(t, chosen) for t in test_traces]
     s = score(outcomes)
     checks = bars(s)
-    sample = [t for t in test_traces if not t.get("error")][::max(1, len(test_traces) // max(1, args.prometheus_sample))]
+    stride = max(1, len(test_traces) // max(1, args.prometheus_sample))
+    sample = [t for t in test_traces if not t.get("error")][::stride]
     agreement: dict = {}
     if args.prometheus_sample:            # a step every 1 s, 10 s and 10 min (scrapes every 1 s, 5 s, 1 min)
         from ..alerts.render import CADENCES

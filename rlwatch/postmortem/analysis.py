@@ -11,7 +11,7 @@ from typing import Any
 
 from ..diagnosis import Diagnosis, diagnose
 from .changes import Change, detect_change, scanned_series
-from .compare import Comparison, compare
+from .compare import Comparison
 from .sources import QUALITY_KEYS, RunData
 
 __all__ = ["CAUSE_SIGNALS", "NO_CAUSE", "Coverage", "Report", "Resume", "analyse", "collapse_onset", "coverage",

@@ -291,7 +291,7 @@ def _overview_plots(figures: _Figures, report: Report, data: RunData) -> None:
             qk, series = quality_series(data)
             series_list = [(qk or "quality", series)]
         else:
-            series_list = [(",".join(l for l in labels if l) or key, data.series(key, labels))
+            series_list = [(",".join(x for x in labels if x) or key, data.series(key, labels))
                            for labels in sorted(data.label_sets(key))] or [(key, data.series(key))]
         series_list = [(n, s) for n, s in series_list if s]
         if not series_list:
@@ -339,7 +339,7 @@ def _comparison_plots(figures: _Figures, report: Report, data: RunData, baseline
         ax.plot([s for s, _ in mine], [v for _, v in mine], lw=1.2, color="C3", label=bad_label)
         if step is not None:
             ax.axvline(step, color="k", lw=1.0, ls="--", label=f"diverged from step {step}")
-        name = signal + (f"{{{','.join(l for l in labels if l)}}}" if any(labels) else "")
+        name = signal + (f"{{{','.join(x for x in labels if x)}}}" if any(labels) else "")
         figures.save(fig, ax, f"{_mpl(name)}: this run against the good run", f"compare-{i + 1:02d}-{_slug(name)}")
 
 

@@ -232,7 +232,8 @@ def _mismatch_block(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp
 
 
 def _compiled_row_sums(keep: torch.Tensor, r: torch.Tensor, s: torch.Tensor, a: torch.Tensor, em1: torch.Tensor,
-                       em1_t: torch.Tensor, thr: torch.Tensor, edges: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+                       em1_t: torch.Tensor, thr: torch.Tensor,
+                       edges: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The compiled branch of :func:`_mismatch_block`: the row sums [K] float64 (the rows of the eager
     branch, in the same order) and the extremes [3], as parts, and the per-sequence sums [2, B].
 
