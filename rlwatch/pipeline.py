@@ -92,9 +92,6 @@ class StepListeners:
     def __contains__(self, listener: object) -> bool:
         return any(listener in listeners for listeners in self._phases.values())
 
-    def __len__(self) -> int:
-        return sum(len(listeners) for listeners in self._phases.values())
-
 
 def standard_listeners(staleness_bound: float, extra: tuple[StepListener, ...] = ()) -> StepListeners:
     """Drift, diagnosis and the user's ``extra`` listeners, each in its phase (a Watch adds the alert

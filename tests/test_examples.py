@@ -22,6 +22,7 @@ def run_example(name: str, *args: str, cwd: Path, timeout: float = 600) -> subpr
     return result
 
 
+@pytest.mark.slow
 def test_custom_loop_store_none_and_pace(tmp_path):
     result = run_example("custom_loop.py", "--steps", "2", "--pace", "0", "--store", "none", "--port", "0",
                          cwd=tmp_path)

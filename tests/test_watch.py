@@ -320,6 +320,7 @@ RANK_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("all_ranks", [False, True])
 def test_several_ranks_on_one_node(all_ranks):
     port = free_port()
