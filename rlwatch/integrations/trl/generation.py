@@ -110,7 +110,7 @@ def audit_verdicts(trainer: Any, n: int) -> list[bool | None]:
 def judges_hacks(watch: Any) -> bool:
     """Whether a run's Watches judge reward hacks: the ``hack_detectors`` option, which (unlike
     ``Watch.hack_detection``) reads the same on exporting and non-exporting processes."""
-    return getattr(getattr(watch, "options", None), "hack_detectors", None) is not False
+    return getattr(getattr(watch, "watch_config", None), "hack_detectors", None) is not False
 
 
 def hack_episode_inputs(trainer: Any, prompts: list, completions: list, completion_ids_list: list,
