@@ -1,6 +1,7 @@
 # The two set-up commands of the README:
 #   make demo   installs rlwatch (CPU torch when torch is absent) and runs the demo
-#   make test   also installs the servers and frameworks the tests use, then runs the whole suite
+#   make check  the fast local loop: lint, the generated files, the tests that need no server or framework
+#   make test   also installs the servers and frameworks the tests use, then lints and runs the whole suite
 #               (OpenRLHF's tests in their own environment, .venv-openrlhf: its pins conflict with TRL/verl;
 #               tests/test_packaging.py builds the sdist and wheel and runs them from a fresh venv)
 #   make dist   the sdist and the wheel of the distribution rlwatch-llm, in dist/
@@ -14,7 +15,7 @@ TORCH_INDEX ?=
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 OPENRLHF_VENV ?= .venv-openrlhf
 
-.PHONY: demo test servers check bench clean openrlhf-venv test-openrlhf dist
+.PHONY: demo test lint servers check bench clean openrlhf-venv test-openrlhf dist
 
 $(VENV)/.base: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +23,12 @@ $(VENV)/.base: pyproject.toml setup.py
 	$(PIP) -e '.[report]'
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.base
+# pytest and ruff (the dev extra), without the frameworks: what `make check` needs.
+$(VENV)/.check: $(VENV)/.base
+	$(PIP) -e '.[dev]'
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.check
 	$(PIP) -e '.[dev,otel,report,trl,verl]'
 	touch $@
 
@@ -34,7 +40,11 @@ servers:
 
 # The suites run in a network namespace with loopback only (scripts/loopback-only.sh): nothing a test
 # starts, Ray's processes included, can listen beyond 127.0.0.1.
-test: servers $(VENV)/.dev openrlhf-venv
+# ruff with the rules of pyproject.toml ([tool.ruff]); the first step of `make test` and `make check`.
+lint: $(VENV)/.check
+	$(VENV)/bin/ruff check .
+
+test: lint servers $(VENV)/.dev openrlhf-venv
 	RLWATCH_REQUIRE_SERVERS=1 RLWATCH_REQUIRE_FRAMEWORKS=1 scripts/loopback-only.sh $(PY) -m pytest -q \
 		--ignore=tests/test_openrlhf.py
 	$(MAKE) test-openrlhf
@@ -47,10 +57,13 @@ openrlhf-venv:
 test-openrlhf: openrlhf-venv
 	RLWATCH_REQUIRE_FRAMEWORKS=1 scripts/loopback-only.sh $(OPENRLHF_VENV)/bin/python -m pytest -q tests/test_openrlhf.py
 
-# The generated files (alert rules, runbook, promtool tests, dashboards) match their generators.
-check: $(VENV)/.base
+# The fast local loop: lint, the generated files (alert rules, runbook, promtool tests, dashboards)
+# match their generators, and every test that needs no server binary and no framework and is not marked
+# slow or perf (tests/conftest.py marks a test `servers` or `frameworks` from what it calls).
+check: lint
 	$(PY) -m rlwatch.alerts.render --check
 	$(PY) dashboards/generate.py --check
+	$(PY) -m pytest -q -m "not servers and not frameworks and not slow and not perf"
 
 # setuptools' PEP 517 hooks directly (no `build` package needed); the wheel carries alerts/, dashboards/
 # and examples/ as rlwatch/_data (setup.py).

@@ -316,8 +316,8 @@ def main() -> None:
             line += f", verl {mem_verl['extra'] / mem_verl['inputs']:.2f}x"
         print(line + f"; inputs {mem_ours['inputs'] / 2**20:.1f} MiB")
     else:
-        print(f"  extra peak device memory / inputs: rlwatch {cuda_peak_ratio(runners['rlwatch full signal set'], inputs):.2f}x"
-              f" (bar <= 1x)")
+        ratio = cuda_peak_ratio(runners['rlwatch full signal set'], inputs)
+        print(f"  extra peak device memory / inputs: rlwatch {ratio:.2f}x (bar <= 1x)")
 
 
 def cuda_peak_ratio(run, inputs: dict) -> float:

@@ -144,7 +144,7 @@ def train_once(model_path: str, workdir: Path, steps: int, tag: str, switch: Swi
                                                   "background": False})
             sidecar = _sidecar.attach(clock.watch, **{**options, **WATCH_OPTIONS, "hack_detectors": False,
                                                       "framework": "trl",
-                                                      "group_size": clock.watch.config.group_size})
+                                                      "group_size": clock.watch.signal_config.group_size})
         else:
             clock.watch = rltrl.watch(trainer, **{**options, **WATCH_OPTIONS})
     trainer.train()
@@ -228,9 +228,9 @@ def main() -> None:
     wall_off = statistics.median(s.wall for s in off)
     hooks = [s.hook for s in on]
     print(f"\ncommand: PYTHONPATH=. {os.path.relpath(sys.executable)} {' '.join(sys.argv)}")
+    where = 'a child process' if opts.sidecar else 'its own thread' if BACKGROUND['on_steps'] else 'the training thread'
     print(f"torch intra-op threads: {torch.get_num_threads()}; {opts.trainings} trainings x "
-          f"{opts.steps - WARMUP_STEPS} measured steps; design: {design}"
-          f"; rlwatch computes on {'a child process' if opts.sidecar else 'its own thread' if BACKGROUND['on_steps'] else 'the training thread'}")
+          f"{opts.steps - WARMUP_STEPS} measured steps; design: {design}; rlwatch computes on {where}")
     if design == "cycles":
         print(f"cost of watching a step, paired 4-step cycles: {_paired.describe(overheads)}; "
               f"{dropped} cycles dropped (rlwatch's thread still busy when the baseline began)")
@@ -259,8 +259,9 @@ def main() -> None:
               f"bootstrap 95% interval {(boot[50] - 1) * 100:+.2f}% .. {(boot[1949] - 1) * 100:+.2f}%")
     if BACKGROUND["on_steps"]:
         per_step = BACKGROUND["cpu_seconds"] / BACKGROUND["on_steps"]
-        print(f"CPU time of rlwatch's {'process' if opts.sidecar else 'thread'} per watched step: {per_step * 1e3:.2f} ms = "
-              f"{per_step / wall_off * 100:.2f}% of the median unwatched step (beside the trainer, off its thread)")
+        print(f"CPU time of rlwatch's {'process' if opts.sidecar else 'thread'} per watched step: "
+              f"{per_step * 1e3:.2f} ms = {per_step / wall_off * 100:.2f}% of the median unwatched step "
+              "(beside the trainer, off its thread)")
 
 
 if __name__ == "__main__":

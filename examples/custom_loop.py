@@ -16,7 +16,6 @@ import copy
 import time
 
 import torch
-import torch.nn.functional as F
 
 import rlwatch
 

@@ -106,7 +106,7 @@ def announce(watch: Any, framework: str) -> None:
 
 def _note_import(framework: str) -> Callable[[Any], None]:
     def hook(module: Any) -> None:
-        from .integrations._base import installed_version
+        from .integrations._instrumentor import installed_version
 
         report("imported", framework=framework, version=installed_version(framework))
     return hook
@@ -211,7 +211,7 @@ def initialize() -> None:
         _initialized = True
     wanted = config.frameworks(list(FRAMEWORK_SETUP))
     from . import distribution
-    from .integrations._base import installed_version
+    from .integrations._instrumentor import installed_version
 
     if distribution.foreign_files():                  # a few stat calls: this runs in every process
         print(f"rlwatch: {distribution.conflict_message(distribution.foreign_rlwatch())}", file=sys.stderr,

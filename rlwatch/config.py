@@ -24,6 +24,7 @@ RLWATCH_RUN_REPORT          file where delivered hooks report what they watch (s
 RLWATCH_TRAINER_LOGS        put rlwatch's headline signals into the trainer's own logs (default on)
 RLWATCH_STATE_DIR           where running stacks are listed (default $XDG_STATE_HOME/rlwatch)
 RLWATCH_RUNBOOK_URL         base URL of the runbook the alerts link to
+RLWATCH_COMPILE             when the signal engine compiles: ``auto`` (CUDA only), ``always``, ``never``
 ==========================  ===================================================================
 """
 

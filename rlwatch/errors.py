@@ -46,9 +46,11 @@ class PortInUseError(RLWatchError, OSError):
 class HookErrors:
     """Counts errors by (stage, kind), logs the first of each kind, and raises in strict mode.
 
-    Stages: ``validate`` (bad input), ``compute``, ``export``, ``store``, ``alerts`` (the step
-    listeners and the evaluator), ``notify``, ``hacks``, ``background`` (rlwatch's step thread),
-    ``observe`` (a step refused after close), ``integration`` (and the integrations' own hook names).
+    Stages: ``validate`` (bad input), ``compute``, ``export``, ``store``, the step listeners' phases
+    (``drift``, ``diagnosis``, ``alerts``: the alert step windows and the evaluator, ``listener``:
+    the user's; :data:`rlwatch.pipeline.LISTENER_PHASES`), ``notify``, ``hacks``, ``background``
+    (rlwatch's step thread), ``observe`` (a step refused after close), ``integration`` (and the
+    integrations' own hook names).
     Thread-safe: background exporters report here too.
     """
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
+
 @dataclass(eq=False)
 class StepFields(Mapping):
     """One step's inputs as ``Watch.observe`` takes them (its docstring gives shapes and units), unchecked.
@@ -67,3 +68,19 @@ _ORDER = tuple(name for name in StepFields.__dataclass_fields__ if name != "unkn
 ACCEPTED = frozenset(_ORDER)
 #: The record's fields: what ``observe`` accepts besides the reward-hack detectors' ``episodes``.
 FIELDS = ACCEPTED - {"episodes"}
+
+
+def tensor_bytes(fields: Mapping[str, Any]) -> int:
+    """Bytes held by the tensors (and arrays) of an observed step's fields, one level of nesting."""
+    total = 0
+    for value in fields.values():
+        items = value.values() if isinstance(value, Mapping) else (value,)
+        for item in items:
+            if hasattr(item, "element_size") and hasattr(item, "numel"):
+                try:
+                    total += item.element_size() * item.numel()
+                except Exception:  # noqa: BLE001
+                    pass
+            elif isinstance(getattr(item, "nbytes", None), int):
+                total += item.nbytes
+    return total

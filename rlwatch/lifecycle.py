@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 from ._queues import OrderedWorker
 from .config import WatchConfig
 from .errors import HookErrors, describe, guard
-from .pipeline import tensor_bytes
+from .fields import tensor_bytes
 from .record import LabelRegistry, clean_text
 from .state import MetricState
 
@@ -217,9 +217,10 @@ class Services:
             self.steps.start_worker(cfg.background_max_bytes, initializer)
 
     def attach(self, pipeline: Any) -> None:
-        """Connect the step pipeline to what :meth:`start` started: the alert step windows listen after
-        drift and diagnosis (before the user's listeners), the store and the evaluator are its sinks."""
-        pipeline.listeners.insert(2, self.windows)
+        """Connect the step pipeline to what :meth:`start` started: the alert step windows listen in
+        the ``alerts`` phase (after drift and diagnosis, before the user's listeners), the store and the
+        evaluator are its sinks."""
+        pipeline.listeners.add(self.windows, "alerts")
         pipeline.store = self.store
         pipeline.evaluator = self.evaluator
 

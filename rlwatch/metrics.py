@@ -99,7 +99,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "no drift), by signal and, for per-environment signals, environment and detector.", "drift",
        ("signal", "env", "detector")),
     _g("alert_value", "An alert's step-window statistic at the latest step (the value its rule shows), by "
-       "alert and the alert's own labels (unused ones empty).", "alerts", ("alert", "signal", "env", "detector", "kind")),
+       "alert and the alert's own labels (unused ones empty).", "alerts",
+       ("alert", "signal", "env", "detector", "kind")),
     _g("alert_streak_steps", "Consecutive steps an alert's raise condition has held (absent when 0).", "alerts",
        ("alert", "signal", "env", "detector", "kind")),
     _g("alert_hit_steps", "For an intermittent alert, steps among the last intermittent_steps on which its raise "

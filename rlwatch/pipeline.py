@@ -6,23 +6,23 @@
    host transfer; the pipeline wraps the result in the step's :class:`~rlwatch.values.StepValues`.
 3. **derive**: the reward-hack verdicts ready since the last step (merged into the step's own counts,
    then ``env_hack_ratio`` derived again over both), the hook's own timing, the errors only the
-   values reveal, then each :class:`StepListener` of ``listeners`` in list order (the TRL
-   integration's per-generation listener first when there is one, then drift, diagnosis, the alert
-   step windows, then the user's). A listener may edit the values; what it returns is merged into
-   them by catalogue kind (:meth:`StepValues.merge`: counters add, other families are replaced).
+   values reveal, then each :class:`StepListener` of ``listeners`` by phase
+   (:data:`LISTENER_PHASES`: an integration's own, drift, diagnosis, the alert step windows, then
+   the user's). A listener may edit the values; what it returns is merged into them by catalogue
+   kind (:meth:`StepValues.merge`: counters add, other families are replaced).
 4. **evaluate**: the in-process alert evaluator, explicitly last, so it sees every derived value.
 5. **sinks**: the exported state, the run store (the step row, then the hack examples).
 
 Each stage runs under :func:`rlwatch.errors.guard`: a failure is counted as
 ``rlwatch_hook_errors_total{stage, kind=<exception type>}`` and the step stops there (a listener's
-or a sink's failure only skips that listener or sink). The pipeline runs on the thread that calls
+or a sink's failure only skips that listener or sink; a listener's stage is its phase, the
+evaluator's ``alerts``). The pipeline runs on the thread that calls
 :meth:`StepPipeline.run`: the training thread, or rlwatch's worker with ``background=True``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
@@ -32,10 +32,16 @@ from .fields import StepFields
 from .record import RecordBuilder, StepRecord
 from .signals import SignalConfig, Workspace, compute_step
 from .state import MetricState
+from .threads import few_threads_for
 from .values import StepValues, derive_hack_ratios
 
-__all__ = ["StepListener", "StepPipeline", "StepTiming", "derive_hack_ratios", "report_value_errors",
-           "standard_listeners"]
+__all__ = ["LISTENER_PHASES", "StepListener", "StepListeners", "StepPipeline", "StepTiming", "derive_hack_ratios",
+           "report_value_errors", "standard_listeners"]
+
+#: The phases step listeners run in, in order; each is also the ``stage`` its listeners' errors are
+#: counted under: an integration's own listener (TRL's per-generation signals), drift, diagnosis, the
+#: alert step windows, then the user's (``Watch(listeners=...)``).
+LISTENER_PHASES = ("integration", "drift", "diagnosis", "alerts", "listener")
 
 
 class StepListener(Protocol):
@@ -57,27 +63,62 @@ class StepTiming:
     now: float
 
 
-def standard_listeners(staleness_bound: float, extra: tuple[StepListener, ...] = ()) -> list[StepListener]:
-    """Drift, then diagnosis, then the user's ``extra`` listeners (a Watch inserts the alert step
-    windows after diagnosis once its services start)."""
+class StepListeners:
+    """A Watch's step listeners by phase (:data:`LISTENER_PHASES`); iterating gives them in the order
+    they run: phase by phase, in the order added within one."""
+
+    def __init__(self) -> None:
+        self._phases: dict[str, list[StepListener]] = {phase: [] for phase in LISTENER_PHASES}
+
+    def add(self, listener: StepListener, phase: str = "listener") -> None:
+        """Run ``listener`` in ``phase``, after the ones already there."""
+        if phase not in self._phases:
+            raise ValueError(f"unknown listener phase {phase!r}; one of {', '.join(LISTENER_PHASES)}")
+        self._phases[phase].append(listener)
+
+    def remove(self, listener: StepListener) -> None:
+        """Stop running ``listener`` (nothing when it is not there)."""
+        for listeners in self._phases.values():
+            if listener in listeners:
+                listeners.remove(listener)
+
+    def phased(self) -> list[tuple[str, StepListener]]:
+        """(phase, listener) in running order, as a list: a listener may add another while they run."""
+        return [(phase, listener) for phase, listeners in self._phases.items() for listener in listeners]
+
+    def __iter__(self) -> Iterator[StepListener]:
+        return (listener for _, listener in self.phased())
+
+    def __contains__(self, listener: object) -> bool:
+        return any(listener in listeners for listeners in self._phases.values())
+
+
+def standard_listeners(staleness_bound: float, extra: tuple[StepListener, ...] = ()) -> StepListeners:
+    """Drift, diagnosis and the user's ``extra`` listeners, each in its phase (a Watch adds the alert
+    step windows once its services start)."""
     from .diagnosis import Diagnoser
     from .drift import DriftDetector
 
-    return [DriftDetector(), Diagnoser(staleness_bound=staleness_bound), *extra]
+    listeners = StepListeners()
+    listeners.add(DriftDetector(), "drift")
+    listeners.add(Diagnoser(staleness_bound=staleness_bound), "diagnosis")
+    for listener in extra:
+        listeners.add(listener)
+    return listeners
 
 
 class StepPipeline:
     """The stages of one step; a Watch holds one and calls :meth:`run` under its lock."""
 
     def __init__(self, run: str, signals: SignalConfig, state: MetricState, errors: HookErrors,
-                 builder: RecordBuilder, listeners: list[StepListener], hack_detectors: Any = None) -> None:
+                 builder: RecordBuilder, listeners: StepListeners, hack_detectors: Any = None) -> None:
         self.run_name = run
         self.signals = signals
         self.state = state
         self.errors = errors
         self.builder = builder
         self.workspace = Workspace()
-        self.listeners = listeners            # the Watch's list: integrations insert into it
+        self.listeners = listeners            # the Watch's: integrations add theirs
         self.evaluator: StepListener | None = None
         self.store: Any = None
         self.hacks: Any = None                # the HackMonitor, started with the first episodes
@@ -120,15 +161,15 @@ class StepPipeline:
             values.set("step_interval_seconds", timing.now - self._last_time)
         self._last_time = timing.now
         report_value_errors(self.errors, values, self.signals.group_size)
-        for listener in list(self.listeners):
-            self._listen(listener, step, values)
+        for phase, listener in self.listeners.phased():
+            self._listen(phase, listener, step, values)
 
     def evaluate(self, step: int, values: StepValues) -> None:
         if self.evaluator is not None:
-            self._listen(self.evaluator, step, values)
+            self._listen("alerts", self.evaluator, step, values)
 
-    def _listen(self, listener: StepListener, step: int, values: StepValues) -> None:
-        extra = guard(self.errors, "alerts", None, lambda: listener.on_step(step, values))
+    def _listen(self, stage: str, listener: StepListener, step: int, values: StepValues) -> None:
+        extra = guard(self.errors, stage, None, lambda: listener.on_step(step, values))
         if extra:
             values.merge(extra)
 
@@ -154,8 +195,9 @@ class StepPipeline:
 
     def close(self) -> None:
         """Close the listeners, the evaluator and the hack monitor (a failure is counted, the rest still close)."""
-        for listener in [*self.listeners, *([self.evaluator] if self.evaluator is not None else [])]:
-            guard(self.errors, "alerts", "close", listener.close)
+        evaluator = [("alerts", self.evaluator)] if self.evaluator is not None else []
+        for stage, listener in [*self.listeners.phased(), *evaluator]:
+            guard(self.errors, stage, "close", listener.close)
         if self.hacks is not None:
             guard(self.errors, "hacks", "close", self.hacks.close)
 
@@ -181,62 +223,3 @@ def report_value_errors(errors: HookErrors, values: StepValues, group_size: int 
         errors.report("validate", "group_size", f"groups have {gmin:g}..{gmax:g} episodes, expected "
                       f"{group_size} (num_generations)", field="group_ids")
 
-
-# --- threads ---------------------------------------------------------------------------------------
-
-SMALL_BATCH = 1 << 18      # [B, T] positions below which CPU signals run on one intra-op thread
-
-
-@contextlib.contextmanager
-def few_threads_for(mask: Any) -> Iterator[None]:
-    """Run a small CPU step's signals on one intra-op thread, then restore the trainer's setting.
-
-    A small step's signals are a few hundred tiny reductions; with several intra-op threads each one
-    waits for the others to wake, which on a busy host costs milliseconds per reduction. Large
-    batches keep every thread, and GPU tensors are unaffected. Only rlwatch's own work runs in
-    between, on the training thread, so the trainer's numbers do not change."""
-    import torch
-
-    threads = torch.get_num_threads()
-    if threads == 1 or mask.device.type != "cpu" or mask.numel() >= SMALL_BATCH:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def one_intra_op_thread_here() -> None:
-    """Give the calling (rlwatch) thread one intra-op thread, leaving every other thread as it is.
-
-    With OpenMP, each thread that enters a parallel region gets a team of its own: a background
-    thread computing small steps would otherwise keep extra spinning threads competing with the
-    trainer's. ``torch.set_num_threads`` sets the calling thread's OpenMP setting and a process-wide
-    default that threads created later start from; a throw-away thread puts that default back."""
-    import torch
-
-    default = torch.get_num_threads()
-    if default == 1:
-        return
-    torch.set_num_threads(1)
-    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="rlwatch-threads")
-    restore.start()
-    restore.join()
-
-
-def tensor_bytes(fields: Mapping[str, Any]) -> int:
-    """Bytes held by the tensors (and arrays) of an observed step's fields, one level of nesting."""
-    total = 0
-    for value in fields.values():
-        items = value.values() if isinstance(value, Mapping) else (value,)
-        for item in items:
-            if hasattr(item, "element_size") and hasattr(item, "numel"):
-                try:
-                    total += item.element_size() * item.numel()
-                except Exception:  # noqa: BLE001
-                    pass
-            elif isinstance(getattr(item, "nbytes", None), int):
-                total += item.nbytes
-    return total

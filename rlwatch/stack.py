@@ -120,7 +120,8 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise StackError(f"{proc.args[0]} exited with {proc.returncode}:\n{log.read_text(errors='replace')[-2000:]}")
+            tail = log.read_text(errors='replace')[-2000:]
+            raise StackError(f"{proc.args[0]} exited with {proc.returncode}:\n{tail}")
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
                 if resp.status == 200:

@@ -4,8 +4,9 @@
 (validate, compute on the tensors' device with one host transfer, derive, evaluate the alerts,
 export and store). The parts that live as long as the Watch (endpoint, store, push, OpenTelemetry,
 alert evaluator, background worker) are started and stopped by :class:`rlwatch.lifecycle.Services`.
-Every option is a field of :class:`rlwatch.config.WatchConfig` (``watch.options``), which also finds
-the process's rank and run name (:func:`rlwatch.config.placement`). Nothing raises into the trainer
+Every option is a field of :class:`rlwatch.config.WatchConfig` (``watch.watch_config``; the signal
+settings among them are ``watch.signal_config``, a :class:`rlwatch.signals.SignalConfig`); the
+process's rank and run name come from :func:`rlwatch.config.placement`. Nothing raises into the trainer
 unless ``strict=True`` (the policy: :mod:`rlwatch.errors`).
 """
 
@@ -17,25 +18,19 @@ from typing import Any, Callable, Mapping
 
 from . import config as env
 from .alerts.params import validate_overrides
-from .config import DEFAULT_PORT, WatchConfig, default_run_name  # noqa: F401 - public names
+from .config import DEFAULT_PORT, WatchConfig
 from .errors import HookErrors, guard
 from .fields import StepFields
 from .lifecycle import Services, run_metadata
-from .pipeline import (StepListener, StepPipeline, few_threads_for, one_intra_op_thread_here, standard_listeners,
-                       tensor_bytes)
+from .pipeline import StepListener, StepListeners, StepPipeline, standard_listeners
 from .record import RecordBuilder
 from .state import MetricState
+from .threads import one_intra_op_thread_here
 from .values import StepValues
 
 logger = logging.getLogger("rlwatch")
 
-# Names other modules imported from here before the split (the integrations among them).
-_rank = env.rank
-_few_threads_for = few_threads_for
-_one_intra_op_thread_here = one_intra_op_thread_here
-_tensor_bytes = tensor_bytes
-_safe_filename = env.safe_filename
-__all__ = ["Watch", "StepListener", "DEFAULT_PORT", "default_run_name"]
+__all__ = ["Watch", "StepListener", "DEFAULT_PORT"]
 
 
 class Watch:
@@ -80,7 +75,9 @@ class Watch:
             a queued step keeps its tensors alive, on an accelerator in device memory): when full,
             ``observe`` waits for rlwatch's thread (at most 5 s, then the step is dropped, counted).
         listeners: extra :class:`~rlwatch.pipeline.StepListener` run after drift, diagnosis and the
-            alert step windows, before the alert evaluator (``watch.listeners`` is the list, in order).
+            alert step windows, before the alert evaluator (``watch.listeners``, a
+            :class:`~rlwatch.pipeline.StepListeners`, holds every listener by phase; an error in one of
+            these is counted under ``stage="listener"``).
 
     Durability: ``observe`` returns once the step is exported (computed, or queued with
     ``background=True``); the store writes it a moment later on its own thread, so a process killed
@@ -105,19 +102,19 @@ class Watch:
         # Every argument above, as one object (the signature stays the documented list of options).
         cfg = WatchConfig(**{name: value for name, value in locals().items() if name in WatchConfig.names()})
         validate_overrides(cfg.alert_overrides or {})       # ValueError before anything starts
-        self.options = cfg
+        self.watch_config = cfg
         self.errors = HookErrors(strict=strict)
         self.strict = strict
         where = env.placement(run, all_ranks)          # rank, whether it exports, the run's name
         self.rank, self.active, self.run = where.rank, where.active, where.run
-        self.config = cfg.signal_config()
+        self.signal_config = cfg.signal_config()
         self.state = MetricState(self.run)
-        self.metadata = run_metadata(cfg, self.config, self.rank, where.world)
+        self.metadata = run_metadata(cfg, self.signal_config, self.rank, where.world)
         self._lock = threading.Lock()
         self._closed = False
         self.background = background and not strict      # steps computed on rlwatch's thread
-        self.listeners: list[StepListener] = standard_listeners(staleness_bound, listeners)
-        self.pipeline = StepPipeline(self.run, self.config, self.state, self.errors,
+        self.listeners: StepListeners = standard_listeners(staleness_bound, listeners)
+        self.pipeline = StepPipeline(self.run, self.signal_config, self.state, self.errors,
                                      RecordBuilder(self.errors, env_cap=env_cap), self.listeners, hack_detectors)
         self.services = Services(self.run, self.state, self.errors)
         if not self.active:
@@ -126,7 +123,7 @@ class Watch:
         self.services.start(cfg, self.metadata, where.port_offset, one_intra_op_thread_here)
         self.services.attach(self.pipeline)
 
-    # --- the parts the services own (read-only views, as before the split) ------------------------
+    # --- read-only views of the parts the services and the pipeline own ----------------------------
 
     store = property(lambda self: self.services.store)
     server = property(lambda self: self.services.server)
@@ -138,7 +135,6 @@ class Watch:
     evaluator = property(lambda self: self.services.evaluator)
     hacks = property(lambda self: self.pipeline.hacks)
     _worker = property(lambda self: self.services.steps.worker)
-    _builder = property(lambda self: self.pipeline.builder)       # the TRL integration reads its env cap
 
     # --- the hook ---------------------------------------------------------------------------------
 

@@ -307,7 +307,8 @@ def build(tmp: Path, argv: list[str], agent: bool = False, engine_seed: int = 0,
             "--data.input_key", "input", "--data.label_key", "label", "--actor.num_gpus_per_node", "1",
             "--ref.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--ckpt.path", str(tmp / "ckpt"),
             "--algo.kl.init_coef", "0"]
-    base += ["--train.agent_func_path", str(tmp / "agent.py")] if agent else ["--reward.remote_url", str(tmp / "reward.py")]
+    base += (["--train.agent_func_path", str(tmp / "agent.py")] if agent
+             else ["--reward.remote_url", str(tmp / "reward.py")])
     args = parse_args(base + argv)
     strategy = get_strategy(args)
     tokenizer = make_tokenizer(tmp / "tokenizer")

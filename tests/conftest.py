@@ -1,12 +1,16 @@
-"""Shared fixtures: free loopback ports, real server processes stopped by PID, step records."""
+"""Shared fixtures: free loopback ports, real server processes stopped by PID, step records; and the
+``servers`` / ``frameworks`` markers, put on every test that needs a server binary or a framework."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import textwrap
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ def free_port() -> int:
 
 
 def need_binary(name: str) -> str:
+    _check_marked("need_binary")
     path = shutil.which(name)
     if path is None:
         if REQUIRE_SERVERS:
@@ -164,6 +169,7 @@ def need_module(name: str):
     """Import a framework package; fail (under .ci/run) or skip (elsewhere) when it is missing."""
     import importlib
 
+    _check_marked("need_module")
     try:
         return importlib.import_module(name)
     except ImportError as exc:
@@ -182,3 +188,89 @@ def _memory_log(request):
             rss = next((line.split()[1] for line in f if line.startswith("VmRSS:")), "?")
         with open(path, "a") as out:
             out.write(f"{rss} kB {request.node.nodeid}\n")
+
+
+# --- markers: what a test needs, read from what it calls ----------------------------------------------
+# A test is marked ``servers`` when it, a fixture it uses or a function of its module it calls
+# (transitively) calls need_binary, and ``frameworks`` likewise for need_module; a module that calls
+# need_module at import marks all its tests. ``make check`` deselects both. A call the reading misses
+# fails the test (_check_marked), so that the markers stay true under ``make test``.
+NEEDS = {"need_binary": "servers", "need_module": "frameworks"}
+_running: list[pytest.Item] = []
+
+
+def _calls(tree: ast.AST, skip_definitions: bool = False) -> set[str]:
+    """Names of the functions called in ``tree`` (``f(...)`` and ``x.f(...)``)."""
+    nodes = ast.iter_child_nodes(tree) if skip_definitions else [tree]
+    names: set[str] = set()
+    for top in nodes:
+        if skip_definitions and isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for node in ast.walk(top):
+            if isinstance(node, ast.Call):
+                func = node.func
+                names.add(func.id if isinstance(func, ast.Name) else getattr(func, "attr", ""))
+    return names
+
+
+def _module_needs(module) -> tuple[set[str], dict[str, set[str]]]:
+    """What ``module`` needs at import, and what each of its top-level functions needs (transitively)."""
+    cached = getattr(module, "__rlwatch_needs__", None)
+    if cached is not None:
+        return cached
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError):
+        return set(), {}
+    functions = {node.name: _calls(node) for node in tree.body
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    needs = {name: {NEEDS[c] for c in calls if c in NEEDS} for name, calls in functions.items()}
+    changed = True
+    while changed:                       # a function needs what the functions it calls need
+        changed = False
+        for name, calls in functions.items():
+            more = set().union(*(needs[c] for c in calls if c in needs and c != name)) - needs[name]
+            if more:
+                needs[name] |= more
+                changed = True
+    at_import = {NEEDS[c] for c in _calls(tree, skip_definitions=True) if c in NEEDS}
+    module.__rlwatch_needs__ = (at_import, needs)
+    return at_import, needs
+
+
+def _function_needs(func) -> set[str]:
+    func = inspect.unwrap(func)
+    at_import, by_function = _module_needs(inspect.getmodule(func))
+    if func.__name__ in by_function and inspect.getmodule(func) is not None and "<locals>" not in func.__qualname__:
+        return set(by_function[func.__name__])
+    try:
+        calls = _calls(ast.parse(textwrap.dedent(inspect.getsource(func))))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    return {NEEDS[c] for c in calls if c in NEEDS}.union(*(by_function[c] for c in calls if c in by_function))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is None:
+            continue
+        needs = set(_module_needs(item.module)[0]) | _function_needs(function)
+        fixtures = getattr(item, "_fixtureinfo", None)
+        for defs in (fixtures.name2fixturedefs.values() if fixtures is not None else ()):
+            for fixturedef in defs:
+                if inspect.isfunction(getattr(fixturedef, "func", None)):
+                    needs |= _function_needs(fixturedef.func)
+        for marker in sorted(needs):
+            item.add_marker(marker)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _running[:] = [item]
+
+
+def _check_marked(helper: str) -> None:
+    if _running and _running[0].get_closest_marker(NEEDS[helper]) is None:
+        pytest.fail(f"{_running[0].nodeid} calls {helper} but is not marked {NEEDS[helper]}: mark it "
+                    f"(@pytest.mark.{NEEDS[helper]}), since `make check` selects tests by these markers")

@@ -58,7 +58,7 @@ def _diagnose(scenario: str, seed: int = 0, noise: bool = False, **overrides) ->
         def on_step(info):
             watch.observe(info.step, **(bf16_like_noise(info.fields, info.step) if noise else info.fields))
         run_scenario(config, on_step=on_step)
-        diagnoser = next(l for l in watch.listeners if type(l).__name__ == "Diagnoser")
+        diagnoser = next(x for x in watch.listeners if type(x).__name__ == "Diagnoser")
         return diagnoser.latest
 
 

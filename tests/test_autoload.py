@@ -72,7 +72,7 @@ def test_zero_code_trl_run_gets_watched(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     # It says where the metrics and the store are, while the run starts and again at the end.
     store_path = tmp_path / "out" / "rlwatch.db"
-    assert f"rlwatch: watching trl run 'out': metrics http://127.0.0.1:" in result.stderr
+    assert "rlwatch: watching trl run 'out': metrics http://127.0.0.1:" in result.stderr
     assert "rlwatch run: watched trl run 'out'" in result.stderr
     assert f"store {store_path} (rlwatch postmortem {store_path})" in result.stderr
     from rlwatch.store import StoreReader

@@ -242,7 +242,8 @@ def test_sigkill_under_every_fault_loses_no_step_unexplained(tmp_path):
         totals["retries"] += rnd.retries
         assert rnd.flushed is not None and rnd.scrapes_ok > 0, lines[-1]
     report = "\n".join(lines + [f"total {totals} webhook posts {_Trickle.posts} "
-                                  f"Prometheus successful scrapes {sum(prometheus_ok.values())}, last errors other than a "
+                                  f"Prometheus successful scrapes {sum(prometheus_ok.values())}, "
+                                  "last errors other than a "
                                   f"dead trainer's refused connection: {target_errors}"])
     print(report)
     assert totals["unexplained"] == 0, report

@@ -22,6 +22,7 @@ def run_example(name: str, *args: str, cwd: Path, timeout: float = 600) -> subpr
     return result
 
 
+@pytest.mark.slow
 def test_custom_loop_store_none_and_pace(tmp_path):
     result = run_example("custom_loop.py", "--steps", "2", "--pace", "0", "--store", "none", "--port", "0",
                          cwd=tmp_path)
@@ -36,7 +37,7 @@ def test_trl_example_shows_the_headline_signals_on_cpu(tmp_path):
     need_module("trl")
     result = run_example("trl_grpo.py", "--steps", "2", "--pace", "0", "--port", "0", "--output-dir",
                          str(tmp_path / "run"), cwd=tmp_path)
-    (line,) = [l for l in result.stdout.splitlines() if l.startswith("rlwatch: headline signals")]
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("rlwatch: headline signals")]
     values = dict(item.split("=") for item in line.split(": ", 2)[2].split(", "))
     assert {"kl_k3", "abs_log_ratio_p99", "is_ess", "is_tis_truncated_frac", "version_lag_max",
             "zero_variance_all_fail_frac", "alerts_firing"} <= set(values)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import re
 import socket
-import urllib.request
 
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
@@ -96,7 +95,10 @@ def test_openmetrics_is_negotiated_from_the_accept_header(endpoint):
     assert body.endswith(b"# EOF\n")
     assert "# TYPE rlwatch_steps counter" in body.decode()         # OpenMetrics names the counter family
     _, text = scrape_raw(endpoint.port)
-    samples = lambda raw: sorted(line for line in raw.decode().splitlines() if line and not line.startswith("#"))
+
+    def samples(raw: bytes) -> list[str]:
+        return sorted(line for line in raw.decode().splitlines() if line and not line.startswith("#"))
+
     assert samples(body) == samples(text)                           # the same series and values either way
     assert 'rlwatch_steps_total{run="om"} 2.0' in samples(body)
     # one family, cut out and parsed with prometheus_client's strict OpenMetrics parser

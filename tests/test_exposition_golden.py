@@ -1,5 +1,5 @@
-"""The exposition of a fixed sequence of steps, byte for byte, against the file the code before the
-issue-14 redesign produced (``tests/data/exposition_golden.txt``/``.om.txt``).
+"""The exposition of a fixed sequence of steps, byte for byte, against the recorded files
+(``tests/data/exposition_golden.txt``/``.om.txt``).
 
 The steps go through the whole pipeline: validation (one bad field, counted), the signals, drift,
 diagnosis, the alert evaluator, ``log_scalars`` and a per-run alert override. Only the values that

@@ -160,6 +160,7 @@ def watch():
     w.close()
 
 
+@pytest.mark.slow
 @settings(max_examples=10_000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(case=malformed())
 def test_malformed_records_never_reach_the_trainer(watch, case):
@@ -237,6 +238,7 @@ def test_one_clear_log_line_per_kind_naming_the_field():
     assert w.errors.counts[("validate", "shape")] == 6
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(labels=st.lists(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=0, max_size=60),
                        min_size=1, max_size=4),
@@ -317,6 +319,7 @@ def any_string_watch(tmp_path_factory):
     w.close()
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning")
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(env=st.lists(ANY_TEXT, min_size=1, max_size=4), failed=ANY_TEXT, detector=ANY_TEXT, mode=ANY_TEXT,

@@ -55,7 +55,7 @@ def _cycle(package: str) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("package", ["hacks", "alerts"])
+@pytest.mark.parametrize("package", ["hacks", "alerts", "integrations", "postmortem"])
 def test_no_import_circle_inside_the_subpackage(package):
     assert _cycle(package) is None
 
@@ -119,8 +119,9 @@ def test_humanize_duration_is_prometheus(seconds, text):
     assert humanize_duration(seconds) == text
 
 
-@pytest.mark.parametrize("value, text", [(0.1, "0.1"), (100000.0, "100000"), (1e6, "1e+06"), (123456789.0, "1.23456789e+08"),
-                                         (1e-05, "1e-05"), (0.0001, "0.0001"), (2.0, "2"), (float("-inf"), "-Inf")])
+@pytest.mark.parametrize("value, text", [(0.1, "0.1"), (100000.0, "100000"), (1e6, "1e+06"),
+                                         (123456789.0, "1.23456789e+08"), (1e-05, "1e-05"), (0.0001, "0.0001"),
+                                         (2.0, "2"), (float("-inf"), "-Inf")])
 def test_plain_value_is_go_percent_v(value, text):
     from rlwatch.alerts.template import go_float
 
@@ -172,8 +173,7 @@ def test_health_is_folded_once_per_scrape(monkeypatch):
 
 def test_hack_ratio_is_one_fact_over_both_sources_of_verdicts():
     """The step's ``hacked`` flags and a detector judging the same (env, detector): the counters add
-    up, and env_hack_ratio is hacked/judged of those counters (the detector's verdicts alone used to
-    replace it)."""
+    up, and env_hack_ratio is hacked/judged of those counters, not the detector's verdicts alone."""
     import torch
 
     from rlwatch import hacks

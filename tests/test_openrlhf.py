@@ -51,7 +51,7 @@ if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("v
 
 from rlwatch import SignalConfig, Watch, compute  # noqa: E402
 from rlwatch.integrations import openrlhf as ro  # noqa: E402
-from rlwatch.integrations._base import installed_version  # noqa: E402
+from rlwatch.integrations._instrumentor import installed_version  # noqa: E402
 
 from . import _openrlhf_mini as mini  # noqa: E402
 from . import openrlhf_probe as probe  # noqa: E402

@@ -36,6 +36,7 @@ def collapsing_run(path: str, steps: int = 60, run: str = "pm") -> None:
                 w.record_checkpoint(step, f"/ckpt/checkpoint-{step}")
 
 
+@pytest.mark.slow
 def test_store_postmortem_json_contract(tmp_path, capsys):
     path = str(tmp_path / "pm.db")
     collapsing_run(path)

@@ -20,7 +20,7 @@ import pytest
 
 import rlwatch
 from rlwatch.postmortem import PostmortemInputError, analyse, compare, load
-from rlwatch.postmortem.analysis import detect_change
+from rlwatch.postmortem.changes import detect_change
 from rlwatch.postmortem.report import markdown, safe, terminal
 
 from .conftest import make_step

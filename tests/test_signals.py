@@ -143,7 +143,6 @@ def test_estimator_identities(B, T, seed, scale, cap):
         assert scalar(v, "mismatch_kl_k3") is None
         return
     r = (trainer - sampler)[mask].double()
-    w = r.exp()
     assert scalar(v, "mismatch_kl_k3") >= 0
     assert scalar(v, "mismatch_kl_k2") >= 0
     assert 0 < scalar(v, "is_ess_ratio") <= 1 + 1e-9

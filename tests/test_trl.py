@@ -310,8 +310,8 @@ def run_and_check(model_path, out_dir, run: str, *, funcs=None, rollout: bool = 
     watch = rltrl.watch(trainer, **options)
     trainer.train()
     watch.flush()
-    signal_config = SignalConfig(group_size=trainer.num_generations, is_cap=watch.config.is_cap,
-                                 mis_band=watch.config.mis_band)
+    signal_config = SignalConfig(group_size=trainer.num_generations, is_cap=watch.signal_config.is_cap,
+                                 mis_band=watch.signal_config.mis_band)
     expected = expected_rows(tap, trainer, signal_config, funcs)
     with StoreReader(store) as reader:
         rows = {row.step: row for row in reader.steps(run)}
@@ -356,8 +356,9 @@ MATRIX = {
                                    steps_per_generation=2, max_steps=3), None, False),
     "spg4-G2-none-rewards": (dict(per_device_train_batch_size=2, num_generations=2, steps_per_generation=4,
                                   max_steps=3, loss_type="grpo"), "has_w1", False),
-    "ga2-two-batches-per-step-G8": (dict(per_device_train_batch_size=8, num_generations=8, gradient_accumulation_steps=2,
-                                         steps_per_generation=1, max_steps=2, loss_type="cispo"), None, False),
+    "ga2-two-batches-per-step-G8": (dict(per_device_train_batch_size=8, num_generations=8,
+                                         gradient_accumulation_steps=2, steps_per_generation=1, max_steps=2,
+                                         loss_type="cispo"), None, False),
     "ga2-spg2-reuse-G2": (dict(per_device_train_batch_size=4, num_generations=2, gradient_accumulation_steps=2,
                                steps_per_generation=2, num_iterations=2, max_steps=3, loss_type="sapo"), None, False),
     "rollout-spg4-G8": (dict(per_device_train_batch_size=4, num_generations=8, steps_per_generation=4, max_steps=3,
@@ -410,7 +411,7 @@ def test_grpo_run_exports_what_trl_computed(model_path, tmp_path, caplog):
     tap = Tap(trainer)
     store = str(tmp_path / "run.db")
     watch = rltrl.watch(trainer, run="trl-e2e", port=0, store=store)
-    assert watch.config.group_size == 4
+    assert watch.signal_config.group_size == 4
     assert rltrl.trainer_device(trainer) == "cpu" and watch._worker is None     # CPU: computed inline
     trainer.train()
     watch.flush()
@@ -447,7 +448,8 @@ def test_grpo_run_exports_what_trl_computed(model_path, tmp_path, caplog):
     assert_scrape_matches(samples, "trl-e2e", expected[4], totals)
     assert sample(samples, "rlwatch_generation", run="trl-e2e") == 2
     lag_tokens = sum(e["tokens"][()] for s, e in expected.items() if s % 2 == 0)
-    assert sample(samples, "rlwatch_token_version_lag_bucket", run="trl-e2e", le="0.0") == totals["tokens_total"] - lag_tokens
+    lag_zero = sample(samples, "rlwatch_token_version_lag_bucket", run="trl-e2e", le="0.0")
+    assert lag_zero == totals["tokens_total"] - lag_tokens
     assert sample(samples, "rlwatch_token_version_lag_sum", run="trl-e2e") == lag_tokens
     assert sample(samples, "rlwatch_sampler_temperature", run="trl-e2e") == 1.0
     assert sample(samples, "rlwatch_signal_unavailable_total", run="trl-e2e", signal="mismatch",
@@ -626,9 +628,9 @@ def test_idempotent_and_unwatch_restores(model_path, tmp_path, caplog):
 
 
 def test_unsupported_version_refuses_and_patches_nothing(model_path, tmp_path, monkeypatch, caplog):
-    from rlwatch.integrations import _base
+    from rlwatch.integrations import _instrumentor
 
-    monkeypatch.setattr(_base, "installed_version", lambda package: "1.17.0")
+    monkeypatch.setattr(_instrumentor, "installed_version", lambda package: "1.17.0")
     trainer = make_trainer(model_path, tmp_path / "out", max_steps=1)
     callbacks_before = list(trainer.callback_handler.callbacks)
     caplog.set_level(logging.WARNING, logger="rlwatch")
@@ -682,7 +684,9 @@ def test_pure_helpers():
     assert rltrl.env_labels_present(trainer)
     trainer.train_dataset.column_names = ["prompt"]
     assert not rltrl.env_labels_present(trainer)
-    padded = rltrl._cat_tokens([torch.ones(2, 3), torch.ones(1, 5)], 5)
+    from rlwatch.integrations._tensors import pad_cat
+
+    padded = pad_cat([torch.ones(2, 3), torch.ones(1, 5)], 5)
     assert padded.shape == (3, 5) and padded[:2, 3:].eq(0).all() and padded[2].eq(1).all()
 
 
@@ -735,9 +739,10 @@ def test_episode_data_is_gathered_over_processes(monkeypatch):
     assert instrumentor.listener.unavailable == {}
 
     # What a batch cannot give is counted with its reason, and the step still gets every family.
-    bare = rltrl.Generation(serial=2, version=6, rewards=torch.full((2,), math.nan), per_func=torch.full((2, 1), math.nan),
-                            func_names=["a"], truncated=torch.zeros(2, dtype=torch.bool),
-                            lengths=torch.tensor([2, 3]), group_ids=torch.tensor([4, 4]), env=None)
+    bare = rltrl.Generation(serial=2, version=6, rewards=torch.full((2,), math.nan),
+                            per_func=torch.full((2, 1), math.nan), func_names=["a"],
+                            truncated=torch.zeros(2, dtype=torch.bool), lengths=torch.tensor([2, 3]),
+                            group_ids=torch.tensor([4, 4]), env=None)
     instrumentor.listener.submit(instrumentor.generation_values(7, [bare]))
     extra = instrumentor.listener.on_step(7, {"env_episodes": {("default",): 2.0}})
     assert extra["signal_unavailable_total"] == {("env", "no_environment_column"): 1.0,
@@ -745,7 +750,8 @@ def test_episode_data_is_gathered_over_processes(monkeypatch):
     assert extra["generation"] == {(): 2.0} and extra["env_episodes"] == {("default",): 2.0}
     assert extra["groups"] == {(): 0.0} and extra["reward_mean"] == {(): None}
     again = instrumentor.listener.on_step(8, {})                 # no new batch: gauges again, no counters
-    assert again["generation"] == {(): 2.0} and "episodes_total" not in again and "signal_unavailable_total" not in again
+    assert again["generation"] == {(): 2.0}
+    assert "episodes_total" not in again and "signal_unavailable_total" not in again
     watch.close()
 
 

@@ -549,10 +549,10 @@ def test_idempotent_and_uninstrument_restores_originals(config, caplog):
 @pytest.mark.parametrize("version", ["0.8.5", "0.10.0"])
 def test_other_verl_versions_are_refused_with_one_warning(config, monkeypatch, caplog, version):
     import verl.trainer.ppo.metric_utils as metric_utils
-    from rlwatch.integrations import _base
+    from rlwatch.integrations import _instrumentor
     from rlwatch.integrations import verl as rv
 
-    monkeypatch.setattr(_base, "installed_version", lambda package: version)
+    monkeypatch.setattr(_instrumentor, "installed_version", lambda package: version)
     original = metric_utils.compute_data_metrics
     meta_path = list(sys.meta_path)
     with caplog.at_level(logging.WARNING, logger="rlwatch"):

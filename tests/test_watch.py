@@ -193,6 +193,33 @@ def test_hook_errors_are_exported(tmp_path):
         assert sample(samples, "rlwatch_hook_errors_total", run="err", stage="validate", kind="shape") == 1
 
 
+def test_a_failing_listener_is_counted_under_its_own_stage_and_the_step_still_exports(monkeypatch):
+    from rlwatch.diagnosis import Diagnoser
+    from rlwatch.drift import DriftDetector
+
+    def fails(self, step, values):
+        raise RuntimeError(f"{type(self).__name__} failed")
+
+    class Broken:
+        on_step = fails
+
+        def close(self):
+            raise OSError("close failed")
+
+    monkeypatch.setattr(DriftDetector, "on_step", fails)
+    monkeypatch.setattr(Diagnoser, "on_step", fails)
+    with rlwatch.Watch(run="stages", port=0, store=None, alerts=True, listeners=(Broken(),)) as watch:
+        watch.observe(4, **make_step(seed=2))
+        samples = scrape(watch.url)
+    for stage in ("drift", "diagnosis", "listener"):
+        assert sample(samples, "rlwatch_hook_errors_total", run="stages", stage=stage, kind="RuntimeError") == 1
+    assert watch.errors.snapshot() == {("drift", "RuntimeError"): 1, ("diagnosis", "RuntimeError"): 1,
+                                       ("listener", "RuntimeError"): 1, ("listener", "close"): 1}
+    assert sample(samples, "rlwatch_step", run="stages") == 4
+    assert ("rlwatch_mismatch_kl_k3", (("run", "stages"),)) in samples
+    assert any(name == "rlwatch_alert_value" for name, _ in samples)    # the alert windows ran after them
+
+
 def test_store_is_readable_while_the_run_writes(tmp_path):
     path = str(tmp_path / "live.db")
     with rlwatch.Watch(run="live", port=None, store=path) as watch:
@@ -294,6 +321,7 @@ RANK_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("all_ranks", [False, True])
 def test_several_ranks_on_one_node(all_ranks):
     port = free_port()
@@ -512,7 +540,6 @@ def test_background_queue_is_bounded_by_bytes():
     """Steps of 4 MiB of tensors each, observed faster than a slow rlwatch thread computes them:
     the queue never holds more than background_max_bytes (plus one step), and every step's tensors
     are freed once it ran (checked with weak references, as memory on an accelerator would be)."""
-    import time
     import weakref
 
     slow = threading.Event()

@@ -258,8 +258,8 @@ def _print_summary(document: dict, collapse: int | None, directory: Path, second
     else:
         print(f"No collapse in this run ({len(critical)} critical alerts).")
     resume = document.get("resume") or {}
-    print(f"Cause: {document['cause']}. Resume from: "
-          f"{(resume.get('checkpoint') or {}).get('path', 'no checkpoint')} ({resume.get('reason', 'no resume point')}).")
+    checkpoint = (resume.get('checkpoint') or {}).get('path', 'no checkpoint')
+    print(f"Cause: {document['cause']}. Resume from: {checkpoint} ({resume.get('reason', 'no resume point')}).")
     if prometheus_alerts is not None:
         print(f"Prometheus fired: {', '.join(prometheus_alerts) or 'nothing'}; "
               f"Alertmanager received: {', '.join(alertmanager_alerts or []) or 'nothing'}")

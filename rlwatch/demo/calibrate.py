@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(rows)
     print(f"\n{args.seeds} seeds per scenario, {args.workers} worker processes x 1 thread "
           f"(s/run is per run under that load); held-out = true pass rate on 128 fixed held-out prompts;\n"
-          f"start = held-out after the first update (step 0), final = mean of the last {WINDOW} evaluations; |dlogp| = mean over steps of "
-          f"|trainer_logp - sampler_logp| on masked tokens (nats); dlogp@0 is signed, at step 0;\n"
+          f"start = held-out after the first update (step 0), final = mean of the last {WINDOW} evaluations; "
+          f"|dlogp| = mean over steps of |trainer_logp - sampler_logp| on masked tokens (nats); "
+          f"dlogp@0 is signed, at step 0;\n"
           f"hacked = training reward 1 while the true checker fails (mean of the first/last {WINDOW} steps).\n")
     print_table(summary)
     print(f"\ntotal wall time: {time.perf_counter() - t0:.0f} s")

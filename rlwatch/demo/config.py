@@ -68,7 +68,8 @@ class ScenarioConfig:
     # task and model
     min_digits: int = 1
     max_digits: int = 2
-    length_weights: tuple[float, ...] = (0.1, 0.9)   # relative frequency of lengths min_digits..max_digits (uniform if empty)
+    # relative frequency of lengths min_digits..max_digits (uniform if empty)
+    length_weights: tuple[float, ...] = (0.1, 0.9)
     max_response: int = 6
     embed_dim: int = 32
     hidden_dim: int = 64

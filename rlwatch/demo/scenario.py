@@ -3,8 +3,8 @@
 A GRU policy (about 20k parameters, 15-token vocabulary; ``policy="transformer"``: a two-layer causal
 transformer of about the same size) answers digit-string prompts in two environments: ``copy`` (answer
 the prompt's digits, then EOS) and ``reverse`` (answer them reversed), or with ``tasks="sort-shift"``
-``sort`` and ``shift``. It starts from a short supervised warm start on imperfect demonstrations (a share of the digits is
-wrong and 60% of the answers carry one extra digit, so the base policy answers too long), then
+``sort`` and ``shift``. It starts from a short supervised warm start on imperfect demonstrations (a share of
+the digits is wrong and 60% of the answers carry one extra digit, so the base policy answers too long), then
 trains by GRPO: ``group_size`` samples per prompt, group-normalised advantages of a 0/1 exact-match
 reward, PPO-clipped ratio ``pi_theta / pi_old`` with ``pi_old`` recomputed by the trainer, Adam,
 ``epochs x minibatches`` updates per step. The behaviour policy ``mu`` that samples is the policy

@@ -43,14 +43,15 @@ class OTelExporter:
         for spec in CATALOGUE:
             if spec.kind == "gauge":
                 self.instruments.append(meter.create_observable_gauge(
-                    spec.full_name, callbacks=[self._family_callback(spec, "gauges")], unit=spec.unit, description=spec.help))
+                    spec.full_name, callbacks=[self._family_callback(spec, "gauges")], unit=spec.unit,
+                    description=spec.help))
             elif spec.kind == "info":
                 self.instruments.append(meter.create_observable_gauge(
                     spec.full_name, callbacks=[self._family_callback(spec, "info", constant=1)], description=spec.help))
             elif spec.kind == "counter":
                 self.instruments.append(meter.create_observable_counter(
-                    spec.full_name[: -len("_total")], callbacks=[self._family_callback(spec, "counters")], unit=spec.unit,
-                    description=spec.help))
+                    spec.full_name[: -len("_total")], callbacks=[self._family_callback(spec, "counters")],
+                    unit=spec.unit, description=spec.help))
             elif spec.kind == "histogram":
                 self.instruments.append(meter.create_observable_counter(
                     spec.full_name + "_tokens", callbacks=[self._histogram_callback(spec)],

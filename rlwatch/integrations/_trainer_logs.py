@@ -9,7 +9,7 @@ import math
 from typing import Any, Mapping
 
 from ..config import trainer_logs_enabled
-from ._base import Call, guarded
+from ._instrumentor import Call, guarded
 
 PREFIX = "rlwatch/"
 

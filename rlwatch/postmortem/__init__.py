@@ -2,7 +2,8 @@
 the likely cause, where to resume, what the run could not measure, and (``--baseline``) where it
 diverged from a good run; as a terminal report, markdown with plots, or JSON."""
 
-from .analysis import Comparison, Report, analyse, compare
+from .analysis import Report, analyse
+from .compare import Comparison, compare
 from .sources import PostmortemInputError, RunData, load
 
 __all__ = ["Comparison", "PostmortemInputError", "Report", "RunData", "analyse", "compare", "load",

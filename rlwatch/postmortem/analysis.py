@@ -10,17 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..diagnosis import Diagnosis, diagnose
-from .changes import (COMPARE_CONFIRM, COMPARE_H, CONFIRM, CONFIRM_STEPS, CUSUM_H, CUSUM_K, LEADING_SIGNALS,
-                      QUALITY_SPEC, REFERENCE_POINTS, Change, SignalSpec, detect_change, robust_noise, scanned_series)
-from .compare import Comparison, Divergence, compare
+from .changes import Change, detect_change, scanned_series
+from .compare import Comparison
 from .sources import QUALITY_KEYS, RunData
 
-# The post-mortem's names, importable from here as before the change test and the comparison moved out.
-__all__ = ["CAUSE_SIGNALS", "COMPARE_CONFIRM", "COMPARE_H", "CONFIRM", "CONFIRM_STEPS", "CUSUM_H", "CUSUM_K",
-           "LEADING_SIGNALS", "NO_CAUSE", "QUALITY_SPEC", "REFERENCE_POINTS", "Change", "Comparison", "Coverage",
-           "Divergence", "Report", "Resume", "SignalSpec", "analyse", "collapse_onset", "compare", "coverage",
-           "detect_change", "first_changes", "quality_series", "resume_point", "robust_noise", "scanned_series",
-           "summarize_hacks"]
+__all__ = ["CAUSE_SIGNALS", "NO_CAUSE", "Coverage", "Report", "Resume", "analyse", "collapse_onset", "coverage",
+           "first_changes", "quality_series", "resume_point", "summarize_hacks"]
 
 
 # Which signals a diagnosed cause links to the collapse.

@@ -83,7 +83,7 @@ COMPARE_CONFIRM = 2.5
 
 
 def _label_name(signal: str, labels: tuple[str, ...]) -> str:
-    shown = [l for l in labels if l]
+    shown = [label for label in labels if label]
     return signal + (f"{{{','.join(shown)}}}" if shown else "")
 
 

@@ -13,7 +13,9 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from .analysis import NO_CAUSE, REFERENCE_POINTS, Change, Comparison, Report
+from .analysis import NO_CAUSE, Report
+from .changes import REFERENCE_POINTS, Change
+from .compare import Comparison
 from .sources import RunData
 
 PLOTTED = [("quality", "Run quality"), ("mismatch_kl_k3", "KL(mu||pi_old), k3"),
@@ -289,7 +291,7 @@ def _overview_plots(figures: _Figures, report: Report, data: RunData) -> None:
             qk, series = quality_series(data)
             series_list = [(qk or "quality", series)]
         else:
-            series_list = [(",".join(l for l in labels if l) or key, data.series(key, labels))
+            series_list = [(",".join(x for x in labels if x) or key, data.series(key, labels))
                            for labels in sorted(data.label_sets(key))] or [(key, data.series(key))]
         series_list = [(n, s) for n, s in series_list if s]
         if not series_list:
@@ -337,7 +339,7 @@ def _comparison_plots(figures: _Figures, report: Report, data: RunData, baseline
         ax.plot([s for s, _ in mine], [v for _, v in mine], lw=1.2, color="C3", label=bad_label)
         if step is not None:
             ax.axvline(step, color="k", lw=1.0, ls="--", label=f"diverged from step {step}")
-        name = signal + (f"{{{','.join(l for l in labels if l)}}}" if any(labels) else "")
+        name = signal + (f"{{{','.join(x for x in labels if x)}}}" if any(labels) else "")
         figures.save(fig, ax, f"{_mpl(name)}: this run against the good run", f"compare-{i + 1:02d}-{_slug(name)}")
 
 

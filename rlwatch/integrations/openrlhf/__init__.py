@@ -34,13 +34,13 @@ When the trainer runs in your own process instead, call :func:`instrument` befor
 Submodules: ``samples`` (the policy-version clocks, dispatch stamps, data sources) and
 ``experiences`` (a step's ``Experience`` batches -> its fields and the detectors' episodes).
 
-Which process exports (see ``_base.RayActorInstrumentor``)
+Which process exports (see ``_ray_actors.RayActorInstrumentor``)
     A training step is observed only in the single-controller trainer process (``PPOTrainer``, or
     ``TrainingActor`` in async mode): exactly one process per job exports. The sample generator (the
     same process in sync mode, ``GenerateSamplesActor`` in async mode) only stamps each sample with
     a policy version, its data source and finish reason.
 
-What is wrapped (``PATCHES``; every patch is ``_base.Instrumentor.wrap``)
+What is wrapped (``PATCHES``; every patch is ``_instrumentor.Instrumentor.wrap``)
     * ``openrlhf.trainer.ppo_trainer.BasePPOTrainer.train_step(rollout_samples, global_step)``:
       marks a training step (step number ``global_step + 1``, the number OpenRLHF logs and names
       its checkpoints with) and reads the trainer's policy version before the step's own update.
@@ -98,7 +98,8 @@ from typing import Any, Callable, Mapping
 
 from ...config import rlwatch_variables, variables_or_defaults
 from ...fields import StepFields
-from .._base import Call, Hook, Patch, RayActorInstrumentor, config_get, context_value, framework_watch_options
+from .._instrumentor import Call, Hook, Patch, context_value
+from .._ray_actors import RayActorInstrumentor, config_get, framework_watch_options
 from .._trainer_logs import mirror_call
 from .experiences import episodes_from_experiences, fields_from_experiences
 from .samples import CLOCK_ACTOR, META, LocalClock, RayClock, _DataSources, _Dispatch, sample_meta  # noqa: F401

@@ -8,7 +8,8 @@ import math
 from typing import Any, Mapping
 
 from ...fields import StepFields
-from .._base import config_get, episode_dicts, pad_cat, version_pairs
+from .._ray_actors import config_get
+from .._tensors import episode_dicts, pad_cat, version_pairs
 
 # --- turning Experiences into one observe() ------------------------------------------------------
 
@@ -123,7 +124,7 @@ def _extra_logs(experiences: list[Any], rows: list[dict | None]) -> dict[str, fl
 
 def episodes_from_experiences(experiences: list[Any], fields: StepFields, metas: list[dict | None]
                               ) -> list[dict[str, Any]]:
-    """One episode per sample for the reward-hack detectors (:func:`~.._base.episode_dicts`): response
+    """One episode per sample for the reward-hack detectors (:func:`~.._tensors.episode_dicts`): response
     token ids, reward, environment, truncation, and the agent's per-sample ``extra_logs`` (an
     independent checker's verdict logged there as ``true_pass`` feeds the ``verifier_disagreement``
     detector)."""

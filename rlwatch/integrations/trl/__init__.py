@@ -42,8 +42,7 @@ from .generation import (ENV_COLUMNS, GENERATION_FAMILIES, MAX_ENV_SCALARS, PROB
                          STEP_EPISODE_FAMILIES, UNSCORABLE, VERSION_KEY, AuditedReward, Generation, GenerationSignals,
                          audit_verdicts, audited, env_labels, env_labels_present, eos_and_pad, episodes,
                          truncation_flags, hack_episode_inputs, judges_hacks)
-from .grpo import (GATHER_ONLY, PATCHES, SUPPORTED, GRPOInstrumentor, MicroBatch, _cat_tokens,  # noqa: F401
-                   sampling_fields)
+from .grpo import GATHER_ONLY, PATCHES, SUPPORTED, GRPOInstrumentor, MicroBatch, sampling_fields  # noqa: F401
 
 __all__ = ["watch", "unwatch", "attach", "audited", "AuditedReward", "RLWatchCallback", "GRPOInstrumentor",
            "stop_on_critical", "save_on_critical"]

@@ -16,8 +16,8 @@ import torch
 
 from ...postmortem.probe import ROLLOUTS_FILE
 from ...config import trainer_logs_enabled
-from .. import _base, _trainer_logs
-from .._base import caller_self, guarded
+from .. import _instrumentor, _trainer_logs
+from .._instrumentor import caller_self, guarded
 from .grpo import GRPOInstrumentor
 
 try:  # TRL pulls in transformers; the callback base class is all this module needs from it.
@@ -239,7 +239,7 @@ def watch(trainer: Any, **watch_options: Any):
     if existing is not None:
         logger.warning("rlwatch: this trainer is already watched; returning its Watch")
         return existing.watch
-    version = _base.installed_version("trl") or ""
+    version = _instrumentor.installed_version("trl") or ""
     watch_options.setdefault("framework", "trl")
     watch_options.setdefault("framework_version", version)
     num_generations = getattr(trainer, "num_generations", None)

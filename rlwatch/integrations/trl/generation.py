@@ -107,7 +107,7 @@ def audit_verdicts(trainer: Any, n: int) -> list[bool | None]:
 def judges_hacks(watch: Any) -> bool:
     """Whether a run's Watches judge reward hacks: the ``hack_detectors`` option, which (unlike
     ``Watch.hack_detection``) reads the same on exporting and non-exporting processes."""
-    return getattr(getattr(watch, "options", None), "hack_detectors", None) is not False
+    return getattr(getattr(watch, "watch_config", None), "hack_detectors", None) is not False
 
 
 def hack_episode_inputs(trainer: Any, prompts: list, completions: list, completion_ids_list: list,
@@ -352,7 +352,7 @@ class GenerationPath:
 
     def generation_values(self, step: int, generations: list[Generation]) -> dict:
         """Every episode-level signal of the batches, computed together on the whole (gathered) batches."""
-        from ...pipeline import few_threads_for
+        from ...threads import few_threads_for
         from ...signals import compute_step
 
         record = self._builder.build(step, self.generation_fields(generations))
@@ -361,7 +361,7 @@ class GenerationPath:
         # A few hundred rows: on the training thread (no rlwatch thread) one intra-op thread, as observe does.
         inline = getattr(self.watch, "_worker", None) is None
         with few_threads_for(record.mask) if inline else contextlib.nullcontext():
-            computed = compute_step(record, self.watch.config)
+            computed = compute_step(record, self.watch.signal_config)
         values = {name: family for name, family in computed.items() if name in GENERATION_FAMILIES}
         values["generation"] = {(): float(generations[-1].serial)}
         values["generation_policy_version"] = {(): float(generations[-1].version)}

@@ -11,8 +11,8 @@ import torch
 
 from ...fields import StepFields
 from ...record import RecordBuilder
-from .._base import Call, Hook, Instrumentor, Patch, guarded
-from .._base import pad_cat as _cat_tokens
+from .._instrumentor import Call, Hook, Instrumentor, Patch, guarded
+from .._tensors import pad_cat
 from .generation import (PROBE_ROWS, VERSION_KEY, Generation, GenerationPath, GenerationSignals, audit_verdicts,
                          env_labels, eos_and_pad, episodes, hack_episode_inputs, judges_hacks, truncation_flags)
 
@@ -71,7 +71,7 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
         self._env_scalars: set[str] = set()
         self.listener = GenerationSignals()
         # Episode records of the generation batches (own label caps; built in order by Watch.defer's jobs).
-        env_cap = getattr(getattr(getattr(watch, "_builder", None), "envs", None), "cap", 64)
+        env_cap = getattr(getattr(watch, "watch_config", None), "env_cap", 64)
         self._builder = RecordBuilder(watch.errors, env_cap=env_cap)
         #: Where to keep a fixed sample of the first generation batch for ``rlwatch postmortem --probe``.
         self.probe_path: str | None = None
@@ -86,8 +86,8 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
                 self.apply(self.trainer, GATHER_ONLY)
             return
         listeners = getattr(self.watch, "listeners", None)
-        if isinstance(listeners, list) and self.listener not in listeners:
-            listeners.insert(0, self.listener)       # before drift, diagnosis and the alert evaluator
+        if listeners is not None and self.listener not in listeners:
+            listeners.add(self.listener, "integration")      # before drift, diagnosis and the alerts
         self.apply(self.trainer, PATCHES)
 
     def _uninstrument(self) -> None:
@@ -95,7 +95,7 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
         self.capture.generations.clear()
         self.capture.rewards = self.capture.policy = None
         listeners = getattr(self.watch, "listeners", None)
-        if isinstance(listeners, list) and self.listener in listeners:
+        if listeners is not None:
             listeners.remove(self.listener)
 
     # -- hooks (see PATCHES) --
@@ -194,16 +194,16 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
     def step_fields(self, micro: list[MicroBatch]) -> StepFields:
         """The token-level fields of one optimizer step's micro-batches."""
         width = max(int(m.mask.shape[1]) for m in micro)
-        fields = StepFields(mask=_cat_tokens([m.mask for m in micro], width),
-                            trainer_logp=_cat_tokens([m.trainer_logp for m in micro], width),
+        fields = StepFields(mask=pad_cat([m.mask for m in micro], width),
+                            trainer_logp=pad_cat([m.trainer_logp for m in micro], width),
                             seq_version=torch.cat([m.version.reshape(-1) for m in micro]),
                             trainer_version=micro[-1].trainer_version, **sampling_fields(self.trainer))
         if all(m.sampler_logp is not None for m in micro):
-            fields.sampler_logp = _cat_tokens([m.sampler_logp for m in micro], width)
+            fields.sampler_logp = pad_cat([m.sampler_logp for m in micro], width)
         else:
             self.listener.unavailable[("mismatch", "no_sampler_logprobs")] = 1.0
         if all(m.entropy is not None for m in micro):
-            fields.entropy = _cat_tokens([m.entropy for m in micro], width)
+            fields.entropy = pad_cat([m.entropy for m in micro], width)
         else:
             self.listener.unavailable[("entropy", "not_computed")] = 1.0
         return fields

@@ -15,11 +15,11 @@ call :func:`instrument` before building it.
 
 ``batch`` reads a step's ``DataProto`` or TransferQueue batch into its fields and episodes.
 
-Which process exports (see ``_base.RayActorInstrumentor``)
+Which process exports (see ``_ray_actors.RayActorInstrumentor``)
     Only the trainer process (the TaskRunner actor, which holds the gathered batch and the
     ``Tracking`` logger) calls the wrapped functions, so exactly one process per job exports.
 
-What is wrapped (``PATCHES``; every patch is ``_base.Instrumentor.wrap``)
+What is wrapped (``PATCHES``; every patch is ``_instrumentor.Instrumentor.wrap``)
     * ``verl.trainer.ppo.metric_utils.compute_data_metrics(batch, use_critic)``: the gathered
       ``DataProto`` of a training step in the v0 ``RayPPOTrainer.fit``, the separation trainer and
       the fully-async and one-step-off recipes built on it. ``from ... import compute_data_metrics``
@@ -67,8 +67,8 @@ import sys
 from types import ModuleType
 from typing import Any, Mapping
 
-from .._base import (Call, Hook, Patch, RayActorInstrumentor, caller_self, config_get, context_value,
-                     framework_watch_options)
+from .._instrumentor import Call, Hook, Patch, caller_self, context_value
+from .._ray_actors import RayActorInstrumentor, config_get, framework_watch_options
 from .._trainer_logs import mirror_call, without_headline
 from .batch import (episodes_from_dataproto, fields_from_dataproto, fields_from_transfer_queue,  # noqa: F401
                     truncation_flags)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from ...fields import StepFields
-from .._base import config_get, episode_dicts, version_pairs
+from .._ray_actors import config_get
+from .._tensors import episode_dicts, version_pairs
 
 #: Fields read from TransferQueue for the v1 trainer (absent ones are skipped).
 V1_FIELDS = ("response_mask", "old_log_probs", "rollout_log_probs", "rm_scores", "entropy", "uid",
@@ -152,7 +153,7 @@ _SAMPLE_KEYS = frozenset({"uid", "data_source", "min_global_steps", "max_global_
 
 
 def episodes_from_dataproto(batch: Any, fields: StepFields) -> list[dict[str, Any]]:
-    """One episode per sample for rlwatch's reward-hack detectors (:func:`~.._base.episode_dicts`):
+    """One episode per sample for rlwatch's reward-hack detectors (:func:`~.._tensors.episode_dicts`):
     response token ids, reward, environment, truncation, and the reward manager's extra info per
     sample (e.g. what a ``compute_score`` returned besides the score; a ``true_pass`` key there is
     read as an independent checker's verdict)."""
