@@ -142,3 +142,49 @@ def test_runbook_url_is_a_setting(monkeypatch, tmp_path):
     assert (tmp_path / "opt" / render.RUNBOOK_FILE).read_text() == render.runbook_md()   # a local copy
     # the checked-in files stay the default whatever the environment says
     assert render.check(resources.root() / "alerts") == []
+
+
+@pytest.fixture(scope="module")
+def full_endpoint():
+    """Every kind of family: the golden steps (alerts, a counted error, scalars, per-environment)."""
+    from .test_exposition_golden import _steps
+
+    with rlwatch.Watch(run="strict", port=0, store=None, alerts=True, group_size=4) as watch:
+        for step, fields in _steps():
+            watch.observe(step, **fields)
+            watch.log_scalars(step, {"loss": 1.0 / (step + 1)})
+        yield watch
+
+
+def test_no_gauge_shares_a_family_name_with_a_counter():
+    from rlwatch.metrics import CATALOGUE, RENAMED
+
+    families = [s.full_name[:-len("_total")] if s.kind == "counter" else s.full_name for s in CATALOGUE]
+    assert len(families) == len(set(families)), sorted(f for f in families if families.count(f) > 1)
+    assert {f"rlwatch_{old}" for old in RENAMED}.isdisjoint({s.full_name for s in CATALOGUE if s.kind != "counter"})
+
+
+def test_both_formats_pass_strict_parsers_and_promtool(full_endpoint):
+    """prometheus_client's own parsers (text and the strict OpenMetrics one) read every family of
+    either format; promtool finds nothing in the text format, and in OpenMetrics nothing but the
+    counters' samples, which its text-format linter reads as families without help (it does not
+    know OpenMetrics' counter naming: family ``x``, samples ``x_total``)."""
+    import subprocess
+
+    from prometheus_client.parser import text_string_to_metric_families as text_families
+
+    from .conftest import need_binary
+
+    promtool = need_binary("promtool")
+    _, text = scrape_raw(full_endpoint.port)
+    _, openmetrics = scrape_raw(full_endpoint.port, accept="application/openmetrics-text; version=1.0.0")
+    assert openmetrics.endswith(b"# EOF\n")
+    text_types = {f.name: f.type for f in text_families(text.decode())}
+    om = list(text_string_to_metric_families(openmetrics.decode()))
+    assert len(om) > 80 and {f.name: f.type for f in om} == text_types       # each family once, same types
+    counters = {f.name for f in om if f.type == "counter"}
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = subprocess.run([promtool, "check", "metrics"], input=openmetrics, capture_output=True)
+    problems = set((result.stdout + result.stderr).decode().splitlines())
+    assert problems == {f"{name}_total no help text" for name in counters}, problems
