@@ -461,10 +461,10 @@ def test_idle_plain_http_clients_time_out_and_are_capped():
 
     from prometheus_client import CollectorRegistry
 
-    from rlwatch.exporters.prometheus import MetricsServer
+    from rlwatch.exporters.http import MetricsServer
 
     before = threading.active_count()
-    server = MetricsServer(CollectorRegistry(), "127.0.0.1", 0, idle_timeout=1.0, max_connections=8)
+    server = MetricsServer(CollectorRegistry(), "127.0.0.1", 0, header_timeout=1.0, max_connections=8)
     clients = []
     try:
         most = 0
