@@ -140,13 +140,135 @@ def _bind(addr: str, candidates: list[int]) -> tuple[socket.socket | None, OSErr
     return None, last_error
 
 
+class _HeadReader:
+    """The accepting thread: takes connections, runs their TLS handshakes and reads their request
+    heads without blocking, each under one deadline; hands each complete head to ``dispatch``. At
+    most ``max_connections`` connections are held, counting the ``busy()`` ones being answered:
+    beyond, the connection that has waited longest for its head is dropped for the newcomer."""
+
+    def __init__(self, sock: socket.socket, header_timeout: float, max_connections: int,
+                 busy: Callable[[], int], dispatch: Callable[[socket.socket, tuple, bytes], None]) -> None:
+        self.socket, self.header_timeout, self.max_connections = sock, header_timeout, max_connections
+        self.busy, self.dispatch = busy, dispatch
+        self.pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()   # oldest first
+        self.closing = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(sock, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._loop, name="rlwatch-metrics", daemon=True)
+        self._thread.start()
+
+    def _oldest(self) -> _Pending | None:
+        return next(iter(self.pending.values()), None)
+
+    def _loop(self) -> None:
+        while not self.closing:
+            first = self._oldest()
+            wait = None if first is None else max(0.0, first.deadline - time.monotonic())
+            for key, _ in self._selector.select(wait):
+                if key.fileobj is self.socket:
+                    self._accept()
+                elif key.fileobj is self._wake_r:
+                    self._wake_r.recv(64)
+                else:
+                    self._advance(key.data)
+            now = time.monotonic()
+            while (first := self._oldest()) is not None and first.deadline <= now:
+                self._drop(first, b"408 Request Timeout")
+
+    def _accept(self) -> None:
+        for _ in range(self.max_connections):
+            try:
+                conn, addr = self.socket.accept()
+            except OSError:          # none waiting (BlockingIOError), or out of descriptors: later
+                return
+            conn.setblocking(False)
+            if len(self.pending) + self.busy() >= self.max_connections:
+                if not self.pending:
+                    conn.close()
+                    continue
+                self._drop(self._oldest(), b"503 Service Unavailable")
+            pending = _Pending(conn, addr, time.monotonic() + self.header_timeout)
+            self.pending[conn.fileno()] = pending
+            self._selector.register(conn, selectors.EVENT_READ, pending)
+            self._advance(pending)
+
+    def _advance(self, pending: _Pending) -> None:
+        """Read what the client sent (after the TLS handshake); hand a complete head on."""
+        conn = pending.conn
+        try:
+            if not pending.handshaken:
+                conn.do_handshake()
+                pending.handshaken = True
+            while True:
+                chunk = conn.recv(MAX_HEAD + 1 - len(pending.head))
+                if not chunk:
+                    self._drop(pending)
+                    return
+                pending.head += chunk
+                if any(end in pending.head for end in _HEAD_END):
+                    self._unregister(pending)
+                    self.dispatch(conn, pending.addr, pending.head)
+                    return
+                if len(pending.head) > MAX_HEAD:
+                    self._drop(pending, b"431 Request Header Fields Too Large")
+                    return
+        except ssl.SSLWantWriteError:
+            self._selector.modify(conn, selectors.EVENT_WRITE, pending)
+        except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+            self._selector.modify(conn, selectors.EVENT_READ, pending)
+        except (OSError, ValueError):
+            self._drop(pending)
+
+    def _unregister(self, pending: _Pending) -> None:
+        self.pending.pop(pending.conn.fileno(), None)
+        try:
+            self._selector.unregister(pending.conn)
+        except (KeyError, ValueError):
+            pass
+
+    def _drop(self, pending: _Pending, status: bytes = b"") -> None:
+        """Close a connection that has not sent its head, with a one-line answer if it can take one."""
+        self._unregister(pending)
+        if status and pending.handshaken:
+            try:
+                pending.conn.send(b"HTTP/1.0 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except (OSError, ValueError):
+                pass
+        pending.conn.close()
+
+    def stop(self) -> None:
+        self.closing = True
+        self._wake_w.send(b"x")
+        self._thread.join(timeout=5)
+        for pending in list(self.pending.values()):
+            self._drop(pending)
+        self._selector.close()
+        for sock in (self.socket, self._wake_r, self._wake_w):
+            sock.close()
+
+    def sockets(self) -> list[socket.socket]:
+        return [self.socket, self._wake_r, self._wake_w, *(p.conn for p in list(self.pending.values()))]
+
+    def forget(self) -> None:
+        """In a forked child: close this process's copies of the sockets (see MetricsServer._forget)."""
+        self.closing = True
+        _close_copies(self.sockets())
+        try:
+            self._selector.close()
+        except (OSError, RuntimeError):
+            pass
+
+
 class MetricsServer:
     """A WSGI app (``/metrics`` and the pages around it) over HTTP(S) on daemon threads.
 
     port=0 picks a free port; with ``port_fallback`` a taken port moves on to the next 32 ports.
     Raises :class:`PortInUseError` when no port could be bound. A client has ``header_timeout``
     seconds to send its whole request head (TLS handshake included); ``timeout`` bounds each write
-    of the answer; ``workers`` requests are answered at once.
+    of the answer; ``workers`` requests are answered at once; ``max_connections`` are held at most.
     """
 
     def __init__(self, registry: object, addr: str = "127.0.0.1", port: int = 9400, *,
@@ -161,8 +283,7 @@ class MetricsServer:
         if basic_auth is not None:
             app = _with_basic_auth(app, *basic_auth)
         self._app = _never_raise(app, on_error)
-        self.header_timeout, self.timeout = header_timeout, timeout
-        self.max_connections, self.workers, self.on_error = max_connections, workers, on_error
+        self.timeout, self.workers, self.on_error = timeout, workers, on_error
         candidates = [port] if (port == 0 or not port_fallback) else list(range(port, port + 33))
         sock, last_error = _bind(addr, candidates)
         if sock is None:
@@ -183,22 +304,14 @@ class MetricsServer:
         self.scheme = "https" if certfile else "http"
         self.base_environ = {"SERVER_NAME": addr, "GATEWAY_INTERFACE": "CGI/1.1", "SERVER_PORT": str(self.port),
                              "REMOTE_HOST": "", "CONTENT_LENGTH": "", "SCRIPT_NAME": ""}
-        self._socket = sock
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()
         self._ready: collections.deque[tuple[socket.socket, tuple, bytes]] = collections.deque()
         self._serving: set[socket.socket] = set()     # connections a worker answers
         self._busy_workers = 0
-        self._closing = False
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(sock, selectors.EVENT_READ)
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._closed = False
+        self._reader = _HeadReader(sock, header_timeout, max_connections, self._busy, self._dispatch)
         _SERVERS.add(self)
-        self._thread = threading.Thread(target=self._loop, name="rlwatch-metrics", daemon=True)
-        self._thread.start()
 
     @property
     def url(self) -> str:
@@ -217,89 +330,9 @@ class MetricsServer:
     def get_app(self) -> Callable:
         return self._app
 
-    # --- the accepting thread ---------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while not self._closing:
-            first = next(iter(self._pending.values()), None)
-            wait = None if first is None else max(0.0, first.deadline - time.monotonic())
-            for key, _ in self._selector.select(wait):
-                if key.fileobj is self._socket:
-                    self._accept()
-                elif key.fileobj is self._wake_r:
-                    self._wake_r.recv(64)
-                else:
-                    self._advance(key.data)
-            now = time.monotonic()
-            while self._pending and next(iter(self._pending.values())).deadline <= now:
-                self._drop(next(iter(self._pending.values())), b"408 Request Timeout")
-
-    def _accept(self) -> None:
-        for _ in range(self.max_connections):
-            try:
-                conn, addr = self._socket.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:          # a handshake-less accept error, or out of descriptors: try later
-                return
-            conn.setblocking(False)
-            with self._lock:
-                held = len(self._pending) + len(self._ready) + len(self._serving)
-            if held >= self.max_connections:
-                if not self._pending:
-                    conn.close()
-                    continue
-                self._drop(next(iter(self._pending.values())), b"503 Service Unavailable")
-            pending = _Pending(conn, addr, time.monotonic() + self.header_timeout)
-            self._pending[conn.fileno()] = pending
-            self._selector.register(conn, selectors.EVENT_READ, pending)
-            self._advance(pending)
-
-    def _advance(self, pending: _Pending) -> None:
-        """Read what the client sent (after the TLS handshake); hand a complete head to a worker."""
-        conn = pending.conn
-        try:
-            if not pending.handshaken:
-                conn.do_handshake()
-                pending.handshaken = True
-            while True:
-                chunk = conn.recv(MAX_HEAD + 1 - len(pending.head))
-                if not chunk:
-                    self._drop(pending)
-                    return
-                pending.head += chunk
-                if any(end in pending.head for end in _HEAD_END):
-                    self._unregister(pending)
-                    self._dispatch(conn, pending.addr, pending.head)
-                    return
-                if len(pending.head) > MAX_HEAD:
-                    self._drop(pending, b"431 Request Header Fields Too Large")
-                    return
-        except ssl.SSLWantWriteError:
-            self._selector.modify(conn, selectors.EVENT_WRITE, pending)
-        except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
-            self._selector.modify(conn, selectors.EVENT_READ, pending)
-        except (OSError, ValueError):
-            self._drop(pending)
-
-    def _unregister(self, pending: _Pending) -> None:
-        self._pending.pop(pending.conn.fileno(), None)
-        try:
-            self._selector.unregister(pending.conn)
-        except (KeyError, ValueError):
-            pass
-
-    def _drop(self, pending: _Pending, status: bytes = b"") -> None:
-        """Close a connection that has not sent its head, with a one-line answer if it can take one."""
-        self._unregister(pending)
-        if status and pending.handshaken:
-            try:
-                pending.conn.send(b"HTTP/1.0 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            except (OSError, ValueError):
-                pass
-        pending.conn.close()
-
-    # --- workers ----------------------------------------------------------------------------------
+    def _busy(self) -> int:
+        with self._lock:
+            return len(self._ready) + len(self._serving)
 
     def _dispatch(self, conn: socket.socket, addr: tuple, head: bytes) -> None:
         with self._lock:
@@ -312,7 +345,7 @@ class MetricsServer:
     def _work(self) -> None:
         while True:
             with self._lock:
-                if not self._ready or self._closing:
+                if not self._ready or self._closed:
                     self._busy_workers -= 1
                     return
                 conn, addr, head = self._ready.popleft()
@@ -328,17 +361,12 @@ class MetricsServer:
                     self._serving.discard(conn)
                 _close(conn)
 
-    # --- closing ----------------------------------------------------------------------------------
-
     def close(self) -> None:
         """Stop accepting, drop waiting connections, let the requests being answered finish (bounded)."""
-        if self._closing or self._pid != os.getpid():
+        if self._closed or self._pid != os.getpid():
             return
-        self._closing = True
-        self._wake_w.send(b"x")
-        self._thread.join(timeout=5)
-        for pending in list(self._pending.values()):
-            self._drop(pending)
+        self._closed = True
+        self._reader.stop()
         with self._lock:
             ready = list(self._ready)
             self._ready.clear()
@@ -347,26 +375,21 @@ class MetricsServer:
         deadline = time.monotonic() + self.timeout
         while self._busy_workers and time.monotonic() < deadline:
             time.sleep(0.01)
-        self._selector.close()
-        self._socket.close()
-        for sock in (self._wake_r, self._wake_w):
-            sock.close()
         _SERVERS.discard(self)
 
     def _forget(self) -> None:
         """In a forked child: close this process's copies of every socket, touching nothing the
         parent uses (no shutdown, no TLS close_notify, no lock that a parent thread may hold)."""
-        self._closing = True
-        socks = [self._socket, self._wake_r, self._wake_w, *(p.conn for p in list(self._pending.values())),
-                 *(c for c, _, _ in list(self._ready)), *list(self._serving)]
-        for sock in socks:          # close() of a socket another process shares sends nothing to the peer
-            try:
-                sock.close()
-            except OSError:
-                pass
+        self._closed = True
+        self._reader.forget()
+        _close_copies([*(c for c, _, _ in list(self._ready)), *list(self._serving)])
+
+
+def _close_copies(socks: list[socket.socket]) -> None:
+    for sock in socks:          # close() of a socket another process shares sends nothing to the peer
         try:
-            self._selector.close()
-        except (OSError, RuntimeError):
+            sock.close()
+        except OSError:
             pass
 
 
