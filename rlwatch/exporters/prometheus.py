@@ -79,21 +79,6 @@ class RLWatchCollector:
                 yield metric
 
 
-def _accepts_gzip(header: str) -> bool:
-    """Whether an Accept-Encoding header asks for gzip (``gzip;q=0`` refuses it)."""
-    for item in header.split(","):
-        name, *params = [part.strip() for part in item.split(";")]
-        if name.lower() == "gzip":
-            for param in params:
-                if param.lower().startswith("q="):
-                    try:
-                        return float(param[2:]) > 0
-                    except ValueError:
-                        return False
-            return True
-    return False
-
-
 #: The exposition formats, by name: (encoder, content type).
 FORMATS: dict[str, tuple[Callable[[Any], bytes], str]] = {
     "text": (generate_latest, CONTENT_TYPE_PLAIN_0_0_4),
@@ -151,6 +136,11 @@ def negotiate(accept: str) -> str:
         elif media in _TEXT_TYPES:
             best["text"] = max(best["text"], q)
     return "openmetrics" if best["openmetrics"] > 0 and best["openmetrics"] >= best["text"] else "text"
+
+
+def _accepts_gzip(header: str) -> bool:
+    """Whether an Accept-Encoding header asks for gzip (``gzip;q=0`` refuses it)."""
+    return any(coding == "gzip" and q > 0 for coding, _, q in _media_ranges(header))
 
 
 class CachedExposition:
