@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -77,6 +78,7 @@ class Tricklers:
             try:
                 sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
             except OSError:
+                time.sleep(0.1)
                 continue
             self.connected.add(index)
             try:
@@ -103,6 +105,7 @@ def test_trickling_clients_and_distinct_accept_headers_never_keep_scrapes_out():
     500, and the server process grows by less than 30 MB."""
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    tricklers = None
     try:
         port = int(server.stdout.readline())
         for accept in ("text/plain", "application/openmetrics-text; version=1.0.0") * 20:
@@ -143,9 +146,17 @@ def test_trickling_clients_and_distinct_accept_headers_never_keep_scrapes_out():
         assert statuses == {200: 2700, 404: 300}
         assert tricklers.dropped >= 64                     # each was cut at its head deadline, not kept
         assert growth_mib < 30
+        exposition = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "rlwatch_steps_total" in exposition and 'stage="export"' not in exposition   # no hook error
     finally:
+        if tricklers is not None:
+            tricklers.stop()
         server.stdin.close()
-        server.wait(timeout=20)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.kill(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 # --- a forked child ----------------------------------------------------------------------------------
