@@ -362,13 +362,13 @@ def details() -> dict:
     lay.row("Throughput and the hook itself")
     lay.add(timeseries("Steps per hour and tokens per step", [
         target(f"rate(rlwatch_steps_total{{{RUN}}}[$__rate_interval]) * 3600", "{{run}} steps/h"),
-        target(f"rlwatch_tokens{{{RUN}}}", "{{run}} tokens/step", "B")],
+        target(f"rlwatch_step_tokens{{{RUN}}}", "{{run}} tokens/step", "B")],
         "Training pace. Bad: pace dropping to zero (stall) or tokens per step collapsing."))
     lay.add(timeseries("Phase times the trainer reports", [
         target(f'rlwatch_framework_metric{{{RUN}, name=~"(?i).*(time|timing|_s|seconds).*"}}', "{{run}} {{name}}")],
         describe("framework_metric", "one phase (generation, weight sync, update) growing.")))
     lay.add(timeseries("rlwatch compute time per step", [
-        target(f"rlwatch_hook_compute_seconds{{{RUN}}}", "{{run}} per step"),
+        target(f"rlwatch_step_hook_compute_seconds{{{RUN}}}", "{{run}} per step"),
         target(f"rlwatch_step_interval_seconds{{{RUN}}}", "{{run}} step interval", "B")],
         describe("hook_compute_seconds", "a hook time that is not small against the step interval."),
         unit="s", log=True))

@@ -240,13 +240,15 @@ class Services:
         ``cfg.port`` is not None."""
         from prometheus_client import CollectorRegistry
 
-        from .exporters.prometheus import CachedExposition, MetricsServer, RLWatchCollector
+        from .exporters.http import MetricsServer
+        from .exporters.prometheus import CachedExposition, RLWatchCollector
 
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RLWatchCollector(self.state, self.health.fold))
         on_exposition_error = _counted(self.errors, "export")
         self.exposition = CachedExposition(self.registry, self.state, self.health.fold,
-                                           on_error=lambda exc: on_exposition_error("exposition", exc))
+                                           on_error=lambda exc: on_exposition_error("exposition", exc),
+                                           firing=self.firing_alerts)
         if cfg.port is None:
             return
         port = cfg.port + offset if cfg.port else cfg.port
@@ -263,6 +265,10 @@ class Services:
 
             self.registration = guard(self.errors, "export", "discovery", lambda: Registration(
                 sd_dir, self.run, node_address(cfg.addr), self.server.port, {"framework": cfg.framework}))
+
+    def firing_alerts(self) -> list | None:
+        """The in-process evaluator's firing alerts; None when alerts are not evaluated here."""
+        return self.evaluator.firing() if self.evaluator is not None else None
 
     def start_push(self, gateway: str, interval: float) -> None:
         from .alerts.notify import redact, scrub
@@ -281,11 +287,15 @@ class Services:
                                                                               self.health.fold))
 
     def start_alerts(self, cfg: WatchConfig, overrides: Mapping[str, float]) -> None:
+        from .alerts.catalogue import runbook_base
         from .alerts.evaluator import AlertEvaluator
+        from .config import runbook_url
 
+        # the configured runbook ($RLWATCH_RUNBOOK_URL), else the one this process serves
+        base = runbook_url(None, self.server.runbook_url) if self.server is not None else runbook_base()
         self.evaluator = guard(self.errors, "alerts", "init", lambda: AlertEvaluator(
             self.run, store=self.store, notifiers=cfg.notifiers, overrides=overrides, errors=self.errors,
-            guard=cfg.guard, static=_static_settings(cfg)))
+            guard=cfg.guard, static=_static_settings(cfg), runbook_base=base))
 
     # --- what the user records about the run -------------------------------------------------------
 

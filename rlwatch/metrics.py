@@ -29,9 +29,25 @@ PROB_BIN_LABELS: tuple[str, ...] = ("0.0-0.1", "0.1-0.5", "0.5-0.9", "0.9-1.0")
 ZERO_VARIANCE_KINDS: tuple[str, ...] = ("all_pass", "all_fail", "constant")
 
 
+#: Exported names that differ from the in-process key (store column, StepValues, OpenTelemetry callback):
+#: per-step gauges whose family name clashed with a counter's (``rlwatch_tokens`` beside
+#: ``rlwatch_tokens_total``: the same family in OpenMetrics, which strict parsers reject). Key -> exported
+#: name without the prefix; the README's "Renamed metrics" table lists the same old -> new names.
+RENAMED: dict[str, str] = {
+    "tokens": "step_tokens",
+    "sequences": "step_sequences",
+    "groups": "step_groups",
+    "mismatch_tokens": "step_mismatch_tokens",
+    "nonfinite_rewards": "step_nonfinite_rewards",
+    "nonfinite_tokens": "step_nonfinite_tokens",
+    "hook_compute_seconds": "step_hook_compute_seconds",
+}
+
+
 @dataclass(frozen=True)
 class MetricSpec:
-    """One metric family. ``name`` excludes the ``rlwatch_`` prefix."""
+    """One metric family. ``name`` is the in-process key, without the ``rlwatch_`` prefix; the
+    exported family is :attr:`full_name`."""
 
     name: str
     kind: str
@@ -42,7 +58,7 @@ class MetricSpec:
 
     @property
     def full_name(self) -> str:
-        return PREFIX + self.name
+        return PREFIX + RENAMED.get(self.name, self.name)
 
     @property
     def level(self) -> str:

@@ -113,8 +113,12 @@ def markdown_to_html(markdown: str, title: str = "rlwatch runbook") -> str:
         elif line.startswith("- "):
             items = []
             while i < len(lines) and lines[i].startswith("- "):
-                items.append(f"<li>{_inline(lines[i][2:])}</li>")
+                text = lines[i][2:]
                 i += 1
+                while i < len(lines) and lines[i].startswith("  ") and lines[i].strip():   # the item goes on
+                    text += " " + lines[i].strip()
+                    i += 1
+                items.append(f"<li>{_inline(text)}</li>")
             body.append("<ul>" + "".join(items) + "</ul>")
         else:
             para = []
@@ -122,11 +126,16 @@ def markdown_to_html(markdown: str, title: str = "rlwatch runbook") -> str:
                 para.append(lines[i])
                 i += 1
             body.append(f"<p>{_inline(' '.join(para))}</p>")
+    return html_page(title, "\n".join(body))
+
+
+def html_page(title: str, body: str) -> str:
+    """A whole HTML page around ``body`` (already HTML), in the style of the runbook."""
     style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto;padding:0 1em;line-height:1.4}"
              "pre{background:#f4f4f4;padding:.6em;overflow-x:auto}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:.2em .5em;text-align:left}")
     return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+            f"<style>{style}</style></head><body>\n" + body + "\n</body></html>\n")
 
 
 def runbook_html() -> str:

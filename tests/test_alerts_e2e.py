@@ -96,7 +96,7 @@ def stack(tmp_path: Path, request):
     # (still longer than Prometheus takes to drop a target whose file_sd file was removed: up to ~6 s).
     rules = render.rules_yaml()
     down = rules.index('alert: "RLWatchExporterDown"')
-    rules = rules[:down] + rules[down:].replace('for: "1m"', 'for: "10s"', 1)
+    rules = rules[:down] + rules[down:].replace("[1m]) == 0", "[10s]) == 0", 1)
     (tmp_path / "rules.yaml").write_text(rules)
     sd_dir = tmp_path / "targets"
     sd_dir.mkdir()

@@ -16,7 +16,7 @@ import torch
 
 DATA = Path(__file__).parent / "data"
 #: Series whose value is a clock reading or a duration: their values are masked, names and labels kept.
-CLOCK = re.compile(r"^(rlwatch_(?:hook_compute_seconds|last_step_timestamp_seconds|step_interval_seconds)"
+CLOCK = re.compile(r"^(rlwatch_(?:(?:step_)?hook_compute_seconds|last_step_timestamp_seconds|step_interval_seconds)"
                    r"[^ ]*) \S+(.*)$", re.M)
 
 

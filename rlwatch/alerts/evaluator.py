@@ -39,13 +39,17 @@ class AlertEvaluator:
         step that fired waits for them at most 100 ms (:data:`rlwatch.alerts.actions.WAIT_SECONDS`).
     static: values every step carries implicitly (the run's settings, e.g. ``staleness_bound``), as
         Prometheus sees them as gauges next to each step's signals.
+    runbook_base: where the events' ``runbook_url`` points (``<base>#<alert>``); default
+        :func:`~rlwatch.alerts.catalogue.runbook_base`. A Watch passes the runbook its exporter serves.
     """
 
     def __init__(self, run: str, store: Any = None, notifiers: Iterable = (), overrides: Mapping[str, float] = (),
                  errors: HookErrors | None = None, history: int = HISTORY_STEPS, watchdog_interval: float = 5.0,
                  guard: Iterable[Callable[[AlertEvent], None]] = (), alerts: Iterable[Alert] = ALERTS,
-                 clock: Callable[[], float] = time.time, static: Mapping[str, dict] | None = None) -> None:
+                 clock: Callable[[], float] = time.time, static: Mapping[str, dict] | None = None,
+                 runbook_base: str | None = None) -> None:
         self.run = run
+        self.runbook_base = runbook_base
         self.store = store
         self.errors = errors or HookErrors()
         self.params = thresholds(overrides)
@@ -134,8 +138,9 @@ class AlertEvaluator:
         full = {"run": self.run, **labels}
         event = AlertEvent(name=alert.name, severity=alert.severity, state=state, run=self.run, step=step,
                            labels=dict(labels), value=value, summary=alert.summary,
-                           description=render(alert.description, full, value), runbook_url=alert.runbook_url,
-                           time=self.clock())
+                           description=render(alert.description, full, value),
+                           runbook_url=f"{self.runbook_base}#{alert.name.lower()}" if self.runbook_base
+                           else alert.runbook_url, time=self.clock())
         key = (alert.name, tuple(sorted(labels.items())))
         if state == "firing":
             self._firing[key] = event
@@ -146,7 +151,7 @@ class AlertEvaluator:
         if self.store is not None:
             self.store.submit_alert(self.run, step, alert.name, alert.severity, state, labels, value,
                                     {"summary": alert.summary, "description": event.description,
-                                     "runbook_url": alert.runbook_url})
+                                     "runbook_url": event.runbook_url})
         if self.dispatcher is not None:
             self.dispatcher.submit(event)
         for subscriber in self.subscribers:

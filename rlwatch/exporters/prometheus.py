@@ -1,31 +1,29 @@
-"""Prometheus export: a collector over the run's snapshot, an HTTP endpoint, and a push mode.
+"""Prometheus export: a collector over the run's snapshot, the exporter's pages, and a push mode.
 
 The collector yields every family of :data:`rlwatch.metrics.CATALOGUE` from one
 :class:`~rlwatch.state.Snapshot`, so a scrape reads one consistent step and computes nothing.
-The endpoint binds 127.0.0.1 unless told otherwise, and can serve TLS and HTTP basic auth. It
-answers in the Prometheus text format or in OpenMetrics, as the scraper's ``Accept`` header asks
-(prometheus_client's negotiation), and serves the runbook shipped with the package at ``/runbook``
-(HTML, one anchor per alert: the default target of the alerts' ``runbook_url``) and ``/runbook.md``.
+:class:`CachedExposition` is the WSGI app the endpoint (:mod:`rlwatch.exporters.http`) serves:
+``/metrics`` in the Prometheus text format or in OpenMetrics, as the scraper's ``Accept`` header
+asks; ``/`` a page for a person (run, step, firing alerts); the runbook shipped with the package
+at ``/runbook`` (HTML, one anchor per alert: where the alerts' ``runbook_url`` points) and
+``/runbook.md``; 404 elsewhere.
 """
 
 from __future__ import annotations
 
-import base64
-import errno
-import hmac
+import gzip
+import html
 import logging
-import socket
-import ssl
-import sys
+import re
 import threading
-from socketserver import ThreadingMixIn
-from typing import Callable, Iterable
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+import time
+from typing import Any, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric)
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
-from ..errors import PortInUseError
 from ..metrics import CATALOGUE
 from ..state import MetricState
 from . import le_labels
@@ -81,109 +79,76 @@ class RLWatchCollector:
                 yield metric
 
 
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    """One thread per connection, at most ``max_connections`` at a time (later connections are
-    closed at once: a scraper retries, a flood of idle clients cannot grow the trainer's threads)."""
+#: The exposition formats, by name: (encoder, content type).
+FORMATS: dict[str, tuple[Callable[[Any], bytes], str]] = {
+    "text": (generate_latest, CONTENT_TYPE_PLAIN_0_0_4),
+    "openmetrics": (openmetrics.generate_latest, openmetrics.CONTENT_TYPE_LATEST),
+}
+_OPENMETRICS_VERSIONS = (None, "1.0.0", "0.0.1")
+_TEXT_TYPES = ("text/plain", "text/*", "*/*")
 
-    daemon_threads = True
-    # SO_REUSEADDR, as every HTTP server sets it: the port of a run that just exited (its scraped
-    # connections in TIME-WAIT) can be bound again at once. On Linux it never lets two servers share
-    # a port that one of them still listens on: a taken port still fails with EADDRINUSE.
-    allow_reuse_address = True
-    idle_timeout = 10.0           # seconds a connection may stay silent (TLS handshake included)
-    max_connections = 64
-    on_error: Callable[[str, BaseException], None] | None = None
 
-    def server_activate(self) -> None:
-        self._slots = threading.BoundedSemaphore(self.max_connections)
-        super().server_activate()
+def _split_quoted(text: str, sep: str) -> list[str]:
+    """``text`` split at ``sep`` outside double-quoted strings (RFC 9110 quoted-string, ``\\`` escapes)."""
+    parts, current, quoted, escaped = [], [], False, False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif quoted and char == "\\":
+            escaped = True
+        elif char == '"':
+            quoted = not quoted
+        elif char == sep and not quoted:
+            parts.append("".join(current))
+            current = []
+            continue
+        current.append(char)
+    parts.append("".join(current))
+    return parts
 
-    def process_request(self, request: socket.socket, client_address: object) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+
+def _media_ranges(accept: str) -> Iterable[tuple[str, dict[str, str], float]]:
+    """(media type, parameters with quotes removed, q) of each range of an Accept header."""
+    for item in _split_quoted(accept, ","):
+        media, *params = _split_quoted(item, ";")
+        values = {}
+        for param in params:
+            key, _, value = param.partition("=")
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] == '"':
+                value = re.sub(r"\\(.)", r"\1", value[1:-1])
+            values[key.strip().lower()] = value
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        """A client that stalls, resets or fails the handshake costs its own connection only;
-        nothing is printed to the trainer's stderr."""
-        exc = sys.exc_info()[1]
-        if self.on_error is not None and exc is not None and not isinstance(exc, (OSError, ssl.SSLError)):
-            self.on_error("server", exc)
+            q = float(values.pop("q", "1"))
+        except ValueError:
+            q = 0.0
+        yield media.strip().lower(), values, q if 0.0 <= q <= 1.0 else 0.0
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def setup(self) -> None:
-        """Bound every read and write of the connection, and run the TLS handshake here, on the
-        connection's own thread, rather than in ``accept`` on the server's only thread."""
-        self.timeout = self.server.idle_timeout
-        self.request.settimeout(self.timeout)
-        if isinstance(self.request, ssl.SSLSocket):
-            self.request.do_handshake()
-        super().setup()
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - wsgiref's signature
-        pass
-
-    def get_stderr(self) -> "_Discard":
-        return _Discard()
-
-
-class _Discard:
-    """wsgi.errors: application errors are counted by :func:`_never_raise`, not printed."""
-
-    def write(self, text: str) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-
-def _never_raise(app: Callable, on_error: Callable[[str, BaseException], None] | None) -> Callable:
-    """A WSGI app that answers 500 (counted) instead of raising into wsgiref, which would print a
-    traceback to the trainer's stderr on every request."""
-    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
-        try:
-            return app(environ, start_response)
-        except Exception as exc:  # noqa: BLE001
-            if on_error is not None:
-                on_error("server", exc)
-            start_response("500 Internal Server Error", [("Content-Type", "text/plain")], sys.exc_info())
-            return [b"internal error\n"]
-
-    return guarded
+def negotiate(accept: str) -> str:
+    """The format (a key of :data:`FORMATS`) for an Accept header: OpenMetrics when the header
+    accepts it (version 1.0.0, 0.0.1 or unstated) at least as much as the text format, else text,
+    also for a header that names neither or cannot be read."""
+    best = {"openmetrics": 0.0, "text": 0.0}
+    for media, params, q in _media_ranges(accept or ""):
+        if media == "application/openmetrics-text" and params.get("version") in _OPENMETRICS_VERSIONS:
+            best["openmetrics"] = max(best["openmetrics"], q)
+        elif media in _TEXT_TYPES:
+            best["text"] = max(best["text"], q)
+    return "openmetrics" if best["openmetrics"] > 0 and best["openmetrics"] >= best["text"] else "text"
 
 
 def _accepts_gzip(header: str) -> bool:
     """Whether an Accept-Encoding header asks for gzip (``gzip;q=0`` refuses it)."""
-    for item in header.split(","):
-        name, *params = [part.strip() for part in item.split(";")]
-        if name.lower() == "gzip":
-            for param in params:
-                if param.lower().startswith("q="):
-                    try:
-                        return float(param[2:]) > 0
-                    except ValueError:
-                        return False
-            return True
-    return False
+    return any(coding == "gzip" and q > 0 for coding, _, q in _media_ranges(header))
 
 
 class CachedExposition:
-    """A WSGI app serving the registry in the format the scraper's ``Accept`` header asks for
-    (Prometheus text or OpenMetrics, ``prometheus_client.exposition.choose_encoder``), re-rendered
-    only when the state changed since the last scrape in that format (a scrape between two steps
-    costs a copy, not a render). ``/runbook`` and ``/runbook.md`` serve the packaged runbook.
+    """The exporter's WSGI app. ``/metrics`` serves the registry in the format the scraper's
+    ``Accept`` header negotiates (:func:`negotiate`), re-rendered only when the state changed since
+    the last scrape in that format (a scrape between two steps costs a copy, not a render; one
+    cached body per format, whatever the headers). ``/`` is a page for a person, ``/runbook`` and
+    ``/runbook.md`` the packaged runbook; any other path is 404.
 
     A scrape never fails because of what the run exported: when rendering raises, the error is
     counted through ``on_error`` (``rlwatch_hook_errors_total{stage="export",kind="exposition"}``)
@@ -191,13 +156,15 @@ class CachedExposition:
 
     def __init__(self, registry: CollectorRegistry, state: MetricState | None = None,
                  refresh: Callable[[], None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+                 on_error: Callable[[BaseException], None] | None = None,
+                 firing: Callable[[], list | None] | None = None) -> None:
         self.registry = registry
         self.state = state
         self.refresh = refresh
         self.on_error = on_error
+        self.firing = firing       # the in-process evaluator's firing alerts; None: not evaluated here
         self._lock = threading.Lock()
-        # content type -> (state version, body, gzip body)
+        # format -> (state version, body, gzip body)
         self._cached: dict[str, tuple[int, bytes, bytes]] = {}
         self._runbook: dict[str, bytes] = {}
 
@@ -224,16 +191,13 @@ class CachedExposition:
 
     def render(self, accept: str = "") -> tuple[bytes, bytes, str]:
         """(body, gzip body, content type) for an ``Accept`` header."""
-        import gzip
-
-        from prometheus_client.exposition import choose_encoder
-
-        encoder, content_type = choose_encoder(accept)
+        name = negotiate(accept)
+        encoder, content_type = FORMATS[name]
         with self._lock:
             if self.refresh is not None:
                 self.refresh()
             version = self.state.version if self.state is not None else None
-            cached = self._cached.get(content_type)
+            cached = self._cached.get(name)
             if version is None or cached is None or cached[0] != version:
                 _FOLDED.active = self.refresh is not None
                 try:
@@ -241,7 +205,7 @@ class CachedExposition:
                 finally:
                     _FOLDED.active = False
                 cached = (version if version is not None else -1, text, gzip.compress(text, 5))
-                self._cached[content_type] = cached
+                self._cached[name] = cached
             return cached[1], cached[2], content_type
 
     def _runbook_page(self, path: str) -> tuple[bytes, str]:
@@ -253,28 +217,72 @@ class CachedExposition:
         kind = "text/html" if path == "/runbook" else "text/markdown"
         return self._runbook[path], f"{kind}; charset=utf-8"
 
+    def _index_page(self) -> bytes:
+        snap = self.state.snapshot() if self.state is not None else None
+        firing = self.firing() if self.firing is not None else None
+        return index_html(snap.run if snap else None, snap.step if snap else None,
+                          (snap.gauges.get("last_step_timestamp_seconds") or {}).get(()) if snap else None,
+                          firing).encode("utf-8")
+
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
-        if path == "/favicon.ico":
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b""]
         method = environ.get("REQUEST_METHOD", "GET")
         if method not in ("GET", "HEAD"):
-            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD"), ("Content-Length", "0")])
             return [b""]
-        if path.rstrip("/") in ("/runbook", "/runbook.md"):
-            page, content_type = self._runbook_page(path.rstrip("/"))
-            start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(page)))])
-            return [b"" if method == "HEAD" else page]
-        text, compressed, content_type = self.render(environ.get("HTTP_ACCEPT", ""))
-        headers = [("Content-Type", content_type), ("Vary", "Accept, Accept-Encoding")]
-        body = text
-        if _accepts_gzip(environ.get("HTTP_ACCEPT_ENCODING", "")):
-            headers.append(("Content-Encoding", "gzip"))
-            body = compressed
-        headers.append(("Content-Length", str(len(body))))
-        start_response("200 OK", headers)
+        headers: list[tuple[str, str]] = []
+        if path in ("/runbook", "/runbook/", "/runbook.md"):
+            body, content_type = self._runbook_page(path.rstrip("/"))
+        elif path == "/":
+            body, content_type = self._index_page(), "text/html; charset=utf-8"
+            headers.append(("Cache-Control", "no-store"))
+        elif path in ("/metrics", "/metrics/"):
+            body, compressed, content_type = self.render(environ.get("HTTP_ACCEPT", ""))
+            headers.append(("Vary", "Accept, Accept-Encoding"))
+            if _accepts_gzip(environ.get("HTTP_ACCEPT_ENCODING", "")):
+                headers.append(("Content-Encoding", "gzip"))
+                body = compressed
+        else:
+            body = b"not found: rlwatch serves /metrics, /runbook and / (a summary page)\n"
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8"),
+                                             ("Content-Length", str(len(body)))])
+            return [b"" if method == "HEAD" else body]
+        start_response("200 OK", [("Content-Type", content_type), *headers, ("Content-Length", str(len(body)))])
         return [b"" if method == "HEAD" else body]
+
+
+def index_html(run: str | None, step: int | None, updated: float | None, firing: list | None) -> str:
+    """The page at ``/``: the run, its latest step, the alerts firing in this process, links.
+    Every value from the run is escaped."""
+    from ..resources import html_page
+
+    def esc(value: object) -> str:
+        return html.escape(str(value), quote=True)
+
+    when = ""
+    if updated:
+        when = f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(updated))} ({time.time() - updated:.0f} s ago)"
+    lines = ["<h1>rlwatch</h1>",
+             f"<p>Run <strong>{esc(run) if run is not None else '-'}</strong>: "
+             + (f"step {esc(step)}{esc(when)}" if step is not None else "no step observed yet") + ".</p>",
+             "<h2>Firing alerts</h2>"]
+    if firing is None:
+        lines.append("<p>Not evaluated in this process (alerts off); Prometheus evaluates the shipped rules.</p>")
+    elif not firing:
+        lines.append("<p>None.</p>")
+    else:
+        items = []
+        for event in sorted(firing, key=lambda e: (e.severity != "critical", e.name)):
+            labels = ", ".join(f"{k}={v}" for k, v in sorted(event.labels.items()))
+            value = "" if event.value is None else f" = {event.value:.4g}"
+            items.append(f'<li><a href="{esc(event.runbook_url)}">{esc(event.name)}</a> ({esc(event.severity)})'
+                         f"{' ' + esc(labels) if labels else ''}{esc(value)} at step {esc(event.step)}: "
+                         f"{esc(event.summary)}</li>")
+        lines.append("<ul>" + "".join(items) + "</ul>")
+    lines.append('<p><a href="/metrics">/metrics</a> (Prometheus text or OpenMetrics) · '
+                 '<a href="/runbook">/runbook</a> (what each alert means and what to do) · '
+                 '<a href="/runbook.md">/runbook.md</a></p>')
+    return html_page(f"rlwatch: {run}" if run is not None else "rlwatch", "\n".join(lines))
 
 
 class _OneFamily:
@@ -285,87 +293,6 @@ class _OneFamily:
 
     def collect(self) -> Iterable[Metric]:
         return [self._metric]
-
-
-def _with_basic_auth(app: Callable, username: str, password: str) -> Callable:
-    expected = base64.b64encode(f"{username}:{password}".encode()).decode().encode("ascii")
-
-    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
-        header = environ.get("HTTP_AUTHORIZATION", "")
-        scheme, _, token = header.partition(" ")
-        # WSGI hands headers over as latin-1 strings: compare bytes (any header, never a TypeError).
-        given = token.strip().encode("latin-1", "replace")
-        if scheme.lower() != "basic" or not hmac.compare_digest(given, expected):
-            start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="rlwatch"'),
-                                                ("Content-Type", "text/plain")])
-            return [b"unauthorized\n"]
-        return app(environ, start_response)
-
-    return guarded
-
-
-class MetricsServer:
-    """``/metrics`` over HTTP(S) on its own daemon threads.
-
-    port=0 picks a free port; with ``port_fallback`` a taken port moves on to the next 32 ports.
-    Raises :class:`PortInUseError` when no port could be bound.
-    """
-
-    def __init__(self, registry: CollectorRegistry, addr: str = "127.0.0.1", port: int = 9400, *,
-                 port_fallback: bool = False, certfile: str | None = None, keyfile: str | None = None,
-                 basic_auth: tuple[str, str] | None = None, app: Callable | None = None,
-                 idle_timeout: float = 10.0, max_connections: int = 64,
-                 on_error: Callable[[str, BaseException], None] | None = None) -> None:
-        app = app or make_wsgi_app(registry)
-        if basic_auth is not None:
-            app = _with_basic_auth(app, *basic_auth)
-        app = _never_raise(app, on_error)
-        server_class = type("_Server", (_ThreadingServer,), dict(idle_timeout=idle_timeout,
-                                                                  max_connections=max_connections,
-                                                                  on_error=staticmethod(on_error) if on_error
-                                                                  else None))
-        candidates = [port] if (port == 0 or not port_fallback) else list(range(port, port + 33))
-        last_error: OSError | None = None
-        self._server = None
-        for candidate in candidates:
-            try:
-                self._server = make_server(addr, candidate, app, server_class, handler_class=_QuietHandler)
-                break
-            except OSError as exc:
-                last_error = exc
-                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
-                    break
-        if self._server is not None and candidates[0] != self._server.server_address[1] and port:
-            reason = last_error.strerror if last_error is not None else "in use"
-            logger.warning("rlwatch: cannot serve /metrics on %s:%d (%s: another process listens there); serving on "
-                           "port %d instead (port_fallback)", addr, port, reason, self._server.server_address[1])
-        if self._server is None:
-            raise PortInUseError(
-                f"cannot serve /metrics on {addr}:{port}: {last_error}. Pass port=0 for any free port, "
-                f"port_fallback=True to try the next ports, or port=None to disable the endpoint.")
-        if certfile:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(certfile, keyfile)
-            self._server.socket = context.wrap_socket(self._server.socket, server_side=True,
-                                                      do_handshake_on_connect=False)
-        self.addr = addr
-        self.port = self._server.server_address[1]
-        self.scheme = "https" if certfile else "http"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="rlwatch-metrics",
-                                        daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.addr}]" if ":" in self.addr else self.addr
-        return f"{self.scheme}://{host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join(timeout=5)
-            self._server = None
 
 
 class PushLoop:

@@ -39,17 +39,20 @@ TRAINER_STALLED = Alert(
 
 
 EXPORTER_DOWN = Alert(
-    name="RLWatchExporterDown", severity="critical", for_minutes=1, keep_firing_minutes=2,
+    name="RLWatchExporterDown", severity="critical", for_minutes=0, keep_firing_minutes=2,
     prom_expr=('up{job=~"rlwatch.*"} == 0\n'
+               'and on(job, instance) max_over_time(up{job=~"rlwatch.*"}[1m]) == 0\n'
                'and on(job, instance) max_over_time(up{job=~"rlwatch.*"}[1h]) == 1'),
     labels=("job", "instance"),
     summary="An rlwatch exporter that was up stopped answering.",
     description="{{ $labels.instance }} (job {{ $labels.job }}) was scraped and is now down; its run's alerts "
                 "are inhibited.",
-    windows="Prometheus only: a target that answered in the last hour and has failed for 1m. Exporters "
-            "register through file_sd and remove their file when their run closes cleanly, so a finished "
-            "run never pages and a target that never came up is not an outage of a run. keep_firing_for "
-            "2m absorbs a scrape that succeeds once in between.",
+    windows="A target that answered in the last hour and whose every scrape of the last minute failed "
+            "(the minute is in the expression, not in `for`, so the alert is not even pending for a "
+            "target whose run closed cleanly: it removed its file_sd file, and Prometheus, which drops "
+            "the target within seconds, may scrape it once or twice meanwhile). A finished run never "
+            "pages and a target that never came up is not an outage of a run. keep_firing_for 2m absorbs "
+            "a scrape that succeeds once in between.",
     embedded_note="Prometheus only",
     runbook=Runbook(
         meaning="The training process died, hung hard, or its metrics endpoint is unreachable. Every "
@@ -70,7 +73,7 @@ HOOK_ERRORS = Alert(
     summary="rlwatch is discarding bad input or failing to export.",
     description=("Run {{ $labels.run }}: rlwatch errors in stage {{ $labels.stage }} ({{ $labels.kind }}), "
                  "{{ $value | printf \"%.3g\" }}/s. Training continues; some signals are missing."),
-    windows="Prometheus only (the hook's own health).",
+    windows="The hook's own health: errors counted in the last 10 minutes.",
     embedded_note="Prometheus only; the process logs each kind once",
     runbook=Runbook(
         meaning="The hook caught errors and carried on: a field of the step record is malformed, or an "
@@ -91,7 +94,7 @@ WATCHDOG = Alert(
     labels=(),
     summary="Always firing: proves the alerting pipeline works end to end.",
     description="This alert always fires. If it stops arriving, Prometheus or Alertmanager is broken.",
-    windows="Prometheus only.",
+    windows="Always firing.",
     embedded_note="Prometheus only",
     runbook=Runbook(
         meaning="A dead man's switch for the alerting pipeline itself.",

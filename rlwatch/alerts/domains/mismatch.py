@@ -170,7 +170,7 @@ ON_POLICY_RATIO_NOT_ONE = Alert(
                 "Weights not synced before the first rollout.",
                 "Different micro-batch sizes between log-prob passes (verl#2088)."],
         look=["rlwatch_sampler_temperature / top_p / sampler_info against the trainer's settings.",
-              "rlwatch_nonfinite_tokens: -inf sampler log-probs point to top-p masking.",
+              "rlwatch_step_nonfinite_tokens: -inf sampler log-probs point to top-p masking.",
               "rlwatch_mismatch_abs_log_ratio_by_prob: a temperature mismatch grows with |log mu|."],
         do=["Stop the run: every step trains on a biased gradient.",
             "Make the sampler report log-probs of the distribution the trainer computes (same temperature, "
