@@ -141,14 +141,18 @@ def test_a_second_up_on_taken_ports_fails_naming_what_holds_them(stack_dir, tmp_
     directory, ports = stack_dir
     first = running(directory)
     second = tmp_path / "second"
-    result = rlwatch_cli("up", "--dir", str(second), "--prometheus-port", str(ports["prometheus"]),
-                         "--alertmanager-port", str(free_port()))
+    try:
+        result = rlwatch_cli("up", "--dir", str(second), "--prometheus-port", str(ports["prometheus"]),
+                             "--alertmanager-port", str(free_port()))
+        left = running(second)
+    finally:
+        rlwatch_cli("down", "--dir", str(second))
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stderr.strip() == (
         f"rlwatch up: port {ports['prometheus']} on 127.0.0.1 is taken by the prometheus of the rlwatch stack in "
         f"{directory} (pid {first['prometheus']['pid']}): stop it with `rlwatch down --dir {directory}` or choose "
         f"other ports")
-    assert running(second) == {} and running(directory) == first       # nothing of its own left, the first intact
+    assert left == {} and running(directory) == first                  # nothing of its own left, the first intact
 
 
 def test_readiness_counts_only_the_started_server_answering(stack_dir, tmp_path):
