@@ -219,7 +219,8 @@ def test_files_copy_keeps_a_user_edited_rule_file_unless_forced(tmp_path):
     rules.write_text(shipped + "# our team's edit\n")
     refused = cli("files", "--copy", str(tmp_path))
     assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1
-    assert refused.stderr.startswith(f"rlwatch files: {rules} differs from the shipped copy") and "--force" in refused.stderr
+    assert refused.stderr.startswith(f"rlwatch files: {rules} differs from the shipped copy")
+    assert "--force" in refused.stderr
     assert rules.read_text().endswith("# our team's edit\n")
     forced = cli("files", "--copy", str(tmp_path), "--force")
     assert forced.returncode == 0 and rules.read_text() == shipped

@@ -130,13 +130,11 @@ def test_the_demo_lists_an_alert_that_fired_and_resolved(tmp_path):
     import urllib.request
     from datetime import datetime, timedelta, timezone
 
-    from rlwatch.demo.app import WebhookReceiver, _delivered, _prometheus_stack
-    from rlwatch.stack import down
+    from rlwatch.demo.app import _delivered, _prometheus_stack, _stop_stack
 
     need_binary("prometheus")
     need_binary("prometheus-alertmanager")
-    receiver = WebhookReceiver()
-    cfg, started = _prometheus_stack(tmp_path / "demo" / "x" / "stack", receiver.url)
+    stack = _, started, receiver = _prometheus_stack(tmp_path / "demo" / "x" / "stack")
     try:
         def post(ends: datetime | None) -> None:
             now = datetime.now(timezone.utc)
@@ -157,7 +155,6 @@ def test_the_demo_lists_an_alert_that_fired_and_resolved(tmp_path):
         delivered = _delivered(receiver, "demo-test", quiet=5.0, timeout=30)
         active = json.loads(urllib.request.urlopen(started["alertmanager"]["url"] + "/api/v2/alerts").read())
     finally:
-        down(cfg.directory)
-        receiver.close()
+        _stop_stack(stack)
     assert not [a for a in active if a["labels"].get("run") == "demo-test"]     # what the demo read before
     assert delivered == {"RLWatchKLSpike": [("pager", "firing"), ("pager", "resolved")]}

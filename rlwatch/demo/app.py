@@ -154,14 +154,16 @@ class WebhookReceiver:
         self.server.server_close()
 
 
-def _prometheus_stack(directory: Path, webhook: str) -> Any:
+def _prometheus_stack(directory: Path) -> tuple[Any, dict[str, dict], WebhookReceiver]:
+    """Start the demo's stack: (its StackConfig, what ``up`` started, the webhook receiver it notifies)."""
     from ..stack import StackConfig, StackError, find_binary, up
 
     if not (find_binary("prometheus") and find_binary("prometheus-alertmanager", "alertmanager")):
         raise StackError("--with-prometheus needs the prometheus and prometheus-alertmanager binaries: "
                          "sudo apt-get install -y --no-install-recommends prometheus prometheus-alertmanager")
     # The demo's Watch registers in cfg.sd_dir; every notification is sent at once to the demo's webhook.
-    cfg = StackConfig(directory=directory, scrape_interval="1s", webhook=webhook, group_wait="1s",
+    receiver = WebhookReceiver()
+    cfg = StackConfig(directory=directory, scrape_interval="1s", webhook=receiver.url, group_wait="1s",
                       group_interval="2s")
     import socket
 
@@ -170,7 +172,18 @@ def _prometheus_stack(directory: Path, webhook: str) -> Any:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
     cfg.prometheus_port, cfg.alertmanager_port = free(), free()
-    return cfg, up(cfg)
+    try:
+        return cfg, up(cfg), receiver
+    except BaseException:
+        receiver.close()
+        raise
+
+
+def _stop_stack(stack: tuple[Any, dict[str, dict], WebhookReceiver]) -> None:
+    from ..stack import down
+
+    down(stack[0].directory)
+    stack[2].close()
 
 
 def _get_json(url: str) -> Any:
@@ -228,18 +241,12 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
     directory = Path(out) / f"{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
     directory.mkdir(parents=True, exist_ok=True)
     run = f"demo-{scenario}"
-    stack = urls = receiver = None
-    prometheus_alerts = delivered = None
+    stack = urls = prometheus_alerts = delivered = None
     stack_pids: dict[str, int] = {}
     if with_prometheus:
         if not port:
             raise ValueError("--with-prometheus needs the metrics endpoint (a --port)")
-        receiver = WebhookReceiver()
-        try:
-            stack = _prometheus_stack(directory / "stack", receiver.url)
-        except BaseException:
-            receiver.close()
-            raise
+        stack = _prometheus_stack(directory / "stack")
         urls = {name: info["url"] for name, info in stack[1].items()}
         stack_pids = {name: info["pid"] for name, info in stack[1].items()}
         print(f"Prometheus {urls['prometheus']}  Alertmanager {urls['alertmanager']}", flush=True)
@@ -258,18 +265,14 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
         if stack is not None:
             time.sleep(3.0)                       # the last step's scrape and rule evaluation
             prometheus_alerts = _fired(urls["prometheus"], run)
-            delivered = _delivered(receiver, run)
+            delivered = _delivered(stack[2], run)
     finally:
         logging.getLogger("rlwatch").removeFilter(quiet)
         if view is not None:
             view.close()
         watch.close()
         if stack is not None:
-            from ..stack import down
-
-            down(stack[0].directory)
-        if receiver is not None:
-            receiver.close()
+            _stop_stack(stack)
     document = run_postmortem(str(directory / "run.db"), out_dir=str(directory / "report"))
     collapse = collapse_step(result.heldout)
     _print_summary(document, collapse, directory, result.seconds, prometheus_alerts, delivered)
