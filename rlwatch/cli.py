@@ -93,7 +93,8 @@ RUN_OPTIONS: dict[str, tuple[type, str]] = {
     "addr": (str, "bind address ({variable}; default 127.0.0.1)"),
     "store": (str, "run-store path, or none for no store ({variable}; default: next to the checkpoints for TRL, "
                    "else rlwatch-runs/<run>.db)"),
-    "sd_dir": (str, "Prometheus file_sd directory to register in ({variable})"),
+    "sd_dir": (str, "Prometheus file_sd directory to register in ({variable}; default: that of the stack "
+                    "`rlwatch up` started on this machine, if any; empty: none)"),
     "frameworks": (str, "comma list of trl,verl,openrlhf to hook (default: all)"),
 }
 

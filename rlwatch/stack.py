@@ -5,10 +5,11 @@ registration: a file_sd job reading ``<dir>/targets/*.json``, where each ``Watch
 (or ``RLWATCH_SD_DIR``) writes its target and removes it when its run closes cleanly; static
 targets only when asked for with ``--target``), the rlwatch rules, an Alertmanager config, and
 Grafana provisioning when a Grafana binary exists), starts the binaries bound to 127.0.0.1 unless
-told otherwise, and records their PIDs with each process's executable and start time; ``down`` signals
-a recorded PID only while it still names that same process (a reused or forged PID never). Each running stack is
-also listed under a well-known state directory (:func:`state_dir`), so that ``rlwatch down`` run
-from any other directory finds it.
+told otherwise, and records their PIDs with each process's executable and start time; ``down``
+signals a recorded PID only while it still names that same process (a reused or forged PID never, nor
+PID <= 1). Each running stack is also listed under a well-known state directory (:func:`state_dir`),
+so that ``rlwatch down`` run from any other directory finds it, and so does a Watch that registers
+with it by default (:func:`rlwatch.discovery.sd_directory`).
 
 No fixed port list: a port nobody exports on is never a target, so RLWatchExporterDown fires only
 for an exporter that registered, answered, and then stopped answering without closing its run.
@@ -28,9 +29,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import procinfo, resources
-from .alerts import render
+from . import procinfo
 from .config import state_dir  # noqa: F401 - where running stacks are listed (the CLI imports it from here)
+
+# The rules renderer (half a second to import) is imported where configs are written: every Watch
+# imports this module to look for a running stack (rlwatch.discovery.sd_directory).
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ class StackConfig:
 
 
 def prometheus_config(cfg: StackConfig) -> dict:
+    from .alerts import render
+
     return {
         "global": {"scrape_interval": cfg.scrape_interval, "evaluation_interval": cfg.scrape_interval},
         "rule_files": [str(cfg.directory / render.RULES_FILE)],
@@ -86,6 +91,8 @@ def prometheus_config(cfg: StackConfig) -> dict:
 
 
 def alertmanager_config(cfg: StackConfig) -> dict:
+    from .alerts import render
+
     config = render.alertmanager_example()
     config["route"].update(group_wait=cfg.group_wait, group_interval=cfg.group_interval)
     if cfg.webhook:
@@ -98,6 +105,9 @@ def alertmanager_config(cfg: StackConfig) -> dict:
 
 
 def _grafana_provisioning(cfg: StackConfig) -> Path:
+    from . import resources
+    from .alerts import render
+
     prov = cfg.directory / "grafana" / "provisioning"
     (prov / "datasources").mkdir(parents=True, exist_ok=True)
     (prov / "dashboards").mkdir(parents=True, exist_ok=True)
@@ -117,6 +127,9 @@ def _grafana_provisioning(cfg: StackConfig) -> Path:
 
 
 def write_configs(cfg: StackConfig) -> None:
+    from . import resources
+    from .alerts import render
+
     cfg.directory.mkdir(parents=True, exist_ok=True)
     cfg.sd_dir.mkdir(exist_ok=True)
     (cfg.directory / render.RULES_FILE).write_text(render.rules_yaml(render.runbook_base(cfg.runbook_url)))
