@@ -182,8 +182,10 @@ def _prometheus_stack(directory: Path) -> tuple[Any, dict[str, dict], WebhookRec
 def _stop_stack(stack: tuple[Any, dict[str, dict], WebhookReceiver]) -> None:
     from ..stack import down
 
-    down(stack[0].directory)
-    stack[2].close()
+    try:
+        down(stack[0].directory)
+    finally:
+        stack[2].close()
 
 
 def _get_json(url: str) -> Any:
@@ -332,7 +334,8 @@ def _print_summary(document: dict, collapse: int | None, directory: Path, second
         held = [name for name in prometheus_alerts if name not in (delivered or {})]
         print(f"Prometheus fired: {', '.join(prometheus_alerts) or 'nothing'}; "
               f"Alertmanager notified: {', '.join(sent) or 'nothing'}"
-              + (f"; not notified (inhibited by a critical alert of the run): {', '.join(held)}" if held else ""))
+              + (f"; not notified (inhibited by the run's critical alerts, or resolved before Alertmanager's group "
+                 f"wait): {', '.join(held)}" if held else ""))
     print(f"Run store {directory / 'run.db'}; report and plots in {directory / 'report'} "
           f"({seconds:.0f} s of training).")
     print(next_steps())
