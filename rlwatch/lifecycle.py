@@ -262,7 +262,6 @@ class Services:
 
         sd_dir = sd_directory(cfg.discovery_dir())
         if sd_dir:
-
             self.registration = guard(self.errors, "export", "discovery", lambda: Registration(
                 sd_dir, self.run, node_address(cfg.addr), self.server.port, {"framework": cfg.framework}))
 

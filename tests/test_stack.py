@@ -205,8 +205,8 @@ def test_newcomer_flow_a_run_registers_with_the_stack_up_started(tmp_path):
                                          env={**clean, **extra}, cwd=tmp_path))
             assert runs[-1].stdout.readline().strip().isdigit()
         targets = tmp_path / ".rlwatch-stack" / "targets"
-        assert sorted(entries["labels"]["run"] for p in targets.glob("*.json")
-                      for entries in json.loads(p.read_text())) == ["newcomer"]
+        assert sorted(group["labels"]["run"] for p in targets.glob("*.json")
+                      for group in json.loads(p.read_text())) == ["newcomer"]
         assert wait_series(prom, 'up{run="newcomer"} == 1', timeout=40)[0]["metric"]["job"] == "rlwatch-sd"
         assert float(wait_series(prom, 'rlwatch_steps_total{run="newcomer"}')[0]["value"][1]) == 3
         for run in runs:
