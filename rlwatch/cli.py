@@ -35,9 +35,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     print(f"runbook       {runbook_base(cfg.runbook_url)} (alerts link there; a copy: {cfg.directory / RUNBOOK_FILE})")
     static = f"{', '.join(cfg.targets)} and " if cfg.targets else ""
-    print(f"scraping {static}the exporters registered in {cfg.sd_dir} every {cfg.scrape_interval}: export "
-          f"RLWATCH_SD_DIR={cfg.sd_dir} (or Watch(sd_dir=...), rlwatch run --sd-dir) before training; stop with: "
-          f"rlwatch down (from anywhere) or rlwatch down --dir {cfg.directory}")
+    print(f"scraping {static}the exporters registered in {cfg.sd_dir} every {cfg.scrape_interval}: every Watch "
+          f"on this machine registers there by default (opt out: RLWATCH_SD_DIR=; on other nodes set RLWATCH_SD_DIR "
+          f"to a directory this Prometheus reads); stop with: rlwatch down (from anywhere) or rlwatch down --dir "
+          f"{cfg.directory}")
     return 0
 
 
@@ -92,7 +93,8 @@ RUN_OPTIONS: dict[str, tuple[type, str]] = {
     "addr": (str, "bind address ({variable}; default 127.0.0.1)"),
     "store": (str, "run-store path, or none for no store ({variable}; default: next to the checkpoints for TRL, "
                    "else rlwatch-runs/<run>.db)"),
-    "sd_dir": (str, "Prometheus file_sd directory to register in ({variable})"),
+    "sd_dir": (str, "Prometheus file_sd directory to register in ({variable}; default: that of the stack "
+                    "`rlwatch up` started on this machine, if any; empty: none)"),
     "frameworks": (str, "comma list of trl,verl,openrlhf to hook (default: all)"),
 }
 
@@ -133,6 +135,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         except FileNotFoundError:
             print(f"rlwatch run: command not found: {command[0]}", file=sys.stderr)
             return 127
+        except OSError as exc:                    # a directory, a file without execute permission, ...
+            print(f"rlwatch run: cannot run {command[0]}: {exc.strerror or exc}", file=sys.stderr)
+            return 126
         if not args.quiet:
             print(_run_summary(_read_report(report_path), frameworks), file=sys.stderr, flush=True)
     return code
@@ -167,6 +172,12 @@ def _run_summary(events: list[dict], frameworks: str) -> str:
         return "\n".join(lines)
     imported = sorted({f"{e['framework']} {e.get('version') or ''}".strip() for e in events
                        if e.get("event") == "imported"})
+    unavailable = [e for e in events if e.get("event") == "unavailable"]
+    if unavailable and not imported:
+        e = unavailable[0]
+        return (f"rlwatch run: nothing was instrumented: the command's Python ({e.get('python')}) cannot import "
+                f"rlwatch ({e.get('error')}): install rlwatch-llm in that environment, or start the command with "
+                f"{sys.executable}")
     if imported:
         why = (f"it imported {', '.join(imported)} but built no trainer that rlwatch supports (TRL GRPOTrainer, "
                f"verl's PPO trainers, OpenRLHF's PPO trainer), or a version outside the supported range "
@@ -229,7 +240,16 @@ def _cmd_files(args: argparse.Namespace) -> int:
         print(f"rlwatch files: {exc}", file=sys.stderr)
         return 1
     if args.copy:
-        for path in resources.copy_to(args.copy):
+        try:
+            copied = resources.copy_to(args.copy, force=args.force)
+        except resources.WouldOverwrite as exc:
+            print(f"rlwatch files: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:
+            print(f"rlwatch files: cannot copy into {args.copy}: {exc.strerror or exc}"
+                  + (f" ({exc.filename})" if exc.filename else ""), file=sys.stderr)
+            return 1
+        for path in copied:
             print(f"copied {path}")
         return 0
     print(f"alert rules   {base / 'alerts' / 'rlwatch-rules.yaml'}")
@@ -369,6 +389,8 @@ def _add_files(sub: Any) -> None:
     """``rlwatch files`` and its options."""
     p = _command(sub, "files", _cmd_files, "where the shipped rules, runbook, dashboards and examples are")
     p.add_argument("--copy", metavar="DIR", help="copy alerts/, dashboards/ and examples/ into DIR")
+    p.add_argument("--force", action="store_true",
+                   help="with --copy: replace files in DIR that differ from the shipped ones (your edits)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ RLWATCH_ADDR                bind address
 RLWATCH_PORT_FALLBACK       try the next ports when taken (default on, for delivered hooks)
 RLWATCH_STORE               run-store path; ``none``/``off``/``0`` = no store
 RLWATCH_DIR                 directory of the automatic run stores (default ``rlwatch-runs``)
-RLWATCH_SD_DIR              Prometheus file_sd directory to register in
+RLWATCH_SD_DIR              Prometheus file_sd directory to register in (empty: none; unset: a local stack's)
 RLWATCH_STALENESS_BOUND     staleness bound (versions)
 RLWATCH_GROUP_SIZE          expected GRPO group size (0: no check)
 RLWATCH_STRICT              raise instead of counting errors (tests)
@@ -98,9 +98,11 @@ class WatchConfig:
             return None
         return os.path.join(store_dir(), f"{safe_filename(run)}.db") if self.store == "auto" else self.store
 
-    def discovery_dir(self) -> str | None:
-        """The file_sd directory to register in: the option, else $RLWATCH_SD_DIR."""
-        return self.sd_dir if self.sd_dir is not None else _get("RLWATCH_SD_DIR")
+    def discovery_dir(self) -> str | bool | None:
+        """The file_sd directory to register in: the option, else $RLWATCH_SD_DIR; False when the one
+        that applies is empty (no registration); None when neither is set (a local stack's, if any)."""
+        chosen = self.sd_dir if self.sd_dir is not None else _get("RLWATCH_SD_DIR")
+        return None if chosen is None else (chosen or False)
 
 
 @dataclass(frozen=True)

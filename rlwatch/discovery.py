@@ -7,16 +7,33 @@ port nobody wrote down. ``Watch(sd_dir=...)`` (or ``$RLWATCH_SD_DIR``) writes on
 directory Prometheus can read (a shared filesystem on a cluster, or the directory ``rlwatch up``
 created on one node). The target address is the node's IP when the exporter binds all
 interfaces, else the bound address.
+
+Without either, a Watch registers with the newest stack ``rlwatch up`` started on this machine
+(:func:`sd_directory`); ``sd_dir=""`` or ``RLWATCH_SD_DIR=""`` opts out. Each registration has its own
+file, named after the run and the process (:func:`rlwatch.procinfo.instance_id`), readable as far as
+the directory is. The entry of a process that died without closing stays for :data:`STALE_GRACE_S`
+(long enough for RLWatchExporterDown to page), then the next registration, close or ``rlwatch up``
+on its host removes it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
+import logging
 import os
 import socket
 import tempfile
+import time
+
+from . import procinfo
 
 SD_ENV = "RLWATCH_SD_DIR"
+#: Seconds a dead process's entry stays after a cleaner first saw it dead (RLWatchExporterDown: for 1m).
+STALE_GRACE_S = 600.0
+_serial = itertools.count()
+logger = logging.getLogger(__name__)
 
 
 def node_address(bind_addr: str) -> str:
@@ -38,16 +55,42 @@ def node_address(bind_addr: str) -> str:
                 return socket.gethostbyname(socket.gethostname())
 
 
+def sd_directory(chosen: str | bool | None) -> str | None:
+    """Where a Watch registers: ``chosen`` (its option or $RLWATCH_SD_DIR; False: opted out), else the
+    targets directory of the newest stack ``rlwatch up`` started on this machine, else None."""
+    if chosen is not None:
+        return chosen or None
+    try:
+        from .stack import running_stacks
+
+        stacks = [d for d, processes in running_stacks().items() if "prometheus" in processes]
+    except Exception as exc:  # noqa: BLE001 - looking for a stack never disturbs the Watch
+        logger.debug("rlwatch: no local stack found: %s", exc)
+        return None
+    if not stacks:
+        return None
+    logger.info("rlwatch: registering with the Prometheus `rlwatch up` started in %s (opt out: RLWATCH_SD_DIR= "
+                "or Watch(sd_dir=''))", stacks[0])
+    return str(stacks[0] / "targets")
+
+
 class Registration:
-    """One target file ``<directory>/rlwatch-<run>-<host>-<pid>.json``, written atomically."""
+    """One target file ``<directory>/rlwatch-<run>-<run digest>-<serial>@<host>-<pid>-<start>.json``,
+    written atomically, its own per Watch: runs whose names differ only in characters a file name
+    cannot hold, or two Watches of one run in one process, never share or remove each other's."""
 
     def __init__(self, directory: str, run: str, address: str, port: int, labels: dict[str, str] | None = None):
         os.makedirs(directory, exist_ok=True)
+        clean_stale(directory)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run)[:80]
-        self.path = os.path.join(directory, f"rlwatch-{safe}-{socket.gethostname()}-{os.getpid()}.json")
+        digest = hashlib.sha256(run.encode()).hexdigest()[:8]
+        name = f"rlwatch-{safe}-{digest}-{next(_serial)}@{procinfo.instance_id()}.json"
+        self.path = os.path.join(directory, name)
         host = f"[{address}]" if ":" in address else address
         body = [{"targets": [f"{host}:{port}"], "labels": {"run": run, **(labels or {})}}]
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".rlwatch-", suffix=".tmp")
+        # Readable by whoever may read the directory (Prometheus often runs as its own user).
+        os.fchmod(fd, 0o600 | (os.stat(directory).st_mode & 0o044))
         with os.fdopen(fd, "w") as f:
             json.dump(body, f)
         os.replace(tmp, self.path)            # Prometheus never reads a half-written file
@@ -57,3 +100,36 @@ class Registration:
             os.remove(self.path)
         except FileNotFoundError:
             pass
+        clean_stale(os.path.dirname(self.path))
+
+
+def clean_stale(directory: str, grace: float = STALE_GRACE_S) -> list[str]:
+    """Remove the entries of this host's processes that died without closing their Watch, ``grace``
+    seconds after first seeing each dead (a hidden ``.<entry>.dead`` marker records when); returns
+    the paths removed. Never raises."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        marker = os.path.join(directory, f".{name}.dead")
+        if name.startswith("rlwatch-") and name.endswith(".json") and "@" in name:
+            if not procinfo.is_stale(name[:-len(".json")].rpartition("@")[2]):
+                continue
+            try:
+                if not os.path.exists(marker):
+                    open(marker, "x").close()
+                if now - os.stat(marker).st_mtime >= grace:
+                    os.remove(os.path.join(directory, name))
+                    os.remove(marker)
+                    removed.append(os.path.join(directory, name))
+            except OSError:
+                continue
+        elif name.startswith(".rlwatch-") and name.endswith(".json.dead") and name[1:-5] not in names:
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError:
+                pass
+    return removed

@@ -259,10 +259,10 @@ class Services:
         if self.server is None:
             return
         logger.info("rlwatch: serving %s (run %r)", self.server.url, self.run)
-        sd_dir = cfg.discovery_dir()
-        if sd_dir:
-            from .discovery import Registration, node_address
+        from .discovery import Registration, node_address, sd_directory
 
+        sd_dir = sd_directory(cfg.discovery_dir())
+        if sd_dir:
             self.registration = guard(self.errors, "export", "discovery", lambda: Registration(
                 sd_dir, self.run, node_address(cfg.addr), self.server.port, {"framework": cfg.framework}))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import re
 import shutil
+from fnmatch import fnmatch
 from pathlib import Path
 
 PACKAGED = Path(__file__).resolve().parent / "_data"
@@ -53,17 +54,36 @@ def runbook_markdown() -> str:
         return render.runbook_md()
 
 
-def copy_to(directory: str | Path) -> list[Path]:
+_NOT_COPIED = ("__pycache__", "*.pyc", "generate.py")
+
+
+class WouldOverwrite(FileExistsError):
+    """``copy_to`` found a file that differs from the shipped one (a user's edit) where it would copy."""
+
+
+def copy_to(directory: str | Path, force: bool = False) -> list[Path]:
     """Copy alerts/, dashboards/ and examples/ into ``directory`` (same layout, so the relative
-    paths of the compose example keep working); returns the top-level directories written."""
+    paths of the compose example keep working); returns the top-level directories written. Unless
+    ``force``, raises :class:`WouldOverwrite` before copying anything when a file there differs."""
     base, out = root(), Path(directory)
-    written = []
-    for name in SHIPPED:
-        if (base / name).is_dir():
-            shutil.copytree(base / name, out / name, dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "generate.py"))
-            written.append(out / name)
-    return written
+    names = [name for name in SHIPPED if (base / name).is_dir()]
+    if not force:
+        edited = [out / rel for name in names for rel in _files(base, name)
+                  if (out / rel).exists() and (not (out / rel).is_file()
+                                               or (out / rel).read_bytes() != (base / rel).read_bytes())]
+        if edited:
+            more = f" (and {len(edited) - 1} more)" if len(edited) > 1 else ""
+            raise WouldOverwrite(f"{edited[0]}{more} differs from the shipped copy: not overwritten; "
+                                 f"pass --force to replace it")
+    for name in names:
+        shutil.copytree(base / name, out / name, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*_NOT_COPIED))
+    return [out / name for name in names]
+
+
+def _files(base: Path, name: str) -> list[Path]:
+    """The files ``copy_to`` copies from ``base/name``, relative to ``base``."""
+    files = [p.relative_to(base) for p in sorted((base / name).rglob("*")) if p.is_file()]
+    return [rel for rel in files if not any(fnmatch(part, pattern) for part in rel.parts for pattern in _NOT_COPIED)]
 
 
 # --- the runbook as a web page (served by the exporter at /runbook) ----------------------------------

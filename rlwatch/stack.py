@@ -5,9 +5,11 @@ registration: a file_sd job reading ``<dir>/targets/*.json``, where each ``Watch
 (or ``RLWATCH_SD_DIR``) writes its target and removes it when its run closes cleanly; static
 targets only when asked for with ``--target``), the rlwatch rules, an Alertmanager config, and
 Grafana provisioning when a Grafana binary exists), starts the binaries bound to 127.0.0.1 unless
-told otherwise, and records their PIDs; ``down`` stops exactly those PIDs. Each running stack is
-also listed under a well-known state directory (:func:`state_dir`), so that ``rlwatch down`` run
-from any other directory finds it.
+told otherwise, and records their PIDs with each process's executable and start time; ``down``
+signals a recorded PID only while it still names that same process (a reused or forged PID never, nor
+PID <= 1). Each running stack is also listed under a well-known state directory (:func:`state_dir`),
+so that ``rlwatch down`` run from any other directory finds it, and so does a Watch that registers
+with it by default (:func:`rlwatch.discovery.sd_directory`).
 
 No fixed port list: a port nobody exports on is never a target, so RLWatchExporterDown fires only
 for an exporter that registered, answered, and then stopped answering without closing its run.
@@ -16,18 +18,25 @@ for an exporter that registered, answered, and then stopped answering without cl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import resources
-from .alerts import render
+from . import procinfo
 from .config import state_dir  # noqa: F401 - where running stacks are listed (the CLI imports it from here)
+
+# The rules renderer (half a second to import) is imported where configs are written: every Watch
+# imports this module to look for a running stack (rlwatch.discovery.sd_directory).
+
+logger = logging.getLogger(__name__)
+
 
 class StackError(RuntimeError):
     """A binary is missing or a server did not start."""
@@ -51,6 +60,8 @@ class StackConfig:
     targets: list[str] = field(default_factory=list)     # static targets on top of the registered ones
     scrape_interval: str = "5s"
     webhook: str | None = None
+    group_wait: str = "10s"              # Alertmanager's route timing (the demo's is shorter)
+    group_interval: str = "1m"
     runbook_url: str | None = None       # None: $RLWATCH_RUNBOOK_URL, else render.DEFAULT_RUNBOOK_URL
 
     def __post_init__(self) -> None:
@@ -64,6 +75,8 @@ class StackConfig:
 
 
 def prometheus_config(cfg: StackConfig) -> dict:
+    from .alerts import render
+
     return {
         "global": {"scrape_interval": cfg.scrape_interval, "evaluation_interval": cfg.scrape_interval},
         "rule_files": [str(cfg.directory / render.RULES_FILE)],
@@ -78,7 +91,10 @@ def prometheus_config(cfg: StackConfig) -> dict:
 
 
 def alertmanager_config(cfg: StackConfig) -> dict:
+    from .alerts import render
+
     config = render.alertmanager_example()
+    config["route"].update(group_wait=cfg.group_wait, group_interval=cfg.group_interval)
     if cfg.webhook:
         receivers = [{"name": n, "webhook_configs": [{"url": cfg.webhook, "send_resolved": True}]}
                      for n in ("pager", "chat", "heartbeat")]
@@ -89,6 +105,9 @@ def alertmanager_config(cfg: StackConfig) -> dict:
 
 
 def _grafana_provisioning(cfg: StackConfig) -> Path:
+    from . import resources
+    from .alerts import render
+
     prov = cfg.directory / "grafana" / "provisioning"
     (prov / "datasources").mkdir(parents=True, exist_ok=True)
     (prov / "dashboards").mkdir(parents=True, exist_ok=True)
@@ -108,6 +127,9 @@ def _grafana_provisioning(cfg: StackConfig) -> Path:
 
 
 def write_configs(cfg: StackConfig) -> None:
+    from . import resources
+    from .alerts import render
+
     cfg.directory.mkdir(parents=True, exist_ok=True)
     cfg.sd_dir.mkdir(exist_ok=True)
     (cfg.directory / render.RULES_FILE).write_text(render.rules_yaml(render.runbook_base(cfg.runbook_url)))
@@ -116,25 +138,75 @@ def write_configs(cfg: StackConfig) -> None:
     (cfg.directory / "alertmanager.yml").write_text(render.to_yaml(alertmanager_config(cfg)))
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, addr: str, port: int, timeout: float = 30.0) -> None:
+    """Until ``url`` answers 200 from ``proc`` itself: another server answering on the port does not count."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log.read_text(errors='replace')[-2000:]
-            raise StackError(f"{proc.args[0]} exited with {proc.returncode}:\n{tail}")
+            raise StackError(port_owner(addr, port) or f"{proc.args[0]} exited with {proc.returncode}:\n"
+                                                        f"{log.read_text(errors='replace')[-2000:]}")
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and listener_pid(port) in (proc.pid, None):
                     return
+                time.sleep(0.2)
         except Exception:  # noqa: BLE001
             time.sleep(0.2)
     raise StackError(f"{url} not ready after {timeout:.0f}s; see {log}")
 
 
-def _start(args: list[str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
-    handle = open(log, "ab")
-    # A new session: the servers outlive the `rlwatch up` command, and `down` stops them by PID.
-    return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+def _start(args: list[str], log: Path, started: dict, name: str, url: str, directory: Path) -> subprocess.Popen:
+    """Start ``args`` and record it in ``started`` and pids.json: PID, URL and its identity (procinfo)."""
+    with open(log, "ab") as handle:
+        # A new session: the servers outlive the `rlwatch up` command, and `down` stops them by PID.
+        proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    started[name] = {"pid": proc.pid, "url": url, **(procinfo.identity(proc.pid) or {})}
+    _save(directory, started)
+    return proc
+
+
+def listener_pid(port: int) -> int | None:
+    """The PID of this user's process listening on TCP ``port`` (Linux: /proc/net/tcp*), else None."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as handle:
+                rows = [line.split() for line in handle.readlines()[1:]]
+        except OSError:
+            continue
+        inodes |= {row[9] for row in rows if row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port}
+    if not inodes:
+        return None
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes} for fd in fds):
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def port_owner(addr: str, port: int) -> str | None:
+    """None when ``addr:port`` is free, else one line saying what holds it."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((addr, port))
+            return None
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+    pid = listener_pid(port)
+    for directory, processes in running_stacks().items():
+        for name, info in processes.items():
+            if info["pid"] == pid or info.get("url", "").endswith(f":{port}"):
+                return (f"port {port} on {addr} is taken by the {name} of the rlwatch stack in {directory} "
+                        f"(pid {info['pid']}): stop it with `rlwatch down --dir {directory}` or choose other ports")
+    if pid is not None:
+        exe = procinfo.executable(pid) or "?"
+        return f"port {port} on {addr} is taken by process {pid} ({exe}): stop it or choose another port"
+    return f"port {port} on {addr} is not available ({reason}): choose another port"
 
 
 def up(cfg: StackConfig) -> dict[str, dict]:
@@ -149,24 +221,30 @@ def up(cfg: StackConfig) -> dict[str, dict]:
                          f"(or put the binaries on PATH)")
     if (cfg.directory / "pids.json").exists() and running(cfg.directory):
         raise StackError(f"a stack is already running from {cfg.directory}; run `rlwatch down --dir {cfg.directory}`")
+    grafana = find_binary("grafana-server", "grafana")
+    for port in (cfg.alertmanager_port, cfg.prometheus_port) + ((cfg.grafana_port,) if grafana else ()):
+        taken = port_owner(cfg.addr, port)
+        if taken:
+            raise StackError(taken)
     write_configs(cfg)
+    from .discovery import clean_stale
+
+    clean_stale(str(cfg.sd_dir))
     started: dict[str, dict] = {}
     try:
+        url = f"http://{cfg.addr}:{cfg.alertmanager_port}"
         am = _start([alertmanager, f"--config.file={cfg.directory / 'alertmanager.yml'}",
                      f"--storage.path={cfg.directory / 'alertmanager-data'}",
                      f"--web.listen-address={cfg.addr}:{cfg.alertmanager_port}", "--cluster.listen-address="],
-                    cfg.directory / "alertmanager.log")
-        started["alertmanager"] = {"pid": am.pid, "url": f"http://{cfg.addr}:{cfg.alertmanager_port}"}
-        _save(cfg.directory, started)
-        _wait_ready(started["alertmanager"]["url"] + "/-/ready", am, cfg.directory / "alertmanager.log")
+                    cfg.directory / "alertmanager.log", started, "alertmanager", url, cfg.directory)
+        _wait_ready(url + "/-/ready", am, cfg.directory / "alertmanager.log", cfg.addr, cfg.alertmanager_port)
+        url = f"http://{cfg.addr}:{cfg.prometheus_port}"
         prom = _start([prometheus, f"--config.file={cfg.directory / 'prometheus.yml'}",
                        f"--storage.tsdb.path={cfg.directory / 'prometheus-data'}",
                        f"--web.listen-address={cfg.addr}:{cfg.prometheus_port}", "--web.enable-lifecycle",
-                       "--rules.alert.resend-delay=5s"], cfg.directory / "prometheus.log")
-        started["prometheus"] = {"pid": prom.pid, "url": f"http://{cfg.addr}:{cfg.prometheus_port}"}
-        _save(cfg.directory, started)
-        _wait_ready(started["prometheus"]["url"] + "/-/ready", prom, cfg.directory / "prometheus.log")
-        grafana = find_binary("grafana-server", "grafana")
+                       "--rules.alert.resend-delay=5s"], cfg.directory / "prometheus.log", started, "prometheus",
+                      url, cfg.directory)
+        _wait_ready(url + "/-/ready", prom, cfg.directory / "prometheus.log", cfg.addr, cfg.prometheus_port)
         if grafana:
             prov = _grafana_provisioning(cfg)
             args = [grafana] + (["server"] if grafana.endswith("/grafana") else [])
@@ -175,9 +253,8 @@ def up(cfg: StackConfig) -> dict[str, dict]:
             env_cfg = cfg.directory / "grafana" / "grafana.ini"
             env_cfg.write_text(f"[server]\nhttp_addr = {cfg.addr}\nhttp_port = {cfg.grafana_port}\n"
                                f"[paths]\nprovisioning = {prov}\ndata = {cfg.directory / 'grafana' / 'data'}\n")
-            proc = _start(args + [f"--config={env_cfg}"], cfg.directory / "grafana.log")
-            started["grafana"] = {"pid": proc.pid, "url": f"http://{cfg.addr}:{cfg.grafana_port}"}
-            _save(cfg.directory, started)
+            _start(args + [f"--config={env_cfg}"], cfg.directory / "grafana.log", started, "grafana",
+                   f"http://{cfg.addr}:{cfg.grafana_port}", cfg.directory)
     except Exception:
         down(cfg.directory)
         raise
@@ -189,41 +266,47 @@ def _save(directory: Path, started: dict) -> None:
     (directory / "pids.json").write_text(json.dumps(started, indent=2))
 
 
-def _alive(pid: int) -> bool:
+def _ours(info: object) -> bool:
+    """True when a pids.json entry still names the very process ``up`` started (never PID <= 1)."""
+    return isinstance(info, dict) and procinfo.same_process(info.get("pid"), info)
+
+
+def _recorded(directory: Path) -> dict[str, dict]:
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        recorded = json.loads((Path(directory) / "pids.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
 
 
 def running(directory: Path) -> dict[str, dict]:
-    path = Path(directory) / "pids.json"
-    if not path.exists():
-        return {}
-    return {name: info for name, info in json.loads(path.read_text()).items() if _alive(info["pid"])}
+    """The processes ``up`` started from ``directory`` that still run: {name: {"pid", "url", ...}}."""
+    return {name: info for name, info in _recorded(directory).items() if _ours(info)}
 
 
 def down(directory: Path, timeout: float = 10.0) -> list[str]:
-    """Stop the processes ``up`` started from ``directory`` (by PID); returns their names."""
+    """Stop the processes ``up`` started from ``directory`` (by PID, each only while that PID still names
+    the process ``up`` started); returns their names."""
     path = Path(directory) / "pids.json"
     if not path.exists():
         return []
     stopped = []
-    for name, info in json.loads(path.read_text()).items():
-        pid = info["pid"]
-        if not _alive(pid):
+    for name, info in _recorded(directory).items():
+        if not _ours(info):
+            pid = info.get("pid") if isinstance(info, dict) else info
+            if isinstance(pid, int) and pid > 1 and procinfo.identity(pid) is not None:
+                logger.warning("rlwatch down: left process %s alone: it is not the %s `rlwatch up` started "
+                               "(%s)", pid, name, procinfo.executable(pid))
             continue
+        pid = info["pid"]
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _alive(pid) and time.monotonic() < deadline:
+        while procinfo.start_time(pid) == info["start"] and time.monotonic() < deadline:   # until reaped
             _reap(pid)
             time.sleep(0.1)
-        if _alive(pid):
+        if _ours(info):
             os.kill(pid, signal.SIGKILL)
-            _reap(pid)
+        _reap(pid)
         stopped.append(name)
     path.unlink()
     _unregister(Path(directory))
@@ -252,7 +335,7 @@ def _register(directory: Path) -> None:
     try:
         entry = _entry(directory)
         entry.parent.mkdir(parents=True, exist_ok=True)
-        entry.write_text(json.dumps({"directory": os.path.abspath(directory)}))
+        entry.write_text(json.dumps({"directory": os.path.abspath(directory), "host": socket.gethostname()}))
     except OSError:
         pass             # the stack runs all the same; `down` then needs --dir
 
@@ -264,15 +347,26 @@ def _unregister(directory: Path) -> None:
         pass
 
 
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def running_stacks() -> dict[Path, dict[str, dict]]:
-    """Every stack ``up`` started that still has a live process: {directory: running(directory)}.
-    Entries of stacks that stopped on their own are removed."""
+    """Every stack ``up`` started on this host that still has a live process: {directory: running(directory)},
+    newest first. Entries of stacks that stopped on their own are removed."""
     stacks: dict[Path, dict[str, dict]] = {}
-    for entry in sorted((state_dir() / "stacks").glob("*.json")):
+    entries = sorted((state_dir() / "stacks").glob("*.json"), key=_mtime, reverse=True)
+    for entry in entries:
         try:
-            directory = Path(json.loads(entry.read_text())["directory"])
+            listed = json.loads(entry.read_text())
+            if listed.get("host", socket.gethostname()) != socket.gethostname():
+                continue                 # a shared state directory: another host's stack is not ours to judge
+            directory = Path(listed["directory"])
             alive = running(directory)
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, AttributeError):
             alive = {}
             directory = None
         if alive and directory is not None:

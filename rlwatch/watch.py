@@ -58,8 +58,9 @@ class Watch:
         all_ranks: export from every rank (run label "<run>-rank<N>", port + local rank) instead
             of rank 0 only.
         tls_certfile, tls_keyfile, basic_auth: protect /metrics with TLS and/or (user, password).
-        sd_dir: register the endpoint in a Prometheus file_sd directory (default $RLWATCH_SD_DIR), so
-            Prometheus finds exporters that Ray placed on any node (see rlwatch.discovery).
+        sd_dir: register the endpoint in a Prometheus file_sd directory (default $RLWATCH_SD_DIR, else
+            the stack ``rlwatch up`` started on this machine; "" = nowhere), so Prometheus finds
+            exporters that Ray placed on any node (see rlwatch.discovery).
         hack_detectors: reward-hack detectors (names or rlwatch.hacks.Detector) run on the ``episodes``
             passed to observe, off the training thread; None = every registered detector (the
             built-ins included), False = none.

@@ -178,6 +178,19 @@ def need_module(name: str):
         pytest.skip(f"{name} not installed: {exc}")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_state_dir(tmp_path_factory):
+    """Stacks the tests start are listed in a state directory of their own (their subprocesses inherit
+    it), so that a developer's running `rlwatch up` is invisible to them: no test Watch registers with it."""
+    saved = os.environ.get("RLWATCH_STATE_DIR")
+    os.environ["RLWATCH_STATE_DIR"] = str(tmp_path_factory.mktemp("rlwatch-state"))
+    yield
+    if saved is None:
+        os.environ.pop("RLWATCH_STATE_DIR", None)
+    else:
+        os.environ["RLWATCH_STATE_DIR"] = saved
+
+
 @pytest.fixture(autouse=True)
 def _memory_log(request):
     """With RLWATCH_MEMLOG=<file>, append each test's resident memory after it ran (diagnostics)."""

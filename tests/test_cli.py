@@ -151,3 +151,105 @@ def test_the_unrelated_rlwatch_project_is_detected(tmp_path):
     assert "warning: rlwatch 0.5.1 is installed" in files.stderr
     clean = cli("files")
     assert clean.returncode == 0 and "warning" not in clean.stderr and "runbook" in clean.stdout
+
+
+def test_down_signals_only_the_processes_up_started(tmp_path):
+    """A PID written into pids.json by anyone (or reused since) is never signalled: `down` checks the
+    executable and start time recorded at `up`, and never touches PID <= 1."""
+    from rlwatch import procinfo
+    from rlwatch.stack import running
+
+    foreign = subprocess.Popen(["sleep", "300"])
+    try:
+        directory = tmp_path / "stack"
+        directory.mkdir()
+        me = procinfo.identity(foreign.pid)
+        (directory / "pids.json").write_text(json.dumps({
+            "prometheus": {"pid": foreign.pid, "url": "http://127.0.0.1:1"},                 # no identity
+            "alertmanager": {"pid": foreign.pid, "exe": "/usr/bin/prometheus-alertmanager",   # another program
+                             "start": me["start"]},
+            "grafana": {"pid": foreign.pid, "exe": me["exe"], "start": me["start"] + "1"},    # PID reused since
+            "everything": {"pid": 0}}))
+        assert running(directory) == {}
+        # In a session of its own: were PID 0 signalled, only the `down` command itself would die.
+        result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "down", "--dir", str(directory)],
+                                capture_output=True, text=True, timeout=60, start_new_session=True,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert result.returncode == 0, result.stderr
+        time.sleep(0.3)
+        assert foreign.poll() is None, "rlwatch down killed a process it did not start"
+        assert f"left process {foreign.pid} alone" in result.stderr and "Traceback" not in result.stderr
+        # Whatever an entry claims, PIDs -1, 0 and 1 never count as running (so are never signalled).
+        (directory / "pids.json").write_text(json.dumps(
+            {name: {"pid": pid, **(procinfo.identity(max(pid, 1)) or {"exe": "/sbin/init", "start": "1"})}
+             for name, pid in (("all", -1), ("group", 0), ("init", 1))}))
+        assert running(directory) == {}
+    finally:
+        foreign.kill()
+        foreign.wait(timeout=10)
+
+
+def test_cli_errors_are_one_line_without_a_traceback(tmp_path):
+    not_a_program = cli("run", "--", str(tmp_path))                          # a directory: PermissionError
+    assert not_a_program.returncode == 126
+    assert not_a_program.stderr.strip().splitlines()[-1] == f"rlwatch run: cannot run {tmp_path}: Permission denied"
+    assert "Traceback" not in not_a_program.stderr
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine\n")
+    onto_a_file = cli("files", "--copy", str(a_file))
+    assert onto_a_file.returncode == 1 and "Traceback" not in onto_a_file.stderr
+    assert onto_a_file.stderr.startswith(f"rlwatch files: cannot copy into {a_file}: ")
+    assert len(onto_a_file.stderr.strip().splitlines()) == 1 and a_file.read_text() == "mine\n"
+    if os.geteuid() == 0:           # root writes into a mode 0555 directory: take a read-only filesystem
+        read_only = Path("/sys/rlwatch-files")
+    else:
+        read_only = tmp_path / "read-only"
+        read_only.mkdir(mode=0o555)
+    into_read_only = cli("files", "--copy", str(read_only))
+    assert into_read_only.returncode == 1 and "Traceback" not in into_read_only.stderr
+    assert into_read_only.stderr.startswith(f"rlwatch files: cannot copy into {read_only}: ")
+    assert len(into_read_only.stderr.strip().splitlines()) == 1
+
+
+def test_files_copy_keeps_a_user_edited_rule_file_unless_forced(tmp_path):
+    assert cli("files", "--copy", str(tmp_path)).returncode == 0
+    rules = tmp_path / "alerts" / "rlwatch-rules.yaml"
+    shipped = rules.read_text()
+    assert cli("files", "--copy", str(tmp_path)).returncode == 0               # unchanged files: copied again
+    rules.write_text(shipped + "# our team's edit\n")
+    refused = cli("files", "--copy", str(tmp_path))
+    assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1
+    assert refused.stderr.startswith(f"rlwatch files: {rules} differs from the shipped copy")
+    assert "--force" in refused.stderr
+    assert rules.read_text().endswith("# our team's edit\n")
+    forced = cli("files", "--copy", str(tmp_path), "--force")
+    assert forced.returncode == 0 and rules.read_text() == shipped
+
+
+def test_rlwatch_run_says_when_the_commands_python_cannot_import_rlwatch(tmp_path):
+    """The command's Python is another environment (here a fresh venv without rlwatch): the summary says
+    so instead of "nothing was instrumented: no process imported a supported framework"."""
+    venv = tmp_path / "other-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    other = venv / "bin" / "python"
+    launcher = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from rlwatch.cli import main; sys.exit(main())"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", launcher, "run", "--", str(other), "-c", "print('trained')"],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.strip() == "trained", result.stderr
+    assert (f"rlwatch run: nothing was instrumented: the command's Python ({other}) cannot import rlwatch "
+            f"(ModuleNotFoundError: No module named 'rlwatch')") in result.stderr, result.stderr
+
+
+def test_the_demo_says_how_to_reach_the_rlwatch_command(tmp_path):
+    from rlwatch.demo.app import next_steps
+
+    scripts = Path(sys.executable).parent
+    if not (scripts / "rlwatch").exists():
+        pytest.skip("no rlwatch script beside this Python (not an installed environment)")
+    elsewhere = next_steps(path=str(tmp_path))                          # a PATH without the environment
+    assert "`rlwatch` is not on your PATH: first run `source" in elsewhere or f"export PATH={scripts}" in elsewhere
+    assert "`rlwatch up`" in elsewhere and "rlwatch run -- python train.py" in elsewhere
+    assert "not on your PATH" not in next_steps(path=f"{tmp_path}{os.pathsep}{scripts}")
+    readme = (ROOT / "README.md").read_text()
+    assert "source .venv/bin/activate" in readme

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,10 @@ def test_demo_with_prometheus_and_alertmanager(tmp_path):
     in_process = {a["name"] for a in doc["alerts"] if a["state"] == "firing"}
     assert set(fired) == in_process, (fired, in_process)
     assert "RLWatchVersionLagFarAboveBound" in doc["demo"]["alertmanager_alerts"]
-    assert "Prometheus fired: " in result.stdout
+    notified = doc["demo"]["alertmanager_notifications"]        # every notification, in order, per alert
+    assert all(notes[0][1] == "firing" and set(fired) >= {name} for name, notes in notified.items()), notified
+    assert "Prometheus fired: " in result.stdout and "Alertmanager notified: " in result.stdout
+    assert "Next: " in result.stdout and "`rlwatch up`" in result.stdout
     # Every server the demo started is stopped again.
     pids = doc["demo"]["stopped_servers"]
     assert {"prometheus", "alertmanager"} <= set(pids)
@@ -117,3 +121,40 @@ def test_one_verdict_on_a_semantic_fault_with_prometheus(tmp_path):
     assert "RLWatchOnPolicyRatioNotOne" in in_process, result.stdout[-2000:]
     assert set(fired) == in_process, (fired, in_process)
     assert "RLWatchOnPolicyRatioNotOne" in doc["demo"]["alertmanager_alerts"]
+
+
+@pytest.mark.servers
+def test_the_demo_lists_an_alert_that_fired_and_resolved(tmp_path):
+    """What the demo's Alertmanager sent, resolutions included, comes from its webhook receiver: an alert
+    that fired and resolved before the end is listed though Alertmanager no longer has it active."""
+    import urllib.request
+    from datetime import datetime, timedelta, timezone
+
+    from rlwatch.demo.app import _delivered, _prometheus_stack, _stop_stack
+
+    need_binary("prometheus")
+    need_binary("prometheus-alertmanager")
+    stack = _, started, receiver = _prometheus_stack(tmp_path / "demo" / "x" / "stack")
+    try:
+        def post(ends: datetime | None) -> None:
+            now = datetime.now(timezone.utc)
+            alert = {"labels": {"alertname": "RLWatchKLSpike", "severity": "critical", "run": "demo-test"},
+                     "startsAt": (now - timedelta(seconds=5)).isoformat()}
+            if ends is not None:
+                alert["endsAt"] = ends.isoformat()
+            request = urllib.request.Request(started["alertmanager"]["url"] + "/api/v2/alerts",
+                                             data=json.dumps([alert]).encode(), method="POST",
+                                             headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(request, timeout=10).close()
+
+        post(None)
+        deadline = time.monotonic() + 30
+        while not receiver.notifications and time.monotonic() < deadline:
+            time.sleep(0.2)
+        post(datetime.now(timezone.utc))                                   # resolved
+        delivered = _delivered(receiver, "demo-test", quiet=5.0, timeout=30)
+        active = json.loads(urllib.request.urlopen(started["alertmanager"]["url"] + "/api/v2/alerts").read())
+    finally:
+        _stop_stack(stack)
+    assert not [a for a in active if a["labels"].get("run") == "demo-test"]     # what the demo read before
+    assert delivered == {"RLWatchKLSpike": [("pager", "firing"), ("pager", "resolved")]}

@@ -135,3 +135,101 @@ def test_ray_actor_exporter_is_discovered(stack_dir):
         ray.get(actor.close.remote())
     finally:
         ray.shutdown()
+
+
+def test_a_second_up_on_taken_ports_fails_naming_what_holds_them(stack_dir, tmp_path):
+    directory, ports = stack_dir
+    first = running(directory)
+    second = tmp_path / "second"
+    try:
+        result = rlwatch_cli("up", "--dir", str(second), "--prometheus-port", str(ports["prometheus"]),
+                             "--alertmanager-port", str(free_port()))
+        left = running(second)
+    finally:
+        rlwatch_cli("down", "--dir", str(second))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip() == (
+        f"rlwatch up: port {ports['prometheus']} on 127.0.0.1 is taken by the prometheus of the rlwatch stack in "
+        f"{directory} (pid {first['prometheus']['pid']}): stop it with `rlwatch down --dir {directory}` or choose "
+        f"other ports")
+    assert left == {} and running(directory) == first                  # nothing of its own left, the first intact
+
+
+def test_readiness_counts_only_the_started_server_answering(stack_dir, tmp_path):
+    """The first stack answers /-/ready on the port while the new server (here a `sleep 1` that never
+    listens) is still starting: that answer is not the new server's, and its exit names the port's holder."""
+    from rlwatch.stack import StackError, _wait_ready
+
+    directory, ports = stack_dir
+    impostor = subprocess.Popen(["sleep", "1"])
+    try:
+        with pytest.raises(StackError, match=f"port {ports['prometheus']} on 127.0.0.1 is taken by the prometheus "
+                                             f"of the rlwatch stack in {directory}"):
+            _wait_ready(f"http://127.0.0.1:{ports['prometheus']}/-/ready", impostor, tmp_path / "log", "127.0.0.1",
+                        ports["prometheus"], timeout=20)
+    finally:
+        impostor.kill()
+        impostor.wait(timeout=10)
+
+
+NEWCOMER = """
+import sys, time
+from rlwatch import Watch
+from tests.conftest import make_step
+with Watch(run=sys.argv[1], port=0, store=None, alerts=False) as watch:
+    for step in range(3):
+        watch.observe(step, **make_step(seed=step))
+    print(watch.port, flush=True)
+    sys.stdin.readline()                 # until the test has seen it in Prometheus
+"""
+
+
+def test_newcomer_flow_a_run_registers_with_the_stack_up_started(tmp_path):
+    """`rlwatch up`, then a run in another shell with no RLWATCH_* variable: Prometheus scrapes it (its
+    target is up, its series are there); with RLWATCH_SD_DIR= it stays out; then `rlwatch down`."""
+    need_binary("prometheus")
+    need_binary("prometheus-alertmanager")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RLWATCH_")}
+    clean.update(XDG_STATE_HOME=str(tmp_path / "state"), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    port = free_port()
+    prom = f"http://127.0.0.1:{port}"
+    up = subprocess.run([sys.executable, "-m", "rlwatch.cli", "up", "--prometheus-port", str(port),
+                         "--alertmanager-port", str(free_port())], capture_output=True, text=True, timeout=90,
+                        env=clean, cwd=tmp_path)
+    assert up.returncode == 0, up.stdout + up.stderr
+    runs = []
+    try:
+        for name, extra in (("newcomer", {}), ("opted-out", {"RLWATCH_SD_DIR": ""})):
+            runs.append(subprocess.Popen([sys.executable, "-c", NEWCOMER, name], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         env={**clean, **extra}, cwd=tmp_path))
+            assert runs[-1].stdout.readline().strip().isdigit()
+        targets = tmp_path / ".rlwatch-stack" / "targets"
+        assert sorted(group["labels"]["run"] for p in targets.glob("*.json")
+                      for group in json.loads(p.read_text())) == ["newcomer"]
+        assert wait_series(prom, 'up{run="newcomer"} == 1', timeout=40)[0]["metric"]["job"] == "rlwatch-sd"
+        assert float(wait_series(prom, 'rlwatch_steps_total{run="newcomer"}')[0]["value"][1]) == 3
+        for run in runs:
+            assert run.communicate("\n", timeout=60) and run.returncode == 0
+        assert not list(targets.glob("*.json"))                          # unregistered on close
+    finally:
+        for run in runs:
+            run.kill()
+        down = subprocess.run([sys.executable, "-m", "rlwatch.cli", "down"], capture_output=True, text=True,
+                              timeout=90, env=clean, cwd=tmp_path)
+    assert down.returncode == 0 and "prometheus" in down.stdout, down.stdout + down.stderr
+
+
+def test_a_watch_registers_nowhere_when_the_listed_stack_stopped(tmp_path, monkeypatch):
+    """A stack that died without `rlwatch down` is still listed: a Watch does not register with it (and
+    the listing goes)."""
+    directory = tmp_path / "stack"
+    (directory / "targets").mkdir(parents=True)
+    (directory / "pids.json").write_text(json.dumps({"prometheus": {"pid": 2 ** 22 + 1, "exe": "/usr/bin/prometheus",
+                                                                    "start": "1"}}))
+    monkeypatch.setenv("RLWATCH_STATE_DIR", str(tmp_path / "state"))
+    (tmp_path / "state" / "stacks").mkdir(parents=True)
+    (tmp_path / "state" / "stacks" / "gone.json").write_text(json.dumps({"directory": str(directory)}))
+    with Watch(run="alone", port=0, store=None, alerts=False) as watch:
+        assert watch.port and watch.registration is None
+    assert not list((directory / "targets").iterdir()) and not list((tmp_path / "state" / "stacks").iterdir())

@@ -4,16 +4,22 @@ Trains the scenario engine (:mod:`rlwatch.demo.scenario`) with rlwatch attached:
 served, the run store and checkpoints go to a directory it names, a live terminal view shows the
 signals, the run's health and the alerts as they fire, and the run ends with the post-mortem.
 ``--with-prometheus`` starts a real local Prometheus and Alertmanager (``rlwatch up``) that scrape
-the run with rlwatch's rules, and shows what they fired.
+the run with rlwatch's rules, and shows what they fired and every notification Alertmanager sent
+(to a webhook receiver of the demo's own on loopback).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import sys
+import threading
 import time
 import urllib.request
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -116,13 +122,49 @@ class _NoAlertLog:
         return not str(record.msg).startswith("rlwatch alert ")
 
 
-def _prometheus_stack(directory: Path) -> Any:
+class WebhookReceiver:
+    """Alertmanager's webhook receiver on 127.0.0.1: ``notifications`` holds one (receiver, alert name,
+    run, status) per alert of every notification, in arrival order."""
+
+    def __init__(self) -> None:
+        self.notifications: list[tuple[str, str, str, str]] = []
+        received = self.notifications
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                    received.extend((body.get("receiver", ""), a["labels"].get("alertname", ""),
+                                     a["labels"].get("run", ""), a.get("status", "")) for a in body["alerts"])
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    pass
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        threading.Thread(target=self.server.serve_forever, name="rlwatch-demo-webhook", daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _prometheus_stack(directory: Path) -> tuple[Any, dict[str, dict], WebhookReceiver]:
+    """Start the demo's stack: (its StackConfig, what ``up`` started, the webhook receiver it notifies)."""
     from ..stack import StackConfig, StackError, find_binary, up
 
     if not (find_binary("prometheus") and find_binary("prometheus-alertmanager", "alertmanager")):
         raise StackError("--with-prometheus needs the prometheus and prometheus-alertmanager binaries: "
                          "sudo apt-get install -y --no-install-recommends prometheus prometheus-alertmanager")
-    cfg = StackConfig(directory=directory, scrape_interval="1s")     # the demo's Watch registers in cfg.sd_dir
+    # The demo's Watch registers in cfg.sd_dir; every notification is sent at once to the demo's webhook.
+    receiver = WebhookReceiver()
+    cfg = StackConfig(directory=directory, scrape_interval="1s", webhook=receiver.url, group_wait="1s",
+                      group_interval="2s")
     import socket
 
     def free() -> int:
@@ -130,7 +172,20 @@ def _prometheus_stack(directory: Path) -> Any:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
     cfg.prometheus_port, cfg.alertmanager_port = free(), free()
-    return cfg, up(cfg)
+    try:
+        return cfg, up(cfg), receiver
+    except BaseException:
+        receiver.close()
+        raise
+
+
+def _stop_stack(stack: tuple[Any, dict[str, dict], WebhookReceiver]) -> None:
+    from ..stack import down
+
+    try:
+        down(stack[0].directory)
+    finally:
+        stack[2].close()
 
 
 def _get_json(url: str) -> Any:
@@ -151,13 +206,26 @@ def _wait_scraped(prometheus_url: str, target: str, timeout: float = 30.0) -> bo
     return False
 
 
-def _fired(prometheus_url: str, alertmanager_url: str, run: str) -> tuple[list[str], list[str]]:
-    """Alert names Prometheus fired for ``run`` at any time of the demo, and those Alertmanager received."""
+def _fired(prometheus_url: str, run: str) -> list[str]:
+    """Alert names Prometheus fired for ``run`` at any time of the demo."""
     query = urllib.request.quote(f'max by (alertname) (max_over_time(ALERTS{{run="{run}",alertstate="firing"}}[1h]))')
     body = _get_json(f"{prometheus_url}/api/v1/query?query={query}")
-    fired = sorted({r["metric"]["alertname"] for r in body["data"]["result"]})
-    received = _get_json(f"{alertmanager_url}/api/v2/alerts?filter=" + urllib.request.quote(f'run="{run}"'))
-    return fired, sorted({a["labels"]["alertname"] for a in received})
+    return sorted({r["metric"]["alertname"] for r in body["data"]["result"]})
+
+
+def _delivered(receiver: WebhookReceiver, run: str, quiet: float = 4.0, timeout: float = 20.0) -> dict[str, list]:
+    """{alert name: [(receiver, status), ...]} of every notification about ``run``, once none has come
+    for ``quiet`` seconds (Alertmanager's last group intervals) or after ``timeout``."""
+    deadline, seen, since = time.monotonic() + timeout, -1, time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet:
+        if len(receiver.notifications) != seen:
+            seen, since = len(receiver.notifications), time.monotonic()
+        time.sleep(0.2)
+    delivered: dict[str, list] = {}
+    for name_of_receiver, alertname, alert_run, status in list(receiver.notifications):
+        if alert_run == run and (name_of_receiver, status) not in delivered.get(alertname, []):
+            delivered.setdefault(alertname, []).append((name_of_receiver, status))
+    return dict(sorted(delivered.items()))
 
 
 def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0, port: int | None = 9400,
@@ -175,8 +243,7 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
     directory = Path(out) / f"{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
     directory.mkdir(parents=True, exist_ok=True)
     run = f"demo-{scenario}"
-    stack = urls = None
-    prometheus_alerts = alertmanager_alerts = None
+    stack = urls = prometheus_alerts = delivered = None
     stack_pids: dict[str, int] = {}
     if with_prometheus:
         if not port:
@@ -199,22 +266,22 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
         result = _train(watch, view, config, scenario, directory, paced=stack is not None)
         if stack is not None:
             time.sleep(3.0)                       # the last step's scrape and rule evaluation
-            prometheus_alerts, alertmanager_alerts = _fired(urls["prometheus"], urls["alertmanager"], run)
+            prometheus_alerts = _fired(urls["prometheus"], run)
+            delivered = _delivered(stack[2], run)
     finally:
         logging.getLogger("rlwatch").removeFilter(quiet)
         if view is not None:
             view.close()
         watch.close()
         if stack is not None:
-            from ..stack import down
-
-            down(stack[0].directory)
+            _stop_stack(stack)
     document = run_postmortem(str(directory / "run.db"), out_dir=str(directory / "report"))
     collapse = collapse_step(result.heldout)
-    _print_summary(document, collapse, directory, result.seconds, prometheus_alerts, alertmanager_alerts)
+    _print_summary(document, collapse, directory, result.seconds, prometheus_alerts, delivered)
     document["demo"] = {"directory": str(directory), "collapse_step": collapse, "seconds": result.seconds,
-                        "prometheus_alerts": prometheus_alerts, "alertmanager_alerts": alertmanager_alerts,
-                        "stopped_servers": stack_pids}
+                        "prometheus_alerts": prometheus_alerts,
+                        "alertmanager_alerts": None if delivered is None else list(delivered),
+                        "alertmanager_notifications": delivered, "stopped_servers": stack_pids}
     (directory / "demo.json").write_text(json.dumps(document["demo"], indent=2))
     return document
 
@@ -242,9 +309,10 @@ def _train(watch: Any, view: LiveView, config: Any, scenario: str, directory: Pa
 
 
 def _print_summary(document: dict, collapse: int | None, directory: Path, seconds: float,
-                   prometheus_alerts: list[str] | None, alertmanager_alerts: list[str] | None) -> None:
+                   prometheus_alerts: list[str] | None, delivered: dict[str, list] | None) -> None:
     """The demo's closing lines: the first critical alert against the collapse, the cause and the
-    resume point, what a real Prometheus fired, and where the store and report are."""
+    resume point, what a real Prometheus fired and Alertmanager sent, where the store and report are,
+    and the commands to run next."""
     critical = [a for a in document["alerts"] if a["severity"] == "critical"]
     print()
     if collapse is not None and critical:
@@ -261,10 +329,30 @@ def _print_summary(document: dict, collapse: int | None, directory: Path, second
     checkpoint = (resume.get('checkpoint') or {}).get('path', 'no checkpoint')
     print(f"Cause: {document['cause']}. Resume from: {checkpoint} ({resume.get('reason', 'no resume point')}).")
     if prometheus_alerts is not None:
+        sent = [f"{name} ({', '.join(f'{status} to {to}' for to, status in notes)})"
+                for name, notes in (delivered or {}).items()]
+        held = [name for name in prometheus_alerts if name not in (delivered or {})]
         print(f"Prometheus fired: {', '.join(prometheus_alerts) or 'nothing'}; "
-              f"Alertmanager received: {', '.join(alertmanager_alerts or []) or 'nothing'}")
+              f"Alertmanager notified: {', '.join(sent) or 'nothing'}"
+              + (f"; not notified (inhibited by the run's critical alerts, or resolved before Alertmanager's group "
+                 f"wait): {', '.join(held)}" if held else ""))
     print(f"Run store {directory / 'run.db'}; report and plots in {directory / 'report'} "
           f"({seconds:.0f} s of training).")
+    print(next_steps())
+
+
+def next_steps(path: str | None = None) -> str:
+    """What to run after the demo, and how to reach the ``rlwatch`` command when it is not on ``path``
+    ($PATH): the virtual environment's activate script, else its directory."""
+    scripts = Path(sys.executable).parent
+    found = shutil.which("rlwatch", path=path)
+    hint = ""
+    if (scripts / "rlwatch").exists() and not (found and os.path.samefile(found, scripts / "rlwatch")):
+        activate = scripts / "activate"
+        hint = (f"`rlwatch` is not on your PATH: first run `source {activate}`" if activate.exists()
+                else f"`rlwatch` is not on your PATH: first run `export PATH={scripts}:$PATH`") + "; then "
+    return (f"Next: {hint}`rlwatch up` (a local Prometheus + Alertmanager that your runs register with), "
+            f"and in another shell `rlwatch run -- python train.py` (or rlwatch.Watch in your loop).")
 
 
 __all__ = ["run_demo"]
