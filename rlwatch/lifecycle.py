@@ -273,7 +273,8 @@ class Services:
             self.errors.report("export", kind, f"pushgateway {redact(gateway)}: {type(exc).__name__}: "
                                f"{scrub(str(exc), gateway)}", raise_in_strict=False)
 
-        self.push = PushLoop(self.registry, gateway, "rlwatch", self.run, interval, on_error)
+        self.push = PushLoop(self.registry, gateway, "rlwatch", self.run, interval, on_error,
+                             run_instance=self.state.run_instance)
 
     def start_otel(self, provider: Any) -> None:
         from .exporters.otel import OTelExporter

@@ -36,13 +36,15 @@ class Snapshot:
     counters: dict[str, Family]
     histograms: dict[str, tuple[list[float], float]]
     info: dict[str, Family] = field(default_factory=dict)
+    run_instance: str = ""
 
 
 class MetricState:
     """Accumulates step values into gauges, counters and histograms. Thread-safe."""
 
-    def __init__(self, run: str) -> None:
+    def __init__(self, run: str, run_instance: str = "") -> None:
         self.run = run
+        self.run_instance = run_instance     # tells apart two processes exporting one run name
         self._lock = threading.Lock()
         self._step: int | None = None
         self._gauges: dict[str, Family] = {}
@@ -118,4 +120,5 @@ class MetricState:
                 counters={k: dict(v) for k, v in self._counters.items()},
                 histograms={k: (list(c), s) for k, (c, s) in self._histograms.items()},
                 info={k: dict(v) for k, v in self._info.items()},
+                run_instance=self.run_instance,
             )

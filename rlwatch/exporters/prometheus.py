@@ -48,16 +48,16 @@ class RLWatchCollector:
         if self._refresh is not None and not getattr(_FOLDED, "active", False):
             self._refresh()
         snap = self.state.snapshot()
-        run = snap.run
+        run = (snap.run, snap.run_instance)          # the run identity every series carries
         for spec in CATALOGUE:
-            labels = ["run", *spec.labels]
+            labels = ["run", "run_instance", *spec.labels]
             if spec.kind in ("gauge", "info"):
                 family = snap.gauges.get(spec.name) if spec.kind == "gauge" else snap.info.get(spec.name)
                 if not family:
                     continue
                 metric = GaugeMetricFamily(spec.full_name, spec.help, labels=labels, unit="")
                 for label_values, value in sorted(family.items()):
-                    metric.add_metric([run, *label_values], value)
+                    metric.add_metric([*run, *label_values], value)
                 yield metric
             elif spec.kind == "counter":
                 family = snap.counters.get(spec.name)
@@ -65,7 +65,7 @@ class RLWatchCollector:
                     continue
                 metric = CounterMetricFamily(spec.full_name, spec.help, labels=labels)
                 for label_values, value in sorted(family.items()):
-                    metric.add_metric([run, *label_values], value)
+                    metric.add_metric([*run, *label_values], value)
                 yield metric
             elif spec.kind == "histogram":
                 hist = snap.histograms.get(spec.name)
@@ -77,7 +77,7 @@ class RLWatchCollector:
                     running += count
                     cumulative.append((bound, running))
                 metric = HistogramMetricFamily(spec.full_name, spec.help, labels=labels)
-                metric.add_metric([run], cumulative, sum_value=total)
+                metric.add_metric(list(run), cumulative, sum_value=total)
                 yield metric
 
 
@@ -373,7 +373,8 @@ class PushLoop:
     more on close, for jobs too short to be scraped. Failures are reported, never raised."""
 
     def __init__(self, registry: CollectorRegistry, gateway: str, job: str, run: str, interval: float,
-                 on_error: Callable[[str, BaseException], None], timeout: float = 5.0) -> None:
+                 on_error: Callable[[str, BaseException], None], timeout: float = 5.0,
+                 run_instance: str = "") -> None:
         from urllib.parse import unquote, urlsplit, urlunsplit
 
         self.registry = registry
@@ -385,7 +386,8 @@ class PushLoop:
             gateway = urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
         self.gateway = gateway
         self.job = job
-        self.grouping_key = {"run": run}
+        # One group per process: two processes pushing one run name never replace each other's metrics.
+        self.grouping_key = {"run": run, **({"run_instance": run_instance} if run_instance else {})}
         self.interval = interval
         self.timeout = timeout
         self._on_error = on_error
