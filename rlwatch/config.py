@@ -179,6 +179,9 @@ def default_run_name() -> str:
     return _get("RLWATCH_RUN") or time.strftime("run-%Y%m%d-%H%M%S")
 
 
+_last_instance_millis = 0
+
+
 def run_instance() -> str:
     """This process's ``run_instance`` label: $RLWATCH_RUN_INSTANCE, else ``<host>-<pid>-<start>`` (the
     start in milliseconds, base 36), which tells apart two processes that export one run name."""
@@ -188,8 +191,11 @@ def run_instance() -> str:
     import re
     import socket
 
+    global _last_instance_millis
     host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0])[:32] or "host"
-    millis, digits = int(time.time() * 1000), ""
+    # Strictly increasing within the process, so two Watches of one process differ too.
+    millis = _last_instance_millis = max(int(time.time() * 1000), _last_instance_millis + 1)
+    digits = ""
     while millis:
         millis, digit = divmod(millis, 36)
         digits = "0123456789abcdefghijklmnopqrstuvwxyz"[digit] + digits

@@ -21,6 +21,8 @@ Family = dict[LabelValues, float]
 #: Gauge groups whose values persist until overwritten (settings, framework scalars); every other
 #: gauge family is replaced by each step, so a signal that was not computed goes stale at once.
 STICKY_GROUPS = frozenset({"config", "sampler", "framework", "hook", "diagnosis"})
+#: Families a run must not end before a scrape has seen (:attr:`MetricState.delivery_version`).
+DELIVERED = ("alert_incident",)
 
 HISTOGRAM_LABELS: tuple[str, ...] = tuple(str(b) for b in LAG_BUCKETS) + ("+Inf",)
 
@@ -52,6 +54,7 @@ class MetricState:
         self._histograms: dict[str, tuple[list[float], float]] = {}
         self._info: dict[str, Family] = {}
         self.version = 0          # bumped on every change: lets exporters reuse a rendering
+        self.delivery_version = 0  # the version at which a DELIVERED family last changed
 
     def apply(self, values: Mapping[str, Mapping[LabelValues, float | None]]) -> None:
         """Fold one step's values (:class:`~rlwatch.values.StepValues` or the same plain shape) in: gauges
@@ -76,6 +79,7 @@ class MetricState:
             elif spec.kind == "info":
                 info[name] = {k: 1.0 for k in family}
         with self._lock:
+            previous = {name: self._gauges.get(name, {}) for name in DELIVERED}
             step = value_of(values, "step")
             if step is not None:
                 self._step = int(step)
@@ -91,6 +95,8 @@ class MetricState:
                 self._histograms[name] = ([a + b for a, b in zip(old_counts, counts)], old_total + total)
             self._info.update(info)
             self.version += 1
+            if any(gauges.get(name, {}) != previous.get(name, {}) for name in DELIVERED):
+                self.delivery_version = self.version
 
     def set_gauge(self, name: str, value: float, labels: LabelValues = ()) -> None:
         with self._lock:

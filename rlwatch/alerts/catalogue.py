@@ -61,22 +61,23 @@ BY_NAME: dict[str, Alert] = {a.name: a for a in ALERTS}
 #: Recording rules for the dashboards' wall-clock rate panels (the alerts read the step windows).
 RECORDING_RULES: tuple[tuple[str, str], ...] = (
     ("run:rlwatch_tokens_over_staleness_bound:ratio_rate10m",
-     "sum by (run) (rate(rlwatch_tokens_over_staleness_bound_total[10m]))\n"
-     "/ sum by (run) (rate(rlwatch_tokens_total[10m]))"),
+     "sum by (run, run_instance) (rate(rlwatch_tokens_over_staleness_bound_total[10m]))\n"
+     "/ sum by (run, run_instance) (rate(rlwatch_tokens_total[10m]))"),
     ("run:rlwatch_is_tis_truncated_tokens:ratio_rate10m",
-     "sum by (run) (rate(rlwatch_is_tis_truncated_tokens_total[10m]))\n"
-     "/ sum by (run) (rate(rlwatch_mismatch_tokens_total[10m]))"),
+     "sum by (run, run_instance) (rate(rlwatch_is_tis_truncated_tokens_total[10m]))\n"
+     "/ sum by (run, run_instance) (rate(rlwatch_mismatch_tokens_total[10m]))"),
     ("run:rlwatch_nonfinite_tokens:ratio_rate10m",
-     "sum by (run) (rate(rlwatch_nonfinite_tokens_total[10m]))\n/ sum by (run) (rate(rlwatch_tokens_total[10m]))"),
+     "sum by (run, run_instance) (rate(rlwatch_nonfinite_tokens_total[10m]))\n"
+     "/ sum by (run, run_instance) (rate(rlwatch_tokens_total[10m]))"),
     ("run_env_detector:rlwatch_episodes_hacked:ratio_rate10m",
-     "sum by (run, env, detector) (rate(rlwatch_episodes_hacked_total[10m]))\n"
-     "/ sum by (run, env, detector) (rate(rlwatch_episodes_judged_total[10m]))"),
+     "sum by (run, run_instance, env, detector) (rate(rlwatch_episodes_hacked_total[10m]))\n"
+     "/ sum by (run, run_instance, env, detector) (rate(rlwatch_episodes_judged_total[10m]))"),
     ("run_env_kind:rlwatch_episodes_failed:ratio_rate10m",
-     "sum by (run, env, kind) (rate(rlwatch_episodes_failed_total[10m]))\n"
-     "/ on(run, env) group_left() sum by (run, env) (rate(rlwatch_episodes_total[10m]))"),
+     "sum by (run, run_instance, env, kind) (rate(rlwatch_episodes_failed_total[10m]))\n"
+     "/ on(run, run_instance, env) group_left() sum by (run, run_instance, env) (rate(rlwatch_episodes_total[10m]))"),
     ("run_env:rlwatch_episodes_truncated:ratio_rate10m",
-     "sum by (run, env) (rate(rlwatch_episodes_truncated_total[10m]))\n"
-     "/ sum by (run, env) (rate(rlwatch_episodes_total[10m]))"),
+     "sum by (run, run_instance, env) (rate(rlwatch_episodes_truncated_total[10m]))\n"
+     "/ sum by (run, run_instance, env) (rate(rlwatch_episodes_total[10m]))"),
 )
 
 

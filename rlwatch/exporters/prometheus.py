@@ -18,6 +18,8 @@ import socket
 import ssl
 import sys
 import threading
+import time
+from collections import deque
 from socketserver import ThreadingMixIn
 from typing import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -200,6 +202,9 @@ class CachedExposition:
         # content type -> (state version, body, gzip body)
         self._cached: dict[str, tuple[int, bytes, bytes]] = {}
         self._runbook: dict[str, bytes] = {}
+        self._served = threading.Condition()
+        self.served_version = -1                   # the state version the latest /metrics answer showed
+        self.scrape_times: deque[float] = deque(maxlen=4)      # monotonic times of the latest answers
 
     def _generate(self, encoder: Callable[[CollectorRegistry], bytes]) -> bytes:
         try:
@@ -242,7 +247,22 @@ class CachedExposition:
                     _FOLDED.active = False
                 cached = (version if version is not None else -1, text, gzip.compress(text, 5))
                 self._cached[content_type] = cached
-            return cached[1], cached[2], content_type
+        with self._served:
+            self.served_version = max(self.served_version, cached[0])
+            self.scrape_times.append(time.monotonic())
+            self._served.notify_all()
+        return cached[1], cached[2], content_type
+
+    def await_scrape(self, version: int, limit: float = 60.0) -> bool:
+        """Wait until a /metrics answer has shown state ``version``: at most 1.5 measured scrape
+        intervals plus 1 s (``limit`` when fewer than two scrapes were seen; never more). False
+        at once when nothing ever scraped, or when the time ran out."""
+        with self._served:
+            if not self.scrape_times:
+                return False
+            times = list(self.scrape_times)
+            wait = min(limit, 1.5 * (times[-1] - times[-2]) + 1.0) if len(times) > 1 else limit
+            return self._served.wait_for(lambda: self.served_version >= version, timeout=wait)
 
     def _runbook_page(self, path: str) -> tuple[bytes, str]:
         from .. import resources
