@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -631,3 +632,63 @@ def test_steps_before_flush_or_a_checkpoint_survive_sigkill_right_after(tmp_path
         assert stored == list(range(steps)), (trial, stored)
         if point == "checkpoint":
             assert checkpoints == [(steps - 1,)]
+
+
+def _spiking_watch(run: str, **options) -> rlwatch.Watch:
+    """A Watch whose KLSpike (critical) fires at step 1 of make_step(noise=0.5) steps."""
+    return rlwatch.Watch(run=run, port=None, store=None, alerts=True, alert_overrides={"kl_k3_max": 0.01}, **options)
+
+
+def test_an_alert_callback_may_call_the_watch_and_its_evaluator():
+    """An on_alert callback that reads what is firing and notes it on the Watch (on main: a deadlock,
+    the evaluator held its non-reentrant lock while it ran the callback)."""
+    watch = _spiking_watch("callback")
+    seen = []
+
+    def callback(event):
+        seen.append((event.name, event.state, sorted(e.name for e in watch.evaluator.firing())))
+        watch.note("alert_seen", event.name)
+
+    watch.on_alert(callback)
+
+    def train():
+        for step in range(3):
+            watch.observe(step, **make_step(seed=step, noise=0.5))
+        watch.close()
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    trainer.join(timeout=60)
+    assert not trainer.is_alive(), "the training thread is stuck in an on_alert callback"
+    assert ("RLWatchKLSpike", "firing", ["RLWatchKLSpike"]) in seen, seen
+    assert watch.errors.total() == 0
+
+
+def test_a_slow_guard_never_holds_observe_and_a_failing_one_is_counted():
+    """A 10 s guard runs on rlwatch's alert-actions thread: the step that fired returns at once (on
+    main it took the guard's 10 s); a guard that raises is counted, and the others still run."""
+    release, ran = threading.Event(), []
+
+    def slow(event):
+        ran.append(event.name)
+        release.wait(10)
+
+    def failing(event):
+        raise RuntimeError("guard bug")
+
+    watch = _spiking_watch("guards", guard=(failing, slow))
+    durations = []
+    try:
+        for step in range(3):
+            start = time.perf_counter()
+            watch.observe(step, **make_step(seed=step, noise=0.5))
+            durations.append(time.perf_counter() - start)
+        assert max(durations) < 2.0, durations          # the guard would hold it 10 s
+        deadline = time.monotonic() + 10
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ran == ["RLWatchKLSpike"]
+    finally:
+        release.set()
+    watch.close()
+    assert watch.errors.counts[("alerts", "guard")] == 1
