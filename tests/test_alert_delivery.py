@@ -170,3 +170,13 @@ def test_close_serves_an_unseen_incident_to_one_more_scrape():
     closer.join(timeout=5)
     assert not closer.is_alive()
     assert 'alert="RLWatchKLSpike"' in body and 'state="open"' in body and 'incident="1"' in body
+
+
+def test_the_store_records_the_run_instance(tmp_path: Path):
+    from rlwatch import Watch
+    from rlwatch.store_reader import StoreReader
+
+    with Watch(run="stored", port=None, store=str(tmp_path / "s.db")) as watch:
+        _spike(watch, range(2), 0.01)
+    with StoreReader(str(tmp_path / "s.db")) as reader:
+        assert reader.meta("stored")["run_instance"] == watch.run_instance
