@@ -151,6 +151,9 @@ def _rule_errors(prometheus) -> list[str]:
 def _check_one_page(stack: dict, sick: Watch, healthy: Watch) -> None:
     receiver = stack["receiver"]
     pages = _pages(receiver)
+    for _, path, body in receiver.notifications:        # what arrived (shown with pytest -s)
+        print(path, [(a["status"], a["labels"]["alertname"], a["labels"].get("run_instance"),
+                      a["labels"].get("incident")) for a in body["alerts"]])
     identity = ("alertname", "run", "run_instance", "incident", "severity")
     critical = [(path, {k: a["labels"].get(k) for k in identity}) for path, a in pages
                 if a["labels"]["severity"] == "critical"]
