@@ -22,10 +22,11 @@ One verdict everywhere: the step-window statistics (baselines, rate bounds, stan
 streaks, the steps since an alert's condition last held) are computed once per step in the
 training process (:mod:`rlwatch.alerts.windows`) and exported as ``rlwatch_alert_value``,
 ``rlwatch_alert_streak_steps``, ``rlwatch_alert_hit_steps``, ``rlwatch_alert_quiet_steps``,
-``rlwatch_window_baseline`` and ``rlwatch_window_stderr``. The Prometheus rules compare those
-exported values with the run's thresholds, and the embedded evaluator makes the same comparison on
-the same numbers, so the two fire the same alerts at the same steps whatever the time between
-steps. Only the wall-clock alerts (trainer stalled, exporter down, hook errors, the watchdog) are
+``rlwatch_window_baseline`` and ``rlwatch_window_stderr``; the process decides when each alert
+opens and resolves and exports every opening as an incident (``rlwatch_alert_incident``). The
+Prometheus rules page on the incidents and the embedded evaluator reads the same transitions, so
+the two fire the same alerts the same number of times whatever the time between steps or scrapes
+(delivery: the runbook's paging policy, :attr:`.model.Alert.expr`). Only the wall-clock alerts (trainer stalled, exporter down, hook errors, the watchdog) are
 evaluated on time.
 
 Thresholds (:data:`PARAMS`, :mod:`.params`) are defaults; a run overrides any of them with
