@@ -51,14 +51,12 @@ class Health:
             self.state.set_gauge("store_queue_depth", float(store.queue_depth))
 
 
-def export_alert_thresholds(state: MetricState, errors: HookErrors,
-                            overrides: Mapping[str, float]) -> dict[str, float]:
-    """Validate the run's alert overrides and export every threshold in force, so that the
-    Prometheus rules read this run's values (``rlwatch_alert_threshold{param}``)."""
-    from .alerts.catalogue import PARAMS, valid_overrides
+def export_alert_thresholds(state: MetricState, overrides: Mapping[str, float]) -> dict[str, float]:
+    """Export every alert threshold in force, so that the Prometheus rules read this run's values
+    (``rlwatch_alert_threshold{param}``); returns the run's overrides as numbers."""
+    from .alerts.catalogue import PARAMS, validate_overrides
 
-    clean = valid_overrides(overrides, lambda message: errors.report("alerts", "unknown_param", message,
-                                                                     raise_in_strict=False))
+    clean = validate_overrides(overrides)
     for name, param in PARAMS.items():
         state.set_gauge("alert_threshold", clean.get(name, param.default), (name,))
     return clean
@@ -204,7 +202,7 @@ class Services:
         for name, value in (("staleness_bound", cfg.staleness_bound), ("is_cap", cfg.is_cap),
                             ("mis_low", cfg.mis_band[0]), ("mis_high", cfg.mis_band[1])):
             self.state.set_gauge(name, value)
-        overrides = self.alert_overrides = export_alert_thresholds(self.state, self.errors, cfg.alert_overrides or {})
+        overrides = self.alert_overrides = export_alert_thresholds(self.state, cfg.alert_overrides or {})
         # The alerts' step windows, exported for the Prometheus rules and read by the evaluator.
         self.windows = AlertWindows(overrides, static=_static_settings(cfg))
         self.start_store(cfg.store_file(self.run), metadata)

@@ -166,7 +166,8 @@ def report_value_errors(errors: HookErrors, values: StepValues, group_size: int 
     negative = scalar("negative_lag_tokens_total")
     if negative:
         errors.report("validate", "negative_lag", f"{int(negative)} tokens carry a version newer than "
-                      "trainer_version; excluded from the lag signals", field="token_version")
+                      "trainer_version, or NaN, infinite or negative; excluded from the lag signals",
+                      field="token_version")
     nonfinite = scalar("nonfinite_tokens")
     if nonfinite:
         errors.report("validate", "nonfinite_logp", f"{int(nonfinite)} masked tokens have a NaN or infinite "

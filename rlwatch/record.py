@@ -356,11 +356,17 @@ class RecordBuilder:
         if not ok_shape:
             self._bad(name, "shape", f"shape {tuple(v.shape)}: expected [B, T]={B, T}, [B] or [B, 2]")
             return
-        if v.dtype.is_floating_point:
-            v = v.nan_to_num(0.0, 0.0, 0.0).round()
-        elif v.dtype == torch.bool:
+        if v.dtype == torch.bool:
             v = v.to(torch.int64)
-        rec.version = v
+        # NaN, infinite or negative versions are no version: stamped one newer than the trainer, which
+        # the lag signals leave out and count (negative_lag_tokens_total, reported as a validate error
+        # once the step's values are read), without a host sync here.
+        invalid = v < 0
+        if v.dtype.is_floating_point:
+            invalid |= ~torch.isfinite(v)
+        future = torch.full((), rec.trainer_version + 1, dtype=v.dtype, device=v.device)
+        v = torch.where(invalid, future, v)
+        rec.version = v.round() if v.dtype.is_floating_point else v
 
     def _group_ids(self, value: Any, B: int, device: torch.device) -> torch.Tensor | None:
         if value is None:

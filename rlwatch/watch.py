@@ -16,6 +16,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 from . import config as env
+from .alerts.params import validate_overrides
 from .config import DEFAULT_PORT, WatchConfig, default_run_name  # noqa: F401 - public names
 from .errors import HookErrors, guard
 from .fields import StepFields
@@ -54,7 +55,8 @@ class Watch:
         otel: an OpenTelemetry MeterProvider (or True for the global one) to export through.
         alerts: evaluate the alert catalogue in-process (default: whenever a store is written).
         notifiers: alert notifiers (webhook, Slack) for the in-process evaluator.
-        alert_overrides: per-run alert thresholds ({param: value}, see rlwatch.alerts.catalogue.PARAMS).
+        alert_overrides: per-run alert thresholds ({param: value}, see rlwatch.alerts.catalogue.PARAMS);
+            an unknown name or a value outside the parameter's range raises ValueError.
         guard: callables run with the event when a critical alert fires (checkpoint, stop, ...), on
             rlwatch's alert-actions thread, outside rlwatch's locks; the step that fired waits for
             them at most 100 ms, a slower guard finishes on its own. A guard that raises is counted.
@@ -102,6 +104,7 @@ class Watch:
                  background_max_bytes: int = 256 << 20) -> None:
         # Every argument above, as one object (the signature stays the documented list of options).
         cfg = WatchConfig(**{name: value for name, value in locals().items() if name in WatchConfig.names()})
+        validate_overrides(cfg.alert_overrides or {})       # ValueError before anything starts
         self.options = cfg
         self.errors = HookErrors(strict=strict)
         self.strict = strict

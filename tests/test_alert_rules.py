@@ -126,19 +126,47 @@ def test_stalled_watchdog_matches_the_rule():
 
 def test_threshold_overrides_apply_and_are_exported():
     alert = BY_NAME["RLWatchKLSpike"]
-    evaluator = AlertEvaluator("r1", overrides={"kl_k3_max": 0.001, "nope": 1.0}, watchdog_interval=0)
+    evaluator = AlertEvaluator("r1", overrides={"kl_k3_max": 0.001}, watchdog_interval=0)
     for step in range(alert.for_steps):
         evaluator.on_step(step, {"mismatch_kl_k3": {(): 0.002}, "step": {(): float(step)}})
     assert [e.name for e in evaluator.firing()] == [alert.name]
-    assert evaluator.errors.counts[("alerts", "unknown_param")] == 1
     evaluator.close()
     from rlwatch import Watch
 
-    with Watch(run="o", port=None, store=None, alerts=False, alert_overrides={"kl_k3_max": 0.5, "bad": 1}) as w:
+    with Watch(run="o", port=None, store=None, alerts=False, alert_overrides={"kl_k3_max": 0.5}) as w:
         snap = w.state.snapshot()
     assert snap.gauges["alert_threshold"][("kl_k3_max",)] == 0.5
     assert snap.gauges["alert_threshold"][("ess_min",)] == 0.3
-    assert w.errors.counts[("alerts", "unknown_param")] == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"clear_steps": float("nan")}, "'clear_steps'=nan is not allowed: clear_steps must be a number in [1, inf)"),
+    ({"clear_steps": -1}, "'clear_steps'=-1 is not allowed: clear_steps must be a number in [1, inf)"),
+    ({"kl_k3_max": 0}, "kl_k3_max must be a number in (0, inf)"),
+    ({"ess_min": 1.5}, "ess_min must be a number in [0, 1]"),
+    ({"stall_seconds": "soon"}, "stall_seconds must be a number in (0, inf)"),
+    ({"hold_fraction": None}, "hold_fraction must be a number in (0, 1]"),
+    ({"kl_k3_mx": 0.5}, "unknown alert threshold 'kl_k3_mx' (known: kl_k3_max, "),
+    ({"intermittent_hits": 8}, "intermittent_hits must be in [1, intermittent_steps="),
+])
+def test_invalid_threshold_overrides_are_refused_when_the_watch_is_built(overrides, message, tmp_path):
+    """NaN, out-of-range values, non-numbers and unknown names raise ValueError naming the parameter
+    and its range (on main: a NaN clear_steps was taken and silenced a 30-step spike, a misspelt name
+    was logged and ignored); `render --overrides` refuses the same values in a Prometheus-side file."""
+    from rlwatch import Watch
+
+    with pytest.raises(ValueError) as raised:
+        Watch(run="o", port=None, store=None, alerts=True, alert_overrides=overrides)
+    assert message in str(raised.value)
+    (name, value), = overrides.items()
+    rule = (f'label_replace(label_replace(vector({value}), "run", "r2", "", ""), "param", "{name}", "", "")'
+            .replace("nan", "NaN"))
+    path = tmp_path / "overrides.yaml"
+    path.write_text(render.to_yaml({"groups": [{"name": "o", "rules": [{"record": "rlwatch_alert_threshold",
+                                                                         "expr": rule}]}]}))
+    if isinstance(value, (int, float)):
+        assert render.main(["--overrides", str(path)]) == 1
+    assert render.main(["--overrides", str(ALERTS_DIR / render.OVERRIDES_FILE)]) == 0
 
 
 def test_one_incident_one_page_and_resolved_carries_the_current_value():

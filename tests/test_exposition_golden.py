@@ -43,7 +43,7 @@ def render() -> tuple[str, str]:
     os.environ["RLWATCH_RUN_INSTANCE"] = "golden-host-1"        # the label is per process; fixed here
     try:
         watch = rlwatch.Watch(run="golden", port=None, store=None, alerts=True, group_size=4,
-                              alert_overrides={"mismatch_kl_warn": 0.01, "kl_k3_max": 0.05}, framework="custom",
+                              alert_overrides={"kl_k3_max": 0.05}, framework="custom",
                               framework_version="1")
     finally:
         if previous is None:

@@ -93,6 +93,15 @@ def future_versions(rec, draw):
     return rec, ("validate", "negative_lag"), "token_version", "version_lag_mean"
 
 
+def invalid_versions(rec, draw):
+    version = rec["token_version"].to(torch.float64)
+    version[0, 0] = draw(st.sampled_from([float("nan"), float("inf"), float("-inf"), -3.0]))
+    rec["token_version"] = version
+    rec["mask"] = rec["mask"].clone()
+    rec["mask"][0, 0] = True
+    return rec, ("validate", "negative_lag"), "token_version", "version_lag_mean"
+
+
 def group_mismatch(rec, draw):
     B = rec["mask"].shape[0]
     rec["group_ids"] = torch.arange(B) // 3          # groups of 3 while num_generations is 2
@@ -127,7 +136,7 @@ def unknown_field(rec, draw):
 
 
 FAULTS = [nan_logps, wrong_shape, wrong_length, empty_batch, all_masked, mask_dtype, other_dtype, other_device,
-          future_versions, group_mismatch, bad_env_labels, many_envs, weird_labels, unknown_field]
+          future_versions, invalid_versions, group_mismatch, bad_env_labels, many_envs, weird_labels, unknown_field]
 
 
 @st.composite

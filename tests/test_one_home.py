@@ -91,18 +91,21 @@ def test_alert_overrides_are_validated_once_the_same_way_by_every_reader():
     from rlwatch.alerts.evaluator import AlertEvaluator
     from rlwatch.alerts.windows import AlertWindows
 
-    overrides = {"kl_k3_max": "0.5", "ess_min": "high", "nope": 1.0}
-    expected = {**{name: p.default for name, p in PARAMS.items()}, "kl_k3_max": 0.5}
+    overrides = {"kl_k3_max": "0.5", "ess_min": 0.2}
+    expected = {**{name: p.default for name, p in PARAMS.items()}, "kl_k3_max": 0.5, "ess_min": 0.2}
     assert thresholds(overrides) == expected
     assert AlertWindows(overrides).params == expected
     evaluator = AlertEvaluator("r1", overrides=overrides, watchdog_interval=0)
     evaluator.close()
     assert evaluator.params == expected
-    assert evaluator.errors.counts[("alerts", "unknown_param")] == 2
     with rlwatch.Watch(run="o", port=None, store=None, alert_overrides=overrides) as watch:
         exported = {labels[0]: v for labels, v in watch.state.snapshot().gauges["alert_threshold"].items()}
     assert exported == expected
-    assert watch.errors.counts[("alerts", "unknown_param")] == 2      # reported once, where the run starts
+    for invalid in ({"ess_min": "high"}, {"nope": 1.0}):
+        for reader in (thresholds, AlertWindows, lambda o: AlertEvaluator("r1", overrides=o, watchdog_interval=0),
+                       lambda o: rlwatch.Watch(run="o", port=None, store=None, alert_overrides=o)):
+            with pytest.raises(ValueError):
+                reader(invalid)
 
 
 @pytest.mark.parametrize("seconds, text", [

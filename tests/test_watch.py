@@ -692,3 +692,23 @@ def test_a_slow_guard_never_holds_observe_and_a_failing_one_is_counted():
         release.set()
     watch.close()
     assert watch.errors.counts[("alerts", "guard")] == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_an_invalid_token_version_is_left_out_of_the_lag_and_counted_never_paged(bad):
+    """One NaN (or infinite, or negative) version among 256 with trainer_version 1000: on main NaN
+    became version 0, a lag of 1000 and a critical RLWatchVersionLagFarAboveBound; now the token is
+    left out of the lag signals and counted as a validate error."""
+    B, T = 16, 16
+    fields = make_step(B=B, T=T, lag_max=0, noise=0.0)
+    fields["mask"] = torch.ones(B, T, dtype=torch.bool)
+    version = torch.full((B, T), 999.0)
+    version[3, 5] = bad
+    fields.update(token_version=version, trainer_version=1000)
+    with rlwatch.Watch(run="versions", port=None, store=None, alerts=True, staleness_bound=2) as watch:
+        for step in range(4):
+            values = watch.observe(step, **fields)
+        assert values.value("version_lag_max") == 1.0
+        assert values.value("version_lag_mean") == pytest.approx(1.0)
+        assert watch.errors.counts[("validate", "negative_lag")] == 4
+        assert [e.name for e in watch.evaluator.events] == []

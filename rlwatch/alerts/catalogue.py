@@ -47,7 +47,7 @@ from .domains import data, hacks, importance, liveness, mismatch, staleness
 from .domains.liveness import stalled
 from .history import History, LabelSet, Verdicts
 from .model import ALERT_LABELS, RUNBOOK_BASE, Alert, Example, Runbook, StepExample, runbook_base
-from .params import PARAMS, Param, defaults, threshold, thresholds, valid_overrides
+from .params import PARAMS, Param, defaults, threshold, thresholds, validate_overrides
 
 ALERTS: tuple[Alert, ...] = (
     mismatch.KL_SPIKE, mismatch.KL_JUMP, mismatch.MISMATCH_DRIFT, mismatch.ON_POLICY_RATIO_NOT_ONE,
@@ -94,4 +94,4 @@ def evaluate(alert: Alert, history: History) -> Verdicts:
 
 __all__ = ["ALERTS", "ALERT_LABELS", "BY_NAME", "PARAMS", "RECORDING_RULES", "RUNBOOK_BASE", "Alert", "Example",
            "History", "LabelSet", "Param", "Runbook", "StepExample", "Verdicts", "defaults", "evaluate",
-           "runbook_base", "stalled", "threshold", "thresholds", "valid_overrides", "wilson_lower"]
+           "runbook_base", "stalled", "threshold", "thresholds", "validate_overrides", "wilson_lower"]

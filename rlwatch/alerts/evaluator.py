@@ -34,7 +34,7 @@ EVENTS_KEPT = 1000
 class AlertEvaluator:
     """Evaluates the alert catalogue per step.
 
-    overrides: threshold values for this run ({param: value}); unknown names are reported.
+    overrides: threshold values for this run ({param: value}); ValueError on an invalid one.
     guard: callables ``guard(event)`` run when a critical alert fires, on the alert-actions thread; the
         step that fired waits for them at most 100 ms (:data:`rlwatch.alerts.actions.WAIT_SECONDS`).
     static: values every step carries implicitly (the run's settings, e.g. ``staleness_bound``), as
@@ -48,8 +48,7 @@ class AlertEvaluator:
         self.run = run
         self.store = store
         self.errors = errors or HookErrors()
-        self.params = thresholds(overrides, lambda message: self.errors.report(
-            "alerts", "unknown_param", message, raise_in_strict=False))
+        self.params = thresholds(overrides)
         alerts = list(alerts)
         self.alerts = [a for a in alerts if a.condition is not None]
         self._names = {a.name for a in self.alerts}

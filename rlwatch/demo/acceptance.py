@@ -34,13 +34,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .matrix import FAMILIES, SCENARIOS, TEST_SEEDS, TUNING_SEEDS, RunSpec, collect, derived, specs
+from .scale_free import RATIO_BOUNDS, ratio_trial
 
 #: Thresholds tuned on the tuning split (their scale depends on the policy: the toy policies move far
-#: more per update than a large model, see rlwatch.demo.WATCH_CONFIG), with the candidates tried.
-TUNED: dict[str, tuple[float, ...]] = {"kl_k3_max": (0.1, 0.2, 0.5, 1.0, 2.0), "ess_min": (0.3, 0.2, 0.1)}
+#: more per update than a large model, see rlwatch.demo.WATCH_CONFIG), with the candidates tried,
+#: each from the most sensitive; "intermittent" is (intermittent_hits, intermittent_steps).
+TUNED: dict[str, tuple] = {"kl_k3_max": (0.1, 0.2, 0.5, 1.0, 2.0), "intermittent": ((2, 4), (3, 7), (4, 10)),
+                           "ess_min": (0.3, 0.2, 0.1)}
+TUNED_PARAMS = ("kl_k3_max", "intermittent_hits", "intermittent_steps", "ess_min")
 STALENESS_BOUND = 2
 FLAP_STEPS = 10
 SEMANTIC_STEPS = 10
+#: An intermittent fault must page within this many steps of its first faulty step.
+INTERMITTENT_STEPS = 10
 HACK_HOLD = 0.2
 
 
@@ -216,9 +222,16 @@ def score(outcomes: list[Outcome]) -> dict[str, object]:
     semantic = [o for o in ok if o.kind == "semantic"]
     hack = [o for o in ok if o.kind == "hack"]
     infra = [o for o in ok if o.kind == "infra"]
+    intermittent = [o for o in ok if o.kind == "intermittent"]
     lag_fault = [o for o in ok if o.kind == "lag_fault"]
     leads = [o.lead for o in collapsing if o.lead is not None]
     fractions = [o.lead / o.collapse_step for o in collapsing if o.lead is not None]
+
+    def intermittent_ok(o: Outcome) -> bool:
+        from .config import ScenarioConfig
+
+        first = o.first_critical
+        return first is not None and 0 <= first.step - ScenarioConfig.intermittent_from < INTERMITTENT_STEPS
 
     def semantic_ok(o: Outcome) -> bool:
         first = min((e.step for e in o.firings("critical") if e.name == "RLWatchOnPolicyRatioNotOne"), default=None)
@@ -242,6 +255,7 @@ def score(outcomes: list[Outcome]) -> dict[str, object]:
         "lead_median": statistics.median(leads) if leads else None,
         "lead_fraction_median": round(statistics.median(fractions), 3) if fractions else None,
         "semantic_runs": len(semantic), "semantic_ok": sum(semantic_ok(o) for o in semantic),
+        "intermittent_runs": len(intermittent), "intermittent_ok": sum(intermittent_ok(o) for o in intermittent),
         "hack_runs": len(hack), "hack_took_hold": len(took_hold),
         "hack_buggy_env_only": sum(hack_envs(o) == {buggy[o.run]} for o in took_hold),
         "hack_alert_without_a_hack": sum(bool(hack_envs(o)) for o in ok if not o.hack_took_hold),
@@ -273,6 +287,8 @@ def bars(s: dict) -> dict[str, bool]:
                                                           or (s["lead_fraction_median"] or 0) >= 0.5),
         "0 flaps": s["flaps"] == 0,
         "semantic faults critical within 10 steps and firing at the end": s["semantic_ok"] == s["semantic_runs"],
+        "intermittent faults critical within 10 steps of the first faulty step": (s["intermittent_ok"]
+                                                                                  == s["intermittent_runs"]),
         "hack alert on the hacked environment only": (s["hack_buggy_env_only"] == s["hack_took_hold"]
                                                       and s["hack_alert_without_a_hack"] == 0),
     }
@@ -312,86 +328,39 @@ def per_alert(outcomes: list[Outcome]) -> dict[str, dict[str, object]]:
 
 def tune(traces: list[dict], base: dict[str, float]) -> tuple[dict[str, float], list[dict]]:
     """Choose TUNED's thresholds on the tuning traces: the most sensitive combination (smallest KL
-    bound, largest ESS floor, tried in that order) with no critical page on a healthy run, every
-    collapse paged and no flap; else the quietest with the best recall."""
+    bound, then the fewest intermittent hits, then the largest ESS floor, tried in that order) with
+    no critical page on a healthy run, every collapse paged, every intermittent fault paged in time
+    and no flap; else the quietest with the best recall."""
     tried = []
-    for kl, ess in itertools.product(TUNED["kl_k3_max"], TUNED["ess_min"]):
-        overrides = {**base, "kl_k3_max": kl, "ess_min": ess}
+    for kl, (hits, steps), ess in itertools.product(*TUNED.values()):
+        overrides = {**base, "kl_k3_max": kl, "intermittent_hits": hits, "intermittent_steps": steps, "ess_min": ess}
         s = score([replay(t, overrides) for t in traces])
-        tried.append({"kl_k3_max": kl, "ess_min": ess, **{k: s[k] for k in (
-            "healthy_critical_pages", "collapsed_paged_before", "collapsed", "lead_median", "flaps")}})
-        if s["healthy_critical_pages"] == 0 and s["collapsed_paged_before"] == s["collapsed"] and s["flaps"] == 0:
+        tried.append({**{k: overrides[k] for k in TUNED_PARAMS}, **{k: s[k] for k in (
+            "healthy_critical_pages", "collapsed_paged_before", "collapsed", "lead_median", "intermittent_ok",
+            "intermittent_runs", "flaps")}})
+        if (s["healthy_critical_pages"] == 0 and s["collapsed_paged_before"] == s["collapsed"] and s["flaps"] == 0
+                and s["intermittent_ok"] == s["intermittent_runs"]):
             return overrides, tried
     quiet = [t for t in tried if t["healthy_critical_pages"] == 0] or tried
-    best = max(quiet, key=lambda t: (t["collapsed_paged_before"], -t["flaps"]))
-    return {**base, "kl_k3_max": best["kl_k3_max"], "ess_min": best["ess_min"]}, tried
+    best = max(quiet, key=lambda t: (t["collapsed_paged_before"] + t["intermittent_ok"], -t["flaps"]))
+    return {**base, **{k: best[k] for k in TUNED_PARAMS}}, tried
 
 
 # --- report -------------------------------------------------------------------------------------------
 
-def markdown(command: str, chosen: dict, tried: list[dict], s: dict, checks: dict, alerts: dict,
-             outcomes: list[Outcome], agreement: dict, seconds: float, split: dict) -> str:
-    fams = ", ".join(f"`{name}` ({FAMILIES[name]['policy']} on {FAMILIES[name]['tasks']})"
-                     for name in split["families"])
-    lines = [
-        "<!-- Written by `python -m rlwatch.demo.acceptance`. -->",
-        "# Alert acceptance report",
-        "",
-        f"Command: `{command}` ({seconds:.0f} s of replay; the traces were trained once by "
-        "`python -m rlwatch.demo.matrix`).",
-        "",
-        f"Matrix: {len(split['scenarios'])} scenarios x {len(split['families'])} families ({fams}) x seeds: "
-        f"{split['tuning_runs']} tuning runs (seeds {list(split['tuning_seeds'])}), {len(outcomes)} test runs "
-        f"(seeds {list(split['test_seeds'])}); staleness bound {STALENESS_BOUND}; kinds of run as in "
-        "`rlwatch.demo.matrix.SCENARIOS`. "
-        f"Thresholds chosen on the tuning split: " + ", ".join(f"`{k}`={v:g}" for k, v in chosen.items()) + ".",
-        "",
-        "## Bars (test split)",
-        "",
-        "| bar | met |", "|---|---|",
-        *[f"| {name} | {'yes' if ok else '**no**'} |" for name, ok in checks.items()],
-        f"| in-process and Prometheus verdicts equal ({agreement.get('runs', 0)} runs, "
-        f"{agreement.get('steps', 0)} steps each with a step every {agreement.get('step_seconds', '-')} s) | "
-        f"{'yes' if agreement.get('ok') else '**no**'} |",
-        "",
-        "## Summary (test split)",
-        "",
-        "| measure | value |", "|---|---|",
-        *[f"| {k} | {v} |" for k, v in s.items()],
-        "",
-        "## Per alert (test split): firings on healthy runs, recall and lead on the runs that collapsed, "
-        "firings on the other kinds of run, flaps per run",
-        "",
-        "| alert | " + " | ".join(next(iter(alerts.values())).keys()) + " |",
-        "|---|" + "---|" * len(next(iter(alerts.values()))),
-        *[f"| {name} | " + " | ".join(str(v) for v in row.values()) + " |" for name, row in alerts.items()],
-        "",
-        "## Tuning (tuning split), candidates in the order tried",
-        "",
-        "| " + " | ".join(tried[0].keys()) + " |", "|" + "---|" * len(tried[0]),
-        *["| " + " | ".join(str(v) for v in row.values()) + " |" for row in tried],
-        "",
-        "## Runs (test split)",
-        "",
-        "| run | kind | collapse step | first critical (step) | lead | critical alerts | warnings | flaps |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for o in outcomes:
-        first = o.first_critical
-        crit = sorted({_short(e.name) for e in o.firings("critical")})
-        warn = sorted({_short(e.name) for e in o.firings("warning")})
-        lines.append(f"| {o.run} | {o.kind} | {o.collapse_step if o.collapse_step is not None else '-'} | "
-                     f"{_short(first.name) + f' ({first.step})' if first else '-'} | "
-                     f"{o.lead if o.lead is not None else '-'} | {', '.join(crit) or '-'} | "
-                     f"{', '.join(warn) or '-'} | {o.flaps} |" + (f" error: {o.error}" if o.error else ""))
-    return "\n".join(lines) + "\n"
+def _agreement(test_traces: list[dict], thresholds: dict[str, float], runs: int) -> dict:
+    """prometheus_agrees on a sample of ``runs`` test runs at every cadence of the promtool tests."""
+    from ..alerts.render import CADENCES
+
+    usable = [t for t in test_traces if not t.get("error")]
+    sample = usable[::max(1, len(usable) // max(1, runs))][:runs]
+    cadences = [prometheus_agrees(sample, thresholds, seconds, scrape) for _, seconds, scrape in CADENCES]
+    return {"runs": cadences[0]["runs"], "steps": cadences[0]["steps"],
+            "step_seconds": ", ".join(str(c["step_seconds"]) for c in cadences),
+            "ok": all(c["ok"] for c in cadences), "cadences": cadences}
 
 
-def _short(name: str) -> str:
-    return name.removeprefix("RLWatch")
-
-
-def main(argv: list[str] | None = None) -> int:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", default=".rlwatch-matrix", help="trace cache of rlwatch.demo.matrix")
     parser.add_argument("--out", help="write OUT.md and OUT.json")
@@ -402,7 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="steps per run (default: each family's own)")
     parser.add_argument("--prometheus-sample", type=int, default=12, help="test runs replayed through promtool")
     parser.add_argument("--jobs", type=int, default=1, help="processes training traces missing from the cache")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
     started = time.perf_counter()
     from . import WATCH_CONFIG
     from .matrix import collect_all
@@ -412,35 +385,33 @@ def main(argv: list[str] | None = None) -> int:
     tuning_specs, test_specs = (specs(s, families, scenarios, args.steps) for s in seeds)
     collect_all(tuning_specs + test_specs, args.cache, args.jobs)
     load = lambda spec: collect(spec, args.cache)  # noqa: E731 - cached
-    base = {k: v for k, v in WATCH_CONFIG["alert_overrides"].items() if k not in TUNED}
-    chosen, tried = tune([load(s) for s in tuning_specs], base)
-    test_traces = [load(s) for s in test_specs]
+    base = {k: v for k, v in WATCH_CONFIG["alert_overrides"].items() if k not in TUNED_PARAMS}
+    tuning_traces, test_traces = [load(s) for s in tuning_specs], [load(s) for s in test_specs]
+    chosen, tried = tune(tuning_traces, base)
     outcomes = [replay(t, chosen) for t in test_traces]
-    s = score(outcomes)
-    checks = bars(s)
-    sample = [t for t in test_traces if not t.get("error")][::max(1, len(test_traces) // max(1, args.prometheus_sample))]
-    agreement: dict = {}
-    if args.prometheus_sample:            # a step every 1 s, 10 s and 10 min (scrapes every 1 s, 5 s, 1 min)
-        from ..alerts.render import CADENCES
-
-        cadences = [prometheus_agrees(sample[:args.prometheus_sample], chosen, seconds, scrape)
-                    for _, seconds, scrape in CADENCES]
-        agreement = {"runs": cadences[0]["runs"], "steps": cadences[0]["steps"],
-                     "step_seconds": ", ".join(str(c["step_seconds"]) for c in cadences),
-                     "ok": all(c["ok"] for c in cadences), "cadences": cadences}
+    at = {"tuned": chosen, "shipped": {}}          # the catalogue's defaults: what a run gets with no override
+    summaries = {"tuned": score(outcomes), "shipped": score([replay(t, {}) for t in test_traces])}
+    checks = {name: bars(s) for name, s in summaries.items()}
+    agreement = _agreement(test_traces, chosen, args.prometheus_sample) if args.prometheus_sample else {}
+    ratio = {"tuning": [ratio_trial(tuning_traces, b, chosen, INTERMITTENT_STEPS) for b in RATIO_BOUNDS],
+             "test": [ratio_trial(test_traces, b, chosen, INTERMITTENT_STEPS) for b in RATIO_BOUNDS]}
     seconds = time.perf_counter() - started
     command = "python -m rlwatch.demo.acceptance " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     split = {"families": families, "scenarios": scenarios, "tuning_seeds": seeds[0], "test_seeds": seeds[1],
              "tuning_runs": len(tuning_specs)}
-    report = markdown(command, chosen, tried, s, checks, per_alert(outcomes), outcomes, agreement, seconds, split)
+    from .acceptance_report import markdown
+
+    report = markdown(command, at, tried, summaries, checks, per_alert(outcomes), outcomes, agreement, seconds,
+                      split, ratio)
     if args.out:
         Path(args.out + ".md").write_text(report)
         Path(args.out + ".json").write_text(json.dumps({
-            "command": command, "thresholds": chosen, "tuning": tried, "summary": s, "bars": checks,
-            "prometheus_agreement": agreement, "per_alert": per_alert(outcomes),
+            "command": command, "seconds": round(seconds), "thresholds": at, "tuning": tried,
+            "summary": summaries, "bars": checks, "prometheus_agreement": agreement,
+            "per_alert": per_alert(outcomes), "scale_free_trial": ratio,
             "runs": [asdict(o) | {"lead": o.lead, "flaps": o.flaps} for o in outcomes]}, indent=1))
     print(report)
-    accepted = all(checks.values()) and (agreement.get("ok", True) if args.prometheus_sample else True)
+    accepted = all(checks["tuned"].values()) and agreement.get("ok", not args.prometheus_sample)
     print("ACCEPTED" if accepted else "NOT ACCEPTED")
     return 0 if accepted else 1
 

@@ -1,0 +1,100 @@
+"""The acceptance report's Markdown (:mod:`rlwatch.demo.acceptance` computes its figures)."""
+
+from __future__ import annotations
+
+from .acceptance import STALENESS_BOUND, TUNED_PARAMS, Outcome
+from .matrix import FAMILIES
+
+
+def _table(rows: list[dict]) -> list[str]:
+    return ["| " + " | ".join(map(str, rows[0])) + " |", "|" + "---|" * len(rows[0]),
+            *["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows]]
+
+
+def _thresholds_text(thresholds: dict[str, float]) -> str:
+    from ..alerts.params import PARAMS
+
+    return ", ".join(f"`{k}`={thresholds.get(k, PARAMS[k].default):g}" for k in TUNED_PARAMS)
+
+
+def markdown(command: str, at: dict[str, dict], tried: list[dict], summaries: dict[str, dict],
+             checks: dict[str, dict], alerts: dict, outcomes: list[Outcome], agreement: dict, seconds: float,
+             split: dict, ratio: dict[str, list[dict]]) -> str:
+    """The report: bars and summary at the shipped defaults and at the tuned thresholds side by side,
+    the tuned thresholds' per-alert table and runs, the tuning, the scale-free trial."""
+    fams = ", ".join(f"`{name}` ({FAMILIES[name]['policy']} on {FAMILIES[name]['tasks']})"
+                     for name in split["families"])
+    yes = lambda ok: "yes" if ok else "**no**"  # noqa: E731
+    lines = [
+        "<!-- Written by `python -m rlwatch.demo.acceptance`. -->",
+        "# Alert acceptance report",
+        "",
+        f"Command: `{command}` ({seconds:.0f} s of replay; the traces were trained once by "
+        "`python -m rlwatch.demo.matrix`).",
+        "",
+        f"Matrix: {len(split['scenarios'])} scenarios ({', '.join(split['scenarios'])}) x {len(split['families'])} "
+        f"families ({fams}) x seeds: {split['tuning_runs']} tuning runs (seeds {list(split['tuning_seeds'])}), "
+        f"{len(outcomes)} test runs (seeds {list(split['test_seeds'])}); staleness bound {STALENESS_BOUND}; kinds "
+        "of run as in `rlwatch.demo.matrix.SCENARIOS`.",
+        "",
+        "Two sets of thresholds, each labelled in every table: **shipped defaults** (the catalogue's, what a run "
+        f"gets without overrides: {_thresholds_text(at['shipped'])}) and **tuned** (chosen on the tuning split "
+        f"for these toy policies: {_thresholds_text(at['tuned'])}; also "
+        + ", ".join(f"`{k}`={v:g}" for k, v in at["tuned"].items() if k not in TUNED_PARAMS) + ").",
+        "",
+        "## Bars (test split)",
+        "",
+        "| bar | shipped defaults | tuned |", "|---|---|---|",
+        *[f"| {name} | {yes(checks['shipped'][name])} | {yes(ok)} |" for name, ok in checks["tuned"].items()],
+        f"| in-process and Prometheus verdicts equal ({agreement.get('runs', 0)} runs, "
+        f"{agreement.get('steps', 0)} steps each with a step every {agreement.get('step_seconds', '-')} s; "
+        f"tuned) | - | {yes(agreement['ok']) if agreement else 'not run'} |",
+        "",
+        "## Summary (test split)",
+        "",
+        "| measure | shipped defaults | tuned |", "|---|---|---|",
+        *[f"| {k} | {summaries['shipped'][k]} | {v} |" for k, v in summaries["tuned"].items()],
+        "",
+        "## Per alert (test split, tuned thresholds): firings on healthy runs, recall and lead on the runs "
+        "that collapsed, firings on the other kinds of run, flaps per run",
+        "",
+        *_table([{"alert": name, **row} for name, row in alerts.items()]),
+        "",
+        "## Tuning (tuning split), candidates in the order tried",
+        "",
+        *_table(tried),
+        "",
+        "## Scale-free trial: k3 / mean token entropy (not shipped)",
+        "",
+        "A critical condition on k3 divided by the policy's mean token entropy, opened as RLWatchKLSpike is (2 "
+        "steps running or the intermittent window), at each bound; a shipped default would have to meet the "
+        "bars on this matrix and mean the same on a language model.",
+        "",
+        "Tuning split:", "", *_table(ratio["tuning"]), "", "Test split:", "", *_table(ratio["test"]),
+        "",
+        "## Runs (test split, tuned thresholds)",
+        "",
+        *_runs(outcomes),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _runs(outcomes: list[Outcome]) -> list[str]:
+    lines = ["| run | kind | collapse step | first critical (step) | lead | critical alerts | warnings | flaps |",
+             "|---|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        first = o.first_critical
+        crit = sorted({_short(e.name) for e in o.firings("critical")})
+        warn = sorted({_short(e.name) for e in o.firings("warning")})
+        lines.append(f"| {o.run} | {o.kind} | {o.collapse_step if o.collapse_step is not None else '-'} | "
+                     f"{_short(first.name) + f' ({first.step})' if first else '-'} | "
+                     f"{o.lead if o.lead is not None else '-'} | {', '.join(crit) or '-'} | "
+                     f"{', '.join(warn) or '-'} | {o.flaps} |" + (f" error: {o.error}" if o.error else ""))
+    return lines
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("RLWatch")
+
+
+__all__ = ["markdown"]
