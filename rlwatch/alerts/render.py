@@ -250,20 +250,17 @@ The catalogue enforces it; `tests/test_alert_rules.py` and the acceptance report
   times whether a step takes 1 s or 10 min and whether Prometheus scrapes every step or every 200
   (`tests/test_alert_delivery.py` replays bursts through promtool at 1 to 200 steps per scrape).
   Only the trainer-stalled, exporter-down and hook-error alerts read wall time.
-- **Delivery does not depend on sampling.** Each time an alert opens is an incident with its own
-  series, `rlwatch_alert_incident{alert, ..., incident="<n>", state}`: `state="open"` with the
-  statistic while it is open, then `state="resolved"` with the value it opened with, still exported
-  for 10 minutes (longer than any scrape interval) after it resolved. The rule fires an open
-  incident, and a resolved one only when its series is less than 2 minutes old and no scrape saw it
-  open: an incident that opened and resolved between two scrapes pages once, one that a scrape saw
-  open resolves in Prometheus at the scrape that shows it resolved. `keep_firing_for: 1m` holds every
-  incident longer than Alertmanager's group wait, so one that only the run's last scrape saw still
-  reaches the receiver. When a run closes with an incident change no scrape has seen yet, the Watch
-  keeps serving `/metrics` until one more scrape (at most 1.5 measured scrape intervals, 60 s), and a
-  Pushgateway run pushes it at close. The `incident` label makes each opening its own alert: two
-  incidents between two scrapes are two pages, as in the process, and both Prometheus replicas of
-  an HA pair send the same labels, which the Alertmanager cluster deduplicates
-  (`examples/deploy/ha/`).
+- **Delivery does not depend on sampling.** Each opening is an incident with its own series,
+  `rlwatch_alert_incident{alert, ..., incident="<n>", state}`: `state="open"` with the statistic
+  while open, then `state="resolved"` with the value it opened with, exported 10 more minutes
+  (longer than any scrape interval). The rule fires an open incident, and a resolved one only while
+  its series is under 2 minutes old and no scrape saw it open: an incident between two scrapes pages
+  once; one seen open resolves at the scrape that shows it resolved. `keep_firing_for: 1m` outlasts
+  Alertmanager's group wait, so an incident only the run's last scrape saw still arrives; a run that
+  closes with an incident no scrape has seen serves one more scrape (at most 1.5 measured scrape
+  intervals, 60 s), a Pushgateway run pushes it at close. Each incident is its own alert (two between
+  two scrapes page twice, as in the process), identical on both replicas of an HA pair, which the
+  Alertmanager cluster deduplicates (`examples/deploy/ha/`).
 - **Run identity.** Every series carries `run` and `run_instance` (one per process:
   `<host>-<pid>-<start>`, or `$RLWATCH_RUN_INSTANCE`), every rule joins `on(run, run_instance)` and a
   Pushgateway groups by both: two processes that share a run name page, chart and push separately.
