@@ -102,14 +102,13 @@ def servers(tmp_path: Path, request):
         proms = []
         for i in range(prometheus):
             port = free_port()
-            prom = start_process([need_binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+            prom = start_process([prometheus_bin, f"--config.file={tmp_path / 'prometheus.yml'}",
                                   f"--storage.tsdb.path={tmp_path / f'prom{i}-data'}",
                                   f"--web.listen-address=127.0.0.1:{port}"], port, tmp_path / f"prom{i}.log")
             request.addfinalizer(prom.stop)
             proms.append(prom)
         return dict(receiver=receiver, prometheus=proms, alertmanagers=ams, sd_dir=sd_dir)
 
-    assert prometheus_bin and alertmanager_bin
     return start
 
 

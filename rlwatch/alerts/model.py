@@ -2,8 +2,8 @@
 the example its promtool tests replay.
 
 A step-window alert has a ``condition`` (read in the training process, see
-:mod:`rlwatch.alerts.windows`) and a rule expression that compares the exported window values; a
-wall-clock alert has only a Prometheus expression (``prom_expr``).
+:mod:`rlwatch.alerts.windows`) and a rule that pages on the incidents the process exports
+(``rlwatch_alert_incident``); a wall-clock alert has only a Prometheus expression (``prom_expr``).
 """
 
 from __future__ import annotations
