@@ -33,6 +33,7 @@ def scrape(url: str, **kwargs) -> dict[tuple[str, tuple], float]:
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            s.labels.pop("run_instance", None)          # the keys name the run only
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return samples
 
@@ -301,6 +302,21 @@ def test_pushgateway_receives_the_run(pushgateway):
     assert keys and samples[keys[0]] == 1
 
 
+def test_pushgateway_keeps_two_processes_of_one_run_apart(pushgateway):
+    """Two processes pushing one run name: one group each (grouping key run + run_instance), neither
+    replaces the other's metrics."""
+    twins = [rlwatch.Watch(run="twin", port=None, store=None, pushgateway=pushgateway.url, push_interval=60)
+             for _ in range(2)]
+    for count, watch in enumerate(twins, start=1):
+        for step in range(count):
+            watch.observe(step, **make_step(seed=step))
+        watch.close()
+    text = urllib.request.urlopen(pushgateway.url + "/metrics", timeout=5).read().decode()
+    totals = {s.labels.get("run_instance"): s.value for family in text_string_to_metric_families(text)
+              for s in family.samples if s.name == "rlwatch_steps_total" and s.labels.get("run") == "twin"}
+    assert totals == {twins[0].run_instance: 1, twins[1].run_instance: 2}
+
+
 def test_pushgateway_down_never_blocks_or_raises():
     port = free_port()
     with rlwatch.Watch(run="nopush", port=None, store=None, pushgateway=f"http://127.0.0.1:{port}",
@@ -356,7 +372,9 @@ def test_opentelemetry_in_memory_reader():
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 for point in metric.data.data_points:
-                    points[(metric.name, tuple(sorted(point.attributes.items())))] = point.value
+                    attributes = dict(point.attributes)
+                    assert attributes.pop("run_instance") == watch.run_instance
+                    points[(metric.name, tuple(sorted(attributes.items())))] = point.value
     assert points[("rlwatch_mismatch_kl_k3", (("run", "otel"),))] == pytest.approx(values["mismatch_kl_k3"][()])
     assert points[("rlwatch_tokens", (("run", "otel"),))] == int(step["mask"].sum())
     assert points[("rlwatch_env_episodes", (("env", "math"), ("run", "otel")))] == 8
@@ -427,7 +445,7 @@ def test_tls_and_basic_auth(tmp_path):
         assert info.value.code == 401
         request = urllib.request.Request(watch.url, headers={"Authorization": "Basic cHJvbTpzM2NyZXQ="})
         body = urllib.request.urlopen(request, context=context, timeout=5).read().decode()
-        assert 'rlwatch_steps_total{run="tls"} 1.0' in body
+        assert f'rlwatch_steps_total{{run="tls",run_instance="{watch.run_instance}"}} 1.0' in body
         with pytest.raises((urllib.error.URLError, ConnectionError)):   # plain HTTP is refused
             urllib.request.urlopen(watch.url.replace("https", "http"), timeout=5)
 
@@ -469,7 +487,7 @@ def test_an_idle_tls_client_neither_stops_scrapes_nor_hangs_close(tmp_path):
         start = time.perf_counter()
         body = urllib.request.urlopen(watch.url, context=context, timeout=5).read().decode()
         assert time.perf_counter() - start < 2
-        assert 'rlwatch_steps_total{run="tlsidle"} 1.0' in body
+        assert f'rlwatch_steps_total{{run="tlsidle",run_instance="{watch.run_instance}"}} 1.0' in body
         start = time.perf_counter()
         watch.close()
         assert time.perf_counter() - start < 3

@@ -22,10 +22,11 @@ One verdict everywhere: the step-window statistics (baselines, rate bounds, stan
 streaks, the steps since an alert's condition last held) are computed once per step in the
 training process (:mod:`rlwatch.alerts.windows`) and exported as ``rlwatch_alert_value``,
 ``rlwatch_alert_streak_steps``, ``rlwatch_alert_hit_steps``, ``rlwatch_alert_quiet_steps``,
-``rlwatch_window_baseline`` and ``rlwatch_window_stderr``. The Prometheus rules compare those
-exported values with the run's thresholds, and the embedded evaluator makes the same comparison on
-the same numbers, so the two fire the same alerts at the same steps whatever the time between
-steps. Only the wall-clock alerts (trainer stalled, exporter down, hook errors, the watchdog) are
+``rlwatch_window_baseline`` and ``rlwatch_window_stderr``; the process decides when each alert
+opens and resolves and exports every opening as an incident (``rlwatch_alert_incident``). The
+Prometheus rules page on the incidents and the embedded evaluator reads the same transitions, so
+the two fire the same alerts the same number of times whatever the time between steps or scrapes
+(delivery: the runbook's paging policy, :attr:`.model.Alert.expr`). Only the wall-clock alerts (trainer stalled, exporter down, hook errors, the watchdog) are
 evaluated on time.
 
 Thresholds (:data:`PARAMS`, :mod:`.params`) are defaults; a run overrides any of them with
@@ -63,22 +64,23 @@ BY_NAME: dict[str, Alert] = {a.name: a for a in ALERTS}
 #: Recording rules for the dashboards' wall-clock rate panels (the alerts read the step windows).
 RECORDING_RULES: tuple[tuple[str, str], ...] = (
     ("run:rlwatch_tokens_over_staleness_bound:ratio_rate10m",
-     "sum by (run) (rate(rlwatch_tokens_over_staleness_bound_total[10m]))\n"
-     "/ sum by (run) (rate(rlwatch_tokens_total[10m]))"),
+     "sum by (run, run_instance) (rate(rlwatch_tokens_over_staleness_bound_total[10m]))\n"
+     "/ sum by (run, run_instance) (rate(rlwatch_tokens_total[10m]))"),
     ("run:rlwatch_is_tis_truncated_tokens:ratio_rate10m",
-     "sum by (run) (rate(rlwatch_is_tis_truncated_tokens_total[10m]))\n"
-     "/ sum by (run) (rate(rlwatch_mismatch_tokens_total[10m]))"),
+     "sum by (run, run_instance) (rate(rlwatch_is_tis_truncated_tokens_total[10m]))\n"
+     "/ sum by (run, run_instance) (rate(rlwatch_mismatch_tokens_total[10m]))"),
     ("run:rlwatch_nonfinite_tokens:ratio_rate10m",
-     "sum by (run) (rate(rlwatch_nonfinite_tokens_total[10m]))\n/ sum by (run) (rate(rlwatch_tokens_total[10m]))"),
+     "sum by (run, run_instance) (rate(rlwatch_nonfinite_tokens_total[10m]))\n"
+     "/ sum by (run, run_instance) (rate(rlwatch_tokens_total[10m]))"),
     ("run_env_detector:rlwatch_episodes_hacked:ratio_rate10m",
-     "sum by (run, env, detector) (rate(rlwatch_episodes_hacked_total[10m]))\n"
-     "/ sum by (run, env, detector) (rate(rlwatch_episodes_judged_total[10m]))"),
+     "sum by (run, run_instance, env, detector) (rate(rlwatch_episodes_hacked_total[10m]))\n"
+     "/ sum by (run, run_instance, env, detector) (rate(rlwatch_episodes_judged_total[10m]))"),
     ("run_env_kind:rlwatch_episodes_failed:ratio_rate10m",
-     "sum by (run, env, kind) (rate(rlwatch_episodes_failed_total[10m]))\n"
-     "/ on(run, env) group_left() sum by (run, env) (rate(rlwatch_episodes_total[10m]))"),
+     "sum by (run, run_instance, env, kind) (rate(rlwatch_episodes_failed_total[10m]))\n"
+     "/ on(run, run_instance, env) group_left() sum by (run, run_instance, env) (rate(rlwatch_episodes_total[10m]))"),
     ("run_env:rlwatch_episodes_truncated:ratio_rate10m",
-     "sum by (run, env) (rate(rlwatch_episodes_truncated_total[10m]))\n"
-     "/ sum by (run, env) (rate(rlwatch_episodes_total[10m]))"),
+     "sum by (run, run_instance, env) (rate(rlwatch_episodes_truncated_total[10m]))\n"
+     "/ sum by (run, run_instance, env) (rate(rlwatch_episodes_total[10m]))"),
 )
 
 

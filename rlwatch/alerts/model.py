@@ -2,8 +2,8 @@
 the example its promtool tests replay.
 
 A step-window alert has a ``condition`` (read in the training process, see
-:mod:`rlwatch.alerts.windows`) and a rule expression that compares the exported window values; a
-wall-clock alert has only a Prometheus expression (``prom_expr``).
+:mod:`rlwatch.alerts.windows`) and a rule that pages on the incidents the process exports
+(``rlwatch_alert_incident``); a wall-clock alert has only a Prometheus expression (``prom_expr``).
 """
 
 from __future__ import annotations
@@ -12,11 +12,19 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .history import History, LabelSet, Verdicts
-from .params import threshold
 
 #: the runbook every rlwatch exporter serves (the copy shipped in the package); RLWATCH_RUNBOOK_URL
 #: overrides it (runbook_base)
 RUNBOOK_BASE = "http://127.0.0.1:9400/runbook"
+
+#: The labels that identify one exporting process's series (every rule joins on them).
+RUN_IDENTITY = ("run", "run_instance")
+#: A resolved incident that no scrape saw open fires while its series is younger than this (longer
+#: than any evaluation interval), so an incident that opened and resolved between two scrapes pages once.
+INCIDENT_UNSEEN_WINDOW = "2m"
+#: keep_firing_for of the step-window alerts: longer than Alertmanager's group_wait, so an incident
+#: that only the last scrape of a run saw still reaches the receiver once the exporter is gone.
+INCIDENT_KEEP_FIRING_MINUTES = 1
 
 
 def runbook_base(explicit: str | None = None) -> str:
@@ -112,13 +120,24 @@ class Alert:
 
     @property
     def expr(self) -> str:
+        """The rule: an open incident fires; a resolved one fires only when it is new and no scrape
+        saw it open (it opened and resolved between two scrapes)."""
         if self.condition is None:
             return self.prom_expr
-        on = ", ".join(("run",) + ALERT_LABELS[1:])
-        return (f'max without (alert) (rlwatch_alert_value{{alert="{self.name}"}})\n'
-                f'and on({on})\n'
-                f'(rlwatch_alert_quiet_steps{{alert="{self.name}"}} < on(run) group_left() '
-                f"{threshold('clear_steps')})")
+        on = ", ".join(RUN_IDENTITY + ALERT_LABELS + ("incident",))
+        series = f'rlwatch_alert_incident{{alert="{self.name}"'
+        window = INCIDENT_UNSEEN_WINDOW
+        return (f'max without (alert, state) (\n'
+                f'  {series},state="open"}}\n'
+                f'  or ({series},state="resolved"}}\n'
+                f'      unless on({on}) {series}}} offset {window}\n'
+                f'      unless on({on}) max_over_time({series},state="open"}}[{window}]))\n'
+                f')')
+
+    @property
+    def keep_firing(self) -> int:
+        """keep_firing_for in minutes (the step-window alerts: :data:`INCIDENT_KEEP_FIRING_MINUTES`)."""
+        return self.keep_firing_minutes or (INCIDENT_KEEP_FIRING_MINUTES if self.condition is not None else 0)
 
     @property
     def runbook_url(self) -> str:

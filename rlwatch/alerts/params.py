@@ -91,7 +91,7 @@ PARAMS: dict[str, Param] = {
 
 def threshold(param: str) -> str:
     """PromQL for the per-run value of ``param``: the run's exported override, else the default."""
-    return (f'(rlwatch_alert_threshold{{param="{param}"}} or on(run) '
+    return (f'(rlwatch_alert_threshold{{param="{param}"}} or on(run, run_instance) '
             f'(0 * rlwatch_step + {PARAMS[param].default:g}))')
 
 

@@ -18,7 +18,8 @@ def stalled(h: History, now: float) -> list[tuple[LabelSet, float]]:
 
 TRAINER_STALLED = Alert(
     name="RLWatchTrainerStalled", severity="critical", for_minutes=0,
-    prom_expr=f"time() - rlwatch_last_step_timestamp_seconds > on(run) group_left() {threshold('stall_seconds')}",
+    prom_expr=("time() - rlwatch_last_step_timestamp_seconds > on(run, run_instance) group_left() "
+               f"{threshold('stall_seconds')}"),
     params=("stall_seconds",),
     summary="The trainer has not finished a step for too long.",
     description="Run {{ $labels.run }}: no step for {{ $value | humanizeDuration }}.",
@@ -68,7 +69,7 @@ EXPORTER_DOWN = Alert(
 
 HOOK_ERRORS = Alert(
     name="RLWatchHookErrors", severity="warning", for_minutes=9,
-    prom_expr="sum by (run, stage, kind) (rate(rlwatch_hook_errors_total[10m])) > 0",
+    prom_expr="sum by (run, run_instance, stage, kind) (rate(rlwatch_hook_errors_total[10m])) > 0",
     labels=("run", "stage", "kind"),
     summary="rlwatch is discarding bad input or failing to export.",
     description=("Run {{ $labels.run }}: rlwatch errors in stage {{ $labels.stage }} ({{ $labels.kind }}), "
