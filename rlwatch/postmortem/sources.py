@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from ..metrics import CATALOGUE
 from ..values import Values
+from .attempts import Lineage, lineage
 
 # Framework scalars that measure the policy's real quality, best first.
 QUALITY_KEYS = ("heldout_true_reward", "eval/true_reward", "eval_reward", "eval/reward", "val/test_score",
@@ -37,6 +38,10 @@ class RunData:
     hack_examples: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    #: Rows of attempts that a later attempt replaced by resuming at or before their step (store only):
+    #: each with ``attempt``, ``superseded_by`` and ``resumed_at`` (the step the later attempt resumed at).
+    superseded_alerts: list[dict[str, Any]] = field(default_factory=list)
+    superseded_checkpoints: list[dict[str, Any]] = field(default_factory=list)
 
     def series(self, name: str, labels: tuple[str, ...] = ()) -> list[tuple[int, float]]:
         out = [(s, v) for s, values in self.steps if (v := values.get(name, {}).get(labels)) is not None]
@@ -163,17 +168,18 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) 
     def note(what: str, count: int = 1) -> None:
         skipped[what] = skipped.get(what, 0) + count
 
-    data.steps = _read_steps(store, run, note)
+    lines = lineage(store, run)
+    data.steps, superseded = _read_steps(store, run, note, lines)
+    if superseded:
+        data.events.append({"time": None, "kind": "superseded", "detail": (
+            f"{superseded} steps of attempts that a later attempt resumed before are left out of the timeline")})
     if "scalars" in kinds:
         data.scalars = _read_scalars(store, run, note)
     if "alerts" in kinds:
-        data.alerts = _read_alerts(store, run, note)
+        for alert in _read_alerts(store, run, note, lines):
+            (data.superseded_alerts if "superseded_by" in alert else data.alerts).append(alert)
     if "checkpoints" in kinds:
-        for row in store._rows("SELECT step, path FROM checkpoints WHERE run = ? ORDER BY step", (run,)):
-            try:
-                data.checkpoints.append((int(row["step"]), str(row["path"])))
-            except _READ_ERRORS:
-                note("malformed checkpoint rows")
+        _read_checkpoints(store, run, note, lines, data)
     if "events" in kinds:
         for row in store._rows("SELECT time, kind, detail FROM events WHERE run = ? ORDER BY id", (run,)):
             data.events.append(dict(time=_number(row["time"]), kind=str(row["kind"]), detail=str(row["detail"])))
@@ -188,16 +194,34 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) 
     return data
 
 
-def _read_steps(store: Any, run: str, note: Callable[[str], None]) -> list[tuple[int, Values]]:
-    """(step, values) of every readable step row, in step order."""
+def _superseded(row: Any, lines: Lineage, step: int | None) -> dict[str, Any]:
+    """``{"attempt": id}`` of a row, plus ``superseded_by`` and ``resumed_at`` when a later attempt
+    replaced it; empty when the row names no attempt and none can be inferred."""
+    keys = row.keys()
+    attempt = lines.attempt_at(row["attempt"] if "attempt" in keys else None,
+                               _number(row["time"]) if "time" in keys else None)
+    if attempt is None:
+        return {}
+    later = lines.superseded_by(str(attempt), step)
+    return {"attempt": str(attempt)} | ({"superseded_by": later.id, "resumed_at": later.first_step} if later else {})
+
+
+def _read_steps(store: Any, run: str, note: Callable[[str], None], lines: Lineage
+                ) -> tuple[list[tuple[int, Values]], int]:
+    """(step, values) of every readable step row of the final timeline, in step order, and the number
+    of rows left out because a later attempt resumed before their step."""
     by_step: dict[int, Values] = {}
-    for row in store._rows("SELECT step, data FROM steps WHERE run = ? ORDER BY step", (run,)):
+    superseded = 0
+    for row in store._rows("SELECT * FROM steps WHERE run = ? ORDER BY step", (run,)):
         try:
             step = int(row["step"])
+            if "superseded_by" in _superseded(row, lines, step):
+                superseded += 1
+                continue
             by_step[step] = _values(json.loads(row["data"]))
         except _READ_ERRORS:
             note("malformed step rows")
-    return sorted(by_step.items())
+    return sorted(by_step.items()), superseded
 
 
 def _read_scalars(store: Any, run: str, note: Callable[[str], None]) -> dict[str, list[tuple[int, float]]]:
@@ -213,22 +237,38 @@ def _read_scalars(store: Any, run: str, note: Callable[[str], None]) -> dict[str
     return {k: pts for k, pts in finite.items() if pts}
 
 
-def _read_alerts(store: Any, run: str, note: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The alert events in the order they were written (labels as strings)."""
+def _read_alerts(store: Any, run: str, note: Callable[[str], None], lines: Lineage) -> list[dict[str, Any]]:
+    """The alert events in the order they were written (labels as strings), each with its attempt."""
     alerts = []
     for row in store._rows("SELECT * FROM alerts WHERE run = ? ORDER BY id", (run,)):
         try:
             labels = json.loads(row["labels"] or "{}")
             if not isinstance(labels, dict):
                 raise TypeError("labels")
-            step = row["step"]
-            alerts.append(dict(step=None if step is None else int(step), time=_number(row["time"]),
+            step = None if row["step"] is None else int(row["step"])
+            alerts.append(dict(step=step, time=_number(row["time"]),
                                name=str(row["name"]), severity=str(row["severity"] or ""),
                                state=str(row["state"] or "firing"), value=_number(row["value"]),
-                               labels={str(k): str(v) for k, v in labels.items()}))
+                               labels={str(k): str(v) for k, v in labels.items()}, **_superseded(row, lines, step)))
         except _READ_ERRORS:
             note("malformed alert rows")
     return alerts
+
+
+def _read_checkpoints(store: Any, run: str, note: Callable[[str], None], lines: Lineage, data: RunData) -> None:
+    """The run's checkpoints into ``data.checkpoints``; those saved by a superseded attempt after the
+    step a later attempt resumed at (a dead branch's weights) into ``data.superseded_checkpoints``."""
+    for row in store._rows("SELECT * FROM checkpoints WHERE run = ? ORDER BY step", (run,)):
+        try:
+            step, path = int(row["step"]), str(row["path"])
+            attempt = _superseded(row, lines, step)
+        except _READ_ERRORS:
+            note("malformed checkpoint rows")
+            continue
+        if "superseded_by" in attempt:
+            data.superseded_checkpoints.append(dict(step=step, path=path, **attempt))
+        else:
+            data.checkpoints.append((step, path))
 
 
 def _read_hack_examples(store: Any, run: str, note: Callable[[str], None]) -> list[dict[str, Any]]:
