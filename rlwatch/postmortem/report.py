@@ -369,7 +369,7 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
              f"Source: {md(report.source)}.", ""]
     lines += _md_cause(report) + _md_changes(report) + _md_alerts(report) + _md_hacks(report) + _md_probe(report)
     if superseded := superseded_lines(report, bullet=""):
-        lines += ["", "## Superseded attempts", "", md(superseded[0]), ""] + [f"- {md(line)}" for line in superseded[1:]]
+        lines += ["", "## Superseded attempts", "", md(superseded[0]), ""] + [f"- {md(x)}" for x in superseded[1:]]
     lines += _md_resume_and_coverage(report)
     if report.comparison is not None:
         lines += _md_comparison(report.comparison)
