@@ -2,7 +2,7 @@
 
 Sources: an rlwatch run store; a TRL output directory (``checkpoint-N/trainer_state.json`` log
 history, plus a run store when one is there); a verl checkpoint directory with the file logger's
-JSONL; a live Prometheus (range queries for one run). Each becomes a :class:`RunData`: per-step
+JSONL; a live Prometheus (:mod:`.prometheus`). Each becomes a :class:`RunData`: per-step
 values keyed like the signals (``{name: {labels: value}}``), alert events, checkpoints.
 """
 
@@ -12,13 +12,10 @@ import json
 import math
 import re
 import sqlite3
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..metrics import CATALOGUE
 from ..values import Values
 from .attempts import Lineage, lineage
 
@@ -379,92 +376,18 @@ def from_verl(directory: str | Path) -> RunData:
     return data
 
 
-# --- a live Prometheus -----------------------------------------------------------------------------
-
-def _prom(url: str, path: str, **params: Any) -> Any:
-    query = urllib.parse.urlencode(params)
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}{path}?{query}", timeout=30) as resp:
-            body = json.loads(resp.read())
-    except (OSError, ValueError) as exc:      # URLError, refused, timeout, not JSON
-        raise PostmortemInputError(f"cannot query Prometheus at {url}: {getattr(exc, 'reason', exc)}") from None
-    if not isinstance(body, dict) or body.get("status") != "success":
-        raise PostmortemInputError(f"Prometheus at {url} answered {str(body)[:200]}")
-    return body["data"]
-
-
-def from_prometheus(url: str, run: str, lookback_seconds: float = 7 * 86400, step_seconds: float = 15.0,
-                    end: float | None = None) -> RunData:
-    """Range queries for every gauge of one run over the lookback window, aligned on the run's own
-    step series (a resolution of at most 11,000 points per series, Prometheus' limit)."""
-    import time
-
-    data = RunData(run=run, source=f"Prometheus {url}")
-    run_q = json.dumps(run)            # a PromQL string literal: quotes and backslashes escaped
-    if not _prom(url, "/api/v1/series", **{"match[]": f'rlwatch_step{{run={run_q}}}'}):
-        raise PostmortemInputError(f"Prometheus at {url} has no series for run {run!r}")
-    end = end or time.time()
-    start = end - lookback_seconds
-    step = max(step_seconds, lookback_seconds / 10000)
-    if step > step_seconds:
-        data.events.append({"time": None, "kind": "resolution", "detail": (
-            f"Prometheus range read at {step:.0f} s resolution over {lookback_seconds:.0f} s (11,000 points per "
-            "series at most): steps closer together than that are missed; shorten --since")})
-
-    def range_query(expr: str) -> list[dict]:
-        return _prom(url, "/api/v1/query_range", query=expr, start=start, end=end, step=step)["result"]
-
-    step_at: dict[float, int] = {}
-    for series in range_query(f'rlwatch_step{{run={run_q}}}'):
-        for ts, value in series["values"]:
-            if math.isfinite(float(value)):
-                step_at[float(ts)] = int(float(value))
-    by_step: dict[int, Values] = {}
-    for spec in CATALOGUE:
-        if spec.kind != "gauge" or spec.group in ("config",):
-            continue
-        for series in range_query(f'{spec.full_name}{{run={run_q}}}'):
-            labels = tuple(series["metric"].get(label, "") for label in spec.labels)
-            for ts, value in series["values"]:
-                s = step_at.get(float(ts))
-                v = float(value)
-                if s is not None and math.isfinite(v):
-                    by_step.setdefault(s, {}).setdefault(spec.name, {})[labels] = v
-    data.steps = sorted(by_step.items())
-    for series in range_query(f'ALERTS{{run={run_q}, alertstate="firing"}}'):
-        firing = [float(ts) for ts, _ in series["values"]]
-        if not firing:
-            continue
-        labels = {k: v for k, v in series["metric"].items() if k not in ("__name__", "alertstate")}
-        at = min(firing)
-        data.alerts.append(dict(name=labels.pop("alertname", "?"), severity=labels.pop("severity", ""),
-                                state="firing", step=step_at.get(at), time=at, labels=labels))
-    for name, points in _framework_scalars(range_query, run_q, step_at).items():
-        data.scalars[name] = points
-    return data
-
-
-def _framework_scalars(range_query: Any, run_q: str, step_at: dict[float, int]
-                       ) -> dict[str, list[tuple[int, float]]]:
-    out: dict[str, list[tuple[int, float]]] = {}
-    for series in range_query(f'rlwatch_framework_metric{{run={run_q}}}'):
-        name = series["metric"].get("name", "")
-        for ts, value in series["values"]:
-            s = step_at.get(float(ts))
-            if s is not None:
-                out.setdefault(name, []).append((s, float(value)))
-    return out
-
-
 def load(path: str | None = None, prometheus: str | None = None, run: str | None = None,
-         lookback_seconds: float | None = None, resolution_seconds: float | None = None) -> RunData:
-    """Detect the kind of ``path`` (or query ``prometheus`` for ``run``, over the last
-    ``lookback_seconds`` at ``resolution_seconds``) and load it."""
+         lookback_seconds: float | None = None, run_instance: str | None = None, deadline: Any = None) -> RunData:
+    """Detect the kind of ``path`` and load it, or read ``run`` from ``prometheus`` (a URL: the last
+    ``lookback_seconds``, the process ``run_instance`` names, within ``deadline``, a
+    :class:`~rlwatch.postmortem.prometheus.Deadline`)."""
     if prometheus:
+        from .prometheus import from_prometheus
+
         if not run:
             raise PostmortemInputError("--prometheus needs --run")
-        return from_prometheus(prometheus, run, **({"lookback_seconds": lookback_seconds} if lookback_seconds else {}),
-                               **({"step_seconds": resolution_seconds} if resolution_seconds else {}))
+        return from_prometheus(prometheus, run, run_instance=run_instance, deadline=deadline,
+                               **({"lookback_seconds": lookback_seconds} if lookback_seconds else {}))
     if path is None:
         raise PostmortemInputError("give a run store, a TRL output directory, a verl checkpoint directory, "
                                    "or --prometheus")
