@@ -200,6 +200,7 @@ class Instance:
     run_instance: str
     instance: str
     windows: dict[int, float] = field(default_factory=dict)       # window end (ms) -> samples in it
+    window: int = 0                                               # the windows' length (ms)
     step_at: dict[int, int] = field(default_factory=dict)         # scrape time (ms) -> step
 
     @property
@@ -208,9 +209,9 @@ class Instance:
 
     def selector(self, run: str) -> str:
         """PromQL label matchers (without braces) for this instance's series of ``run``."""
-        pick = [f"run_instance={json.dumps(self.run_instance)}"] if self.run_instance else \
-            ['run_instance=""', f"instance={json.dumps(self.instance)}"]
-        return ", ".join([f"run={json.dumps(run)}", *pick])
+        pick = [f"run_instance={_q(self.run_instance)}"] if self.run_instance else \
+            ['run_instance=""', f"instance={_q(self.instance)}"]
+        return ", ".join([f"run={_q(run)}", *pick])
 
     def owns(self, labels: dict[str, str], only: bool) -> bool:
         """Whether a series with ``labels`` (an ALERTS series) comes from this instance; one that
@@ -228,6 +229,11 @@ class Instance:
                 f"{len(times)} scrapes)")
 
 
+def _q(text: str) -> str:
+    """A PromQL string literal (its escapes are Go's, a superset of JSON's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 def _utc(ms: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ms / 1000))
 
@@ -239,7 +245,7 @@ def instances(prom: Prometheus, run: str, start_ms: int, end_ms: int) -> list[In
     count = math.ceil((end_ms - start_ms) / window)
     found: dict[tuple[str, str], Instance] = {}
     for labels, points in prom.matrix("/api/v1/query_range", query=f"count_over_time(rlwatch_step{{run="
-                                      f"{json.dumps(run)}}}[{window}ms])", start=(end_ms - (count - 1) * window) / 1000,
+                                      f"{_q(run)}}}[{window}ms])", start=(end_ms - (count - 1) * window) / 1000,
                                       end=end_ms / 1000, step=f"{window / 1000:g}"):
         key = (labels.get("run_instance", ""), "" if labels.get("run_instance") else labels.get("instance", ""))
         inst = found.setdefault(key, Instance(labels.get("run_instance", ""), labels.get("instance", "")))
@@ -247,13 +253,14 @@ def instances(prom: Prometheus, run: str, start_ms: int, end_ms: int) -> list[In
             if n > 0:
                 inst.windows[t] = max(inst.windows.get(t, 0.0), n)
     for inst in found.values():
-        _read_steps(prom, run, inst, window)
-    return sorted(found.values(), key=lambda i: (min(i.step_at, default=0), i.name))
+        inst.window = window
+    return sorted(found.values(), key=lambda i: (min(i.windows), i.name))
 
 
-def _read_steps(prom: Prometheus, run: str, inst: Instance, window: int) -> None:
-    """Every raw ``rlwatch_step`` sample of ``inst``, read over its windows in chunks of at most
-    :data:`CHUNK_SCRAPES` samples (empty windows are skipped)."""
+def read_steps(prom: Prometheus, run: str, inst: Instance) -> Instance:
+    """``inst`` with every raw ``rlwatch_step`` sample it wrote, read over its windows in chunks of at
+    most :data:`CHUNK_SCRAPES` samples (empty windows are skipped)."""
+    window = inst.window
     chunk: list[int] = []
     total = 0.0
     for end in sorted(inst.windows) + [None]:
@@ -264,6 +271,7 @@ def _read_steps(prom: Prometheus, run: str, inst: Instance, window: int) -> None
         if end is not None:
             chunk.append(end)
             total += inst.windows[end]
+    return inst
 
 
 def _raw(prom: Prometheus, selector: str, after_ms: int, until_ms: int
@@ -273,19 +281,16 @@ def _raw(prom: Prometheus, selector: str, after_ms: int, until_ms: int
                        time=f"{until_ms / 1000:.3f}")
 
 
-def choose(instances_: list[Instance], run: str, run_instance: str | None, url: str) -> Instance:
-    """The instance the user named (``run_instance`` or ``instance`` label), or the only one."""
-    listed = "; ".join(i.describe() for i in instances_)
+def choose(prom: Prometheus, run: str, found: list[Instance], run_instance: str | None) -> Instance:
+    """The instance the user named (``run_instance`` or ``instance`` label), or the only one, with
+    its steps read; otherwise one line listing them all."""
+    named = [i for i in found if run_instance in (i.run_instance, i.instance)] if run_instance is not None else found
+    if len(named) == 1:
+        return read_steps(prom, run, named[0])
+    listed = "; ".join(read_steps(prom, run, i).describe() for i in found)
     if run_instance is not None:
-        named = [i for i in instances_ if run_instance in (i.run_instance, i.instance)]
-        if len(named) != 1:
-            raise PostmortemInputError(f"Prometheus at {url}: run {run!r} has no single instance {run_instance!r}; "
-                                       f"its instances: {listed}")
-        return named[0]
-    if len(instances_) > 1:
-        raise PostmortemInputError(f"Prometheus at {url}: {len(instances_)} processes exported run {run!r}; name "
-                                   f"one with --run-instance: {listed}")
-    return instances_[0]
+        raise prom.fail(f"run {run!r} has no single instance {run_instance!r}; its instances: {listed}")
+    raise prom.fail(f"{len(found)} processes exported run {run!r}; name one with --run-instance: {listed}")
 
 
 # --- the run's series ---------------------------------------------------------------------------
@@ -300,7 +305,7 @@ def from_prometheus(url: str, run: str, lookback_seconds: float = DEFAULT_LOOKBA
     found = instances(prom, run, end_ms - round(lookback_seconds * 1000), end_ms)
     if not found:
         raise prom.fail(f"has no series for run {run!r} in the last {lookback_seconds:g} s (--since)")
-    inst = choose(found, run, run_instance, prom.url)
+    inst = choose(prom, run, found, run_instance)
     if not inst.step_at:
         raise prom.fail(f"run {run!r} ({inst.name}) has no finite rlwatch_step sample")
     which = "run_instance" if inst.run_instance else "instance" if inst.instance else ""
@@ -320,11 +325,13 @@ def from_prometheus(url: str, run: str, lookback_seconds: float = DEFAULT_LOOKBA
                     if (s := inst.step_at.get(t)) is not None and math.isfinite(v):
                         by_step.setdefault(s, {}).setdefault(spec.name, {})[key] = v
     data.steps = sorted(by_step.items())
+    scalars: dict[str, dict[int, float]] = {}              # several scrapes of one step: its last value
     for after, until in chunks:
         for labels, points in _raw(prom, f"rlwatch_framework_metric{{{selector}}}", after, until):
             for t, v in points:
                 if (s := inst.step_at.get(t)) is not None and math.isfinite(v):
-                    data.scalars.setdefault(labels.get("name", ""), []).append((s, v))
+                    scalars.setdefault(labels.get("name", ""), {})[s] = v
+    data.scalars = {name: sorted(points.items()) for name, points in scalars.items()}
     data.alerts = _alerts(prom, run, inst, len(found) == 1, times, min(end_ms, times[-1] + ALERT_TAIL_MS))
     return data
 
@@ -337,7 +344,7 @@ def _alerts(prom: Prometheus, run: str, inst: Instance, only: bool, times: list[
     for after, until in zip(bounds, bounds[1:]):
         if until <= after:
             continue
-        for labels, points in _raw(prom, f'ALERTS{{run={json.dumps(run)}, alertstate="firing"}}', after, until):
+        for labels, points in _raw(prom, f'ALERTS{{run={_q(run)}, alertstate="firing"}}', after, until):
             key = tuple(sorted(labels.items()))
             if points and inst.owns(labels, only) and (key not in first or points[0][0] < first[key][0]):
                 first[key] = (points[0][0], labels)         # raw samples come in time order

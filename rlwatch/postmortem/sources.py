@@ -388,6 +388,8 @@ def load(path: str | None = None, prometheus: str | None = None, run: str | None
             raise PostmortemInputError("--prometheus needs --run")
         return from_prometheus(prometheus, run, run_instance=run_instance, deadline=deadline,
                                **({"lookback_seconds": lookback_seconds} if lookback_seconds else {}))
+    if run_instance is not None:
+        raise PostmortemInputError("--run-instance picks a process in Prometheus; a store names its run with --run")
     if path is None:
         raise PostmortemInputError("give a run store, a TRL output directory, a verl checkpoint directory, "
                                    "or --prometheus")
