@@ -24,8 +24,9 @@ from rlwatch.metrics import BY_NAME as METRICS  # noqa: E402
 
 SCHEMA_VERSION = 39
 DS = {"type": "prometheus", "uid": "${datasource}"}
-RUN = 'run=~"$run"'
-ENV = 'run=~"$run", env=~"$env"'
+# A run name may be shared by several processes: every query also picks the process (run_instance).
+RUN = 'run=~"$run", run_instance=~"$run_instance"'
+ENV = f'{RUN}, env=~"$env"'
 from rlwatch.alerts.render import DEFAULT_RUNBOOK_URL as RUNBOOK  # noqa: E402 - served by every exporter
 
 
@@ -63,6 +64,7 @@ class Layout:
 
 
 def target(expr: str, legend: str = "", ref: str = "A", instant: bool = False, fmt: str | None = None) -> dict:
+    legend = legend.replace("{{run}}", "{{run}} {{run_instance}}", 1)     # two processes of one run apart
     t = {"datasource": DS, "refId": ref, "expr": expr, "legendFormat": legend or "__auto",
          "range": not instant, "instant": instant}
     if fmt:
@@ -124,7 +126,7 @@ HEALTH_MAPPINGS = [{"type": "value", "options": {"0": {"text": "healthy", "color
                                                  "2": {"text": "critical", "color": "red", "index": 2}}}]
 HEALTH_STEPS = [{"color": "green", "value": None}, {"color": "yellow", "value": 1}, {"color": "red", "value": 2}]
 # 2 when a critical alert of the run fires, 1 for a warning, else 0 (the run's step series keeps it defined).
-HEALTH_EXPR = (f'max by (run) (2 * ALERTS{{alertstate="firing", severity="critical", {RUN}}}'
+HEALTH_EXPR = (f'max by (run, run_instance) (2 * ALERTS{{alertstate="firing", severity="critical", {RUN}}}'
                f' or ALERTS{{alertstate="firing", severity="warning", {RUN}}}'
                f' or 0 * rlwatch_step{{{RUN}}})')
 
@@ -138,6 +140,7 @@ def variables() -> dict:
         {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus", "current": {},
          "refresh": 1},
         query_var("run", "Run", "label_values(rlwatch_step, run)"),
+        query_var("run_instance", "Process", 'label_values(rlwatch_step{run=~"$run"}, run_instance)'),
         query_var("env", "Environment", f"label_values(rlwatch_env_episodes{{{RUN}}}, env)"),
     ]}
 
@@ -148,7 +151,7 @@ def annotations() -> dict:
          "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard"},
         {"datasource": DS, "enable": True, "iconColor": "red", "name": "rlwatch alerts",
          "expr": f'ALERTS{{alertstate="firing", {RUN}}}', "step": "30s", "titleFormat": "{{alertname}}",
-         "textFormat": "{{run}} {{severity}}", "tagKeys": "severity,run", "useValueForTime": False},
+         "textFormat": "{{run}} {{run_instance}} {{severity}}", "tagKeys": "severity,run,run_instance", "useValueForTime": False},
     ]}
 
 
@@ -175,7 +178,7 @@ def overview() -> dict:
     lay.add(stat("Steps per hour", f"rate(rlwatch_steps_total{{{RUN}}}[$__rate_interval]) * 3600",
                  "Training steps completed per hour. Bad: a drop to zero (stall) or a sudden change in pace."),
             w=4, h=4)
-    lay.add(stat("Firing alerts", f'count by (run) (ALERTS{{alertstate="firing", {RUN}}}) '
+    lay.add(stat("Firing alerts", f'count by (run, run_instance) (ALERTS{{alertstate="firing", {RUN}}}) '
                  f"or 0 * rlwatch_step{{{RUN}}}", "Number of rlwatch alerts firing for the run.",
                  steps=HEALTH_STEPS[:2]), w=4, h=4)
     lay.add(stat("Max version lag", f"rlwatch_version_lag_max{{{RUN}}}",

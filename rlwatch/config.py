@@ -9,6 +9,7 @@ Variables:
 
 ==========================  ===================================================================
 RLWATCH_RUN                 run name (default: the trainer's own name, else a timestamp)
+RLWATCH_RUN_INSTANCE        this process's ``run_instance`` label (default ``<host>-<pid>-<start>``)
 RLWATCH_PORT                metrics port; ``none``/``off``/``-1`` = no endpoint
 RLWATCH_ADDR                bind address
 RLWATCH_PORT_FALLBACK       try the next ports when taken (default on, for delivered hooks)
@@ -176,6 +177,29 @@ def env_watch_options(environ: Mapping[str, str] | None = None) -> dict[str, Any
 def default_run_name() -> str:
     """$RLWATCH_RUN, else ``run-YYYYmmdd-HHMMSS``."""
     return _get("RLWATCH_RUN") or time.strftime("run-%Y%m%d-%H%M%S")
+
+
+_last_instance_millis = 0
+
+
+def run_instance() -> str:
+    """This process's ``run_instance`` label: $RLWATCH_RUN_INSTANCE, else ``<host>-<pid>-<start>`` (the
+    start in milliseconds, base 36), which tells apart two processes that export one run name."""
+    explicit = _get("RLWATCH_RUN_INSTANCE")
+    if explicit:
+        return explicit
+    import re
+    import socket
+
+    global _last_instance_millis
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0])[:32] or "host"
+    # Strictly increasing within the process, so two Watches of one process differ too.
+    millis = _last_instance_millis = max(int(time.time() * 1000), _last_instance_millis + 1)
+    digits = ""
+    while millis:
+        millis, digit = divmod(millis, 36)
+        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[digit] + digits
+    return f"{host}-{os.getpid()}-{digits}"
 
 
 def store_dir() -> str:

@@ -39,12 +39,14 @@ def node_address(bind_addr: str) -> str:
 
 
 class Registration:
-    """One target file ``<directory>/rlwatch-<run>-<host>-<pid>.json``, written atomically."""
+    """One target file ``<directory>/rlwatch-<run>-<run_instance>.json`` (``<host>-<pid>`` without a
+    ``run_instance`` label), written atomically."""
 
     def __init__(self, directory: str, run: str, address: str, port: int, labels: dict[str, str] | None = None):
         os.makedirs(directory, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run)[:80]
-        self.path = os.path.join(directory, f"rlwatch-{safe}-{socket.gethostname()}-{os.getpid()}.json")
+        instance = (labels or {}).get("run_instance") or f"{socket.gethostname()}-{os.getpid()}"
+        self.path = os.path.join(directory, f"rlwatch-{safe}-{instance}.json")
         host = f"[{address}]" if ":" in address else address
         body = [{"targets": [f"{host}:{port}"], "labels": {"run": run, **(labels or {})}}]
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".rlwatch-", suffix=".tmp")

@@ -263,7 +263,8 @@ class Services:
             from .discovery import Registration, node_address
 
             self.registration = guard(self.errors, "export", "discovery", lambda: Registration(
-                sd_dir, self.run, node_address(cfg.addr), self.server.port, {"framework": cfg.framework}))
+                sd_dir, self.run, node_address(cfg.addr), self.server.port,
+                {"framework": cfg.framework, "run_instance": self.state.run_instance}))
 
     def start_push(self, gateway: str, interval: float) -> None:
         from .alerts.notify import redact, scrub
@@ -273,7 +274,8 @@ class Services:
             self.errors.report("export", kind, f"pushgateway {redact(gateway)}: {type(exc).__name__}: "
                                f"{scrub(str(exc), gateway)}", raise_in_strict=False)
 
-        self.push = PushLoop(self.registry, gateway, "rlwatch", self.run, interval, on_error)
+        self.push = PushLoop(self.registry, gateway, "rlwatch", self.run, interval, on_error,
+                             run_instance=self.state.run_instance)
 
     def start_otel(self, provider: Any) -> None:
         from .exporters.otel import OTelExporter
@@ -323,7 +325,12 @@ class Services:
         return self.store.flush(max(0.0, deadline - time.monotonic())) and drained
 
     def close(self) -> None:
-        """Stop the exporters (a last push), remove the file_sd entry, then flush and close the store."""
+        """Stop the exporters (a last push), remove the file_sd entry, then flush and close the store.
+        An alert incident that opened or resolved since the last scrape is served to one more scrape
+        first (bounded, :meth:`CachedExposition.await_scrape`), so a run that ends right after it still pages."""
+        if self.server is not None and self.state.delivery_version > self.exposition.served_version:
+            guard(self.errors, "export", "final_scrape", lambda: self.exposition.await_scrape(
+                self.state.delivery_version))
         stops = (("push", self.push and self.push.close), ("otel", self.otel and self.otel.close),
                  ("discovery", self.registration and self.registration.remove),
                  ("server", self.server and self.server.close))

@@ -97,6 +97,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("alert_quiet_steps", "For an open alert, steps since its hold condition last held (0 while it holds); "
        "the alert fires while this is below the clear_steps threshold.", "alerts",
        ("alert", "signal", "env", "detector", "kind")),
+    _g("alert_incident", "One series per time an alert opened (incident: its ordinal per alert and label set): "
+       "state=open with the statistic while open, then state=resolved with the value it opened with, kept 10 "
+       "minutes; the rules page on these, so an incident reaches Prometheus whatever the scrape interval.",
+       "alerts", ("alert", "signal", "env", "detector", "kind", "incident", "state")),
     _g("window_baseline", "Trailing baseline a step-window alert compared a signal with (k3: mean of the 30 "
        "steps ending 5 steps ago; entropy: maximum of the previous 120 steps).", "alerts", ("signal",)),
     _g("window_stderr", "Standard error or step-to-step standard deviation a step-window alert used for a "

@@ -21,6 +21,8 @@ Family = dict[LabelValues, float]
 #: Gauge groups whose values persist until overwritten (settings, framework scalars); every other
 #: gauge family is replaced by each step, so a signal that was not computed goes stale at once.
 STICKY_GROUPS = frozenset({"config", "sampler", "framework", "hook", "diagnosis"})
+#: Families a run must not end before a scrape has seen (:attr:`MetricState.delivery_version`).
+DELIVERED = ("alert_incident",)
 
 HISTOGRAM_LABELS: tuple[str, ...] = tuple(str(b) for b in LAG_BUCKETS) + ("+Inf",)
 
@@ -36,13 +38,15 @@ class Snapshot:
     counters: dict[str, Family]
     histograms: dict[str, tuple[list[float], float]]
     info: dict[str, Family] = field(default_factory=dict)
+    run_instance: str = ""
 
 
 class MetricState:
     """Accumulates step values into gauges, counters and histograms. Thread-safe."""
 
-    def __init__(self, run: str) -> None:
+    def __init__(self, run: str, run_instance: str = "") -> None:
         self.run = run
+        self.run_instance = run_instance     # tells apart two processes exporting one run name
         self._lock = threading.Lock()
         self._step: int | None = None
         self._gauges: dict[str, Family] = {}
@@ -50,6 +54,7 @@ class MetricState:
         self._histograms: dict[str, tuple[list[float], float]] = {}
         self._info: dict[str, Family] = {}
         self.version = 0          # bumped on every change: lets exporters reuse a rendering
+        self.delivery_version = 0  # the version at which a DELIVERED family last changed
 
     def apply(self, values: Mapping[str, Mapping[LabelValues, float | None]]) -> None:
         """Fold one step's values (:class:`~rlwatch.values.StepValues` or the same plain shape) in: gauges
@@ -74,6 +79,7 @@ class MetricState:
             elif spec.kind == "info":
                 info[name] = {k: 1.0 for k in family}
         with self._lock:
+            previous = {name: self._gauges.get(name, {}) for name in DELIVERED}
             step = value_of(values, "step")
             if step is not None:
                 self._step = int(step)
@@ -89,6 +95,8 @@ class MetricState:
                 self._histograms[name] = ([a + b for a, b in zip(old_counts, counts)], old_total + total)
             self._info.update(info)
             self.version += 1
+            if any(gauges.get(name, {}) != previous.get(name, {}) for name in DELIVERED):
+                self.delivery_version = self.version
 
     def set_gauge(self, name: str, value: float, labels: LabelValues = ()) -> None:
         with self._lock:
@@ -118,4 +126,5 @@ class MetricState:
                 counters={k: dict(v) for k, v in self._counters.items()},
                 histograms={k: (list(c), s) for k, (c, s) in self._histograms.items()},
                 info={k: dict(v) for k, v in self._info.items()},
+                run_instance=self.run_instance,
             )

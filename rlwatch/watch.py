@@ -108,8 +108,9 @@ class Watch:
         where = env.placement(run, all_ranks)          # rank, whether it exports, the run's name
         self.rank, self.active, self.run = where.rank, where.active, where.run
         self.config = cfg.signal_config()
-        self.state = MetricState(self.run)
-        self.metadata = run_metadata(cfg, self.config, self.rank, where.world)
+        self.state = MetricState(self.run, env.run_instance())
+        self.run_instance = self.state.run_instance    # the `run_instance` label of every series
+        self.metadata = {**run_metadata(cfg, self.config, self.rank, where.world), "run_instance": self.run_instance}
         self._lock = threading.Lock()
         self._closed = False
         self.background = background and not strict      # steps computed on rlwatch's thread

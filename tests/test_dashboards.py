@@ -52,13 +52,13 @@ def test_structure(path):
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     names = [v["name"] for v in dash["templating"]["list"]]
-    assert names == ["datasource", "run", "env"]
+    assert names == ["datasource", "run", "run_instance", "env"]
     run_var = dash["templating"]["list"][1]
     assert run_var["multi"] and run_var["includeAll"]
     for panel, target in all_targets(dash):
         assert target["refId"], panel["title"]
         assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
-        assert 'run=~"$run"' in target["expr"], (panel["title"], target["expr"])
+        assert 'run=~"$run", run_instance=~"$run_instance"' in target["expr"], (panel["title"], target["expr"])
     for panel in panels(dash):
         refs = [t["refId"] for t in panel["targets"]]
         assert len(refs) == len(set(refs)), panel["title"]
@@ -90,7 +90,7 @@ def test_alert_runbooks_are_linked_from_panels():
 
 
 def substitute(expr: str, run: str) -> str:
-    return (expr.replace("$run", run).replace("$env", ".*").replace("$__rate_interval", "10s")
+    return (expr.replace("$run_instance", ".*").replace("$run", run).replace("$env", ".*").replace("$__rate_interval", "10s")
             .replace("$__interval", "1s"))
 
 

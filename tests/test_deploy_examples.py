@@ -46,3 +46,13 @@ def test_endpoint_binds_loopback_unless_asked():
         host, _ = watch.server._server.server_address[:2]
         assert host == "127.0.0.1"
         assert watch.metadata["torch_version"] and watch.metadata["python_version"]
+
+
+def test_ha_example_sends_to_both_alertmanagers_without_the_replica_label():
+    """examples/deploy/ha: both replicas alert both cluster members with identical labels (run by
+    tests/test_alert_delivery_e2e.py with the Debian servers)."""
+    config = yaml.safe_load((DEPLOY / "ha" / "prometheus.yml").read_text())
+    assert len(config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]) == 2
+    assert {"action": "labeldrop", "regex": "replica"} in config["alerting"]["alert_relabel_configs"]
+    assert set(config["global"]["external_labels"]) == {"replica"}
+    assert "--cluster.peer=" in (DEPLOY / "ha" / "README.md").read_text()

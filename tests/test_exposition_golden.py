@@ -35,11 +35,21 @@ def render() -> tuple[str, str]:
     from prometheus_client import generate_latest
     from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
+    import os
+
     import rlwatch
 
-    watch = rlwatch.Watch(run="golden", port=None, store=None, alerts=True, group_size=4,
-                          alert_overrides={"mismatch_kl_warn": 0.01, "kl_k3_max": 0.05}, framework="custom",
-                          framework_version="1")
+    previous = os.environ.get("RLWATCH_RUN_INSTANCE")
+    os.environ["RLWATCH_RUN_INSTANCE"] = "golden-host-1"        # the label is per process; fixed here
+    try:
+        watch = rlwatch.Watch(run="golden", port=None, store=None, alerts=True, group_size=4,
+                              alert_overrides={"mismatch_kl_warn": 0.01, "kl_k3_max": 0.05}, framework="custom",
+                              framework_version="1")
+    finally:
+        if previous is None:
+            del os.environ["RLWATCH_RUN_INSTANCE"]
+        else:
+            os.environ["RLWATCH_RUN_INSTANCE"] = previous
     try:
         for step, fields in _steps():
             watch.observe(step, **fields)

@@ -87,8 +87,8 @@ def rules(runbook_url: str = DEFAULT_RUNBOOK_URL) -> dict:
     items: list[dict] = [{"record": name, "expr": expr} for name, expr in RECORDING_RULES]
     for alert in ALERTS:
         item = {"alert": alert.name, "expr": alert.expr, "for": _duration(alert.for_minutes)}
-        if alert.keep_firing_minutes:
-            item["keep_firing_for"] = _duration(alert.keep_firing_minutes)
+        if alert.keep_firing:
+            item["keep_firing_for"] = _duration(alert.keep_firing)
         item |= {"labels": {"severity": alert.severity},
                  "annotations": {"summary": alert.summary, "description": alert.description,
                                  "runbook_url": _runbook_url(alert, runbook_url)}}
@@ -131,9 +131,10 @@ def exported_steps(alert: Alert, example: StepExample) -> list[dict[str, dict]]:
     for step, values in example.steps():
         exported = windows.on_step(step, values)
         series = {'rlwatch_step{run="r1"}': float(step)}
-        for name in ("alert_value", "alert_quiet_steps"):
+        for name in ("alert_value", "alert_quiet_steps", "alert_incident"):
             for labels, value in exported[name].items():
-                named = ",".join(f'{k}="{v}"' for k, v in zip(ALERT_LABELS, labels) if v != "")
+                named = ",".join(f'{k}="{v}"' for k, v in zip(ALERT_LABELS + ("incident", "state"), labels)
+                                 if v != "")
                 series[f'rlwatch_{name}{{run="r1",{named}}}'] = value
         out.append(series)
     return out
@@ -171,13 +172,13 @@ def promtool_tests(cadence_name: str = "1s", runbook_url: str = DEFAULT_RUNBOOK_
             steps = exported_steps(alert, example)
             for cadence, seconds, scrape in cadences:
                 fires = example.fires_at * seconds
-                expected = _expected(alert, Example({}, example.fires_at, {"run": "r1", **example.labels},
-                                                    example.value), runbook_url)
+                labels = {"run": "r1", "incident": "1", **example.labels}
+                expected = _expected(alert, Example({}, example.fires_at, labels, example.value), runbook_url)
                 cases = [{"eval_time": f"{fires - scrape}s", "alertname": alert.name, "exp_alerts": []},
                          {"eval_time": f"{fires}s", "alertname": alert.name, "exp_alerts": [expected]},
                          {"eval_time": f"{fires + seconds - scrape}s", "alertname": alert.name,
                           "exp_alerts": [expected] if len(steps) == example.fires_at + 1 else
-                          [_expected(alert, Example({}, example.fires_at, {"run": "r1", **example.labels},
+                          [_expected(alert, Example({}, example.fires_at, labels,
                                                     _value_at(steps, alert, example, example.fires_at)),
                                                     runbook_url)]}]
                 tests.append({"name": f"{alert.name} (a step every {cadence})", "interval": f"{scrape}s",
@@ -232,10 +233,29 @@ The catalogue enforces it; `tests/test_alert_rules.py` and the acceptance report
   the resolved notification carries the statistic's value at that step.
 - **One verdict everywhere.** The step windows are computed once per step in the training process and
   exported (`rlwatch_alert_value`, `rlwatch_alert_streak_steps`, `rlwatch_alert_quiet_steps`,
-  `rlwatch_window_baseline`, `rlwatch_window_stderr`); the rules compare the exported quiet steps
-  with `clear_steps`, as the embedded evaluator does, so both decide the same alerts at the same
-  steps whether a step takes 1 s or 10 min (promtool tests replay every example at 1 s, 10 s and
-  10 min per step). Only the trainer-stalled, exporter-down and hook-error alerts read wall time.
+  `rlwatch_window_baseline`, `rlwatch_window_stderr`); the process decides when an alert opens and
+  resolves, and exports each opening as an incident; the rules only read the incidents, as the
+  embedded evaluator reads the same transitions, so both fire the same alerts the same number of
+  times whether a step takes 1 s or 10 min and whether Prometheus scrapes every step or every 200
+  (`tests/test_alert_delivery.py` replays bursts through promtool at 1 to 200 steps per scrape).
+  Only the trainer-stalled, exporter-down and hook-error alerts read wall time.
+- **Delivery does not depend on sampling.** Each time an alert opens is an incident with its own
+  series, `rlwatch_alert_incident{alert, ..., incident="<n>", state}`: `state="open"` with the
+  statistic while it is open, then `state="resolved"` with the value it opened with, still exported
+  for 10 minutes (longer than any scrape interval) after it resolved. The rule fires an open
+  incident, and a resolved one only when its series is less than 2 minutes old and no scrape saw it
+  open: an incident that opened and resolved between two scrapes pages once, one that a scrape saw
+  open resolves in Prometheus at the scrape that shows it resolved. `keep_firing_for: 1m` holds every
+  incident longer than Alertmanager's group wait, so one that only the run's last scrape saw still
+  reaches the receiver. When a run closes with an incident change no scrape has seen yet, the Watch
+  keeps serving `/metrics` until one more scrape (at most 1.5 measured scrape intervals, 60 s), and a
+  Pushgateway run pushes it at close. The `incident` label makes each opening its own alert: two
+  incidents between two scrapes are two pages, as in the process, and both Prometheus replicas of
+  an HA pair send the same labels, which the Alertmanager cluster deduplicates
+  (`examples/deploy/ha/`).
+- **Run identity.** Every series carries `run` and `run_instance` (one per process:
+  `<host>-<pid>-<start>`, or `$RLWATCH_RUN_INSTANCE`), every rule joins `on(run, run_instance)` and a
+  Pushgateway groups by both: two processes that share a run name page, chart and push separately.
 - **Plumbing.** Exporters register through file_sd (`Watch(sd_dir=...)`, `rlwatch up` sets it) and
   remove their file when their run closes cleanly: a finished run never pages, and RLWatchExporterDown
   fires only for a target that answered in the last hour. The Alertmanager inhibitions only act
@@ -286,7 +306,7 @@ def alertmanager_example() -> dict:
     return {
         "route": {
             "receiver": "chat",
-            "group_by": ["alertname", "run"],
+            "group_by": ["alertname", "run", "run_instance"],
             "group_wait": "10s",
             "group_interval": "1m",
             "repeat_interval": "4h",
@@ -307,11 +327,11 @@ def alertmanager_example() -> dict:
             {"source_matchers": ['alertname="RLWatchExporterDown"', 'run=~".+"'],
              "target_matchers": ['alertname=~"RLWatch.*"', 'alertname!~"RLWatchExporterDown|RLWatchWatchdog"',
                                  'run=~".+"'],
-             "equal": ["run"]},
-            # A critical alert of a run silences the warnings of the same run.
+             "equal": ["run", "run_instance"]},
+            # A critical alert of a run silences the warnings of the same run (the same process).
             {"source_matchers": ['severity="critical"', 'run=~".+"'],
              "target_matchers": ['severity="warning"', 'run=~".+"'],
-             "equal": ["run"]},
+             "equal": ["run", "run_instance"]},
         ],
         "receivers": [
             {"name": "pager", "webhook_configs": [{"url": "http://127.0.0.1:9095/pager", "send_resolved": True}]},
@@ -327,7 +347,7 @@ def alertmanager_example() -> dict:
 
 def alertmanager_yaml() -> str:
     return (HEADER + "# Example: critical alerts page (webhook to your pager integration), warnings go to chat,\n"
-            "# grouped by run; a down exporter inhibits the alerts of its own target and run, never the\n"
+            "# grouped by run and process (run_instance); a down exporter inhibits the alerts of its own target and run, never the\n"
             "# Watchdog heartbeat.\n"
             + to_yaml(alertmanager_example()))
 
@@ -337,8 +357,8 @@ def overrides_yaml() -> str:
         {"record": "rlwatch_alert_threshold",
          "expr": 'label_replace(label_replace(vector(3600), "run", "my-run", "", ""), "param", "stall_seconds", "", "")',
          "labels": {"source": "overrides"}}]}]}
-    return (HEADER + "# Per-run overrides of the thresholds the rules compare themselves (stall_seconds,\n"
-            "# clear_steps) for runs whose Watch does not set alert_overrides: one recording rule per\n"
+    return (HEADER + "# Per-run overrides of the threshold the rules compare themselves (stall_seconds) for\n"
+            "# runs whose Watch does not set alert_overrides: one recording rule per\n"
             "# (run, param). Load it next to rlwatch-rules.yaml. The step-window thresholds are applied in\n"
             "# the training process: set them with Watch(alert_overrides={...}).\n"
             + to_yaml(example))

@@ -12,22 +12,41 @@ its hold condition last held, and returns them as exported values:
   it holds); the alert fires while this is below ``clear_steps``, and the series goes away the step
   after it reaches ``clear_steps``;
 - ``window_baseline{signal}`` / ``window_stderr{signal}``: the baselines and standard errors the
-  conditions used.
+  conditions used;
+- ``alert_incident{..., incident, state}``: each time an alert opens is an incident (``incident`` its
+  ordinal per alert and label set in this process); its series has ``state="open"`` and the
+  statistic's value while open, then ``state="resolved"`` and the value it opened with, kept for
+  :data:`DELIVERY_SECONDS` after it resolved. The rules page on these series, so an incident
+  reaches Prometheus once whatever the scrape interval, even when it opened and resolved between
+  two scrapes.
 
-The Prometheus rules and the embedded evaluator both compare ``alert_quiet_steps`` with
-``clear_steps``: one computation, one verdict, whatever the time between steps.
+The incidents and the embedded evaluator's events come from the same transitions (``alert_quiet_steps``
+below ``clear_steps`` = open): one computation, one verdict, whatever the time between steps or scrapes.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from .catalogue import ALERT_LABELS, ALERTS, Alert, History, evaluate, thresholds
 
 #: Steps of history kept (the longest window reads 120 steps before the latest).
 HISTORY_STEPS = 130
+#: Seconds a resolved incident stays exported: longer than any scrape interval (Prometheus' lookback
+#: is 5 min), so that a scrape sees an incident that opened and resolved between two scrapes.
+DELIVERY_SECONDS = 600.0
+#: Resolved incidents kept per alert and label set (a fault that flaps faster than the scrapes).
+DELIVERY_KEPT = 16
+
+
+@dataclass
+class _Incident:
+    labels: tuple[str, ...]         # the family key and the incident's ordinal
+    opened_value: float
+    resolved_at: float | None = None
 
 
 @dataclass
@@ -36,6 +55,7 @@ class _State:
     open: bool = False
     quiet: int = 0
     value: float | None = None
+    incident: _Incident | None = None
 
 
 def family_key(alert: Alert, key: tuple[str, ...]) -> tuple[str, ...]:
@@ -52,12 +72,15 @@ class AlertWindows:
     """
 
     def __init__(self, overrides: Mapping[str, float] = (), static: Mapping[str, dict] | None = None,
-                 alerts: Iterable[Alert] = ALERTS) -> None:
+                 alerts: Iterable[Alert] = ALERTS, clock: Callable[[], float] = time.time) -> None:
         self.params = thresholds(overrides)      # invalid ones are reported where the run starts
         self.static = dict(static or {})
         self.alerts = [a for a in alerts if a.condition is not None]
         self._steps: deque = deque(maxlen=HISTORY_STEPS)
         self._state: dict[tuple[str, tuple[str, ...]], _State] = {}
+        self.clock = clock
+        self._opened: dict[tuple[str, ...], int] = {}             # incidents so far per family key
+        self._resolved: dict[tuple[str, ...], deque[_Incident]] = {}
 
     @property
     def clear_steps(self) -> float:
@@ -76,14 +99,15 @@ class AlertWindows:
                 value, raise_, hold = verdicts.get(key, (None, False, False))
                 state = self._state.setdefault((alert.name, key), _State())
                 state.streak = state.streak + 1 if raise_ else 0
+                labels = family_key(alert, key)
                 if not state.open:
                     if state.streak >= alert.for_steps:
                         state.open, state.quiet = True, 0
+                        state.incident = self._open(labels, value)
                 else:
                     state.quiet = 0 if raise_ or hold else state.quiet + 1
                 if value is not None:
                     state.value = value
-                labels = family_key(alert, key)
                 if state.value is not None and (value is not None or state.open):
                     value_out[labels] = float(state.value)
                 if state.streak:
@@ -92,11 +116,36 @@ class AlertWindows:
                     quiet_out[labels] = float(state.quiet)
                     if state.quiet >= self.clear_steps:
                         state.open = False
+                        self._resolve(state.incident)
                 if not state.open and not state.streak and value is None:
                     del self._state[(alert.name, key)]
-        out = {"alert_value": value_out, "alert_streak_steps": streak_out, "alert_quiet_steps": quiet_out}
+        out = {"alert_value": value_out, "alert_streak_steps": streak_out, "alert_quiet_steps": quiet_out,
+               "alert_incident": self._incidents()}
         for (kind, signal), v in history.stats.items():
             out.setdefault(f"window_{kind}", {})[(signal,)] = float(v)
+        return out
+
+    def _open(self, labels: tuple[str, ...], value: float) -> _Incident:
+        ordinal = self._opened[labels] = self._opened.get(labels, 0) + 1
+        return _Incident(labels + (str(ordinal),), float(value))
+
+    def _resolve(self, incident: _Incident) -> None:
+        incident.resolved_at = self.clock()
+        self._resolved.setdefault(incident.labels[:-1], deque(maxlen=DELIVERY_KEPT)).append(incident)
+
+    def _incidents(self) -> dict[tuple[str, ...], float]:
+        """``alert_incident``: the open incidents (current value) and those resolved in the last
+        :data:`DELIVERY_SECONDS` (the value they opened with)."""
+        out = {state.incident.labels + ("open",): float(state.value)
+               for state in self._state.values() if state.open and state.incident is not None}
+        oldest = self.clock() - DELIVERY_SECONDS
+        for key, kept in list(self._resolved.items()):
+            while kept and kept[0].resolved_at < oldest:
+                kept.popleft()
+            if not kept:
+                del self._resolved[key]
+            for incident in kept:
+                out[incident.labels + ("resolved",)] = incident.opened_value
         return out
 
     def close(self) -> None:
@@ -110,4 +159,4 @@ def firing_keys(values: Mapping, clear_steps: float) -> dict[tuple[str, ...], fl
     return {labels: current.get(labels) for labels, q in quiet.items() if q < clear_steps and labels in current}
 
 
-__all__ = ["AlertWindows", "HISTORY_STEPS", "family_key", "firing_keys"]
+__all__ = ["AlertWindows", "DELIVERY_SECONDS", "HISTORY_STEPS", "family_key", "firing_keys"]

@@ -65,8 +65,8 @@ class OTelExporter:
                 self._cached = (now, self._state.snapshot())
             return self._cached[1]
 
-    def _attributes(self, spec: MetricSpec, run: str, labels: tuple[str, ...]) -> dict[str, str]:
-        return {"run": run, **dict(zip(spec.labels, labels))}
+    def _attributes(self, spec: MetricSpec, run: str, labels: tuple[str, ...], instance: str = "") -> dict[str, str]:
+        return {"run": run, **({"run_instance": instance} if instance else {}), **dict(zip(spec.labels, labels))}
 
     def _family_callback(self, spec: MetricSpec, section: str, constant: int | None = None) -> Callable:
         """Observations of ``spec``'s family in one section of the snapshot (``gauges``, ``counters``,
@@ -75,7 +75,7 @@ class OTelExporter:
             snap = self._snapshot()
             for labels, value in getattr(snap, section).get(spec.name, {}).items():
                 yield self._Observation(value if constant is None else constant,
-                                        self._attributes(spec, snap.run, labels))
+                                        self._attributes(spec, snap.run, labels, snap.run_instance))
         return callback
 
     def _histogram_callback(self, spec: MetricSpec) -> Callable:
@@ -87,7 +87,8 @@ class OTelExporter:
             running = 0.0
             for bound, count in zip(le_labels(), hist[0]):
                 running += count
-                yield self._Observation(running, {"run": snap.run, "le": bound})
+                yield self._Observation(running, {**self._attributes(spec, snap.run, (), snap.run_instance),
+                                                  "le": bound})
         return callback
 
     def close(self) -> None:

@@ -18,6 +18,8 @@ import socket
 import ssl
 import sys
 import threading
+import time
+from collections import deque
 from socketserver import ThreadingMixIn
 from typing import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -48,16 +50,16 @@ class RLWatchCollector:
         if self._refresh is not None and not getattr(_FOLDED, "active", False):
             self._refresh()
         snap = self.state.snapshot()
-        run = snap.run
+        run = (snap.run, snap.run_instance)          # the run identity every series carries
         for spec in CATALOGUE:
-            labels = ["run", *spec.labels]
+            labels = ["run", "run_instance", *spec.labels]
             if spec.kind in ("gauge", "info"):
                 family = snap.gauges.get(spec.name) if spec.kind == "gauge" else snap.info.get(spec.name)
                 if not family:
                     continue
                 metric = GaugeMetricFamily(spec.full_name, spec.help, labels=labels, unit="")
                 for label_values, value in sorted(family.items()):
-                    metric.add_metric([run, *label_values], value)
+                    metric.add_metric([*run, *label_values], value)
                 yield metric
             elif spec.kind == "counter":
                 family = snap.counters.get(spec.name)
@@ -65,7 +67,7 @@ class RLWatchCollector:
                     continue
                 metric = CounterMetricFamily(spec.full_name, spec.help, labels=labels)
                 for label_values, value in sorted(family.items()):
-                    metric.add_metric([run, *label_values], value)
+                    metric.add_metric([*run, *label_values], value)
                 yield metric
             elif spec.kind == "histogram":
                 hist = snap.histograms.get(spec.name)
@@ -77,7 +79,7 @@ class RLWatchCollector:
                     running += count
                     cumulative.append((bound, running))
                 metric = HistogramMetricFamily(spec.full_name, spec.help, labels=labels)
-                metric.add_metric([run], cumulative, sum_value=total)
+                metric.add_metric(list(run), cumulative, sum_value=total)
                 yield metric
 
 
@@ -200,6 +202,9 @@ class CachedExposition:
         # content type -> (state version, body, gzip body)
         self._cached: dict[str, tuple[int, bytes, bytes]] = {}
         self._runbook: dict[str, bytes] = {}
+        self._served = threading.Condition()
+        self.served_version = -1                   # the state version the latest /metrics answer showed
+        self.scrape_times: deque[float] = deque(maxlen=4)      # monotonic times of the latest answers
 
     def _generate(self, encoder: Callable[[CollectorRegistry], bytes]) -> bytes:
         try:
@@ -242,7 +247,22 @@ class CachedExposition:
                     _FOLDED.active = False
                 cached = (version if version is not None else -1, text, gzip.compress(text, 5))
                 self._cached[content_type] = cached
-            return cached[1], cached[2], content_type
+        with self._served:
+            self.served_version = max(self.served_version, cached[0])
+            self.scrape_times.append(time.monotonic())
+            self._served.notify_all()
+        return cached[1], cached[2], content_type
+
+    def await_scrape(self, version: int, limit: float = 60.0) -> bool:
+        """Wait until a /metrics answer has shown state ``version``: at most 1.5 measured scrape
+        intervals plus 1 s (``limit`` when fewer than two scrapes were seen; never more). False
+        at once when nothing ever scraped, or when the time ran out."""
+        with self._served:
+            if not self.scrape_times:
+                return False
+            times = list(self.scrape_times)
+            wait = min(limit, 1.5 * (times[-1] - times[-2]) + 1.0) if len(times) > 1 else limit
+            return self._served.wait_for(lambda: self.served_version >= version, timeout=wait)
 
     def _runbook_page(self, path: str) -> tuple[bytes, str]:
         from .. import resources
@@ -373,7 +393,8 @@ class PushLoop:
     more on close, for jobs too short to be scraped. Failures are reported, never raised."""
 
     def __init__(self, registry: CollectorRegistry, gateway: str, job: str, run: str, interval: float,
-                 on_error: Callable[[str, BaseException], None], timeout: float = 5.0) -> None:
+                 on_error: Callable[[str, BaseException], None], timeout: float = 5.0,
+                 run_instance: str = "") -> None:
         from urllib.parse import unquote, urlsplit, urlunsplit
 
         self.registry = registry
@@ -385,7 +406,8 @@ class PushLoop:
             gateway = urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
         self.gateway = gateway
         self.job = job
-        self.grouping_key = {"run": run}
+        # One group per process: two processes pushing one run name never replace each other's metrics.
+        self.grouping_key = {"run": run, **({"run_instance": run_instance} if run_instance else {})}
         self.interval = interval
         self.timeout = timeout
         self._on_error = on_error

@@ -1,0 +1,182 @@
+"""Sampler-learner mismatch: KL spikes and jumps, drift, the on-policy ratio check."""
+
+from __future__ import annotations
+
+import math
+
+from ..conditions import one
+from ..history import History, Verdicts
+from ..model import Alert, Runbook, StepExample, const, with_step
+
+
+DRIFT_SIGNALS = ("mismatch_kl_k3", "mismatch_abs_log_ratio_p99")
+
+
+def _kl_spike(h: History) -> Verdicts:
+    k3, bound = h.latest("mismatch_kl_k3"), h.p("kl_k3_max")
+    return one(k3, k3 is not None and k3 > bound, k3 is not None and k3 > h.p("hold_fraction") * bound)
+
+
+def _kl_jump(h: History) -> Verdicts:
+    k3 = h.latest("mismatch_kl_k3")
+    if k3 is None:
+        return {}
+    base = h.window("mismatch_kl_k3", (), last=30, skip=5)
+    floor = h.p("kl_jump_floor")
+    if len(base) < max(2.0, h.p("baseline_steps")):        # a standard deviation needs 2 steps
+        return one(k3, False, k3 > floor)
+    mean = sum(base) / len(base)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in base) / (len(base) - 1))
+    band = h.p("evidence_z") * sd * math.sqrt(1 + 1 / len(base))      # prediction interval of one step
+    h.stats[("baseline", "mismatch_kl_k3")] = mean
+    h.stats[("stderr", "mismatch_kl_k3")] = sd
+    raise_ = k3 > floor and k3 > h.p("kl_jump_factor") * mean and k3 > mean + band
+    return one(k3, raise_, k3 > floor and k3 > mean + band)
+
+
+def _mismatch_drift(h: History) -> Verdicts:
+    out: Verdicts = {}
+    bound = h.p("drift_score_max")
+    for (signal, _env, _detector), score in h.family("drift_score").items():
+        if signal in DRIFT_SIGNALS:
+            out[(signal,)] = (score, score > bound, score > h.p("hold_fraction") * bound)
+    return out
+
+
+def _onpolicy(h: History) -> Verdicts:
+    mean, k2, n = h.latest("mismatch_log_ratio_mean"), h.latest("mismatch_kl_k2"), h.latest("mismatch_tokens")
+    if mean is None or not n:
+        return {}
+    # k2 = mean(r^2)/2, so the per-token variance of r is 2 k2 - mean^2; its mean's standard error:
+    se = math.sqrt(max(0.0, 2 * (k2 or 0.0) - mean * mean) / n)
+    h.stats[("stderr", "mismatch_log_ratio_mean")] = se
+    step, lag = h.latest("step"), h.latest("version_lag_max")
+    evidence = abs(mean) - h.p("evidence_z") * se
+    bound = h.p("onpolicy_log_ratio_max")
+    start = step is not None and step <= h.p("onpolicy_steps") and not lag
+    # Holds while the run stays on-policy and the offset stays statistically non-zero: the fault is a
+    # setting that does not go away, while its size shrinks as the policy sharpens (fewer uncertain tokens).
+    return one(abs(mean), start and evidence > bound, not lag and evidence > 0)
+
+
+KL_SPIKE = Alert(
+    name="RLWatchKLSpike", severity="critical", for_steps=2,
+    params=("kl_k3_max", "hold_fraction", "clear_steps"),
+    summary="Sampler-learner KL is above the absolute bound.",
+    description=("Run {{ $labels.run }}: k3 = KL(mu||pi_old) is {{ $value | printf \"%.4g\" }}, above the "
+                 "absolute bound for consecutive steps."),
+    windows="k3 above `kl_k3_max` for 2 consecutive steps opens it; it holds while k3 stays above "
+            "`hold_fraction` x the bound. A relative jump without that magnitude is RLWatchKLJump, a warning.",
+    condition=_kl_spike,
+    runbook=Runbook(
+        meaning="The data the trainer learns from now comes from a policy far from the one it trains. "
+                "On TinyAgent a behaviour policy 8 updates stale gave a mean |log pi_old - log mu| of 0.70 "
+                "nats and destroyed the skill; numeric (bf16) mismatch alone is about 0.03 nats, k3 ~1e-3.",
+        causes=["Weight sync failed or was skipped: the sampler still runs old weights (trl#5312).",
+                "Staleness grew: the async pipeline let old rollouts through (check the lag panels).",
+                "Sampler and trainer compute log-probs differently: temperature, top-p/top-k, logprobs "
+                "mode (trl#4159, trl#6789).",
+                "A learning-rate or batch change made each update move the policy much further.",
+                "A kernel, precision or MoE-router change on one side only."],
+        look=["rlwatch_version_lag_max and the lag heatmap: did staleness move first?",
+              "rlwatch_mismatch_log_ratio_mean: a constant offset points to semantics, not staleness.",
+              "rlwatch_mismatch_abs_log_ratio_by_prob: mismatch on high-probability tokens is not numeric "
+              "noise.",
+              "rlwatch_diagnosis_info and `rlwatch postmortem` for the likely cause."],
+        do=["Pause or checkpoint now (the guard can do this automatically).",
+            "If the lag is high: tighten the staleness bound or enforce it at consumption.",
+            "Enable truncated IS (TIS, C=2) if the run trains without a behaviour correction.",
+            "If the sampler's semantics differ: align temperature/top-p and the logprobs mode, then "
+            "restart from the last healthy checkpoint."]),
+    example=StepExample(series=with_step(13, mismatch_kl_k3={(): const(0.002, 10) + const(0.3, 3)}),
+                        fires_at=11, labels={}, value=0.3),
+)
+
+
+KL_JUMP = Alert(
+    name="RLWatchKLJump", severity="warning", for_steps=2,
+    params=("kl_jump_factor", "kl_jump_floor", "baseline_steps", "evidence_z", "clear_steps"),
+    summary="Sampler-learner KL jumped above its own baseline.",
+    description=("Run {{ $labels.run }}: k3 = {{ $value | printf \"%.4g\" }} is several times its trailing "
+                 "baseline and outside the baseline's step-to-step spread, but below the absolute bound."),
+    windows="Baseline: the mean and standard deviation of k3 over the 30 steps ending 5 steps ago, at "
+            "least `baseline_steps` of them. Opens when k3 exceeds the floor, `kl_jump_factor` x the "
+            "baseline mean and the mean plus `evidence_z` prediction standard deviations, 2 steps running.",
+    condition=_kl_jump,
+    runbook=Runbook(
+        meaning="The mismatch moved suddenly relative to this run's own history, at a magnitude that does "
+                "not yet make the data unusable. A warning: look before it becomes a spike.",
+        causes=["A weight sync skipped once, a sampler restart, a learning-rate warm-up ending.",
+                "Staleness stepping up in an asynchronous pipeline."],
+        look=["rlwatch_version_lag_max and rlwatch_mismatch_log_ratio_mean at the same steps.",
+              "rlwatch_window_baseline{signal=\"mismatch_kl_k3\"}: the baseline it was compared with."],
+        do=["Nothing yet if it settles; if it keeps rising, treat it as RLWatchKLSpike."]),
+    example=StepExample(series=with_step(32, mismatch_kl_k3={(): [0.002, 0.003] * 15 + [0.05, 0.06]}),
+                        fires_at=31, labels={}, value=0.06),
+)
+
+
+MISMATCH_DRIFT = Alert(
+    name="RLWatchMismatchDrift", severity="warning", for_steps=1,
+    params=("drift_score_max", "hold_fraction", "clear_steps"),
+    labels=("run", "signal"),
+    summary="Sampler-learner mismatch is drifting up.",
+    description=("Run {{ $labels.run }}: {{ $labels.signal }} has drifted above its own baseline (drift score "
+                 "{{ $value | printf \"%.4g\" }})."),
+    windows="The drift score rlwatch computes per step (a CUSUM of robust z-scores against a trailing "
+            "baseline, no score before 15 steps) above `drift_score_max`.",
+    condition=_mismatch_drift,
+    runbook=Runbook(
+        meaning="k3 or the 99th percentile of |log pi_old - log mu| has risen steadily relative to this "
+                "run's own history. In the reference experiment the mismatch told of the collapse long "
+                "before the reward did.",
+        causes=["Staleness creeping up in an asynchronous pipeline.",
+                "The policy sharpening (entropy falling) so that each update moves it further.",
+                "A slow change in the sampler (engine preemption and recomputation under memory pressure)."],
+        look=["The drift score's signal label, and the same signal in the sampler-learner mismatch row of the "
+              "rlwatch / details dashboard.",
+              "rlwatch_version_lag_mean and rlwatch_entropy_mean over the same window.",
+              "vLLM's preemption counter next to the mismatch (rollout-engine row)."],
+        do=["Watch for a KL spike; consider lowering the learning rate or tightening the staleness bound.",
+            "Make sure a behaviour correction (TIS/MIS) is on before the drift turns into a spike."]),
+    example=StepExample(series=with_step(12, drift_score={("mismatch_abs_log_ratio_p99", "", ""):
+                                                            const(0.0, 10) + [3.0, 9.5]}),
+                        fires_at=11, labels={"signal": "mismatch_abs_log_ratio_p99"}, value=9.5),
+)
+
+
+ON_POLICY_RATIO_NOT_ONE = Alert(
+    name="RLWatchOnPolicyRatioNotOne", severity="critical", for_steps=1,
+    params=("onpolicy_log_ratio_max", "onpolicy_steps", "evidence_z", "clear_steps"),
+    summary="On-policy log-ratio is not 1 at the start of the run.",
+    description=("Run {{ $labels.run }}: the mean signed log-ratio is {{ $value | printf \"%.4g\" }} nats "
+                 "with no stale token; sampler and trainer disagree on what a log-prob is."),
+    windows="Opens in the first `onpolicy_steps` steps of a run with no stale token when |mean log-ratio| "
+            "minus `evidence_z` standard errors (from k2 and the token count) exceeds the bound; holds, at "
+            "any step, while no token is stale and the mean stays `evidence_z` standard errors from 0 (the "
+            "fault is a setting: its size shrinks as the policy sharpens, it does not go away).",
+    condition=_onpolicy,
+    runbook=Runbook(
+        meaning="With identical weights, pi_old/mu should be 1 up to zero-mean numeric noise. A mean "
+                "offset in the first steps means the two sides compute different distributions.",
+        causes=["Temperature applied on one side only (trl#4159: first-token ratio exactly 2.0 at T=0.6).",
+                "Top-p/top-k truncation in the sampler's reported log-probs: every ratio is biased by the log "
+                "of the kept mass (trl#6789).",
+                "Logprobs mode: raw vs processed log-probs (vLLM's logprobs_mode).",
+                "Weights not synced before the first rollout.",
+                "Different micro-batch sizes between log-prob passes (verl#2088)."],
+        look=["rlwatch_sampler_temperature / top_p / sampler_info against the trainer's settings.",
+              "rlwatch_nonfinite_tokens: -inf sampler log-probs point to top-p masking.",
+              "rlwatch_mismatch_abs_log_ratio_by_prob: a temperature mismatch grows with |log mu|."],
+        do=["Stop the run: every step trains on a biased gradient.",
+            "Make the sampler report log-probs of the distribution the trainer computes (same temperature, "
+            "no truncation, processed logprobs), or recompute them in the trainer."]),
+    example=StepExample(series=with_step(3, mismatch_log_ratio_mean={(): [0.001, 0.0005, -0.3]},
+                                         mismatch_kl_k2={(): [1e-4, 1e-4, 0.05]},
+                                         mismatch_tokens={(): const(1000.0, 3)},
+                                         version_lag_max={(): const(0.0, 3)}),
+                        fires_at=2, labels={}, value=0.3),
+)
+
+
+__all__ = ["KL_SPIKE", "KL_JUMP", "MISMATCH_DRIFT", "ON_POLICY_RATIO_NOT_ONE"]

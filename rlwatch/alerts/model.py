@@ -1,0 +1,162 @@
+"""What an alert of the catalogue is: its definition (:class:`Alert`), its runbook section and
+the example its promtool tests replay.
+
+A step-window alert has a ``condition`` (read in the training process, see
+:mod:`rlwatch.alerts.windows`) and a rule expression that compares the exported window values; a
+wall-clock alert has only a Prometheus expression (``prom_expr``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .history import History, LabelSet, Verdicts
+
+#: the runbook every rlwatch exporter serves (the copy shipped in the package); RLWATCH_RUNBOOK_URL
+#: overrides it (runbook_base)
+RUNBOOK_BASE = "http://127.0.0.1:9400/runbook"
+
+#: The labels that identify one exporting process's series (every rule joins on them).
+RUN_IDENTITY = ("run", "run_instance")
+#: A resolved incident that no scrape saw open fires while its series is younger than this (longer
+#: than any evaluation interval), so an incident that opened and resolved between two scrapes pages once.
+INCIDENT_UNSEEN_WINDOW = "2m"
+#: keep_firing_for of the step-window alerts: longer than Alertmanager's group_wait, so an incident
+#: that only the last scrape of a run saw still reaches the receiver once the exporter is gone.
+INCIDENT_KEEP_FIRING_MINUTES = 1
+
+
+def runbook_base(explicit: str | None = None) -> str:
+    """The runbook's base URL: ``explicit``, else $RLWATCH_RUNBOOK_URL, else :data:`RUNBOOK_BASE`."""
+    from ..config import runbook_url
+
+    return runbook_url(explicit, RUNBOOK_BASE)
+
+
+@dataclass(frozen=True)
+class Runbook:
+    meaning: str
+    causes: list[str]
+    look: list[str]
+    do: list[str]
+
+
+@dataclass(frozen=True)
+class Example:
+    """Series sampled once a minute in which a Prometheus-only alert fires at minute ``fires_at``
+    with ``labels``; None in a series is a missing sample."""
+
+    series: dict[str, list[float | None]]
+    fires_at: int
+    labels: LabelSet
+    value: float
+
+
+@dataclass(frozen=True)
+class StepExample:
+    """A step-window alert's example: per-step rlwatch values ({metric: {label values: [value per
+    step, None = missing]}}, counters as per-step increments) in which the alert opens at step
+    ``fires_at`` with ``labels`` (run excluded) and ``value``."""
+
+    series: dict[str, dict[tuple[str, ...], list[float | None]]]
+    fires_at: int
+    labels: LabelSet
+    value: float
+
+    @property
+    def length(self) -> int:
+        return max(len(v) for family in self.series.values() for v in family.values())
+
+    def steps(self) -> list[tuple[int, dict]]:
+        out: list[tuple[int, dict]] = [(i, {}) for i in range(self.length)]
+        for name, family in self.series.items():
+            for labels, values in family.items():
+                for i, v in enumerate(values):
+                    if v is not None:
+                        out[i][1].setdefault(name, {})[labels] = v
+        return out
+
+
+#: Label names of the exported alert statistics, in order; unused ones are "".
+ALERT_LABELS: tuple[str, ...] = ("alert", "signal", "env", "detector", "kind")
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    severity: str
+    summary: str
+    description: str
+    runbook: Runbook
+    windows: str
+    condition: Callable[[History], Verdicts] | None = None
+    for_steps: int = 1
+    prom_expr: str = ""
+    for_minutes: int = 0
+    keep_firing_minutes: int = 0
+    example: Example | StepExample | None = None
+    embedded_note: str = ""
+    params: tuple[str, ...] = ()
+    labels: tuple[str, ...] = ("run",)
+
+    @property
+    def step_labels(self) -> tuple[str, ...]:
+        """The alert's labels other than run, in the order of its verdict keys."""
+        return tuple(label for label in self.labels if label != "run")
+
+    @property
+    def expr(self) -> str:
+        """The rule: an open incident fires; a resolved one fires only when it is new and no scrape
+        saw it open (it opened and resolved between two scrapes)."""
+        if self.condition is None:
+            return self.prom_expr
+        on = ", ".join(RUN_IDENTITY + ALERT_LABELS + ("incident",))
+        series = f'rlwatch_alert_incident{{alert="{self.name}"'
+        window = INCIDENT_UNSEEN_WINDOW
+        return (f'max without (alert, state) (\n'
+                f'  {series},state="open"}}\n'
+                f'  or ({series},state="resolved"}}\n'
+                f'      unless on({on}) {series}}} offset {window}\n'
+                f'      unless on({on}) max_over_time({series},state="open"}}[{window}]))\n'
+                f')')
+
+    @property
+    def keep_firing(self) -> int:
+        """keep_firing_for in minutes (the step-window alerts: :data:`INCIDENT_KEEP_FIRING_MINUTES`)."""
+        return self.keep_firing_minutes or (INCIDENT_KEEP_FIRING_MINUTES if self.condition is not None else 0)
+
+    @property
+    def runbook_url(self) -> str:
+        return f"{runbook_base()}#{self.name.lower()}"
+
+    @property
+    def group(self) -> str:
+        return "rlwatch-" + ("health" if self.condition is None else "signals")
+
+
+# --- helpers of the examples --------------------------------------------------------------------
+
+def const(value: float, n: int) -> list[float]:
+    return [value] * n
+
+
+def cumulative(increments: list[float]) -> list[float]:
+    out, total = [], 0.0
+    for inc in increments:
+        total += inc
+        out.append(total)
+    return out
+
+
+def with_step(n: int, **families: dict) -> dict:
+    """An example's series with the ``step`` gauge counting 0 .. n-1."""
+    return {"step": {(): [float(i) for i in range(n)]}, **families}
+
+
+#: The run label of the examples' Prometheus series.
+R1 = 'run="r1"'
+
+
+__all__ = ["ALERT_LABELS", "R1", "RUNBOOK_BASE", "Alert", "Example", "Runbook", "StepExample", "const", "cumulative",
+           "runbook_base", "with_step"]
