@@ -142,9 +142,10 @@ def test_the_deadline_must_be_positive(inproc):
 # --- a real Prometheus: one run name, three processes ---------------------------------------------------
 
 STEPS = 30
-#: Each process of run "twin": its run_instance label (None: an exporter without one, told apart by
-#: Prometheus' instance label), the step its reward collapses at and the step its k3 rises at.
-TWINS = {"a": ("a", 18, 15), "b": ("b", None, None), "c": (None, 8, 5)}
+#: Each process of run "twin": whether its series carry ``run_instance`` (False: an exporter from
+#: before the label, told apart by Prometheus' ``instance``), the step its reward collapses at and
+#: the step its k3 rises at.
+TWINS = {"a": (True, 18, 15), "b": (True, None, None), "c": (False, 8, 5)}
 
 
 def twin_step(step: int, collapse: int | None, spike: int | None) -> dict:
@@ -155,21 +156,21 @@ def twin_step(step: int, collapse: int | None, spike: int | None) -> dict:
 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
-    """Prometheus scraping three Watches of run "twin" every 250 ms (two given a ``run_instance``
-    target label, as exporters that carry one; one without), with a rule that fires on k3 > 0.1;
-    30 steps every 0.5 s. Yields (Prometheus URL, {process: instance label})."""
+    """Prometheus scraping three Watches of run "twin" every 250 ms (c's ``run_instance`` label
+    dropped at scrape time, as an older exporter lacks it), with a rule that fires on k3 > 0.1;
+    30 steps every 0.5 s. Yields (Prometheus URL, {process: its run_instance or instance label})."""
     binary = need_binary("prometheus")
     tmp = tmp_path_factory.mktemp("twins")
     ports = {name: free_port() for name in TWINS}
     prom_port = free_port()
     (tmp / "rules.yml").write_text(render.to_yaml({"groups": [{"name": "t", "interval": "250ms", "rules": [
         {"alert": "TestKLHigh", "expr": "rlwatch_mismatch_kl_k3 > 0.1", "labels": {"severity": "critical"}}]}]}))
-    targets = [{"targets": [f"127.0.0.1:{ports[name]}"], **({"labels": {"run_instance": ri}} if ri else {})}
-               for name, (ri, _, _) in TWINS.items()]
+    jobs = [{"job_name": name, "honor_labels": True, "static_configs": [{"targets": [f"127.0.0.1:{ports[name]}"]}],
+             **({} if labelled else {"metric_relabel_configs": [{"action": "labeldrop", "regex": "run_instance"}]})}
+            for name, (labelled, _, _) in TWINS.items()]
     (tmp / "prometheus.yml").write_text(render.to_yaml({
         "global": {"scrape_interval": "250ms", "evaluation_interval": "250ms"},
-        "rule_files": [str(tmp / "rules.yml")],
-        "scrape_configs": [{"job_name": "rlwatch", "honor_labels": True, "static_configs": targets}]}))
+        "rule_files": [str(tmp / "rules.yml")], "scrape_configs": jobs}))
     prom = start_process([binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
                           f"--web.listen-address=127.0.0.1:{prom_port}"], prom_port, tmp / "prom.log")
     watches = {name: rlwatch.Watch(run="twin", port=ports[name], store=None, alerts=False) for name in TWINS}
@@ -187,7 +188,8 @@ def twins(tmp_path_factory):
                 watches[name].observe(step, **twin_step(step, collapse, spike))
             time.sleep(0.5)
         time.sleep(1.0)
-        yield prom.url, {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+        yield prom.url, {name: watches[name].state.run_instance if labelled else f"127.0.0.1:{ports[name]}"
+                         for name, (labelled, _, _) in TWINS.items()}
     finally:
         for watch in watches.values():
             watch.close()
@@ -199,18 +201,17 @@ def test_several_processes_of_one_run_name_stop_with_one_line_listing_them(twins
     rc, out, err = inproc("--prometheus", url, "--run", "twin")
     assert rc == 1 and err.count("\n") == 1, err
     assert "3 processes exported run 'twin'; name one with --run-instance" in err
-    for name in ("a", "b", instance["c"]):
-        assert f"{name} (steps 0..{STEPS - 1}, " in err, err
+    for name in TWINS:
+        assert f"{instance[name]} (steps 0..{STEPS - 1}, " in err, err
     rc, out, err = inproc("--prometheus", url, "--run", "twin", "--run-instance", "nope")
-    assert rc == 1 and "no single instance 'nope'" in err and "a (steps 0.." in err, err
+    assert rc == 1 and "no single instance 'nope'" in err and f"{instance['a']} (steps 0.." in err, err
 
 
 @pytest.mark.parametrize("name", list(TWINS))
 def test_the_named_process_is_read_alone_at_every_scrape_with_default_flags(twins, name, inproc):
     url, instance = twins
-    run_instance, collapse, spike = TWINS[name]
-    rc, out, err = inproc("--prometheus", url, "--run", "twin", "--run-instance", run_instance or instance[name],
-                          "--json")
+    labelled, collapse, spike = TWINS[name]
+    rc, out, err = inproc("--prometheus", url, "--run", "twin", "--run-instance", instance[name], "--json")
     assert rc == 0, err
     doc = json.loads(out)
     assert doc["steps"] == [0, STEPS - 1]            # found without --since, not one point of a 60 s grid
@@ -218,16 +219,15 @@ def test_the_named_process_is_read_alone_at_every_scrape_with_default_flags(twin
         assert doc["collapse_step"] is None and doc["alerts"] == []
     else:
         assert collapse <= doc["collapse_step"] <= collapse + 1, doc["collapse_step"]
-        alerts = [(a["name"], a["step"], a["labels"].get("run_instance"), a["labels"]["instance"])
+        alerts = [(a["name"], a["step"], a["labels"].get("run_instance" if labelled else "instance"))
                   for a in doc["alerts"]]
-        assert len(alerts) == 1 and alerts[0][0] == "TestKLHigh" and spike <= alerts[0][1] <= spike + 2, alerts
-        assert alerts[0][2:] == (run_instance, instance[name]), alerts
+        assert alerts == [("TestKLHigh", alerts[0][1], instance[name])] and spike <= alerts[0][1] <= spike + 2, alerts
 
 
 def test_chunked_reads_give_the_same_run(twins, monkeypatch):
-    url, _ = twins
-    whole = load(prometheus=url, run="twin", run_instance="a")
+    url, instance = twins
+    whole = load(prometheus=url, run="twin", run_instance=instance["a"])
     assert len(whole.steps) >= STEPS - 3                    # a step every 0.5 s, a scrape every 0.25 s
     monkeypatch.setattr(prometheus, "CHUNK_SCRAPES", 7)
-    chunked = load(prometheus=url, run="twin", run_instance="a", lookback_seconds=300)     # windows of 1 s
+    chunked = load(prometheus=url, run="twin", run_instance=instance["a"], lookback_seconds=300)     # windows of 1 s
     assert chunked.steps == whole.steps and chunked.alerts == whole.alerts and chunked.scalars == whole.scalars
