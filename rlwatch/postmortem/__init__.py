@@ -2,10 +2,7 @@
 the likely cause, where to resume, what the run could not measure, and (``--baseline``) where it
 diverged from a good run; as a terminal report, markdown with plots, or JSON."""
 
-from typing import Any
-
 from .analysis import Comparison, Report, analyse, compare
-from .prometheus import DEFAULT_DEADLINE_S, Deadline
 from .sources import PostmortemInputError, RunData, load
 
 __all__ = ["Comparison", "PostmortemInputError", "Report", "RunData", "analyse", "compare", "load",
@@ -13,7 +10,7 @@ __all__ = ["Comparison", "PostmortemInputError", "Report", "RunData", "analyse",
 
 
 def load_source(source: str | None, run: str | None = None, prometheus: str | None = None,
-                **prometheus_options: Any) -> RunData:
+                **prometheus_options: object) -> RunData:
     """A run from a store / TRL / verl directory path, or from Prometheus: ``prometheus`` (a URL) with
     ``run``, or ``source`` itself an ``http(s)://`` URL of a Prometheus (then ``run`` is required)."""
     if source is not None and source.startswith(("http://", "https://")) and prometheus is None:
@@ -37,6 +34,7 @@ def run_postmortem(path: str | None = None, *, prometheus: str | None = None, ru
     from pathlib import Path
 
     from . import report as render
+    from .prometheus import DEFAULT_DEADLINE_S, Deadline
 
     limit = Deadline(DEFAULT_DEADLINE_S if deadline is None else deadline)
     data = load(path, prometheus=prometheus, run=run, lookback_seconds=since, run_instance=run_instance,
