@@ -151,7 +151,8 @@ def annotations() -> dict:
          "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard"},
         {"datasource": DS, "enable": True, "iconColor": "red", "name": "rlwatch alerts",
          "expr": f'ALERTS{{alertstate="firing", {RUN}}}', "step": "30s", "titleFormat": "{{alertname}}",
-         "textFormat": "{{run}} {{run_instance}} {{severity}}", "tagKeys": "severity,run,run_instance", "useValueForTime": False},
+         "textFormat": "{{run}} {{run_instance}} {{severity}}", "tagKeys": "severity,run,run_instance",
+         "useValueForTime": False},
     ]}
 
 

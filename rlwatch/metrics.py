@@ -94,6 +94,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "alert and the alert's own labels (unused ones empty).", "alerts", ("alert", "signal", "env", "detector", "kind")),
     _g("alert_streak_steps", "Consecutive steps an alert's raise condition has held (absent when 0).", "alerts",
        ("alert", "signal", "env", "detector", "kind")),
+    _g("alert_hit_steps", "For an intermittent alert, steps among the last intermittent_steps on which its raise "
+       "condition held (absent when 0); intermittent_hits of them open it.", "alerts",
+       ("alert", "signal", "env", "detector", "kind")),
     _g("alert_quiet_steps", "For an open alert, steps since its hold condition last held (0 while it holds); "
        "the alert fires while this is below the clear_steps threshold.", "alerts",
        ("alert", "signal", "env", "detector", "kind")),

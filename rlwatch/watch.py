@@ -56,8 +56,8 @@ class Watch:
         notifiers: alert notifiers (webhook, Slack) for the in-process evaluator.
         alert_overrides: per-run alert thresholds ({param: value}, see rlwatch.alerts.catalogue.PARAMS).
         guard: callables run with the event when a critical alert fires (checkpoint, stop, ...), on
-            the thread that computed the step (the training thread, or rlwatch's own with
-            ``background=True``), or on the watchdog's thread for the stall alert.
+            rlwatch's alert-actions thread, outside rlwatch's locks; the step that fired waits for
+            them at most 100 ms, a slower guard finishes on its own. A guard that raises is counted.
         all_ranks: export from every rank (run label "<run>-rank<N>", port + local rank) instead
             of rank 0 only.
         tls_certfile, tls_keyfile, basic_auth: protect /metrics with TLS and/or (user, password).
@@ -73,7 +73,7 @@ class Watch:
             trainer that keeps every core busy the thread only competes with it (measured slower
             than computing inline, ``bench/bench_trl_overhead.py``). The tensors passed must
             not be modified in place afterwards. ``flush()`` waits for the queued steps; guards
-            and ``on_alert`` callbacks then run on that thread, a step or so later. Off in strict mode.
+            and ``on_alert`` callbacks then come a step or so later. Off in strict mode.
         background_max_bytes: bytes of input tensors the background queue may hold (default 256 MiB;
             a queued step keeps its tensors alive, on an accelerator in device memory): when full,
             ``observe`` waits for rlwatch's thread (at most 5 s, then the step is dropped, counted).
@@ -186,9 +186,9 @@ class Watch:
             guard(self.errors, "export", "log_scalars", lambda: self.services.log_scalars(step, mapping))
 
     def on_alert(self, callback: Callable[[Any], None]) -> None:
-        """Call ``callback(event)`` for every firing and resolved event of the in-process evaluator
-        (on the thread that computes the step: the training thread, or rlwatch's with
-        ``background=True``; the stall alert comes from the watchdog's thread)."""
+        """Call ``callback(event)`` for every firing and resolved event of the in-process evaluator,
+        on rlwatch's alert-actions thread, outside rlwatch's locks: the callback may call any public
+        method of the Watch or its evaluator. A callback that raises is counted."""
         if self.evaluator is not None:
             self.evaluator.subscribers.append(callback)
 

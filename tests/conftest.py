@@ -104,7 +104,9 @@ def start_process(args: list[str], port: int, log: Path, ready_path: str = "/-/r
 def pushgateway(tmp_path: Path):
     binary = need_binary("prometheus-pushgateway")
     port = free_port()
-    server = start_process([binary, f"--web.listen-address=127.0.0.1:{port}"], port, tmp_path / "pushgateway.log")
+    # --persistence.file=: in memory (Debian's default file is shared by every gateway on the machine)
+    server = start_process([binary, f"--web.listen-address=127.0.0.1:{port}", "--persistence.file="], port,
+                           tmp_path / "pushgateway.log")
     yield server
     server.stop()
 

@@ -135,3 +135,38 @@ def test_process_and_prometheus_fire_the_same_alerts_the_same_number_of_times(ev
     if every == 200:               # the hard case: several incidents opened and resolved within one scrape
         unseen = [i for i, states in incidents.items() if "open" not in states]
         assert len(unseen) >= len(BURSTS) - 3
+
+
+def _spike(watch, steps: range, r: float) -> None:
+    for step in steps:
+        watch.observe(step, mask=[[1] * 8] * 4, sampler_logp=[[-1.0] * 8] * 4, trainer_logp=[[-1.0 + r] * 8] * 4)
+
+
+def test_close_serves_an_unseen_incident_to_one_more_scrape():
+    """A run that ends right after an incident opened: close() keeps /metrics up until a scrape has
+    shown it (bounded by the measured scrape interval), and does not wait when nothing scrapes."""
+    import threading
+    import time
+    import urllib.request
+
+    from rlwatch import Watch
+
+    with Watch(run="last", port=0, store=None, alerts=False) as idle:
+        _spike(idle, range(3), 1.5)
+        start = time.monotonic()
+    assert time.monotonic() - start < 2                       # never scraped: nothing to wait for
+
+    watch = Watch(run="last", port=0, store=None, alerts=False)
+    _spike(watch, range(3), 0.01)
+    for _ in range(2):                                         # a scraper every ~0.5 s
+        urllib.request.urlopen(watch.url, timeout=5).read()
+        time.sleep(0.5)
+    _spike(watch, range(3, 6), 1.5)                            # KLSpike opens after the last scrape
+    closer = threading.Thread(target=watch.close)
+    closer.start()
+    time.sleep(0.3)
+    assert closer.is_alive()                                   # waiting for the scrape
+    body = urllib.request.urlopen(watch.url, timeout=5).read().decode()
+    closer.join(timeout=5)
+    assert not closer.is_alive()
+    assert 'alert="RLWatchKLSpike"' in body and 'state="open"' in body and 'incident="1"' in body

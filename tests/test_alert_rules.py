@@ -93,9 +93,9 @@ def example_steps(alert) -> list[tuple[int, dict]]:
     return steps
 
 
-@pytest.mark.parametrize("alert", [a for a in ALERTS if a.condition is not None], ids=lambda a: a.name)
-def test_embedded_evaluator_fires_at_the_same_step_as_the_rules(alert):
-    example = alert.example
+@pytest.mark.parametrize("alert,example", [(a, e) for a in ALERTS if a.condition is not None for e in a.examples],
+                         ids=lambda x: getattr(x, "name", None) or getattr(x, "case", "") or "example")
+def test_embedded_evaluator_fires_at_the_same_step_as_the_rules(alert, example):
     evaluator = AlertEvaluator("r1", alerts=[alert], watchdog_interval=0)
     fired_at = None
     for step, values in example.steps():
@@ -194,6 +194,33 @@ def test_a_smooth_kl_rise_below_the_bound_never_pages():
     assert [e.name for e in evaluator.events if e.severity == "critical"] == []
     assert len([e for e in evaluator.events if e.state == "firing"]) <= 1
     evaluator.close()
+
+
+@pytest.mark.parametrize("every", [2, 3, 8])
+def test_an_intermittent_kl_fault_pages_within_10_steps_and_keeps_one_incident(every):
+    """k3 at 8x the bound on every second or third step for 60 steps (one replica of several with a
+    sampler fault) opens the critical KLSpike within 10 steps of the first spike, once, and the Watch
+    exports the raise steps of the window that opened it; a lone spike every 8 steps never pages."""
+    from rlwatch.alerts.windows import AlertWindows
+
+    windows = AlertWindows()
+    evaluator = AlertEvaluator("r1", watchdog_interval=0)
+    start, opened_with = 20, None
+    for step in range(start + 60):
+        spike = step >= start and (step - start) % every == 0
+        values = {"mismatch_kl_k3": {(): 0.8 if spike else 0.004}, "step": {(): float(step)}}
+        exported = windows.on_step(step, values)
+        evaluator.on_step(step, {**values, **exported})
+        if opened_with is None and evaluator.firing():
+            opened_with = exported["alert_hit_steps"][("RLWatchKLSpike", "", "", "", "")]
+    critical = [(e.name, e.state, e.step) for e in evaluator.events if e.severity == "critical"]
+    evaluator.close()
+    if every == 8:
+        assert critical == []
+        return
+    assert len(critical) == 1 and critical[0][:2] == ("RLWatchKLSpike", "firing"), critical
+    assert critical[0][2] - start < 10
+    assert opened_with == windows.params["intermittent_hits"]
 
 
 def test_onpolicy_fault_keeps_firing_after_the_first_steps():

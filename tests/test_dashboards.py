@@ -90,8 +90,8 @@ def test_alert_runbooks_are_linked_from_panels():
 
 
 def substitute(expr: str, run: str) -> str:
-    return (expr.replace("$run_instance", ".*").replace("$run", run).replace("$env", ".*").replace("$__rate_interval", "10s")
-            .replace("$__interval", "1s"))
+    return (expr.replace("$run_instance", ".*").replace("$run", run).replace("$env", ".*")
+            .replace("$__rate_interval", "10s").replace("$__interval", "1s"))
 
 
 def drive_full_run(watch: Watch, steps: int = 34) -> None:

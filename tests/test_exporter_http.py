@@ -45,7 +45,7 @@ def test_port_is_free_again_right_after_a_scraped_run_exits():
         watch.observe(0, **make_step())
         for _ in range(3):
             _, body = scrape_raw(port)                   # the server closes: its side goes to TIME-WAIT
-            assert b'rlwatch_steps_total{run="first"}' in body
+            assert f'rlwatch_steps_total{{run="first",run_instance="{watch.run_instance}"}}'.encode() in body
         idle = socket.create_connection(("127.0.0.1", port), timeout=5)   # a client still connected at exit
     try:
         with rlwatch.Watch(run="second", port=port, store=None, strict=True) as again:
@@ -98,19 +98,21 @@ def test_openmetrics_is_negotiated_from_the_accept_header(endpoint):
     _, text = scrape_raw(endpoint.port)
     samples = lambda raw: sorted(line for line in raw.decode().splitlines() if line and not line.startswith("#"))
     assert samples(body) == samples(text)                           # the same series and values either way
-    assert 'rlwatch_steps_total{run="om"} 2.0' in samples(body)
+    steps_total = f'rlwatch_steps_total{{run="om",run_instance="{endpoint.run_instance}"}} 2.0'
+    assert steps_total in samples(body)
     # one family, cut out and parsed with prometheus_client's strict OpenMetrics parser
     k3 = "\n".join(line for line in body.decode().splitlines()
                    if re.match(r"(# \w+ )?rlwatch_mismatch_kl_k3[ {]", line)) + "\n# EOF\n"
     (family,) = text_string_to_metric_families(k3)
-    assert family.type == "gauge" and family.samples[0].labels == {"run": "om"}
+    assert family.type == "gauge" and family.samples[0].labels == {"run": "om",
+                                                                   "run_instance": endpoint.run_instance}
     # gzip applies to either format; the cache keeps the two formats apart
     headers, zipped = scrape_raw(endpoint.port, accept=prometheus_accept, encoding="gzip")
     assert headers["content-encoding"] == "gzip" and gzip.decompress(zipped) == body
     for accept in (None, "text/plain;version=0.0.4", "*/*"):
         headers, text = scrape_raw(endpoint.port, accept=accept)
         assert headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
-        assert b"# EOF" not in text and b'rlwatch_steps_total{run="om"} 2.0' in text
+        assert b"# EOF" not in text and steps_total.encode() in text
     assert "content-encoding" not in scrape_raw(endpoint.port, encoding="gzip;q=0")[0]
 
 

@@ -41,7 +41,7 @@ def test_store_full_or_read_only_never_stops_training(tmp_path, fault, recover):
         assert watch.errors.counts[("store", "write")] >= 1
         import urllib.request
         text = urllib.request.urlopen(watch.url).read().decode()
-        assert 'rlwatch_store_dropped_steps_total{run="f"} 5.0' in text
+        assert f'rlwatch_store_dropped_steps_total{{run="f",run_instance="{watch.run_instance}"}} 5.0' in text
         _pragma(watch, recover)
         for step in range(10, 13):
             watch.observe(step, **make_step(seed=step))
@@ -108,7 +108,7 @@ def test_hanging_pushgateway_and_a_stalled_scraper_never_block_training(pushgate
         stalled.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")          # never finished
         durations = observe_timed(watch)
         body = urllib.request.urlopen(watch.url, timeout=5).read().decode()
-        assert 'rlwatch_steps_total{run="hang"} 20.0' in body
+        assert f'rlwatch_steps_total{{run="hang",run_instance="{watch.run_instance}"}} 20.0' in body
         start = time.perf_counter()
         watch.close()
         closing = time.perf_counter() - start
@@ -180,8 +180,9 @@ def test_a_family_that_cannot_render_is_counted_and_the_rest_still_served():
         for _ in range(2):
             status, text = _scrape(watch.url)
             assert status == 200
-            assert 'rlwatch_steps_total{run="x"} 1.0' in text
-            assert 'rlwatch_hook_errors_total{kind="exposition",run="x",stage="export"}' in text
+            assert f'rlwatch_steps_total{{run="x",run_instance="{watch.run_instance}"}} 1.0' in text
+            assert (f'rlwatch_hook_errors_total{{kind="exposition",run="x",run_instance="{watch.run_instance}",'
+                    'stage="export"}') in text
         assert watch.errors.counts[("export", "exposition")] >= 1
 
 
@@ -200,7 +201,7 @@ def test_a_family_that_cannot_render_in_openmetrics_leaves_one_eof_at_the_end():
             assert resp.status == 200 and resp.headers["Content-Type"].startswith("application/openmetrics-text")
             text = resp.read().decode()
         assert text.count("# EOF") == 1 and text.endswith("# EOF\n")
-        assert 'rlwatch_steps_total{run="x"} 1.0' in text
+        assert f'rlwatch_steps_total{{run="x",run_instance="{watch.run_instance}"}} 1.0' in text
         families = {f.name for f in text_string_to_metric_families(
             "".join(line + "\n" for line in text.splitlines() if line.startswith(("rlwatch_steps", "# EOF",
                                                                                  "# TYPE rlwatch_steps",
@@ -287,7 +288,7 @@ def test_re_observed_steps_keep_their_history_and_are_counted(tmp_path):
         assert second.flush()
         assert second.store.step_conflicts == 5
         body = urllib.request.urlopen(second.url, timeout=5).read().decode()
-        assert 'rlwatch_store_step_conflicts_total{run="resume"} 5.0' in body
+        assert f'rlwatch_store_step_conflicts_total{{run="resume",run_instance="{second.run_instance}"}} 5.0' in body
     with StoreReader(path) as store:
         rows = store.steps("resume")
         history = store.step_history("resume")

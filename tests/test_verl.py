@@ -14,6 +14,7 @@ import copy
 import logging
 import math
 import os
+import re
 import sqlite3
 import sys
 import urllib.request
@@ -679,7 +680,7 @@ def test_setup_hook_reaches_the_trainer_actor_through_ray(tmp_path):
         assert step["wrapped"] and step["run"] == "from-ray" and step["steps"] == 1
         assert math.isfinite(step["verl_metric"])
         body = urllib.request.urlopen(f"http://127.0.0.1:{step['port']}/metrics", timeout=10).read().decode()
-        assert 'rlwatch_steps_total{run="from-ray"} 1.0' in body
+        assert re.search(r'rlwatch_steps_total\{run="from-ray",run_instance="[^"]+"\} 1.0', body), body
         assert len(list(sd_dir.glob("*.json"))) == 1              # registered for Prometheus file_sd
         idle = ray.get(bystander.state.remote())
         assert idle["pid"] != before["pid"]

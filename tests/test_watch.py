@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -32,6 +33,7 @@ def scrape(url: str, **kwargs) -> dict[tuple[str, tuple], float]:
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            s.labels.pop("run_instance", None)          # the keys name the run only
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return samples
 
@@ -273,6 +275,21 @@ def test_pushgateway_receives_the_run(pushgateway):
     assert keys and samples[keys[0]] == 1
 
 
+def test_pushgateway_keeps_two_processes_of_one_run_apart(pushgateway):
+    """Two processes pushing one run name: one group each (grouping key run + run_instance), neither
+    replaces the other's metrics."""
+    twins = [rlwatch.Watch(run="twin", port=None, store=None, pushgateway=pushgateway.url, push_interval=60)
+             for _ in range(2)]
+    for count, watch in enumerate(twins, start=1):
+        for step in range(count):
+            watch.observe(step, **make_step(seed=step))
+        watch.close()
+    text = urllib.request.urlopen(pushgateway.url + "/metrics", timeout=5).read().decode()
+    totals = {s.labels.get("run_instance"): s.value for family in text_string_to_metric_families(text)
+              for s in family.samples if s.name == "rlwatch_steps_total" and s.labels.get("run") == "twin"}
+    assert totals == {twins[0].run_instance: 1, twins[1].run_instance: 2}
+
+
 def test_pushgateway_down_never_blocks_or_raises():
     port = free_port()
     with rlwatch.Watch(run="nopush", port=None, store=None, pushgateway=f"http://127.0.0.1:{port}",
@@ -327,7 +344,9 @@ def test_opentelemetry_in_memory_reader():
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 for point in metric.data.data_points:
-                    points[(metric.name, tuple(sorted(point.attributes.items())))] = point.value
+                    attributes = dict(point.attributes)
+                    assert attributes.pop("run_instance") == watch.run_instance
+                    points[(metric.name, tuple(sorted(attributes.items())))] = point.value
     assert points[("rlwatch_mismatch_kl_k3", (("run", "otel"),))] == pytest.approx(values["mismatch_kl_k3"][()])
     assert points[("rlwatch_tokens", (("run", "otel"),))] == int(step["mask"].sum())
     assert points[("rlwatch_env_episodes", (("env", "math"), ("run", "otel")))] == 8
@@ -398,7 +417,7 @@ def test_tls_and_basic_auth(tmp_path):
         assert info.value.code == 401
         request = urllib.request.Request(watch.url, headers={"Authorization": "Basic cHJvbTpzM2NyZXQ="})
         body = urllib.request.urlopen(request, context=context, timeout=5).read().decode()
-        assert 'rlwatch_steps_total{run="tls"} 1.0' in body
+        assert f'rlwatch_steps_total{{run="tls",run_instance="{watch.run_instance}"}} 1.0' in body
         with pytest.raises((urllib.error.URLError, ConnectionError)):   # plain HTTP is refused
             urllib.request.urlopen(watch.url.replace("https", "http"), timeout=5)
 
@@ -440,7 +459,7 @@ def test_an_idle_tls_client_neither_stops_scrapes_nor_hangs_close(tmp_path):
         start = time.perf_counter()
         body = urllib.request.urlopen(watch.url, context=context, timeout=5).read().decode()
         assert time.perf_counter() - start < 2
-        assert 'rlwatch_steps_total{run="tlsidle"} 1.0' in body
+        assert f'rlwatch_steps_total{{run="tlsidle",run_instance="{watch.run_instance}"}} 1.0' in body
         start = time.perf_counter()
         watch.close()
         assert time.perf_counter() - start < 3
@@ -613,3 +632,63 @@ def test_steps_before_flush_or_a_checkpoint_survive_sigkill_right_after(tmp_path
         assert stored == list(range(steps)), (trial, stored)
         if point == "checkpoint":
             assert checkpoints == [(steps - 1,)]
+
+
+def _spiking_watch(run: str, **options) -> rlwatch.Watch:
+    """A Watch whose KLSpike (critical) fires at step 1 of make_step(noise=0.5) steps."""
+    return rlwatch.Watch(run=run, port=None, store=None, alerts=True, alert_overrides={"kl_k3_max": 0.01}, **options)
+
+
+def test_an_alert_callback_may_call_the_watch_and_its_evaluator():
+    """An on_alert callback that reads what is firing and notes it on the Watch (on main: a deadlock,
+    the evaluator held its non-reentrant lock while it ran the callback)."""
+    watch = _spiking_watch("callback")
+    seen = []
+
+    def callback(event):
+        seen.append((event.name, event.state, sorted(e.name for e in watch.evaluator.firing())))
+        watch.note("alert_seen", event.name)
+
+    watch.on_alert(callback)
+
+    def train():
+        for step in range(3):
+            watch.observe(step, **make_step(seed=step, noise=0.5))
+        watch.close()
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    trainer.join(timeout=60)
+    assert not trainer.is_alive(), "the training thread is stuck in an on_alert callback"
+    assert ("RLWatchKLSpike", "firing", ["RLWatchKLSpike"]) in seen, seen
+    assert watch.errors.total() == 0
+
+
+def test_a_slow_guard_never_holds_observe_and_a_failing_one_is_counted():
+    """A 10 s guard runs on rlwatch's alert-actions thread: the step that fired returns at once (on
+    main it took the guard's 10 s); a guard that raises is counted, and the others still run."""
+    release, ran = threading.Event(), []
+
+    def slow(event):
+        ran.append(event.name)
+        release.wait(10)
+
+    def failing(event):
+        raise RuntimeError("guard bug")
+
+    watch = _spiking_watch("guards", guard=(failing, slow))
+    durations = []
+    try:
+        for step in range(3):
+            start = time.perf_counter()
+            watch.observe(step, **make_step(seed=step, noise=0.5))
+            durations.append(time.perf_counter() - start)
+        assert max(durations) < 2.0, durations          # the guard would hold it 10 s
+        deadline = time.monotonic() + 10
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ran == ["RLWatchKLSpike"]
+    finally:
+        release.set()
+    watch.close()
+    assert watch.errors.counts[("alerts", "guard")] == 1

@@ -12,7 +12,8 @@ Paging policy (stated in ``alerts/runbook.md``):
 - **Evidence before alarm.** No rising or jump condition without a baseline of ``baseline_steps``
   steps; rates are judged by their Wilson lower confidence bound (3 of 40 flagged is not evidence
   of a rate above 5%); the on-policy check subtracts ``evidence_z`` standard errors of the mean
-  log-ratio; magnitudes must hold ``for_steps`` consecutive steps.
+  log-ratio; magnitudes must hold ``for_steps`` consecutive steps (the critical magnitudes also
+  open on ``intermittent_hits`` of the last ``intermittent_steps`` steps).
 - **One incident, one page.** An alert opens after ``for_steps`` steps of its raise condition and
   stays open while its (looser) hold condition holds and for ``clear_steps`` steps after it last
   held; a fault that persists keeps its alert firing.
@@ -20,11 +21,12 @@ Paging policy (stated in ``alerts/runbook.md``):
 One verdict everywhere: the step-window statistics (baselines, rate bounds, standard errors,
 streaks, the steps since an alert's condition last held) are computed once per step in the
 training process (:mod:`rlwatch.alerts.windows`) and exported as ``rlwatch_alert_value``,
-``rlwatch_alert_streak_steps``, ``rlwatch_alert_quiet_steps``, ``rlwatch_window_baseline`` and
-``rlwatch_window_stderr``. The Prometheus rules compare those exported values with the run's
-thresholds, and the embedded evaluator makes the same comparison on the same numbers, so the two
-fire the same alerts at the same steps whatever the time between steps. Only the wall-clock alerts
-(trainer stalled, exporter down, hook errors, the watchdog) are evaluated on time.
+``rlwatch_alert_streak_steps``, ``rlwatch_alert_hit_steps``, ``rlwatch_alert_quiet_steps``,
+``rlwatch_window_baseline`` and ``rlwatch_window_stderr``. The Prometheus rules compare those
+exported values with the run's thresholds, and the embedded evaluator makes the same comparison on
+the same numbers, so the two fire the same alerts at the same steps whatever the time between
+steps. Only the wall-clock alerts (trainer stalled, exporter down, hook errors, the watchdog) are
+evaluated on time.
 
 Thresholds (:data:`PARAMS`, :mod:`.params`) are defaults; a run overrides any of them with
 ``Watch(alert_overrides={...})``.

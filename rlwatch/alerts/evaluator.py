@@ -7,7 +7,8 @@ alerts at the same steps. Without a ``Watch`` (values that carry no window stati
 own ``AlertWindows``. Each transition is one event, to the run store, the log, the notifiers and the
 subscribers; a resolved event carries the statistic's current value. A watchdog thread raises
 RLWatchTrainerStalled when no step arrives for ``stall_seconds``. Optional guard actions
-(checkpoint, stop, a callback) run on critical alerts.
+(checkpoint, stop, a callback) run on critical alerts. Subscribers and guards run on rlwatch's
+alert-actions thread (:mod:`rlwatch.alerts.actions`), outside every rlwatch lock.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import HookErrors
+from .actions import ActionRunner
 from .catalogue import ALERT_LABELS, ALERTS, BY_NAME, Alert, History, stalled, thresholds
 from .notify import AlertEvent, Dispatcher, log_event
 from .template import render
@@ -33,9 +35,8 @@ class AlertEvaluator:
     """Evaluates the alert catalogue per step.
 
     overrides: threshold values for this run ({param: value}); unknown names are reported.
-    guard: callables ``guard(event)`` run when a critical alert fires, on the thread that evaluates the
-        step: the training thread, rlwatch's step thread with ``Watch(background=True)``, or the stall
-        watchdog's thread for RLWatchTrainerStalled.
+    guard: callables ``guard(event)`` run when a critical alert fires, on the alert-actions thread; the
+        step that fired waits for them at most 100 ms (:data:`rlwatch.alerts.actions.WAIT_SECONDS`).
     static: values every step carries implicitly (the run's settings, e.g. ``staleness_bound``), as
         Prometheus sees them as gauges next to each step's signals.
     """
@@ -63,6 +64,8 @@ class AlertEvaluator:
         # The latest events in memory (the store keeps all of them): bounded for multi-day runs.
         self.events: deque[AlertEvent] = deque(maxlen=EVENTS_KEPT)
         self._lock = threading.Lock()
+        self.actions = ActionRunner(lambda kind, message: self.errors.report("alerts", kind, message,
+                                                                              raise_in_strict=False))
         notifiers = list(notifiers)
         self.dispatcher = Dispatcher(notifiers, self._notify_error) if notifiers else None
         self._stop = threading.Event()
@@ -78,6 +81,10 @@ class AlertEvaluator:
     # --- per step ---------------------------------------------------------------------------
 
     def on_step(self, step: int, values: Mapping) -> None:
+        self._on_step(step, values)
+        self.actions.wait()          # this step's callbacks, at most WAIT_SECONDS, outside the lock
+
+    def _on_step(self, step: int, values: Mapping) -> None:
         with self._lock:
             self._steps.append((step, values))
             if "alert_quiet_steps" not in values:            # not behind a Watch's AlertWindows
@@ -144,16 +151,10 @@ class AlertEvaluator:
         if self.dispatcher is not None:
             self.dispatcher.submit(event)
         for subscriber in self.subscribers:
-            try:
-                subscriber(event)
-            except Exception as exc:  # noqa: BLE001
-                self.errors.report("alerts", "subscriber", f"alert subscriber failed: {exc}", raise_in_strict=False)
+            self.actions.submit("subscriber", subscriber, event)
         if state == "firing" and alert.severity == "critical":
             for action in self.guard:
-                try:
-                    action(event)
-                except Exception as exc:  # noqa: BLE001
-                    self.errors.report("alerts", "guard", f"guard action failed: {exc}", raise_in_strict=False)
+                self.actions.submit("guard", action, event)
 
     # --- watchdog -------------------------------------------------------------------------------
 
@@ -182,5 +183,6 @@ class AlertEvaluator:
         self._stop.set()
         if self._watchdog is not None:
             self._watchdog.join(timeout=5)
+        self.actions.close()
         if self.dispatcher is not None:
             self.dispatcher.close()

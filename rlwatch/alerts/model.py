@@ -57,12 +57,14 @@ class Example:
 class StepExample:
     """A step-window alert's example: per-step rlwatch values ({metric: {label values: [value per
     step, None = missing]}}, counters as per-step increments) in which the alert opens at step
-    ``fires_at`` with ``labels`` (run excluded) and ``value``."""
+    ``fires_at`` with ``labels`` (run excluded) and ``value``; ``case`` names a further example of
+    the same alert."""
 
     series: dict[str, dict[tuple[str, ...], list[float | None]]]
     fires_at: int
     labels: LabelSet
     value: float
+    case: str = ""
 
     @property
     def length(self) -> int:
@@ -84,6 +86,11 @@ ALERT_LABELS: tuple[str, ...] = ("alert", "signal", "env", "detector", "kind")
 
 @dataclass(frozen=True)
 class Alert:
+    """One alert. ``condition`` (step-window alerts) reads the latest steps; the alert opens after
+    ``for_steps`` consecutive raise steps or, when ``intermittent``, after ``intermittent_hits`` raise
+    steps among the last ``intermittent_steps``. ``prom_expr``: a wall-clock alert's own rule.
+    ``more_examples``: further step-window examples its promtool tests replay."""
+
     name: str
     severity: str
     summary: str
@@ -99,6 +106,12 @@ class Alert:
     embedded_note: str = ""
     params: tuple[str, ...] = ()
     labels: tuple[str, ...] = ("run",)
+    intermittent: bool = False
+    more_examples: tuple[StepExample, ...] = ()
+
+    @property
+    def examples(self) -> tuple[Example | StepExample, ...]:
+        return ((self.example,) if self.example is not None else ()) + self.more_examples
 
     @property
     def step_labels(self) -> tuple[str, ...]:

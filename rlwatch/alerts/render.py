@@ -159,40 +159,46 @@ def _step_series(steps: list[dict[str, float]], per_step: int) -> list[dict]:
     return series
 
 
+def _step_tests(alert: Alert, example: StepExample, cadences: list[tuple[str, int, int]],
+                runbook_url: str) -> list[dict]:
+    """promtool tests of one step-window example, one per cadence."""
+    steps = exported_steps(alert, example)
+    labels = {"run": "r1", "incident": "1", **example.labels}
+    expected = _expected(alert, Example({}, example.fires_at, labels, example.value), runbook_url)
+    later = expected if len(steps) == example.fires_at + 1 else _expected(
+        alert, Example({}, example.fires_at, labels, _value_at(steps, alert, example, example.fires_at)), runbook_url)
+    name = f"{alert.name} {example.case}" if example.case else alert.name
+    tests = []
+    for cadence, seconds, scrape in cadences:
+        fires = example.fires_at * seconds
+        cases = [{"eval_time": f"{fires - scrape}s", "alertname": alert.name, "exp_alerts": []},
+                 {"eval_time": f"{fires}s", "alertname": alert.name, "exp_alerts": [expected]},
+                 {"eval_time": f"{fires + seconds - scrape}s", "alertname": alert.name, "exp_alerts": [later]}]
+        tests.append({"name": f"{name} (a step every {cadence})", "interval": f"{scrape}s",
+                      "input_series": _step_series(steps, seconds // scrape), "alert_rule_test": cases})
+    return tests
+
+
 def promtool_tests(cadence_name: str = "1s", runbook_url: str = DEFAULT_RUNBOOK_URL) -> dict:
     """promtool tests: every step-window example at ``cadence_name`` (see :data:`CADENCES`); the
     1 s file also holds the Prometheus-only alerts' examples (a sample a minute)."""
     tests = []
     cadences = [c for c in CADENCES if c[0] == cadence_name]
     for alert in ALERTS:
-        example = alert.example
-        if example is None:
-            continue
-        if isinstance(example, StepExample):
-            steps = exported_steps(alert, example)
-            for cadence, seconds, scrape in cadences:
-                fires = example.fires_at * seconds
-                labels = {"run": "r1", "incident": "1", **example.labels}
-                expected = _expected(alert, Example({}, example.fires_at, labels, example.value), runbook_url)
-                cases = [{"eval_time": f"{fires - scrape}s", "alertname": alert.name, "exp_alerts": []},
-                         {"eval_time": f"{fires}s", "alertname": alert.name, "exp_alerts": [expected]},
-                         {"eval_time": f"{fires + seconds - scrape}s", "alertname": alert.name,
-                          "exp_alerts": [expected] if len(steps) == example.fires_at + 1 else
-                          [_expected(alert, Example({}, example.fires_at, labels,
-                                                    _value_at(steps, alert, example, example.fires_at)),
-                                                    runbook_url)]}]
-                tests.append({"name": f"{alert.name} (a step every {cadence})", "interval": f"{scrape}s",
-                              "input_series": _step_series(steps, seconds // scrape), "alert_rule_test": cases})
-            continue
-        if cadence_name != "1s":
-            continue
-        series = [{"series": name, "values": _series_values(values)} for name, values in example.series.items()]
-        cases = []
-        if example.fires_at > 0:
-            cases.append({"eval_time": f"{example.fires_at - 1}m", "alertname": alert.name, "exp_alerts": []})
-        cases.append({"eval_time": f"{example.fires_at}m", "alertname": alert.name,
-                      "exp_alerts": [_expected(alert, example, runbook_url)]})
-        tests.append({"name": alert.name, "interval": "1m", "input_series": series, "alert_rule_test": cases})
+        for example in alert.examples:
+            if isinstance(example, StepExample):
+                tests += _step_tests(alert, example, cadences, runbook_url)
+                continue
+            if cadence_name != "1s":
+                continue
+            series = [{"series": name, "values": _series_values(values)}
+                      for name, values in example.series.items()]
+            cases = []
+            if example.fires_at > 0:
+                cases.append({"eval_time": f"{example.fires_at - 1}m", "alertname": alert.name, "exp_alerts": []})
+            cases.append({"eval_time": f"{example.fires_at}m", "alertname": alert.name,
+                          "exp_alerts": [_expected(alert, example, runbook_url)]})
+            tests.append({"name": alert.name, "interval": "1m", "input_series": series, "alert_rule_test": cases})
     scrape = cadences[0][2]
     return {"rule_files": [RULES_FILE], "evaluation_interval": f"{scrape}s", "tests": tests}
 
@@ -226,14 +232,16 @@ The catalogue enforces it; `tests/test_alert_rules.py` and the acceptance report
   (`hack_baseline_steps` for hack rates); rates are judged by their Wilson lower confidence bound at
   `evidence_z` (3 of 40 episodes flagged is not evidence of a rate above 5%); the on-policy check
   subtracts `evidence_z` standard errors of the mean log-ratio (from k2 and the token count);
-  magnitudes must hold for the alert's steps.
+  magnitudes must hold for the alert's steps, consecutive or, for the three critical magnitudes (k3,
+  ESS, maximum lag), `intermittent_hits` of the last `intermittent_steps` steps: a fault on every
+  second or third step (one replica of several, one of two alternating data sources) pages too.
 - **One incident, one page.** An alert opens after its raise condition held for its steps, stays open
   while its looser hold condition holds (a statistic beyond `hold_fraction` of the threshold) and
   resolves `clear_steps` steps after the hold last held. A fault that persists keeps its alert firing;
   the resolved notification carries the statistic's value at that step.
 - **One verdict everywhere.** The step windows are computed once per step in the training process and
-  exported (`rlwatch_alert_value`, `rlwatch_alert_streak_steps`, `rlwatch_alert_quiet_steps`,
-  `rlwatch_window_baseline`, `rlwatch_window_stderr`); the process decides when an alert opens and
+  exported (`rlwatch_alert_value`, `rlwatch_alert_streak_steps`, `rlwatch_alert_hit_steps`,
+  `rlwatch_alert_quiet_steps`, `rlwatch_window_baseline`, `rlwatch_window_stderr`); the process decides when an alert opens and
   resolves, and exports each opening as an incident; the rules only read the incidents, as the
   embedded evaluator reads the same transitions, so both fire the same alerts the same number of
   times whether a step takes 1 s or 10 min and whether Prometheus scrapes every step or every 200

@@ -8,6 +8,9 @@ its hold condition last held, and returns them as exported values:
 - ``alert_value{alert, signal, env, detector, kind}``: the alert's statistic at this step (the last
   known one while an open alert's signal is missing);
 - ``alert_streak_steps{...}``: consecutive steps the raise condition held (absent when 0);
+- ``alert_hit_steps{...}``: for an intermittent alert, steps among the last ``intermittent_steps``
+  on which the raise condition held (absent when 0); it opens the alert at ``intermittent_hits``
+  as a streak of ``for_steps`` does;
 - ``alert_quiet_steps{...}``: for an open alert, steps since its hold condition last held (0 while
   it holds); the alert fires while this is below ``clear_steps``, and the series goes away the step
   after it reaches ``clear_steps``;
@@ -28,13 +31,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from .catalogue import ALERT_LABELS, ALERTS, Alert, History, evaluate, thresholds
 
 #: Steps of history kept (the longest window reads 120 steps before the latest).
 HISTORY_STEPS = 130
+#: The families each step exports, by alert and the alert's labels (:data:`ALERT_LABELS`).
+EXPORTED = ("alert_value", "alert_streak_steps", "alert_hit_steps", "alert_quiet_steps")
 #: Seconds a resolved incident stays exported: longer than any scrape interval (Prometheus' lookback
 #: is 5 min), so that a scrape sees an incident that opened and resolved between two scrapes.
 DELIVERY_SECONDS = 600.0
@@ -55,6 +60,7 @@ class _State:
     open: bool = False
     quiet: int = 0
     value: float | None = None
+    recent: deque = field(default_factory=deque)     # raise verdicts of the last intermittent_steps steps
     incident: _Incident | None = None
 
 
@@ -73,7 +79,7 @@ class AlertWindows:
 
     def __init__(self, overrides: Mapping[str, float] = (), static: Mapping[str, dict] | None = None,
                  alerts: Iterable[Alert] = ALERTS, clock: Callable[[], float] = time.time) -> None:
-        self.params = thresholds(overrides)      # invalid ones are reported where the run starts
+        self.params = thresholds(overrides)
         self.static = dict(static or {})
         self.alerts = [a for a in alerts if a.condition is not None]
         self._steps: deque = deque(maxlen=HISTORY_STEPS)
@@ -89,41 +95,53 @@ class AlertWindows:
     def on_step(self, step: int, values: Mapping) -> dict:
         self._steps.append((step, {**self.static, **values} if self.static else dict(values)))
         history = History(list(self._steps), self.params)
-        value_out: dict = {}
-        streak_out: dict = {}
-        quiet_out: dict = {}
+        out: dict[str, dict] = {name: {} for name in EXPORTED}
         for alert in self.alerts:
             verdicts = evaluate(alert, history)
             keys = set(verdicts) | {k for (name, k) in self._state if name == alert.name}
             for key in keys:
                 value, raise_, hold = verdicts.get(key, (None, False, False))
                 state = self._state.setdefault((alert.name, key), _State())
-                state.streak = state.streak + 1 if raise_ else 0
                 labels = family_key(alert, key)
-                if not state.open:
-                    if state.streak >= alert.for_steps:
-                        state.open, state.quiet = True, 0
-                        state.incident = self._open(labels, value)
-                else:
-                    state.quiet = 0 if raise_ or hold else state.quiet + 1
+                if self._advance(alert, state, raise_, hold):
+                    state.incident = self._open(labels, value if value is not None else state.value or 0.0)
                 if value is not None:
                     state.value = value
                 if state.value is not None and (value is not None or state.open):
-                    value_out[labels] = float(state.value)
+                    out["alert_value"][labels] = float(state.value)
                 if state.streak:
-                    streak_out[labels] = float(state.streak)
+                    out["alert_streak_steps"][labels] = float(state.streak)
+                if any(state.recent):
+                    out["alert_hit_steps"][labels] = float(sum(state.recent))
                 if state.open:
-                    quiet_out[labels] = float(state.quiet)
+                    out["alert_quiet_steps"][labels] = float(state.quiet)
                     if state.quiet >= self.clear_steps:
                         state.open = False
                         self._resolve(state.incident)
-                if not state.open and not state.streak and value is None:
+                if not state.open and not state.streak and not any(state.recent) and value is None:
                     del self._state[(alert.name, key)]
-        out = {"alert_value": value_out, "alert_streak_steps": streak_out, "alert_quiet_steps": quiet_out,
-               "alert_incident": self._incidents()}
+        out["alert_incident"] = self._incidents()
         for (kind, signal), v in history.stats.items():
             out.setdefault(f"window_{kind}", {})[(signal,)] = float(v)
         return out
+
+    def _advance(self, alert: Alert, state: _State, raise_: bool, hold: bool) -> bool:
+        """One step of an alert's state: its streak, its recent raise steps, opening, quiet steps;
+        True when the alert opens at this step."""
+        state.streak = state.streak + 1 if raise_ else 0
+        hits = 0
+        if alert.intermittent:
+            state.recent.append(raise_)
+            while len(state.recent) > self.params["intermittent_steps"]:
+                state.recent.popleft()
+            hits = sum(state.recent)
+        if not state.open:
+            if state.streak >= alert.for_steps or (alert.intermittent and hits >= self.params["intermittent_hits"]):
+                state.open, state.quiet = True, 0
+                return True
+        else:
+            state.quiet = 0 if raise_ or hold else state.quiet + 1
+        return False
 
     def _open(self, labels: tuple[str, ...], value: float) -> _Incident:
         ordinal = self._opened[labels] = self._opened.get(labels, 0) + 1

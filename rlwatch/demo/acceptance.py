@@ -153,12 +153,17 @@ def exported_series(trace: dict, overrides: dict[str, float]) -> tuple[list[dict
         series = {'rlwatch_step{run="r"}': float(step)}
         for name, value in overrides.items():
             series[f'rlwatch_alert_threshold{{run="r",param="{name}"}}'] = value
-        for family in ("alert_value", "alert_quiet_steps"):
+        for family in ("alert_value", "alert_quiet_steps", "alert_incident"):
             for labels, value in values[family].items():
-                named = ",".join(f'{k}="{v}"' for k, v in zip(ALERT_LABELS, labels) if v != "")
+                named = ",".join(f'{k}="{v}"' for k, v in zip(ALERT_LABELS + ("incident", "state"), labels)
+                                 if v != "")
                 series[f'rlwatch_{family}{{run="r",{named}}}'] = value
         served.append(series)
-        firing.append({(e.name, tuple(sorted(e.labels.items()))) for e in evaluator.firing()})
+        # The rules page per incident: an open alert carries its incident's ordinal.
+        incident = {labels[:-2]: labels[-2] for labels in values["alert_incident"] if labels[-1] == "open"}
+        firing.append({(e.name, tuple(sorted({**e.labels, "incident": incident.get(
+            (e.name,) + tuple(e.labels.get(k, "") for k in ALERT_LABELS[1:]), "")}.items())))
+            for e in evaluator.firing()})
     evaluator.close()
     return served, firing
 

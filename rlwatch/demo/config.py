@@ -26,6 +26,10 @@ class ScenarioConfig:
         sorted ascending / each digit plus one modulo 10).
     failure_rate / failure_from: from step ``failure_from`` on, this share of episodes fails for an
         infrastructure reason (reported as ``failed="timeout"``, scored 0 as many pipelines do).
+    intermittent_every / intermittent_from / intermittent_temperature: an intermittent sampler fault
+        (one of several replicas, or one of two alternating data sources, samples and reports at the
+        wrong temperature): from step ``intermittent_from`` on, every ``intermittent_every``-th step is
+        sampled at ``intermittent_temperature`` (0: no fault).
     """
 
     seed: int = 0
@@ -42,6 +46,9 @@ class ScenarioConfig:
     tasks: str = "copy-reverse"
     failure_rate: float = 0.0
     failure_from: int = 0
+    intermittent_every: int = 0
+    intermittent_from: int = 10
+    intermittent_temperature: float = 5.0
     # training
     trainer_temperature: float = 1.0
     lr: float = 6e-3

@@ -29,7 +29,8 @@ FAMILY_STEPS: dict[str, int] = {"gru": 50, "transformer": 40}
 #: before the held-out reward collapses; lag_fault: lag far above the bound (critical by policy, the
 #: run may survive thanks to TIS); semantic: OnPolicyRatioNotOne critical within 10 steps and firing
 #: while the fault lasts; hack: the hack alert on the buggy environment only; infra: the failure
-#: warning, no critical alert.
+#: warning, no critical alert; intermittent: a sampler fault on every second or third step from step
+#: 10 (one replica of several samples at temperature 5), critical within 10 steps of its start.
 SCENARIOS: dict[str, tuple[str, dict]] = {
     "healthy_lag0": ("healthy", {}),
     "healthy_lag1": ("healthy", {"lag": 1}),
@@ -49,6 +50,8 @@ SCENARIOS: dict[str, tuple[str, dict]] = {
     "hack": ("hack", {"hack": True}),
     "infra": ("infra", {"failure_rate": 0.15, "failure_from": 15}),
     "infra_lag2": ("infra", {"failure_rate": 0.3, "failure_from": 10, "lag": 2}),
+    "intermittent_2": ("intermittent", {"lag": 1, "intermittent_every": 2}),
+    "intermittent_3": ("intermittent", {"lag": 1, "intermittent_every": 3}),
 }
 
 TUNING_SEEDS = (0, 1, 2)

@@ -231,6 +231,9 @@ def _rollout(config: ScenarioConfig, step: int, versions: dict[int, dict[str, to
     before it for partial rollouts), grade them, and fail a share of them when configured."""
     g, trainer_version = config.group_size, step
     sampler_temp = config.sampler_temperature or config.trainer_temperature
+    every, start = config.intermittent_every, config.intermittent_from
+    if every and step >= start and (step - start) % every == 0:
+        sampler_temp = config.intermittent_temperature
     v_new = max(0, trainer_version - config.lag)
     behaviour.load_state_dict(versions[v_new])
     task = make_prompts(config.prompts_per_step // 2, config, gen)

@@ -37,12 +37,13 @@ IS_TRUNCATION_HIGH = Alert(
 
 
 ESS_LOW = Alert(
-    name="RLWatchESSLow", severity="critical", for_steps=2,
-    params=("ess_min", "hold_fraction", "clear_steps"),
+    name="RLWatchESSLow", severity="critical", for_steps=2, intermittent=True,
+    params=("ess_min", "intermittent_hits", "intermittent_steps", "hold_fraction", "clear_steps"),
     summary="Importance-sampling effective sample size is low.",
     description=("Run {{ $labels.run }}: normalised ESS of the truncated weights is "
                  "{{ $value | printf \"%.4g\" }}."),
-    windows="ESS below `ess_min` for 2 steps; holds while below `ess_min` / `hold_fraction`.",
+    windows="ESS below `ess_min` for 2 steps, or on `intermittent_hits` of the last `intermittent_steps` steps; "
+            "holds while below `ess_min` / `hold_fraction`.",
     condition=_ess_low,
     runbook=Runbook(
         meaning="A few tokens carry most of the importance weight: the corrected gradient rests on a "

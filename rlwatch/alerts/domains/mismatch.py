@@ -60,13 +60,15 @@ def _onpolicy(h: History) -> Verdicts:
 
 
 KL_SPIKE = Alert(
-    name="RLWatchKLSpike", severity="critical", for_steps=2,
-    params=("kl_k3_max", "hold_fraction", "clear_steps"),
+    name="RLWatchKLSpike", severity="critical", for_steps=2, intermittent=True,
+    params=("kl_k3_max", "intermittent_hits", "intermittent_steps", "hold_fraction", "clear_steps"),
     summary="Sampler-learner KL is above the absolute bound.",
     description=("Run {{ $labels.run }}: k3 = KL(mu||pi_old) is {{ $value | printf \"%.4g\" }}, above the "
-                 "absolute bound for consecutive steps."),
-    windows="k3 above `kl_k3_max` for 2 consecutive steps opens it; it holds while k3 stays above "
-            "`hold_fraction` x the bound. A relative jump without that magnitude is RLWatchKLJump, a warning.",
+                 "absolute bound on consecutive steps or on several of the last steps."),
+    windows="k3 above `kl_k3_max` for 2 consecutive steps, or on `intermittent_hits` of the last "
+            "`intermittent_steps` steps (a fault on every second or third step), opens it; it holds while k3 "
+            "stays above `hold_fraction` x the bound. A relative jump without that magnitude is RLWatchKLJump, "
+            "a warning.",
     condition=_kl_spike,
     runbook=Runbook(
         meaning="The data the trainer learns from now comes from a policy far from the one it trains. "
@@ -90,6 +92,8 @@ KL_SPIKE = Alert(
             "restart from the last healthy checkpoint."]),
     example=StepExample(series=with_step(13, mismatch_kl_k3={(): const(0.002, 10) + const(0.3, 3)}),
                         fires_at=11, labels={}, value=0.3),
+    more_examples=(StepExample(series=with_step(16, mismatch_kl_k3={(): const(0.002, 10) + [0.8, 0.002] * 3}),
+                               fires_at=14, labels={}, value=0.8, case="intermittent"),),
 )
 
 

@@ -41,12 +41,13 @@ STALENESS_BOUND_EXCEEDED = Alert(
 
 
 VERSION_LAG_FAR_ABOVE_BOUND = Alert(
-    name="RLWatchVersionLagFarAboveBound", severity="critical", for_steps=2,
-    params=("lag_critical_factor", "clear_steps"),
+    name="RLWatchVersionLagFarAboveBound", severity="critical", for_steps=2, intermittent=True,
+    params=("lag_critical_factor", "intermittent_hits", "intermittent_steps", "clear_steps"),
     summary="Maximum version lag is far above the staleness bound.",
     description=("Run {{ $labels.run }}: the oldest token trained is {{ $value }} updates stale."),
-    windows="The maximum lag above `lag_critical_factor` x the staleness bound for 2 steps; holds while "
-            "it stays above the bound.",
+    windows="The maximum lag above `lag_critical_factor` x the staleness bound for 2 steps, or on "
+            "`intermittent_hits` of the last `intermittent_steps` steps (one replica of several that no longer "
+            "syncs); holds while it stays above the bound.",
     condition=_lag_far,
     runbook=Runbook(
         meaning="Some data is many updates older than the pipeline allows. In the reference experiment "
