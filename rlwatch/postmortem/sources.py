@@ -165,7 +165,11 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) 
     def note(what: str, count: int = 1) -> None:
         skipped[what] = skipped.get(what, 0) + count
 
-    lines = lineage(store, run)
+    try:
+        lines = lineage(store, run)
+    except _READ_ERRORS:
+        note("malformed attempts table (every row read as the final attempt's)")
+        lines = Lineage([])
     data.steps, superseded = _read_steps(store, run, note, lines)
     if superseded:
         data.events.append({"time": None, "kind": "superseded", "detail": (
