@@ -87,7 +87,7 @@ def _values(raw: Any) -> Values:
             continue
         family = {}
         for row in rows:
-            if isinstance(row, list) and row and all(isinstance(l, str) for l in row[:-1]):
+            if isinstance(row, list) and row and all(isinstance(label, str) for label in row[:-1]):
                 value = _number(row[-1])
                 if value is not None:
                     family[tuple(row[:-1])] = value
