@@ -20,6 +20,7 @@ import bisect
 import http.client
 import json
 import math
+import socket
 import threading
 import time
 import urllib.error
@@ -55,7 +56,7 @@ class Deadline:
         return self.at - time.monotonic()
 
 
-class _WatchedHTTP(http.client.HTTPConnection):
+class _Watched:
     """A connection that hands its socket to ``sockets`` (for the deadline's watchdog)."""
 
     def __init__(self, *args: Any, sockets: list, **kwargs: Any) -> None:
@@ -67,14 +68,12 @@ class _WatchedHTTP(http.client.HTTPConnection):
         self._sockets.append(self.sock)
 
 
-class _WatchedHTTPS(http.client.HTTPSConnection):
-    def __init__(self, *args: Any, sockets: list, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._sockets = sockets
+class _WatchedHTTP(_Watched, http.client.HTTPConnection):
+    pass
 
-    def connect(self) -> None:
-        super().connect()
-        self._sockets.append(self.sock)
+
+class _WatchedHTTPS(_Watched, http.client.HTTPSConnection):
+    pass
 
 
 class _Handler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
@@ -93,7 +92,7 @@ class _Handler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
 def _shutdown(sockets: list) -> None:
     for sock in sockets:
         try:
-            sock.shutdown(2)                   # SHUT_RDWR: a blocked read returns at once
+            sock.shutdown(socket.SHUT_RDWR)          # a blocked read returns at once
         except OSError:
             pass
 
@@ -150,7 +149,7 @@ class Prometheus:
         if self.deadline.left() <= 0:
             raise self._late()             # the watchdog cut the body short
         if len(body) > MAX_BODY_BYTES:
-            raise self.fail(f"answer larger than {MAX_BODY_BYTES >> 20} MiB; shorten --since")
+            raise self.fail(f"answer larger than {MAX_BODY_BYTES >> 20} MiB; stopped")
         return body
 
     def _http_error(self, exc: urllib.error.HTTPError) -> PostmortemInputError:
@@ -164,7 +163,7 @@ class Prometheus:
 
     def _late(self) -> PostmortemInputError:
         return self.fail(f"no complete answer within the {self.deadline.seconds:g} s deadline; stopped "
-                         "(raise --deadline, or shorten --since)")
+                         "(raise --deadline)")
 
     def matrix(self, path: str, **params: Any) -> list[tuple[dict[str, str], list[tuple[int, float]]]]:
         """A matrix answer as ``[(labels, [(time ms, value)])]``, every part checked."""
