@@ -198,7 +198,8 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
     try:
         run_postmortem(args.path, prometheus=args.prometheus, run=args.run, out_dir=args.out,
                        as_json=args.json, probe_file=args.probe, baseline=args.baseline,
-                       baseline_run=args.baseline_run, since=args.since, resolution=args.resolution)
+                       baseline_run=args.baseline_run, since=args.since, run_instance=args.run_instance,
+                       baseline_run_instance=args.baseline_run_instance, deadline=args.deadline)
     except FileNotFoundError as exc:
         text = str(exc) if str(exc).startswith(("not found", "--probe")) else f"not found: {exc.filename or exc}"
         print(f"rlwatch postmortem: {safe(text)}", file=sys.stderr)
@@ -373,11 +374,14 @@ def _add_postmortem(sub: Any) -> None:
                         "or a Prometheus URL (with --baseline-run)")
     p.add_argument("--baseline-run", help="run name in the baseline (stores with several runs, or Prometheus)")
     p.add_argument("--since", type=float, metavar="SECONDS",
-                   help="Prometheus range: read the last SECONDS (default 7 days)")
-    p.add_argument("--resolution", type=float, metavar="SECONDS",
-                   help="Prometheus range: seconds between points (default 15, coarser for long ranges)")
+                   help="Prometheus: search the last SECONDS for the run (default 7 days); every scrape of it is read")
     p.add_argument("--prometheus", help="query a live Prometheus instead (needs --run)")
     p.add_argument("--run", help="run name (stores with several runs, or --prometheus)")
+    p.add_argument("--run-instance", metavar="ID", help="Prometheus: the process to read when several exported "
+                   "the run name (its run_instance label, or instance where that is absent; listed when needed)")
+    p.add_argument("--baseline-run-instance", metavar="ID", help="the same for a Prometheus --baseline")
+    p.add_argument("--deadline", type=float, metavar="SECONDS",
+                   help="Prometheus: seconds for all its answers together (default 120)")
     p.add_argument("--out", help="write postmortem.md, postmortem.json and PNG plots here")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the report")
     p.add_argument("--probe", nargs="?", const="auto", metavar="ROLLOUTS",

@@ -11,8 +11,9 @@ Tables:
   replaced: nothing observed is overwritten. Counted as conflicts (``step_conflicts``).
 - ``attempts``: one row per process that wrote a run (id, run, start time, pid, host).
 - ``scalars``: a framework's own logged scalars per step (``Watch.log_scalars``).
-- ``alerts``: alert events (firing / resolved) with labels, value and annotations.
-- ``checkpoints``: which checkpoint directory belongs to which step.
+- ``alerts``: alert events (firing / resolved) with labels, value, annotations and the attempt
+  that raised them.
+- ``checkpoints``: which checkpoint directory belongs to which step, and the attempt that saved it.
 - ``events``: notes about the run itself (data loss, errors), for the post-mortem.
 - ``hack_examples``: a few episodes a reward-hack detector flagged (text truncated).
 
@@ -51,8 +52,8 @@ CREATE TABLE IF NOT EXISTS scalars (run TEXT NOT NULL, step INTEGER NOT NULL, na
                                     PRIMARY KEY (run, step, name));
 CREATE TABLE IF NOT EXISTS alerts (id INTEGER PRIMARY KEY AUTOINCREMENT, run TEXT, step INTEGER, time REAL,
                                    name TEXT, severity TEXT, state TEXT, labels TEXT, value REAL,
-                                   annotations TEXT);
-CREATE TABLE IF NOT EXISTS checkpoints (run TEXT, step INTEGER, path TEXT, time REAL,
+                                   annotations TEXT, attempt TEXT);
+CREATE TABLE IF NOT EXISTS checkpoints (run TEXT, step INTEGER, path TEXT, time REAL, attempt TEXT,
                                         PRIMARY KEY (run, step, path));
 CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, run TEXT, time REAL, kind TEXT,
                                    detail TEXT);
@@ -64,6 +65,8 @@ CREATE TABLE IF NOT EXISTS hack_examples (id INTEGER PRIMARY KEY AUTOINCREMENT, 
                                           detector TEXT, reason TEXT, prompt TEXT, response TEXT, reward REAL);
 """
 
+#: Tables whose rows name the attempt (``attempts.id``) that wrote them; older stores gain the column.
+ATTEMPT_TABLES = ("steps", "alerts", "checkpoints")
 _STOP = object()
 _SYNC = ("PRAGMA wal_checkpoint(PASSIVE)", (), "sync")     # syncs the WAL: flush() is durable
 
@@ -198,16 +201,15 @@ class RunStore:
 
     def submit_alert(self, run: str, step: int | None, name: str, severity: str, state: str,
                      labels: dict[str, str], value: float | None, annotations: dict[str, str]) -> None:
-        self._put(("INSERT INTO alerts (run, step, time, name, severity, state, labels, value, annotations) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        self._put(("INSERT INTO alerts (run, step, time, name, severity, state, labels, value, annotations, "
+                   "attempt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                    (bindable(run), None if step is None else int(step), time.time(), bindable(name),
                     bindable(severity), bindable(state), json.dumps(labels, sort_keys=True, default=str),
-                    _finite(value), json.dumps(annotations, default=str))))
+                    _finite(value), json.dumps(annotations, default=str), self.attempt)))
 
     def submit_checkpoint(self, run: str, step: int, path: str) -> None:
-        self._put(("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)", (bindable(run),
-                                                                            bindable(int(step)), bindable(path),
-                                                                            time.time())))
+        self._put(("INSERT OR REPLACE INTO checkpoints (run, step, path, time, attempt) VALUES (?, ?, ?, ?, ?)",
+                   (bindable(run), bindable(int(step)), bindable(path), time.time(), self.attempt)))
 
     def submit_hack_examples(self, run: str, examples: list) -> None:
         run = bindable(run)
@@ -257,7 +259,7 @@ class RunStore:
 
 
 def _connect(path: str, busy_timeout: float = 5.0) -> sqlite3.Connection:
-    """A WAL-mode connection with the schema in place (a store from before ``attempt`` gets the column)."""
+    """A WAL-mode connection with the schema in place (a store from before ``attempt`` gets the columns)."""
     conn = sqlite3.connect(path, timeout=busy_timeout, check_same_thread=False, isolation_level=None)
     deadline = time.monotonic() + 30.0
     while True:                       # another process may hold the lock while we set up
@@ -265,9 +267,9 @@ def _connect(path: str, busy_timeout: float = 5.0) -> sqlite3.Connection:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(SCHEMA)
-            columns = {row[1] for row in conn.execute("PRAGMA table_info(steps)")}
-            if "attempt" not in columns:          # a store written before attempts existed
-                conn.execute("ALTER TABLE steps ADD COLUMN attempt TEXT")
+            for table in ATTEMPT_TABLES:          # a store written before attempts existed
+                if "attempt" not in {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}:
+                    conn.execute(f"ALTER TABLE {table} ADD COLUMN attempt TEXT")
             return conn
         except sqlite3.OperationalError as exc:
             if not _locked(exc) or time.monotonic() > deadline:

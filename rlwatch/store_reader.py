@@ -96,9 +96,11 @@ class StoreReader:
         return out
 
     def alerts(self, run: str) -> list[dict[str, Any]]:
+        """Alert events in the order written; ``attempt``: the process that raised it (None in older stores)."""
         return [dict(step=r["step"], time=r["time"], name=r["name"], severity=r["severity"], state=r["state"],
                      labels=json.loads(r["labels"] or "{}"), value=r["value"],
-                     annotations=json.loads(r["annotations"] or "{}"))
+                     annotations=json.loads(r["annotations"] or "{}"),
+                     attempt=r["attempt"] if "attempt" in r.keys() else None)
                 for r in self._rows("SELECT * FROM alerts WHERE run = ? ORDER BY id", (run,))]
 
     def checkpoints(self, run: str) -> list[tuple[int, str]]:

@@ -129,13 +129,12 @@ def test_live_prometheus_source(tmp_path):
                 rec["rewards"] = torch.full((8,), 1.0 if step < 10 else 0.0)
                 w.observe(step, **rec)
                 time.sleep(1.1)
-        from rlwatch.postmortem.sources import from_prometheus
+        from rlwatch.postmortem.prometheus import from_prometheus
 
-        data = from_prometheus(prom.url, "live", lookback_seconds=120, step_seconds=1)
+        data = from_prometheus(prom.url, "live")
         # The same run from its store, against its Prometheus range as the baseline: aligned by
         # step, the two sources agree (any combination of sources works).
-        doc = run_postmortem(str(tmp_path / "live.db"), baseline=prom.url, baseline_run="live", since=120,
-                             resolution=1, quiet=True)
+        doc = run_postmortem(str(tmp_path / "live.db"), baseline=prom.url, baseline_run="live", quiet=True)
     finally:
         prom.stop()
     steps = [s for s, _ in data.steps]

@@ -98,7 +98,7 @@ def test_malformed_rows_cost_those_rows_only(tmp_path, steady_store, inproc):
         ("[" * 100000 + "]" * 100000, 7), (None, 8)])
     conn.execute("INSERT INTO alerts (run, step, name, severity, state, labels) VALUES ('syn', 'x', 'A', 'c', "
                  "'firing', '{broken')")
-    conn.execute("INSERT INTO checkpoints VALUES ('syn', 'abc', '/x', 0)")
+    conn.execute("INSERT INTO checkpoints (run, step, path, time) VALUES ('syn', 'abc', '/x', 0)")
     conn.execute("INSERT INTO scalars VALUES ('syn', 1, 'heldout_true_reward', 'not a number')")
     conn.commit()
     conn.close()
@@ -169,7 +169,8 @@ def hostile_store(tmp_path: Path, source: str) -> Path:
         conn.execute("INSERT INTO alerts (run, step, time, name, severity, state, labels) VALUES (?, ?, 0, "
                      "CAST(? AS TEXT), CAST(? AS TEXT), 'firing', CAST(? AS TEXT))",
                      ("syn", i, raw, b"critical" if i % 2 else raw, labels))
-        conn.execute("INSERT INTO checkpoints VALUES ('syn', ?, CAST(? AS TEXT), 0)", (i, b"/ckpt/" + raw))
+        conn.execute("INSERT INTO checkpoints (run, step, path, time) VALUES ('syn', ?, CAST(? AS TEXT), 0)",
+                     (i, b"/ckpt/" + raw))
         conn.execute("INSERT INTO events (run, time, kind, detail) VALUES ('syn', 0, CAST(? AS TEXT), "
                      "CAST(? AS TEXT))", (raw, raw))
     conn.commit()

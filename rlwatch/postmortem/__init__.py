@@ -11,31 +11,37 @@ __all__ = ["Comparison", "PostmortemInputError", "Report", "RunData", "analyse",
 
 
 def load_source(source: str | None, run: str | None = None, prometheus: str | None = None,
-                **prometheus_range: float | None) -> RunData:
+                **prometheus_options: object) -> RunData:
     """A run from a store / TRL / verl directory path, or from Prometheus: ``prometheus`` (a URL) with
     ``run``, or ``source`` itself an ``http(s)://`` URL of a Prometheus (then ``run`` is required)."""
     if source is not None and source.startswith(("http://", "https://")) and prometheus is None:
         prometheus, source = source, None
-    return load(source, prometheus=prometheus, run=run, **prometheus_range)
+    return load(source, prometheus=prometheus, run=run, **prometheus_options)
 
 
 def run_postmortem(path: str | None = None, *, prometheus: str | None = None, run: str | None = None,
                    out_dir: str | None = None, as_json: bool = False, probe_file: str | None = None,
                    quiet: bool = False, baseline: str | None = None, baseline_run: str | None = None,
-                   since: float | None = None, resolution: float | None = None) -> dict:
+                   since: float | None = None, run_instance: str | None = None,
+                   baseline_run_instance: str | None = None, deadline: float | None = None) -> dict:
     """Load, analyse and report; returns the JSON document (also what ``--json`` prints).
 
     ``baseline``: a good run to compare with (a store, a TRL/verl directory, or a Prometheus URL
-    with ``baseline_run``). ``since``/``resolution``: the Prometheus range read, in seconds (the
-    last ``since`` seconds at ``resolution``), for ``prometheus`` and a Prometheus baseline."""
+    with ``baseline_run``). For ``prometheus`` and a Prometheus baseline: ``since``, the seconds
+    searched back for the run; ``run_instance`` / ``baseline_run_instance``, which process of a run
+    name that several exported; ``deadline``, seconds for every Prometheus request together (default
+    :data:`~rlwatch.postmortem.prometheus.DEFAULT_DEADLINE_S`)."""
     import json
     from pathlib import Path
 
     from . import report as render
+    from .prometheus import DEFAULT_DEADLINE_S, Deadline
 
-    prometheus_range = {"lookback_seconds": since, "resolution_seconds": resolution}
-    data = load(path, prometheus=prometheus, run=run, **prometheus_range)
-    good = load_source(baseline, run=baseline_run, **prometheus_range) if baseline else None
+    limit = Deadline(DEFAULT_DEADLINE_S if deadline is None else deadline)
+    data = load(path, prometheus=prometheus, run=run, lookback_seconds=since, run_instance=run_instance,
+                deadline=limit)
+    good = load_source(baseline, run=baseline_run, lookback_seconds=since, run_instance=baseline_run_instance,
+                       deadline=limit) if baseline else None
     result = analyse(data)
     if good is not None:
         result.comparison = compare(data, good)

@@ -117,6 +117,8 @@ class Report:
     coverage: Coverage = field(default_factory=Coverage)
     cause: str = NO_CAUSE
     comparison: "Comparison | None" = None
+    superseded_alerts: list[dict[str, Any]] = field(default_factory=list)       # see RunData
+    superseded_checkpoints: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def evidence(self) -> list[str]:
@@ -162,6 +164,8 @@ class Report:
             "events": self.events,
             **({"probe": self.probe} if self.probe else {}),
             **({"comparison": self.comparison.as_json()} if self.comparison else {}),
+            **({"superseded": {"alerts": self.superseded_alerts, "checkpoints": self.superseded_checkpoints}}
+               if self.superseded_alerts or self.superseded_checkpoints else {}),
         }
 
 
@@ -263,7 +267,9 @@ def analyse(data: RunData) -> Report:
     return Report(run=data.run, source=data.source, steps=steps, quality_signal=quality_key, collapse_step=collapse,
                   peak=peak, first_signals=changes, alerts=alerts, diagnosis=diagnosis,
                   last_healthy_checkpoint=resume.checkpoint, hacks=hacks, events=data.events, resume=resume,
-                  coverage=coverage(data, quality_key), cause=cause)
+                  coverage=coverage(data, quality_key), cause=cause,
+                  superseded_alerts=[a for a in data.superseded_alerts if a.get("state", "firing") == "firing"],
+                  superseded_checkpoints=data.superseded_checkpoints)
 
 
 def summarize_hacks(data: RunData) -> list[dict[str, Any]]:

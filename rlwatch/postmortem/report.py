@@ -181,6 +181,7 @@ def text_report(report: Report) -> str:
             lines.append(f"  ... and {len(report.alerts) - 20} more")
     else:
         lines.append("alerts: none fired")
+    lines += superseded_lines(report)
     if report.hacks:
         lines.append("reward hacks:")
         for h in report.hacks:
@@ -195,6 +196,24 @@ def text_report(report: Report) -> str:
     if report.comparison is not None:
         lines += comparison_lines(report.comparison)
     return "\n".join(lines)
+
+
+def superseded_lines(report: Report, bullet: str = "  ") -> list[str]:
+    """Alerts and checkpoints of attempts that a later attempt replaced by resuming at or before their
+    step: from the run's history, not its final timeline."""
+    rows = [(a["step"], a["attempt"], a["superseded_by"], a["resumed_at"],
+             f"{safe(a.get('severity', ''))} {safe(a['name'])} "
+             + safe(",".join(f"{k}={v}" for k, v in sorted(a.get("labels", {}).items())), 200))
+            for a in report.superseded_alerts]
+    rows += [(c["step"], c["attempt"], c["superseded_by"], c["resumed_at"], f"checkpoint {safe(c['path'], 200)}")
+             for c in report.superseded_checkpoints]
+    if not rows:
+        return []
+    lines = ["superseded attempts (a later attempt resumed before these steps; not part of the timeline above):"]
+    for step, attempt, by, resumed_at, what in sorted(rows, key=lambda r: (r[1], r[0])):
+        lines.append(f"{bullet}step {step:>5}  {what}  (attempt {safe(attempt)}, replaced from step {resumed_at} "
+                     f"by attempt {safe(by)})")
+    return lines
 
 
 def terminal(report: Report, console: Any = None) -> str:
@@ -351,6 +370,8 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
     lines = [f"# Post-mortem: {md(report.run)}", "", f"**{md(headline(report))}.**", "",
              f"Source: {md(report.source)}.", ""]
     lines += _md_cause(report) + _md_changes(report) + _md_alerts(report) + _md_hacks(report) + _md_probe(report)
+    if superseded := superseded_lines(report, bullet=""):
+        lines += ["", "## Superseded attempts", "", md(superseded[0]), ""] + [f"- {md(x)}" for x in superseded[1:]]
     lines += _md_resume_and_coverage(report)
     if report.comparison is not None:
         lines += _md_comparison(report.comparison)

@@ -2,7 +2,7 @@
 
 Sources: an rlwatch run store; a TRL output directory (``checkpoint-N/trainer_state.json`` log
 history, plus a run store when one is there); a verl checkpoint directory with the file logger's
-JSONL; a live Prometheus (range queries for one run). Each becomes a :class:`RunData`: per-step
+JSONL; a live Prometheus (:mod:`.prometheus`). Each becomes a :class:`RunData`: per-step
 values keyed like the signals (``{name: {labels: value}}``), alert events, checkpoints.
 """
 
@@ -12,14 +12,12 @@ import json
 import math
 import re
 import sqlite3
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..metrics import CATALOGUE
 from ..values import Values
+from .attempts import Lineage, lineage
 
 # Framework scalars that measure the policy's real quality, best first.
 QUALITY_KEYS = ("heldout_true_reward", "eval/true_reward", "eval_reward", "eval/reward", "val/test_score",
@@ -37,6 +35,10 @@ class RunData:
     hack_examples: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    #: Rows of attempts that a later attempt replaced by resuming at or before their step (store only):
+    #: each with ``attempt``, ``superseded_by`` and ``resumed_at`` (the step the later attempt resumed at).
+    superseded_alerts: list[dict[str, Any]] = field(default_factory=list)
+    superseded_checkpoints: list[dict[str, Any]] = field(default_factory=list)
 
     def series(self, name: str, labels: tuple[str, ...] = ()) -> list[tuple[int, float]]:
         out = [(s, v) for s, values in self.steps if (v := values.get(name, {}).get(labels)) is not None]
@@ -163,17 +165,22 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) 
     def note(what: str, count: int = 1) -> None:
         skipped[what] = skipped.get(what, 0) + count
 
-    data.steps = _read_steps(store, run, note)
+    try:
+        lines = lineage(store, run)
+    except _READ_ERRORS:
+        note("malformed attempts table (every row read as the final attempt's)")
+        lines = Lineage([])
+    data.steps, superseded = _read_steps(store, run, note, lines)
+    if superseded:
+        data.events.append({"time": None, "kind": "superseded", "detail": (
+            f"{superseded} steps of attempts that a later attempt resumed before are left out of the timeline")})
     if "scalars" in kinds:
         data.scalars = _read_scalars(store, run, note)
     if "alerts" in kinds:
-        data.alerts = _read_alerts(store, run, note)
+        for alert in _read_alerts(store, run, note, lines):
+            (data.superseded_alerts if "superseded_by" in alert else data.alerts).append(alert)
     if "checkpoints" in kinds:
-        for row in store._rows("SELECT step, path FROM checkpoints WHERE run = ? ORDER BY step", (run,)):
-            try:
-                data.checkpoints.append((int(row["step"]), str(row["path"])))
-            except _READ_ERRORS:
-                note("malformed checkpoint rows")
+        _read_checkpoints(store, run, note, lines, data)
     if "events" in kinds:
         for row in store._rows("SELECT time, kind, detail FROM events WHERE run = ? ORDER BY id", (run,)):
             data.events.append(dict(time=_number(row["time"]), kind=str(row["kind"]), detail=str(row["detail"])))
@@ -188,16 +195,34 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) 
     return data
 
 
-def _read_steps(store: Any, run: str, note: Callable[[str], None]) -> list[tuple[int, Values]]:
-    """(step, values) of every readable step row, in step order."""
+def _superseded(row: Any, lines: Lineage, step: int | None) -> dict[str, Any]:
+    """``{"attempt": id}`` of a row, plus ``superseded_by`` and ``resumed_at`` when a later attempt
+    replaced it; empty when the row names no attempt and none can be inferred."""
+    keys = row.keys()
+    attempt = lines.attempt_at(row["attempt"] if "attempt" in keys else None,
+                               _number(row["time"]) if "time" in keys else None)
+    if attempt is None:
+        return {}
+    later = lines.superseded_by(str(attempt), step)
+    return {"attempt": str(attempt)} | ({"superseded_by": later.id, "resumed_at": later.first_step} if later else {})
+
+
+def _read_steps(store: Any, run: str, note: Callable[[str], None], lines: Lineage
+                ) -> tuple[list[tuple[int, Values]], int]:
+    """(step, values) of every readable step row of the final timeline, in step order, and the number
+    of rows left out because a later attempt resumed before their step."""
     by_step: dict[int, Values] = {}
-    for row in store._rows("SELECT step, data FROM steps WHERE run = ? ORDER BY step", (run,)):
+    superseded = 0
+    for row in store._rows("SELECT * FROM steps WHERE run = ? ORDER BY step", (run,)):
         try:
             step = int(row["step"])
+            if "superseded_by" in _superseded(row, lines, step):
+                superseded += 1
+                continue
             by_step[step] = _values(json.loads(row["data"]))
         except _READ_ERRORS:
             note("malformed step rows")
-    return sorted(by_step.items())
+    return sorted(by_step.items()), superseded
 
 
 def _read_scalars(store: Any, run: str, note: Callable[[str], None]) -> dict[str, list[tuple[int, float]]]:
@@ -213,22 +238,38 @@ def _read_scalars(store: Any, run: str, note: Callable[[str], None]) -> dict[str
     return {k: pts for k, pts in finite.items() if pts}
 
 
-def _read_alerts(store: Any, run: str, note: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The alert events in the order they were written (labels as strings)."""
+def _read_alerts(store: Any, run: str, note: Callable[[str], None], lines: Lineage) -> list[dict[str, Any]]:
+    """The alert events in the order they were written (labels as strings), each with its attempt."""
     alerts = []
     for row in store._rows("SELECT * FROM alerts WHERE run = ? ORDER BY id", (run,)):
         try:
             labels = json.loads(row["labels"] or "{}")
             if not isinstance(labels, dict):
                 raise TypeError("labels")
-            step = row["step"]
-            alerts.append(dict(step=None if step is None else int(step), time=_number(row["time"]),
+            step = None if row["step"] is None else int(row["step"])
+            alerts.append(dict(step=step, time=_number(row["time"]),
                                name=str(row["name"]), severity=str(row["severity"] or ""),
                                state=str(row["state"] or "firing"), value=_number(row["value"]),
-                               labels={str(k): str(v) for k, v in labels.items()}))
+                               labels={str(k): str(v) for k, v in labels.items()}, **_superseded(row, lines, step)))
         except _READ_ERRORS:
             note("malformed alert rows")
     return alerts
+
+
+def _read_checkpoints(store: Any, run: str, note: Callable[[str], None], lines: Lineage, data: RunData) -> None:
+    """The run's checkpoints into ``data.checkpoints``; those saved by a superseded attempt after the
+    step a later attempt resumed at (a dead branch's weights) into ``data.superseded_checkpoints``."""
+    for row in store._rows("SELECT * FROM checkpoints WHERE run = ? ORDER BY step", (run,)):
+        try:
+            step, path = int(row["step"]), str(row["path"])
+            attempt = _superseded(row, lines, step)
+        except _READ_ERRORS:
+            note("malformed checkpoint rows")
+            continue
+        if "superseded_by" in attempt:
+            data.superseded_checkpoints.append(dict(step=step, path=path, **attempt))
+        else:
+            data.checkpoints.append((step, path))
 
 
 def _read_hack_examples(store: Any, run: str, note: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -339,92 +380,20 @@ def from_verl(directory: str | Path) -> RunData:
     return data
 
 
-# --- a live Prometheus -----------------------------------------------------------------------------
-
-def _prom(url: str, path: str, **params: Any) -> Any:
-    query = urllib.parse.urlencode(params)
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}{path}?{query}", timeout=30) as resp:
-            body = json.loads(resp.read())
-    except (OSError, ValueError) as exc:      # URLError, refused, timeout, not JSON
-        raise PostmortemInputError(f"cannot query Prometheus at {url}: {getattr(exc, 'reason', exc)}") from None
-    if not isinstance(body, dict) or body.get("status") != "success":
-        raise PostmortemInputError(f"Prometheus at {url} answered {str(body)[:200]}")
-    return body["data"]
-
-
-def from_prometheus(url: str, run: str, lookback_seconds: float = 7 * 86400, step_seconds: float = 15.0,
-                    end: float | None = None) -> RunData:
-    """Range queries for every gauge of one run over the lookback window, aligned on the run's own
-    step series (a resolution of at most 11,000 points per series, Prometheus' limit)."""
-    import time
-
-    data = RunData(run=run, source=f"Prometheus {url}")
-    run_q = json.dumps(run)            # a PromQL string literal: quotes and backslashes escaped
-    if not _prom(url, "/api/v1/series", **{"match[]": f'rlwatch_step{{run={run_q}}}'}):
-        raise PostmortemInputError(f"Prometheus at {url} has no series for run {run!r}")
-    end = end or time.time()
-    start = end - lookback_seconds
-    step = max(step_seconds, lookback_seconds / 10000)
-    if step > step_seconds:
-        data.events.append({"time": None, "kind": "resolution", "detail": (
-            f"Prometheus range read at {step:.0f} s resolution over {lookback_seconds:.0f} s (11,000 points per "
-            "series at most): steps closer together than that are missed; shorten --since")})
-
-    def range_query(expr: str) -> list[dict]:
-        return _prom(url, "/api/v1/query_range", query=expr, start=start, end=end, step=step)["result"]
-
-    step_at: dict[float, int] = {}
-    for series in range_query(f'rlwatch_step{{run={run_q}}}'):
-        for ts, value in series["values"]:
-            if math.isfinite(float(value)):
-                step_at[float(ts)] = int(float(value))
-    by_step: dict[int, Values] = {}
-    for spec in CATALOGUE:
-        if spec.kind != "gauge" or spec.group in ("config",):
-            continue
-        for series in range_query(f'{spec.full_name}{{run={run_q}}}'):
-            labels = tuple(series["metric"].get(label, "") for label in spec.labels)
-            for ts, value in series["values"]:
-                s = step_at.get(float(ts))
-                v = float(value)
-                if s is not None and math.isfinite(v):
-                    by_step.setdefault(s, {}).setdefault(spec.name, {})[labels] = v
-    data.steps = sorted(by_step.items())
-    for series in range_query(f'ALERTS{{run={run_q}, alertstate="firing"}}'):
-        firing = [float(ts) for ts, _ in series["values"]]
-        if not firing:
-            continue
-        labels = {k: v for k, v in series["metric"].items() if k not in ("__name__", "alertstate")}
-        at = min(firing)
-        data.alerts.append(dict(name=labels.pop("alertname", "?"), severity=labels.pop("severity", ""),
-                                state="firing", step=step_at.get(at), time=at, labels=labels))
-    for name, points in _framework_scalars(range_query, run_q, step_at).items():
-        data.scalars[name] = points
-    return data
-
-
-def _framework_scalars(range_query: Any, run_q: str, step_at: dict[float, int]
-                       ) -> dict[str, list[tuple[int, float]]]:
-    out: dict[str, list[tuple[int, float]]] = {}
-    for series in range_query(f'rlwatch_framework_metric{{run={run_q}}}'):
-        name = series["metric"].get("name", "")
-        for ts, value in series["values"]:
-            s = step_at.get(float(ts))
-            if s is not None:
-                out.setdefault(name, []).append((s, float(value)))
-    return out
-
-
 def load(path: str | None = None, prometheus: str | None = None, run: str | None = None,
-         lookback_seconds: float | None = None, resolution_seconds: float | None = None) -> RunData:
-    """Detect the kind of ``path`` (or query ``prometheus`` for ``run``, over the last
-    ``lookback_seconds`` at ``resolution_seconds``) and load it."""
+         lookback_seconds: float | None = None, run_instance: str | None = None, deadline: Any = None) -> RunData:
+    """Detect the kind of ``path`` and load it, or read ``run`` from ``prometheus`` (a URL: the last
+    ``lookback_seconds``, the process ``run_instance`` names, within ``deadline``, a
+    :class:`~rlwatch.postmortem.prometheus.Deadline`)."""
     if prometheus:
+        from .prometheus import from_prometheus
+
         if not run:
             raise PostmortemInputError("--prometheus needs --run")
-        return from_prometheus(prometheus, run, **({"lookback_seconds": lookback_seconds} if lookback_seconds else {}),
-                               **({"step_seconds": resolution_seconds} if resolution_seconds else {}))
+        return from_prometheus(prometheus, run, run_instance=run_instance, deadline=deadline,
+                               **({"lookback_seconds": lookback_seconds} if lookback_seconds else {}))
+    if run_instance is not None:
+        raise PostmortemInputError("--run-instance picks a process in Prometheus; a store names its run with --run")
     if path is None:
         raise PostmortemInputError("give a run store, a TRL output directory, a verl checkpoint directory, "
                                    "or --prometheus")
