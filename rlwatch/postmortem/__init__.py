@@ -4,10 +4,29 @@ diverged from a good run; as a terminal report, markdown with plots, or JSON."""
 
 from .analysis import Report, analyse
 from .compare import Comparison, compare
-from .sources import PostmortemInputError, RunData, load
+from typing import Any
+
+from .sources import PostmortemInputError, RunData, load_path
 
 __all__ = ["Comparison", "PostmortemInputError", "Report", "RunData", "analyse", "compare", "load",
            "load_source", "run_postmortem"]
+
+
+def load(path: str | None = None, prometheus: str | None = None, run: str | None = None,
+         lookback_seconds: float | None = None, run_instance: str | None = None, deadline: Any = None) -> RunData:
+    """Load ``path`` (:func:`~rlwatch.postmortem.sources.load_path`), or read ``run`` from ``prometheus``
+    (a URL: the last ``lookback_seconds``, the process ``run_instance`` names, within ``deadline``, a
+    :class:`~rlwatch.postmortem.prometheus.Deadline`)."""
+    if prometheus:
+        from .prometheus import from_prometheus
+
+        if not run:
+            raise PostmortemInputError("--prometheus needs --run")
+        return from_prometheus(prometheus, run, run_instance=run_instance, deadline=deadline,
+                               **({"lookback_seconds": lookback_seconds} if lookback_seconds else {}))
+    if run_instance is not None:
+        raise PostmortemInputError("--run-instance picks a process in Prometheus; a store names its run with --run")
+    return load_path(path, run)
 
 
 def load_source(source: str | None, run: str | None = None, prometheus: str | None = None,

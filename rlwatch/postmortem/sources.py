@@ -380,20 +380,9 @@ def from_verl(directory: str | Path) -> RunData:
     return data
 
 
-def load(path: str | None = None, prometheus: str | None = None, run: str | None = None,
-         lookback_seconds: float | None = None, run_instance: str | None = None, deadline: Any = None) -> RunData:
-    """Detect the kind of ``path`` and load it, or read ``run`` from ``prometheus`` (a URL: the last
-    ``lookback_seconds``, the process ``run_instance`` names, within ``deadline``, a
-    :class:`~rlwatch.postmortem.prometheus.Deadline`)."""
-    if prometheus:
-        from .prometheus import from_prometheus
-
-        if not run:
-            raise PostmortemInputError("--prometheus needs --run")
-        return from_prometheus(prometheus, run, run_instance=run_instance, deadline=deadline,
-                               **({"lookback_seconds": lookback_seconds} if lookback_seconds else {}))
-    if run_instance is not None:
-        raise PostmortemInputError("--run-instance picks a process in Prometheus; a store names its run with --run")
+def load_path(path: str | None, run: str | None = None) -> RunData:
+    """Detect the kind of ``path`` (a run store, a TRL output directory, a verl checkpoint directory,
+    a directory of stores) and load it; ``run`` picks the run in a store."""
     if path is None:
         raise PostmortemInputError("give a run store, a TRL output directory, a verl checkpoint directory, "
                                    "or --prometheus")
