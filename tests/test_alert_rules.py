@@ -269,7 +269,7 @@ def test_watch_exports_the_window_statistics_the_evaluator_reads():
 
     with Watch(run="w", port=None, store=None, alerts=True, staleness_bound=2) as w:
         for step in range(3):
-            w.observe(step, mask=[[1, 1]], seq_version=[step - 9], trainer_version=step)
+            w.observe(step, mask=[[1, 1]], seq_version=[step], trainer_version=step + 9)
         snap = w.state.snapshot()
         firing = {e.name for e in w.evaluator.firing()}
     quiet = snap.gauges["alert_quiet_steps"]
@@ -383,6 +383,6 @@ def test_watch_evaluator_knows_the_staleness_bound():
 
     with Watch(run="lag", port=None, store=None, alerts=True, staleness_bound=2) as w:
         for step in range(BY_NAME["RLWatchVersionLagFarAboveBound"].for_steps):
-            w.observe(step, mask=[[1, 1]], seq_version=[step - 9], trainer_version=step)
+            w.observe(step, mask=[[1, 1]], seq_version=[step], trainer_version=step + 9)
         names = [e.name for e in w.evaluator.firing()]
     assert "RLWatchVersionLagFarAboveBound" in names                 # lag 9 > 2 x bound 2

@@ -77,11 +77,12 @@ PARAMS: dict[str, Param] = {
     "hold_fraction": Param(0.5, "An open alert holds while its statistic stays beyond this fraction of the "
                            "raise threshold (hysteresis; 0.8 let k3 hovering around the bound re-page on the "
                            "tuning split).", above=0.0, high=1.0),
-    "intermittent_hits": Param(3.0, "An intermittent critical alert also opens when its raise condition held on "
+    "intermittent_hits": Param(2.0, "An intermittent critical alert also opens when its raise condition held on "
                                "this many of the last `intermittent_steps` steps (a fault on every second or "
                                "third step, e.g. one replica of several).", low=1.0),
-    "intermittent_steps": Param(7.0, "Steps of the window in which `intermittent_hits` raise steps open an "
-                                "intermittent critical alert.", low=1.0),
+    "intermittent_steps": Param(4.0, "Steps of the window in which `intermittent_hits` raise steps open an "
+                                "intermittent critical alert (2 of 4: the most sensitive window with no healthy "
+                                "page on the matrix's tuning split, alerts/acceptance.md).", low=1.0),
     "clear_steps": Param(15.0, "Steps without the hold condition before an open alert resolves: a fault that "
                          "comes back within them is the same incident (10 left re-pages on the tuning split).",
                          low=1.0),

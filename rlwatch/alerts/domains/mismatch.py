@@ -93,7 +93,7 @@ KL_SPIKE = Alert(
     example=StepExample(series=with_step(13, mismatch_kl_k3={(): const(0.002, 10) + const(0.3, 3)}),
                         fires_at=11, labels={}, value=0.3),
     more_examples=(StepExample(series=with_step(16, mismatch_kl_k3={(): const(0.002, 10) + [0.8, 0.002] * 3}),
-                               fires_at=14, labels={}, value=0.8, case="intermittent"),),
+                               fires_at=12, labels={}, value=0.8, case="intermittent"),),
 )
 
 
