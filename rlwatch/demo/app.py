@@ -34,6 +34,7 @@ class LiveView:
         self.values: dict[str, float] = {}
         self.alerts: list[str] = []
         self.firing: list = []
+        self.opened: dict[tuple, int | None] = {}      # (name, labels) -> the step the alert opened at
         self.health = "healthy"
         self.step = 0
         self._live = None
@@ -63,7 +64,7 @@ class LiveView:
         for _, label, _ in HEADLINE:
             signals.add_column(label)
         signals.add_row(*[fmt.format(self.values[k]) if k in self.values else "-" for k, _, fmt in HEADLINE])
-        firing = "\n".join(self._firing_line(e) for e in self.firing) or "nothing"
+        firing = "\n".join(self.firing_line(e) for e in self.firing) or "nothing"
         transitions = "\n".join(self.alerts[-6:]) or "no alert yet"
         body = Table.grid()
         body.add_row(grid)
@@ -75,10 +76,15 @@ class LiveView:
         return Panel(body, title="rlwatch demo")
 
     @staticmethod
-    def _firing_line(event: Any) -> str:
+    def _key(event: Any) -> tuple:
+        return event.name, tuple(sorted(event.labels.items()))
+
+    def firing_line(self, event: Any) -> str:
+        """An open alert: name, severity, labels, latest value and the step it opened at."""
         labels = "".join(f" {k}={v}" for k, v in sorted(event.labels.items()))
         value = "" if event.value is None else f" = {event.value:.4g}"
-        return f"{event.name} ({event.severity}){labels}{value} since step {event.step}"
+        opened = self.opened.get(self._key(event), event.step)
+        return f"{event.name} ({event.severity}){labels}{value} since step {opened}"
 
     def update(self, step: int, values: dict[str, float], firing: list) -> None:
         self.step = step + 1
@@ -91,7 +97,8 @@ class LiveView:
         elif step % 10 == 0 or step == self.steps - 1:
             shown = ", ".join(f"{label} " + fmt.format(self.values[k]) for k, label, fmt in HEADLINE
                               if k in self.values)
-            now = ", ".join(e.name.removeprefix("RLWatch") for e in self.firing) or "nothing"
+            now = ", ".join(e.name.removeprefix("RLWatch") + "".join(f" {k}={v}" for k, v in sorted(e.labels.items()))
+                            for e in self.firing) or "nothing"
             print(f"step {step:3d} [{self.health}] {shown}; firing now: {now}", flush=True)
 
     def alert(self, event: Any) -> None:
@@ -99,6 +106,8 @@ class LiveView:
         labels = "".join(f" {k}={v}" for k, v in sorted(event.labels.items()))
         value = "" if event.value is None else f" value {event.value:.4g}"
         line = f"step {event.step}: {event.state.upper()} {event.name} ({event.severity}){labels}{value}"
+        if event.state == "firing":
+            self.opened[self._key(event)] = event.step
         self.alerts.append(line)
         if self._live is None:
             print(line, flush=True)
@@ -256,7 +265,7 @@ def _print_summary(document: dict, collapse: int | None, directory: Path, second
     elif collapse is not None:
         print(f"The run collapsed at step {collapse} and no critical alert fired.")
     else:
-        print(f"No collapse in this run ({len(critical)} critical alerts).")
+        print(f"No collapse in this run ({_count(len(critical), 'critical alert')}).")
     resume = document.get("resume") or {}
     print(f"Cause: {document['cause']}. Resume from: "
           f"{(resume.get('checkpoint') or {}).get('path', 'no checkpoint')} ({resume.get('reason', 'no resume point')}).")
@@ -265,6 +274,10 @@ def _print_summary(document: dict, collapse: int | None, directory: Path, second
               f"Alertmanager received: {', '.join(alertmanager_alerts or []) or 'nothing'}")
     print(f"Run store {directory / 'run.db'}; report and plots in {directory / 'report'} "
           f"({seconds:.0f} s of training).")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 __all__ = ["run_demo"]
