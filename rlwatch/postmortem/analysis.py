@@ -18,9 +18,9 @@ from .sources import QUALITY_KEYS, RunData
 # The post-mortem's names, importable from here as before the change test and the comparison moved out.
 __all__ = ["CAUSE_SIGNALS", "COMPARE_CONFIRM", "COMPARE_H", "CONFIRM", "CONFIRM_STEPS", "CUSUM_H", "CUSUM_K",
            "LEADING_SIGNALS", "MISMATCH_ALERTS", "NO_CAUSE", "QUALITY_SPEC", "REFERENCE_POINTS", "Change",
-           "Comparison", "Coverage", "Divergence", "Report", "Resume", "SignalSpec", "analyse", "collapse_onset", "compare", "coverage",
-           "detect_change", "first_changes", "quality_series", "resume_point", "robust_noise", "scanned_series",
-           "summarize_hacks"]
+           "Comparison", "Coverage", "Divergence", "Report", "Resume", "SignalSpec", "analyse", "collapse_onset",
+           "compare", "coverage", "detect_change", "first_changes", "quality_series", "resume_point", "robust_noise",
+           "scanned_series", "summarize_hacks"]
 
 
 # Which signals a diagnosed cause links to the collapse.
