@@ -192,21 +192,20 @@ def tiny(args) -> None:
 
 
 def histogram_export_runner(inputs: dict):
-    """rlwatch's path for the lag histogram alone: vectorised per-token lag counts, bucketed, folded
-    into the exported state (what the observe loop below does token by token)."""
-    from rlwatch.signals import Pending, Workspace, put_lag_histogram, token_lag_counts
+    """rlwatch's path for the lag histogram alone: a step with per-token versions and no log-probs
+    (vectorised lag counts, bucketed), folded into the exported state (what the observe loop below
+    does token by token)."""
+    from rlwatch.errors import HookErrors
+    from rlwatch.record import RecordBuilder
+    from rlwatch.signals import SignalConfig, Workspace, compute_step
     from rlwatch.state import MetricState
 
-    state, ws = MetricState("bench"), Workspace()
-    mask = inputs["mask"].float()
+    state, ws = MetricState("bench"), Workspace(compile="never")
+    fields = {k: inputs[k] for k in ("mask", "token_version", "trainer_version")}
+    record = RecordBuilder(HookErrors(strict=True)).build(0, fields, ws)
 
     def run() -> None:
-        out = Pending()
-        counts, _ = token_lag_counts(inputs["token_version"], inputs["trainer_version"], mask, ws)
-        hist = counts[1:]
-        n = hist.sum()
-        put_lag_histogram(out, hist, n, torch.dot(hist, torch.arange(hist.numel(), dtype=hist.dtype)))
-        values = out.resolve()
+        values = compute_step(record, SignalConfig(), ws)
         state.apply({"token_version_lag": values["token_version_lag"],
                      "token_version_lag_sum": values["token_version_lag_sum"]})
     return run

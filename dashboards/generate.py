@@ -270,6 +270,11 @@ def details() -> dict:
         target(f"rlwatch_mismatch_abs_log_ratio_by_prob{{{RUN}}}", "{{run}} p in {{prob_bin}}")],
         describe("mismatch_abs_log_ratio_by_prob", "mismatch on high-probability tokens (numeric noise sits on "
                  "low-probability ones).")))
+    lay.add(timeseries("Mismatch by version lag (k3, mean |Δ log p|)", [
+        target(f"rlwatch_mismatch_kl_k3_by_lag{{{RUN}}}", "{{run}} k3, lag ≤ {{lag}}"),
+        target(f"rlwatch_mismatch_abs_log_ratio_mean_by_lag{{{RUN}}}", "{{run}} |r|, lag ≤ {{lag}}", "B")],
+        describe("mismatch_kl_k3_by_lag", "mismatch growing with lag (staleness); a high lag-0 level is numerics "
+                 "or semantics."), log=True))
     lay.add(timeseries("Sequence log-ratio |Σ r|", [
         target(f"rlwatch_mismatch_seq_log_ratio_abs_mean{{{RUN}}}", "{{run}} mean"),
         target(f"rlwatch_mismatch_seq_log_ratio_abs_max{{{RUN}}}", "{{run}} max", "B")],

@@ -19,6 +19,8 @@ PREFIX = "rlwatch_"
 
 #: Upper bounds (inclusive) of the version-lag histogram buckets, in policy updates; +Inf follows.
 LAG_BUCKETS: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+#: The label of each lag bucket (the histogram's in-process ``le`` rows and the per-lag families' ``lag``).
+LAG_BUCKET_LABELS: tuple[str, ...] = tuple(str(b) for b in LAG_BUCKETS) + ("+Inf",)
 
 #: Sampler-probability bins for the per-bin mismatch: [0, 0.1), [0.1, 0.5), [0.5, 0.9), [0.9, 1].
 PROB_BIN_EDGES: tuple[float, ...] = (0.1, 0.5, 0.9)
@@ -151,6 +153,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        ("prob_bin",)),
     _g("mismatch_tokens_by_prob", "Tokens by sampler probability bin in the latest step.", "mismatch",
        ("prob_bin",)),
+    _g("mismatch_kl_k3_by_lag", "Token-weighted k3 = mean(exp(r) - 1 - r) over the tokens of each version-lag "
+       "bucket (the lag histogram's buckets): the lag-0 level is the numerics floor, growth with lag is staleness.",
+       "mismatch", ("lag",)),
+    _g("mismatch_abs_log_ratio_mean_by_lag", "Mean |r| over the tokens of each version-lag bucket (nats).",
+       "mismatch", ("lag",)),
+    _g("mismatch_tokens_by_lag", "Tokens with finite log-probs and a non-negative version lag, by lag bucket, in "
+       "the latest step.", "mismatch", ("lag",)),
     _g("nonfinite_tokens", "Response tokens whose sampler or trainer log-prob is NaN or infinite.", "mismatch"),
     _c("nonfinite_tokens_total", "Response tokens with a NaN or infinite log-prob, excluded from the mismatch.",
        "mismatch"),

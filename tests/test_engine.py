@@ -1,4 +1,4 @@
-"""The fused token engine: the same values as the in-place path (eager and compiled, every dtype,
+"""The fused engine: the same values in one pass, in chunks of sequences and compiled (every dtype,
 mask, NaN and group/environment layout), one host transfer per step, the compiled region without
 graph breaks, env zero-variance groups across environments, non-finite rewards."""
 
@@ -38,14 +38,14 @@ def patched(**values):
 
 def run(fields: dict, *, path: str, exact: bool = True, config: SignalConfig | None = None,
         device: str = "cpu", wait: bool = False) -> tuple[dict, Workspace]:
-    """compute_step on ``fields`` by one path: ``inplace`` (the workspace path), ``fused`` (eager)
-    or ``compiled`` (waiting for the compilation)."""
+    """compute_step on ``fields`` by one path: ``fused`` (eager, one pass), ``chunked`` (eager, in
+    chunks of one or two sequences) or ``compiled`` (waiting for the compilation)."""
     config = config or SignalConfig()
     fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
     ws = Workspace(compile="always" if path == "compiled" else "never")
     record = RecordBuilder(HookErrors(strict=True)).build(0, fields, ws)
     limits = dict(EXACT_QUANTILE_MAX_TOKENS=10**9 if exact else -1,
-                  FUSED_EAGER_MAX_TOKENS=-1 if path != "fused" else 10**9)
+                  FUSED_CHUNK_TOKENS=2 * fields["mask"].shape[-1] - 1 if path == "chunked" else 10**9)
     with patched(**limits):
         if path == "compiled":
             with torch.inference_mode():
@@ -112,21 +112,22 @@ def steps(draw, max_b: int = 12, max_t: int = 24, dtypes=tuple(sorted(DTYPES)),
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fields=steps(), exact=st.booleans())
-def test_fused_eager_equals_inplace(fields, exact):
-    inplace, _ = run(fields, path="inplace", exact=exact)
+def test_chunks_of_sequences_equal_one_pass(fields, exact):
+    chunked, _ = run(fields, path="chunked", exact=exact)
     fused, _ = run(fields, path="fused", exact=exact)
-    assert_same(inplace, fused)
+    assert_same(chunked, fused)
 
 
-def test_small_steps_take_the_fused_path_and_large_ones_the_inplace_path(monkeypatch):
-    calls = []
-    real = signals.fused.token_core
-    monkeypatch.setattr(signals.fused, "token_core", lambda *a, **k: calls.append(1) or real(*a, **k))
+def test_large_steps_run_in_chunks_of_whole_sequences(monkeypatch):
+    chunks = []
+    real = signals.fused._mismatch_part
+    monkeypatch.setattr(signals.fused, "_mismatch_part", lambda mask, *a: chunks.append(mask.shape) or real(mask, *a))
     compute(**make_step(B=8, T=16))
-    assert calls == [1]
-    with patched(FUSED_EAGER_MAX_TOKENS=100):
+    assert chunks == [(8, 16)]
+    chunks.clear()
+    with patched(FUSED_CHUNK_TOKENS=50):
         compute(**make_step(B=8, T=16))
-    assert calls == [1]
+    assert chunks == [(3, 16), (3, 16), (2, 16)]
 
 
 class _TransferCounter:
@@ -145,15 +146,15 @@ class _TransferCounter:
             monkeypatch.setattr(torch.Tensor, name, wrapper)
 
 
-@pytest.mark.parametrize("fused_max", [10**9, -1], ids=["fused", "inplace"])
-def test_one_host_transfer_per_step(monkeypatch, fused_max):
+@pytest.mark.parametrize("chunk", [10**9, 64], ids=["one_pass", "chunked"])
+def test_one_host_transfer_per_step(monkeypatch, chunk):
     fields = make_step(B=16, T=32)
     fields["entropy"] = torch.rand(16, 32)
     fields["hacked"] = {"judge": torch.rand(16) < 0.2}
     fields["failed"] = [None] * 15 + ["timeout"]
     ws = Workspace(compile="never")
     record = RecordBuilder(HookErrors(strict=True)).build(3, fields, ws)
-    with patched(FUSED_EAGER_MAX_TOKENS=fused_max):
+    with patched(FUSED_CHUNK_TOKENS=chunk):
         compute_step(record, SignalConfig(), ws)           # warm caches (constants are built once)
         counter = _TransferCounter(monkeypatch)
         values = compute_step(record, SignalConfig(), ws)
@@ -207,7 +208,7 @@ def test_compiled_equals_eager_without_graph_breaks():
             if layout == "seq":
                 fields["seq_version"] = fields.pop("token_version")[:, 0]
             compiled, _ = run(fields, path="compiled", exact=exact)
-            eager, _ = run(fields, path="inplace", exact=exact)
+            eager, _ = run(fields, path="fused", exact=exact)
             assert_same(eager, compiled)
     assert not engine.status()["failed"]
 
@@ -264,11 +265,11 @@ def test_compiled_step_is_one_graph_without_recompiles_and_bounded_kernels():
         fields = step(B, T, seed, envs)
         ws = Workspace(compile="always")
         record = RecordBuilder(HookErrors(strict=True)).build(0, fields, ws)
-        with patched(EXACT_QUANTILE_MAX_TOKENS=10**9, FUSED_EAGER_MAX_TOKENS=-1):
+        with patched(EXACT_QUANTILE_MAX_TOKENS=10**9):
             values = compute_step(record, SignalConfig(), ws)
         assert ws.compiled_steps == 1, (B, T, engine.status())          # the compiled code ran
         assert counters["stats"]["unique_graphs"] == graphs, (B, T)     # without compiling again
-        eager, _ = run(fields, path="inplace", exact=True)
+        eager, _ = run(fields, path="fused", exact=True)
         assert_same(eager, values)
 
 
@@ -289,7 +290,7 @@ def test_compiled_equals_eager_property(data):
         fields = data.draw(steps(min_size=3, dtypes=("fp32",) if exact else ("bf16",),
                                  layouts=("token",) if exact else ("seq",)))
     compiled, _ = run(fields, path="compiled", exact=exact)
-    eager, _ = run(fields, path="inplace", exact=exact)
+    eager, _ = run(fields, path="fused", exact=exact)
     assert_same(eager, compiled)
 
 
@@ -321,80 +322,10 @@ def test_first_steps_do_not_wait_for_the_compilation(monkeypatch):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fields=steps(), exact=st.booleans())
 def test_cuda_equals_cpu(fields, exact):
-    cpu, _ = run(fields, path="inplace", exact=exact)
-    for path in ("inplace", "fused"):
+    cpu, _ = run(fields, path="fused", exact=exact)
+    for path in ("chunked", "fused"):
         cuda, _ = run(fields, path=path, exact=exact, device="cuda")
         assert_same(cpu, cuda)
-
-
-# --- the episode block: the same values as the per-signal functions it replaced in compute_step ----
-
-def _episode_reference(record, config: SignalConfig) -> dict:
-    """The episode signals by groups.py / environments.py (compute_step's path before the episode
-    block), one Pending, as compute_step called them."""
-    from rlwatch.signals import (Pending, env_signals, group_index, group_signals, length_signals,
-                                 reward_signals)
-
-    out, B, device = Pending(), record.batch_size, record.mask.device
-    ok = (torch.tensor([f is None for f in record.failed]) if record.failed is not None
-          else torch.ones(B, dtype=torch.bool, device=device))
-    groups = zero_var = None
-    ok_reward = ok
-    if record.rewards is not None:
-        finite = torch.isfinite(record.rewards)
-        nonfinite = (ok & ~finite).sum()
-        out.put("nonfinite_rewards", nonfinite)
-        out.put("nonfinite_rewards_total", nonfinite)
-        ok_reward = ok & finite
-        reward_signals(out, record.rewards, ok_reward)
-        if record.group_ids is not None:
-            groups = group_index(record.group_ids)
-            zero_var = group_signals(out, record.rewards, groups, ok_reward, config)
-    lengths = length_signals(out, record.mask, record.truncated, record.mask.sum(-1))
-    if record.env_index is not None:
-        env_signals(out, record.env_index, record.env_names, record.rewards, ok_reward, record.truncated,
-                    groups, zero_var, record.hacked, lengths)
-    return out.resolve()
-
-
-@st.composite
-def episode_fields(draw):
-    B = draw(st.integers(1, 24))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    fields = dict(mask=torch.rand(B, 6, generator=g) < draw(st.sampled_from([0.0, 0.5, 1.0])))
-    if draw(st.booleans()):
-        rewards = torch.randint(-1, 3, (B,), generator=g).float() * draw(st.sampled_from([1.0, 0.5, -2.0]))
-        holes = torch.rand(B, generator=g) < draw(st.sampled_from([0.0, 0.2]))
-        rewards[holes] = draw(st.sampled_from([float("nan"), float("inf")]))
-        fields["rewards"] = rewards
-        if draw(st.booleans()):
-            fields["group_ids"] = torch.randint(0, draw(st.integers(1, B)), (B,), generator=g) * 7 - 3
-    if draw(st.booleans()):
-        fields["env"] = [draw(st.sampled_from(["math", "code", "chat", "agent"])) for _ in range(B)]
-        if draw(st.booleans()):
-            fields["hacked"] = {d: torch.rand(B, generator=g) < 0.3 for d in draw(st.sampled_from([["j"], ["j", "k"]]))}
-    if draw(st.booleans()):
-        fields["truncated"] = torch.rand(B, generator=g) < 0.4
-    if draw(st.booleans()):
-        fields["failed"] = [draw(st.sampled_from([None, None, "timeout"])) for _ in range(B)]
-    return fields
-
-
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(fields=episode_fields(), bounds=st.sampled_from([None, (0.0, 1.0), (1.0, 1.0), (-2.0, 0.5)]))
-def test_episode_block_equals_the_per_signal_functions(fields, bounds):
-    config = SignalConfig(reward_bounds=bounds)
-    ws = Workspace(compile="never")
-    record = RecordBuilder(HookErrors(strict=True)).build(0, fields, ws)
-    expected = _episode_reference(record, config)
-    got = compute_step(record, config, ws)
-    for name, rows in expected.items():
-        assert got[name].keys() == rows.keys(), name
-        for labels, x in rows.items():
-            y = got[name][labels]
-            assert (x is None) == (y is None), (name, labels, x, y)
-            if x is not None:
-                assert math.isclose(x, y, rel_tol=1e-12, abs_tol=1e-12), (name, labels, x, y)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import rlwatch
 from rlwatch import InvalidFieldError, SignalConfig, compute
 from rlwatch.metrics import CATALOGUE, LAG_BUCKETS, PROB_BIN_LABELS
 from rlwatch.record import RecordBuilder
@@ -115,17 +116,6 @@ def _check_nonfinite_tokens_are_counted_and_excluded():
                  "is_ess_ratio", "is_tis_high_ratio", "mismatch_abs_log_ratio_p99"):
         assert scalar(v, name) == pytest.approx(scalar(ref, name), rel=1e-6), name
         assert math.isfinite(scalar(v, name))
-
-
-def test_masked_quantiles_exact_empty_and_nothing_kept():
-    values = torch.tensor([[0.3, 9.0, 0.1], [0.2, 0.0, 5.0]])
-    keep = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
-    got = signals.masked_quantiles(values, keep, keep.sum(), (0.5, 0.99))
-    want = torch.quantile(values[keep > 0].double(), torch.tensor([0.5, 0.99], dtype=torch.float64))
-    assert torch.allclose(got, want, rtol=1e-12, atol=0)
-    assert signals.masked_quantiles(values, torch.zeros_like(keep), torch.tensor(0.0), (0.5,)).isnan().all()
-    empty = torch.zeros(0, 3)
-    assert signals.masked_quantiles(empty, empty, torch.tensor(0.0), (0.5, 0.99)).isnan().all()
 
 
 @pytest.mark.parametrize("binned", [False, True], ids=["exact", "histogram"])
@@ -378,3 +368,35 @@ def test_pending_finishes_formulas_on_the_host_with_one_transfer():
     assert out.resolve() == {"count": {(): 3.0}, "mean": {(): 2.0}, "empty": {(): None}, "max_if_any": {(): None},
                              "nan": {(): None}, "per_row": {("a",): 0.5, ("b",): 1.5},
                              "raw": {("x",): 1.0, ("y",): 2.0}}
+
+
+def test_mismatch_by_lag_is_in_the_step_values_the_store_and_the_exposition(tmp_path):
+    """Per-token versions: lag 0 tokens in sync, lag 3 ones with a shifted log-prob; each bucket's k3
+    and |r| are its own tokens' (from the definition), exported with a ``lag`` label and stored."""
+    from prometheus_client import generate_latest
+
+    from rlwatch.store_reader import StoreReader
+
+    mask = torch.ones(4, 8, dtype=torch.bool)
+    sampler = -torch.rand(4, 8, generator=torch.Generator().manual_seed(0))
+    stale = torch.arange(8)[None, :].expand(4, 8) >= 5
+    trainer = torch.where(stale, sampler + 0.3, sampler)
+    fields = dict(mask=mask, sampler_logp=sampler, trainer_logp=trainer, trainer_version=10,
+                  token_version=torch.where(stale, 7, 10))
+    k3 = math.exp(0.3) - 1 - 0.3
+    path = str(tmp_path / "s.db")
+    with rlwatch.Watch(run="bylag", port=None, store=path, alerts=False) as watch:
+        values = watch.observe(0, **fields)
+        text = generate_latest(watch.registry).decode()
+    assert values.value("mismatch_tokens_by_lag", ("0",)) == 20.0
+    assert values.value("mismatch_tokens_by_lag", ("3",)) == 12.0
+    assert values.value("mismatch_kl_k3_by_lag", ("0",)) == pytest.approx(0.0, abs=1e-7)
+    assert values.value("mismatch_kl_k3_by_lag", ("3",)) == pytest.approx(k3, rel=1e-5)
+    assert values.value("mismatch_abs_log_ratio_mean_by_lag", ("3",)) == pytest.approx(0.3, rel=1e-5)
+    assert values.value("mismatch_kl_k3_by_lag", ("1",)) is None                  # a bucket without tokens
+    assert 'rlwatch_mismatch_tokens_by_lag{lag="3",run="bylag"} 12.0' in text
+    assert 'rlwatch_mismatch_kl_k3_by_lag{lag="3",run="bylag"}' in text
+    with StoreReader(path) as store:
+        row = next(iter(store.steps("bylag")))
+    assert row.get("mismatch_kl_k3_by_lag", ("3",)) == pytest.approx(k3, rel=1e-5)
+    assert row.get("mismatch_tokens_by_lag", ("0",)) == 20.0

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlwatch import SignalConfig, compute
 from rlwatch.errors import HookErrors
-from rlwatch.metrics import LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS
+from rlwatch.metrics import LAG_BUCKET_LABELS, LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS
 from rlwatch.record import RecordBuilder
 from rlwatch.signals import Workspace, fused
 from rlwatch.signals.step import engine_inputs
@@ -183,6 +183,16 @@ def _reference(fields: dict, config: SignalConfig) -> dict:
         out[("token_version_lag", str(bound))] = float(((ok > previous) & (ok <= bound)).sum())
         previous = bound
     out[("token_version_lag", "+Inf")] = float((ok > previous).sum())
+    # Mismatch by lag bucket: the valid tokens of non-negative lag in each histogram bucket.
+    token_lag = lag_all[valid]
+    previous = -1
+    for bound, label in zip((*LAG_BUCKETS, math.inf), LAG_BUCKET_LABELS):
+        inside = (token_lag > previous) & (token_lag <= bound)
+        count = int(inside.sum())
+        out[("mismatch_tokens_by_lag", label)] = float(count)
+        out[("mismatch_kl_k3_by_lag", label)] = _div(float((w - 1 - r)[inside].sum()), count)
+        out[("mismatch_abs_log_ratio_mean_by_lag", label)] = _div(float(r.abs()[inside].sum()), count)
+        previous = bound
     return out
 
 

@@ -1,9 +1,11 @@
 """Runs :func:`~rlwatch.signals.fused.step_core` (the token signals and, when given, the episode
-signals of a step, as one function) compiled when a compiled version is ready, eagerly otherwise, and compiles it off the caller's thread so that no step ever waits for a compilation.
+signals of a step, as one function) compiled when a compiled version is ready, eagerly otherwise,
+and compiles it off the caller's thread so that no step ever waits for a compilation.
 
 Compiled functions are shared by the whole process, one per *signature* (device, dtypes, which
 inputs are present, quantile method, number of hack detectors). Shapes are dynamic, so batch,
-sequence and environment counts do not recompile (steps of fewer than 3 sequences run eagerly). The step's thread only ever runs code already compiled (``torch._dynamo.run``): a guard
+sequence and environment counts do not recompile (steps of fewer than 3 sequences run eagerly). The
+step's thread only ever runs code already compiled (``torch._dynamo.run``): a guard
 that fails there runs the eager function instead of compiling. A compilation that fails (no C++
 compiler, an unsupported backend) is remembered and its signature stays eager; the reason is kept
 in :func:`status`.

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..metrics import ZERO_VARIANCE_KINDS
+from .environments import finish_envs
 from .pending import Values, _div
 from .reduce import count_into
 
@@ -95,7 +96,7 @@ def episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, dete
 
 
 def env_columns(rewards: bool, truncated: bool, detectors: list[str]) -> list[str]:
-    """Names of the per-environment sums that :func:`rlwatch.signals.environments._finish_envs` reads."""
+    """Names of the per-environment sums that :func:`rlwatch.signals.environments.finish_envs` reads."""
     names = ["episodes"]
     if rewards:
         names += ["ok", "r", "n", "rr", "nn", "rn"]
@@ -232,9 +233,6 @@ def finish_episodes(v: list[float], pos: dict[str, Any], envs: list[str], column
                     detectors: list[str], reward_bounds: tuple[float, float] | None = None) -> Values:
     """The host formulas of the episode signals from :func:`episode_core`'s vector ``v``
     (``reward_bounds``: the configured (fail, pass) rewards, None when inferred per batch)."""
-    from .environments import _finish_envs
-    from .groups import _std
-
     rows = pos["rows"]
     sums, maxes = v[pos["sums"]], v[pos["maxes"]]
 
@@ -272,7 +270,7 @@ def finish_episodes(v: list[float], pos: dict[str, Any], envs: list[str], column
         zero = None
         if "pairs" in rows:
             zero = [env[e * width + rows[c]] for e in range(len(envs)) for c in ("pairs", "pairs_zero_var")]
-        out.update(_finish_envs(flat, zero, columns, envs, detectors))
+        out.update(finish_envs(flat, zero, columns, envs, detectors))
     return {name: {k: (x if x is not None and math.isfinite(x) else None) for k, x in rows_.items()}
             for name, rows_ in out.items()}
 
@@ -292,6 +290,12 @@ def _constant_kinds(total: Any, reward_range: list[float],
     at_pass = total(rule + "_pass")
     at_fail = zero - at_pass if rule == "sign" else total(rule + "_fail")
     return at_pass, at_fail, zero - at_pass - at_fail
+
+
+def _std(moments: list[float]) -> float | None:
+    """Population standard deviation from [n, sum x, sum x^2]."""
+    n, s, sq = moments
+    return math.sqrt(max(sq / n - (s / n) ** 2, 0.0)) if n else None
 
 
 def _quantile(lo_value: float, hi_value: float, B: float) -> float | None:

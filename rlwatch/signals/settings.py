@@ -1,6 +1,6 @@
 """What the signals are computed against: :class:`SignalConfig` (the user's thresholds), the size
-limits that choose between the exact and the histogram quantiles and between the fused and the in-place
-token paths (read at call time as ``settings.NAME``, so a test can change them), and the
+limits that choose between the exact and the histogram quantiles and the eager chunk size (read at
+call time as ``settings.NAME``, so a test can change them), and the
 :class:`Workspace` of reused scratch buffers."""
 
 from __future__ import annotations
@@ -20,13 +20,10 @@ SAFETY_BOUND = 20.0  # |r| clamp before exp, as verl's rollout_corr_helper.SAFET
 EXACT_QUANTILE_MAX_TOKENS = 8192
 
 
-# Eagerly, steps of up to this many [B, T] positions run the fused function (fewer operations and
-# less Python per step); larger ones the in-place path (mismatch.py, lag.py), whose scratch buffers
-# are reused across steps (less memory, no page faults). At 2,048 positions the fused function is
-# the cheaper one (0.96-0.98x the in-place path's CPU time), at 4,096 the in-place path (fused 1.23x;
-# side by side, 15 interleaved rounds). Once compiled (see :mod:`rlwatch.signals.engine`), the
-# fused function runs at every size.
-FUSED_EAGER_MAX_TOKENS = 2048
+# Eagerly, the fused function runs over chunks of whole sequences of at most this many [B, T]
+# positions, so that a large step holds a chunk's stacked sums at a time, never the step's (compiled,
+# inductor writes no per-position matrix and one chunk serves every size).
+FUSED_CHUNK_TOKENS = 32768
 
 
 @dataclass(frozen=True)

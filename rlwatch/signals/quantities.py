@@ -1,0 +1,257 @@
+"""Every token- and sequence-level quantity of a step, declared once.
+
+A :class:`TokenSum` names a sum over the step's *valid tokens* (masked, with a finite log-ratio r):
+of a per-token term of :data:`TERMS`, of its square, of its comparison with a threshold, or split
+by a per-token index (``by``: the sampler-probability band or the version-lag bucket, one sum per
+label). A :class:`SeqSum` is the same over the sequences with a valid token. A :class:`Metric`
+is a catalogue family (:mod:`rlwatch.metrics`) and its host formula from those sums, read by name.
+
+:mod:`.fused` builds its device work from :data:`TOKEN_SUMS` and :data:`SEQ_SUMS` (eagerly as a
+few stacked [k, B, T] groups reduced at once, compiled as one reduction per sum) and packs the
+results in the order :func:`token_fields` gives; :func:`finish_tokens` applies :data:`METRICS` to
+the transferred vector. Adding a quantity is a term (when new), a sum, and a metric here, and its
+:class:`~rlwatch.metrics.MetricSpec` in the catalogue (``docs/adding-a-signal.md``).
+
+Conventions: ``r = log pi_old - log mu`` (nats), ``w = exp(r)`` with r clamped to
+[-SAFETY_BOUND, SAFETY_BOUND] (as verl), ``s = log mu``; every term is 0 off the valid set, so
+that sums need no mask. k3 and chi2 use ``expm1`` (non-negative and accurate when the mismatch is
+tiny). A ratio whose denominator counts no item resolves to None.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..metrics import LAG_BUCKET_LABELS, PROB_BIN_LABELS
+from .pending import Values, _div
+from .settings import SAFETY_BOUND
+
+#: Per-token terms from the valid-set tensors ``t`` (keep: 0/1, r, s, a = |r|, em1 = w - 1, em1_t =
+#: min(w, C) - 1); [B, T] each, 0 off the valid set.
+TERMS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
+    "keep": lambda t: t["keep"],
+    "r": lambda t: t["r"],
+    "s": lambda t: t["s"],
+    "a": lambda t: t["a"],
+    "em1": lambda t: t["em1"],
+    "em1_t": lambda t: t["em1_t"],
+    "k3": lambda t: t["em1"] - t["r"],                 # w - 1 - r
+    "rs": lambda t: t["r"] * t["s"],
+}
+
+#: The ``thresholds`` input of the fused function, by name: (C - 1, 1/C - 1, low - 1, high - 1, the
+#: log-probability band edges, log C, -log C, log low, log high), C the TIS cap, [low, high] the MIS band.
+THRESHOLDS = ("cap_em1", "inv_cap_em1", "low_em1", "high_em1", "edges", "log_cap", "neg_log_cap", "log_low",
+              "log_high")
+
+
+@dataclass(frozen=True)
+class TokenSum:
+    """A sum over the valid tokens of ``term``: as is, ``square``d, counted where ``term`` is ``above``
+    or below (``above=False``) the threshold named ``against``, or ``by`` "band"/"lag" (a slice)."""
+
+    name: str
+    term: str
+    square: bool = False
+    against: str = ""
+    above: bool = True
+    by: str = ""
+
+
+@dataclass(frozen=True)
+class SeqSum:
+    """A sum over the sequences with a valid token of a per-sequence term (``has``: 1; ``abs``:
+    |s_b|; ``chi2``: exp(2 s_b) - 1, s_b the sum of r over the sequence; ``s``: s_b, only compared
+    with the threshold ``against``)."""
+
+    name: str
+    term: str
+    against: str = ""
+    above: bool = True
+
+
+#: The token sums. The first two must be the valid tokens and the sum of r: the sequence block
+#: reads their per-sequence sums.
+TOKEN_SUMS: tuple[TokenSum, ...] = (
+    TokenSum("n", "keep"), TokenSum("sum_r", "r"), TokenSum("s_sum", "s"), TokenSum("sum_em1", "em1"),
+    TokenSum("sum_em1t", "em1_t"), TokenSum("sum_a", "a"), TokenSum("sum_k3", "k3"), TokenSum("rs", "rs"),
+    TokenSum("sum_r2", "r", square=True), TokenSum("ss", "s", square=True), TokenSum("sq_em1", "em1", square=True),
+    TokenSum("sq_em1t", "em1_t", square=True),
+    TokenSum("high", "em1", against="cap_em1"), TokenSum("low", "em1", against="inv_cap_em1", above=False),
+    TokenSum("mis_below", "em1", against="low_em1", above=False), TokenSum("mis_above", "em1", against="high_em1"),
+    TokenSum("band_abs", "a", by="band"), TokenSum("band_n", "keep", by="band"),
+    TokenSum("lag_k3", "k3", by="lag"), TokenSum("lag_abs", "a", by="lag"), TokenSum("lag_n", "keep", by="lag"),
+)
+
+SEQ_SUMS: tuple[SeqSum, ...] = (
+    SeqSum("seq_n", "has"), SeqSum("seq_abs", "abs"), SeqSum("seq_chi2", "chi2"),
+    SeqSum("seq_high", "s", "log_cap"), SeqSum("seq_low", "s", "neg_log_cap", above=False),
+    SeqSum("seq_mis_below", "s", "log_low", above=False), SeqSum("seq_mis_above", "s", "log_high"),
+)
+
+#: Labels of the ``by`` slices.
+BY_LABELS: dict[str, tuple[str, ...]] = {"band": PROB_BIN_LABELS, "lag": LAG_BUCKET_LABELS}
+
+#: Fields after the sums: the extremes over the valid tokens (max r, -min r, max |r|; -inf without
+#: any), the largest |s_b| and the |r| quantiles.
+MISMATCH_TAIL = ("max_r", "neg_min_r", "max_a", "seq_max", "q50", "q99")
+#: The lag block: cumulative counts at the histogram buckets (a slice), tokens of non-negative lag,
+#: the sum of the cumulative counts over lags 0 .. LAG_EXACT_MAX (LAG_BINS n_ok minus the lag sum),
+#: tokens over the staleness bound, lag p50 and p99, sequences with a token, the sum of their
+#: largest lags, those spanning versions, the largest lag.
+LAG_FIELDS = ("lag_cum", "n_ok", "cum_sum", "over", "lag_p50", "lag_p99", "lag_seq_n", "lag_seq_max_sum", "spans",
+              "lag_max")
+
+
+def token_sums(lag: bool) -> list[TokenSum]:
+    """The token sums a step computes, in the order of the fused vector (the ``lag`` splits only with
+    versions): plain sums, squares, threshold counts, then the ``by`` slices."""
+    sums = [s for s in TOKEN_SUMS if lag or s.by != "lag"]
+    by = list(dict.fromkeys(s.by for s in sums if s.by))
+    return ([s for s in sums if not (s.square or s.against or s.by)] + [s for s in sums if s.square]
+            + [s for s in sums if s.against] + sorted((s for s in sums if s.by), key=lambda s: by.index(s.by)))
+
+
+def token_fields(mismatch: bool, lag: bool) -> list[tuple[str, int]]:
+    """(name, width) of each field of the fused vector after ``tokens``; width 0 for a scalar."""
+    fields: list[tuple[str, int]] = []
+    if mismatch:
+        fields += [(s.name, len(BY_LABELS[s.by]) if s.by else 0) for s in token_sums(lag)]
+        fields += [(s.name, 0) for s in SEQ_SUMS] + [(name, 0) for name in MISMATCH_TAIL]
+    if lag:
+        fields += [(name, len(LAG_BUCKET_LABELS) - 1 if name == "lag_cum" else 0) for name in LAG_FIELDS]
+    return fields
+
+
+class Fields:
+    """The fused vector's fields by name: ``f.n`` a float, ``f.band_abs`` a list (a ``by`` slice)."""
+
+    def __init__(self, v: list[float], pos: dict[str, Any]) -> None:
+        self._v, self._pos = v, pos
+
+    def __getattr__(self, name: str) -> Any:
+        return self._v[self._pos[name]]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A catalogue family and its host formula ``fn(f)`` of :class:`Fields` (``fn(f, k)`` for the
+    k-th label when ``by`` is set); ``block``: "tokens", "mismatch" or "lag", the inputs it needs."""
+
+    name: str
+    fn: Callable[..., float | None]
+    block: str = "mismatch"
+    by: str = ""
+
+
+def ess_ratio(sum_em1: float, sq_em1: float, n: float) -> float | None:
+    """Effective sample size / n of weights w from sum(w - 1), sum((w - 1)^2) and n; (sum w)^2 <=
+    n sum w^2 (Cauchy-Schwarz), so the cap at 1 only removes float rounding."""
+    sum_w, sum_w2 = n + sum_em1, n + sq_em1 + 2 * sum_em1
+    ratio = _div(sum_w * sum_w, n * sum_w2)
+    return None if ratio is None else min(ratio, 1.0)
+
+
+def slope(f: Fields) -> float | None:
+    """Least-squares slope of r on s; None when s is (numerically) constant."""
+    var_s = f.n * f.ss - f.s_sum * f.s_sum
+    return (f.n * f.rs - f.s_sum * f.sum_r) / var_s if var_s > 1e-9 * f.n * f.n else None
+
+
+def _ratio_of(r: float, n: float) -> float | None:
+    """exp(r) with r clamped to [-SAFETY_BOUND, SAFETY_BOUND], or None without valid tokens."""
+    return math.exp(min(max(r, -SAFETY_BOUND), SAFETY_BOUND)) if n > 0 else None
+
+
+def _if_any(value: float, n: float) -> float | None:
+    return value if n > 0 else None
+
+
+def _quantile(f: Fields, q: float) -> float | None:
+    """A bin's midpoint never exceeds the maximum it stands for."""
+    return min(q, f.max_a) if f.n > 0 and math.isfinite(q) else None
+
+
+def _lag_sum(f: Fields) -> float:
+    from .fused import LAG_BINS
+
+    return LAG_BINS * f.n_ok - f.cum_sum
+
+
+def _lag_bucket(f: Fields, k: int) -> float:
+    """Tokens in the k-th histogram bucket (the last: above the largest bound)."""
+    cum = [0.0, *f.lag_cum, f.n_ok]
+    return cum[k + 1] - cum[k]
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("tokens", lambda f: f.tokens, "tokens"),
+    Metric("tokens_total", lambda f: f.tokens, "tokens"),
+    Metric("nonfinite_tokens", lambda f: f.tokens - f.n),
+    Metric("nonfinite_tokens_total", lambda f: f.tokens - f.n),
+    Metric("mismatch_tokens", lambda f: f.n),
+    Metric("mismatch_tokens_total", lambda f: f.n),
+    Metric("mismatch_log_ratio_mean", lambda f: _div(f.sum_r, f.n)),
+    Metric("mismatch_kl_k1", lambda f: _div(-f.sum_r, f.n)),
+    Metric("mismatch_kl_k2", lambda f: _div(0.5 * f.sum_r2, f.n)),
+    Metric("mismatch_kl_k3", lambda f: _div(f.sum_k3, f.n)),
+    Metric("mismatch_abs_log_ratio_mean", lambda f: _div(f.sum_a, f.n)),
+    Metric("mismatch_abs_log_ratio_max", lambda f: _if_any(f.max_a, f.n)),
+    Metric("mismatch_abs_log_ratio_p50", lambda f: _quantile(f, f.q50)),
+    Metric("mismatch_abs_log_ratio_p99", lambda f: _quantile(f, f.q99)),
+    Metric("mismatch_chi2_token", lambda f: _div(f.sq_em1 + 2 * f.sum_em1, f.n)),      # mean(w^2 - 1)
+    Metric("mismatch_log_ratio_slope", slope),
+    Metric("is_ess_raw_ratio", lambda f: ess_ratio(f.sum_em1, f.sq_em1, f.n)),
+    Metric("is_ess_ratio", lambda f: ess_ratio(f.sum_em1t, f.sq_em1t, f.n)),
+    Metric("is_ratio_min", lambda f: _ratio_of(-f.neg_min_r, f.n)),
+    Metric("is_ratio_max", lambda f: _ratio_of(f.max_r, f.n)),
+    Metric("is_ratio_mean", lambda f: _div(f.n + f.sum_em1, f.n)),
+    Metric("is_tis_high_ratio", lambda f: _div(f.high, f.n)),
+    Metric("is_tis_low_ratio", lambda f: _div(f.low, f.n)),
+    Metric("is_mis_masked_ratio", lambda f: _div(f.mis_below + f.mis_above, f.n)),
+    Metric("is_tis_truncated_tokens_total", lambda f: f.high),
+    Metric("is_mis_masked_tokens_total", lambda f: f.mis_below + f.mis_above),
+    Metric("mismatch_seq_log_ratio_abs_mean", lambda f: _div(f.seq_abs, f.seq_n)),
+    Metric("mismatch_seq_log_ratio_abs_max", lambda f: _if_any(f.seq_max, f.seq_n)),
+    Metric("mismatch_chi2_sequence", lambda f: _div(f.seq_chi2, f.seq_n)),
+    Metric("is_seq_tis_high_ratio", lambda f: _div(f.seq_high, f.seq_n)),
+    Metric("is_seq_tis_low_ratio", lambda f: _div(f.seq_low, f.seq_n)),
+    Metric("is_seq_mis_masked_ratio", lambda f: _div(f.seq_mis_below + f.seq_mis_above, f.seq_n)),
+    Metric("mismatch_abs_log_ratio_by_prob", lambda f, k: _div(f.band_abs[k], f.band_n[k]), by="band"),
+    Metric("mismatch_tokens_by_prob", lambda f, k: f.band_n[k], by="band"),
+    Metric("mismatch_kl_k3_by_lag", lambda f, k: _div(f.lag_k3[k], f.lag_n[k]), "mismatch+lag", "lag"),
+    Metric("mismatch_abs_log_ratio_mean_by_lag", lambda f, k: _div(f.lag_abs[k], f.lag_n[k]), "mismatch+lag", "lag"),
+    Metric("mismatch_tokens_by_lag", lambda f, k: f.lag_n[k], "mismatch+lag", "lag"),
+    Metric("negative_lag_tokens_total", lambda f: f.tokens - f.n_ok, "lag"),
+    Metric("version_lag_mean", lambda f: _div(_lag_sum(f), f.n_ok), "lag"),
+    Metric("version_lag_max", lambda f: _if_any(f.lag_max, f.n_ok), "lag"),
+    Metric("version_lag_p99", lambda f: _if_any(f.lag_p99, f.n_ok), "lag"),
+    Metric("version_lag_over_bound_ratio", lambda f: _div(f.over, f.n_ok), "lag"),
+    Metric("tokens_over_staleness_bound_total", lambda f: f.over, "lag"),
+    Metric("version_lag_sequence_max_mean", lambda f: _div(f.lag_seq_max_sum, f.lag_seq_n), "lag"),
+    Metric("partial_rollout_ratio", lambda f: _div(f.spans, f.lag_seq_n), "lag"),
+    Metric("partial_rollout_sequences_total", lambda f: f.spans, "lag"),
+    Metric("token_version_lag", _lag_bucket, "lag", "lag"),
+    Metric("token_version_lag_sum", _lag_sum, "lag"),
+)
+
+
+def finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: bool) -> Values:
+    """:data:`METRICS` of the blocks present, from the fused vector ``v`` (positions ``pos``)."""
+    have = {"tokens"} | ({"mismatch"} if mismatch else set()) | ({"lag"} if lag else set())
+    if mismatch and lag:
+        have.add("mismatch+lag")
+    f = Fields(v, pos)
+    out: Values = {}
+    for metric in METRICS:
+        if metric.block not in have:
+            continue
+        if metric.by:
+            out[metric.name] = {(label,): metric.fn(f, k) for k, label in enumerate(BY_LABELS[metric.by])}
+        else:
+            out[metric.name] = {(): metric.fn(f)}
+    return out
