@@ -164,13 +164,14 @@ def decide(f: Mapping[str, float | None], t: Mapping[str, float] = THRESHOLDS) -
     if abs_mean < t["floor"]:
         return ["none"], _decades(abs_mean, t["floor"])
     slope, signed, lag_mean = f["slope"], f["signed_mean"] or 0.0, f["lag_mean"] or 0.0
-    if slope is not None and abs(slope) > t["temperature_slope"] and lag_mean < 1.0:
+    floor, excess, share = f["floor"], f["stale_excess"], f["stale_share"]
+    # Staleness also tilts and offsets the log-ratio: the semantics faults are told where it is absent.
+    stale = excess > t["stale_excess"] if excess is not None else not f["lag_tokens"] and lag_mean >= 0.5
+    if not stale and slope is not None and abs(slope) > t["temperature_slope"]:
         return ["temperature_mismatch"], _decades(abs(slope), t["temperature_slope"])
     one_signed = -signed / abs_mean
-    if one_signed > t["top_p_one_signed"] and (slope is None or abs(slope) <= t["temperature_slope"]) \
-            and lag_mean < 1.0:
+    if not stale and one_signed > t["top_p_one_signed"] and (slope is None or abs(slope) <= t["temperature_slope"]):
         return ["top_p_truncation"], _decades(one_signed, t["top_p_one_signed"])
-    floor, excess, share = f["floor"], f["stale_excess"], f["stale_share"]
     if f["lag_tokens"]:
         parts = []
         if floor is not None and floor > t["floor"]:

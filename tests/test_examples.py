@@ -42,3 +42,28 @@ def test_trl_example_shows_the_headline_signals_on_cpu(tmp_path):
             "zero_variance_all_fail_frac", "alerts_firing"} <= set(values)
     assert float(values["kl_k3"]) < 1e-3 and float(values["is_ess"]) > 0.99      # a sampler in sync
     assert (tmp_path / "run" / "out" / "rlwatch.db").exists()
+
+
+def postmortem_text(path: Path) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", str(path)], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_custom_loop_post_mortem_names_no_cause_for_a_run_that_went_fine(tmp_path):
+    """Lag 2 within the bound of 2, nothing fired: the mismatch is explained, no cause is named."""
+    run_example("custom_loop.py", "--steps", "30", "--pace", "0", "--store", str(tmp_path / "run.db"), "--port", "0",
+                cwd=tmp_path)
+    text = postmortem_text(tmp_path / "run.db")
+    assert "cause: no cause found" in text and "cause: numeric_noise" not in text, text[:2000]
+
+
+@pytest.mark.slow
+def test_trl_example_in_sync_post_mortem_names_no_cause(tmp_path):
+    need_module("trl")
+    run_example("trl_grpo.py", "--steps", "6", "--pace", "0", "--port", "0", "--output-dir", str(tmp_path / "run"),
+                cwd=tmp_path)
+    text = postmortem_text(tmp_path / "run" / "out")
+    assert "cause: numeric_noise" not in text and "cause: no cause found" in text, text[:2000]

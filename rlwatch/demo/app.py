@@ -267,7 +267,9 @@ def _print_summary(document: dict, collapse: int | None, directory: Path, second
     else:
         print(f"No collapse in this run ({_count(len(critical), 'critical alert')}).")
     resume = document.get("resume") or {}
-    print(f"Cause: {document['cause']}. Resume from: "
+    explained = f" ({document['mismatch_explanation']})" if document.get("mismatch_explanation") else ""
+    named = " + ".join(document.get("causes") or []) or document["cause"]
+    print(f"Cause: {named}{explained}. Resume from: "
           f"{(resume.get('checkpoint') or {}).get('path', 'no checkpoint')} ({resume.get('reason', 'no resume point')}).")
     if prometheus_alerts is not None:
         print(f"Prometheus fired: {', '.join(prometheus_alerts) or 'nothing'}; "

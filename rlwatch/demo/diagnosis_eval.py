@@ -27,7 +27,7 @@ from .matrix import FAMILIES, RunSpec, collect
 
 #: Every run of the evaluation: shorter and half the prompts of the matrix' runs (the diagnosis reads
 #: the first steps; the runtime stays within minutes on two cores).
-SETTINGS = {"steps": 10, "prompts_per_step": 16}
+SETTINGS = {"steps": 10, "prompts_per_step": 16, "eval_every": 5}
 #: name -> (the causes it injects, the scenario settings).
 SCENARIOS: dict[str, tuple[tuple[str, ...], dict]] = {
     "on_policy_clean": (("none",), {}),
@@ -48,7 +48,7 @@ TEST_SEEDS = (3, 4, 5)
 STALENESS_BOUND = 2.0            # the matrix' Watch (rlwatch.demo.matrix.collect)
 #: Candidates of every threshold; the tuning picks the middle of the best ones.
 GRID: dict[str, tuple[float, ...]] = {
-    "floor": (1e-4, 2e-4, 3e-4, 5e-4, 1e-3),
+    "floor": (1e-5, 3e-5, 1e-4, 3e-4, 1e-3),
     "stale_excess": (0.003, 0.01, 0.03, 0.1),
     "temperature_slope": (0.05, 0.1, 0.2),
     "top_p_one_signed": (0.6, 0.8, 0.9),
