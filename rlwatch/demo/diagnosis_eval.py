@@ -237,4 +237,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from rlwatch.demo import diagnosis_eval      # the importable module: cached runs then name its EvalRun
+
+    raise SystemExit(diagnosis_eval.main())

@@ -95,7 +95,7 @@ def headline(report: Report) -> str:
 
 
 def _confidence(report: Report) -> str:
-    """" (high confidence: 97% of alike verdicts right on the tuning split)" for a diagnosed cause."""
+    """The confidence of a diagnosed cause, with the tuning split's accuracy it stands for."""
     if report.cause != report.diagnosis.cause:
         return ""
     accuracy = report.diagnosis.accuracy
@@ -144,8 +144,8 @@ def comparison_lines(c: Comparison) -> list[str]:
                  f"{len(c.compared)} signals compared")
     if not c.divergences:
         lines.append("  diverged: none (no signal left the good run's by more than its noise)")
-    if c.divergences:
-        lines.append("  from step: signal: this run against the good run, medians over the steps named")
+    else:
+        lines.append("  diverged (this run against the good run: medians over the steps given):")
     for d in c.divergences:
         lines.append(f"  from step {d.step:>5}  {safe(d.name)}: {_fmt(d.bad)} against {_fmt(d.good)} "
                      f"(steps {d.window[0]}..{d.window[1]}; difference {_fmt(d.difference)}, {_size(d)})")
