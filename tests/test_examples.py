@@ -4,12 +4,15 @@ reports the sampler's log-probs)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from rlwatch.postmortem.analysis import MISMATCH_ALERTS
 
 from .conftest import ROOT, need_module
 
@@ -43,3 +46,36 @@ def test_trl_example_shows_the_headline_signals_on_cpu(tmp_path):
             "zero_variance_all_fail_frac", "alerts_firing"} <= set(values)
     assert float(values["kl_k3"]) < 1e-3 and float(values["is_ess"]) > 0.99      # a sampler in sync
     assert (tmp_path / "run" / "out" / "rlwatch.db").exists()
+
+
+def postmortem(path: Path, *args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", str(path), *args],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_custom_loop_post_mortem_puts_its_mismatch_on_the_lag_and_names_it_only_if_the_run_suffered(tmp_path):
+    """The example's sampler runs 2 updates behind on the same numerics: staleness explains the
+    mismatch, never numeric noise; it is the run's cause only if the run degraded or an alert on the
+    mismatch fired, otherwise the report says it stayed below alert levels."""
+    run_example("custom_loop.py", "--steps", "12", "--pace", "0", "--store", str(tmp_path / "run.db"), "--port", "0",
+                cwd=tmp_path)
+    doc = json.loads(postmortem(tmp_path / "run.db", "--json"))
+    assert doc["mismatch_diagnosis"] == "stale_weights" and "numeric_noise" not in postmortem(tmp_path / "run.db")
+    suffered = doc["collapse_step"] is not None or {a["name"] for a in doc["alerts"]} & MISMATCH_ALERTS
+    if suffered:
+        assert doc["cause"] == "stale_weights" and doc["mismatch_explanation"] is None, doc["alerts"]
+    else:
+        assert doc["cause"] == "no cause found", doc["alerts"]
+        assert doc["mismatch_explanation"] == "mismatch explained by stale_weights, below alert levels"
+
+
+@pytest.mark.slow
+def test_trl_example_in_sync_post_mortem_names_no_cause(tmp_path):
+    need_module("trl")
+    run_example("trl_grpo.py", "--steps", "6", "--pace", "0", "--port", "0", "--output-dir", str(tmp_path / "run"),
+                cwd=tmp_path)
+    text = postmortem(tmp_path / "run" / "out")
+    assert "cause: numeric_noise" not in text and "cause: no cause found" in text, text[:2000]

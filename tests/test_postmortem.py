@@ -194,3 +194,19 @@ def test_malicious_pickle_in_a_checkpoint_is_refused(tmp_path, monkeypatch):
     save_rollouts(tmp_path / "r.safetensors", ids, torch.ones_like(ids), torch.ones_like(ids))
     results = probe([(9, str(bad))], tmp_path / "r.safetensors")
     assert "UnsafeCheckpointError" in results[0].error and not marker.exists()
+
+
+def test_probe_scores_each_checkpoint_once_however_its_path_is_spelled(tmp_path, monkeypatch):
+    """A store records checkpoints absolute, a TRL directory read from a relative path lists them
+    relative: one row per checkpoint, and no "KL to next 0" between a checkpoint and itself."""
+    for step, scale in ((1, 0.0), (2, 0.05)):
+        tiny_hf_checkpoint(tmp_path / f"checkpoint-{step}", seed=step, scale=scale)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    response = torch.zeros(2, 8, dtype=torch.long)
+    response[:, 4:] = 1
+    save_rollouts(tmp_path / "rollouts.safetensors", ids, torch.ones(2, 8, dtype=torch.long), response)
+    monkeypatch.chdir(tmp_path)
+    both = [(s, str(tmp_path / f"checkpoint-{s}")) for s in (1, 2)] + [(s, f"checkpoint-{s}") for s in (1, 2)]
+    results = probe(both, "rollouts.safetensors")
+    assert [(r.step, r.path) for r in results] == [(s, str(tmp_path / f"checkpoint-{s}")) for s in (1, 2)]
+    assert results[0].kl_to_next > 0 and results[1].kl_to_next is None

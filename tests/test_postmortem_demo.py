@@ -2,7 +2,8 @@
 constants were not tuned on (tuning: collapse seed 0, healthy seeds 0-2; README, Post-mortem):
 the collapse run's first changes include the version lag and the KL within the first 8 steps and
 its resume point predates them; a healthy run recommends no resume; two healthy seeds do not
-diverge, and the collapse run diverges from a healthy one where the lag arrives."""
+diverge, and the collapse run diverges from a healthy one where the lag arrives; the healthy run
+names no cause, the rescued one (lag 8, TIS) and the collapse run stopped at 12 steps name staleness."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from rlwatch.postmortem import analyse, compare, load
 pytestmark = pytest.mark.slow
 
 
-def demo_store(directory, scenario: str, seed: int) -> str:
-    path = str(directory / f"{scenario}-{seed}.db")
+def demo_store(directory, scenario: str, seed: int, steps: int | None = None) -> str:
+    path = str(directory / f"{scenario}-{seed}-{steps}.db")
     logging.getLogger("rlwatch").setLevel(logging.ERROR)
     with rlwatch.Watch(run=f"demo-{scenario}", port=None, store=path, **WATCH_CONFIG) as w:
         def on_step(info):
             w.observe(info.step, **info.fields)
             w.log_scalars(info.step, info.metrics)
-        run_scenario(replace(SCENARIOS[scenario], seed=seed), on_step=on_step,
+        config = replace(SCENARIOS[scenario], seed=seed, **({"steps": steps} if steps else {}))
+        run_scenario(config, on_step=on_step,
                      checkpoint_dir=str(directory / f"ckpt-{scenario}-{seed}"), on_checkpoint=w.record_checkpoint)
     return path
 
@@ -67,3 +69,20 @@ def test_two_healthy_seeds_do_not_diverge_and_the_collapse_run_does(runs):
     bad = compare(load(runs["collapse"]), load(runs["healthy"]))
     first = {d.signal: d for d in bad.divergences}
     assert first["version_lag_max"].step <= 3 and first["heldout_true_reward"].difference < 0
+
+
+def test_healthy_run_names_no_cause(runs):
+    report = analyse(load(runs["healthy"]))
+    assert report.cause == "no cause found" and report.diagnosis.causes == ["none"], report.diagnosis.evidence
+
+
+def test_rescued_run_is_diagnosed_staleness(tmp_path):
+    """Lag 8 on every token with TIS: the lag alert fires, the run survives; the cause is staleness."""
+    report = analyse(load(demo_store(tmp_path, "rescued", 3)))
+    assert report.cause == "stale_weights" and report.diagnosis.causes[0] == "stale_weights", report.evidence
+    assert not any("zero-mean" in e for e in report.evidence)
+
+
+def test_collapse_run_for_12_steps_is_stale_weights_not_a_missing_sync(tmp_path):
+    report = analyse(load(demo_store(tmp_path, "collapse", 0, steps=12)))
+    assert report.diagnosis.causes == ["stale_weights"], report.diagnosis.evidence

@@ -40,6 +40,7 @@ class LiveView:
         self.values: dict[str, float] = {}
         self.alerts: list[str] = []
         self.firing: list = []
+        self.opened: dict[tuple, int | None] = {}      # (name, labels) -> the step the alert opened at
         self.health = "healthy"
         self.step = 0
         self._live = None
@@ -69,7 +70,7 @@ class LiveView:
         for _, label, _ in HEADLINE:
             signals.add_column(label)
         signals.add_row(*[fmt.format(self.values[k]) if k in self.values else "-" for k, _, fmt in HEADLINE])
-        firing = "\n".join(self._firing_line(e) for e in self.firing) or "nothing"
+        firing = "\n".join(self.firing_line(e) for e in self.firing) or "nothing"
         transitions = "\n".join(self.alerts[-6:]) or "no alert yet"
         body = Table.grid()
         body.add_row(grid)
@@ -81,10 +82,15 @@ class LiveView:
         return Panel(body, title="rlwatch demo")
 
     @staticmethod
-    def _firing_line(event: Any) -> str:
+    def _key(event: Any) -> tuple:
+        return event.name, tuple(sorted(event.labels.items()))
+
+    def firing_line(self, event: Any) -> str:
+        """An open alert: name, severity, labels, latest value and the step it opened at."""
         labels = "".join(f" {k}={v}" for k, v in sorted(event.labels.items()))
         value = "" if event.value is None else f" = {event.value:.4g}"
-        return f"{event.name} ({event.severity}){labels}{value} since step {event.step}"
+        opened = self.opened.get(self._key(event), event.step)
+        return f"{event.name} ({event.severity}){labels}{value} since step {opened}"
 
     def update(self, step: int, values: dict[str, float], firing: list) -> None:
         self.step = step + 1
@@ -97,7 +103,8 @@ class LiveView:
         elif step % 10 == 0 or step == self.steps - 1:
             shown = ", ".join(f"{label} " + fmt.format(self.values[k]) for k, label, fmt in HEADLINE
                               if k in self.values)
-            now = ", ".join(e.name.removeprefix("RLWatch") for e in self.firing) or "nothing"
+            now = ", ".join(e.name.removeprefix("RLWatch") + "".join(f" {k}={v}" for k, v in sorted(e.labels.items()))
+                            for e in self.firing) or "nothing"
             print(f"step {step:3d} [{self.health}] {shown}; firing now: {now}", flush=True)
 
     def alert(self, event: Any) -> None:
@@ -105,6 +112,8 @@ class LiveView:
         labels = "".join(f" {k}={v}" for k, v in sorted(event.labels.items()))
         value = "" if event.value is None else f" value {event.value:.4g}"
         line = f"step {event.step}: {event.state.upper()} {event.name} ({event.severity}){labels}{value}"
+        if event.state == "firing":
+            self.opened[self._key(event)] = event.step
         self.alerts.append(line)
         if self._live is None:
             print(line, flush=True)
@@ -324,10 +333,12 @@ def _print_summary(document: dict, collapse: int | None, directory: Path, second
     elif collapse is not None:
         print(f"The run collapsed at step {collapse} and no critical alert fired.")
     else:
-        print(f"No collapse in this run ({len(critical)} critical alerts).")
+        print(f"No collapse in this run ({_count(len(critical), 'critical alert')}).")
     resume = document.get("resume") or {}
-    checkpoint = (resume.get('checkpoint') or {}).get('path', 'no checkpoint')
-    print(f"Cause: {document['cause']}. Resume from: {checkpoint} ({resume.get('reason', 'no resume point')}).")
+    explained = f" ({document['mismatch_explanation']})" if document.get("mismatch_explanation") else ""
+    named = " + ".join(document.get("causes") or []) or document["cause"]
+    print(f"Cause: {named}{explained}. Resume from: "
+          f"{(resume.get('checkpoint') or {}).get('path', 'no checkpoint')} ({resume.get('reason', 'no resume point')}).")
     if prometheus_alerts is not None:
         sent = [f"{name} ({', '.join(f'{status} to {to}' for to, status in notes)})"
                 for name, notes in (delivered or {}).items()]
@@ -353,6 +364,10 @@ def next_steps(path: str | None = None) -> str:
                 else f"`rlwatch` is not on your PATH: first run `export PATH={scripts}:$PATH`") + "; then "
     return (f"Next: {hint}`rlwatch up` (a local Prometheus + Alertmanager that your runs register with), "
             f"and in another shell `rlwatch run -- python train.py` (or rlwatch.Watch in your loop).")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 __all__ = ["run_demo"]

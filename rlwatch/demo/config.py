@@ -30,6 +30,11 @@ class ScenarioConfig:
         (one of several replicas, or one of two alternating data sources, samples and reports at the
         wrong temperature): from step ``intermittent_from`` on, every ``intermittent_every``-th step is
         sampled at ``intermittent_temperature`` (0: no fault).
+    sampler_precision: "bf16" (the sampler's logits rounded to bfloat16) or "fp8" (its output layer's
+        weights rounded to float8 e4m3 with a per-row scale), a numerics fault at lag 0. None: float32.
+    lag_jitter: each step's lag is drawn uniformly from 0..``lag`` (a varying lag).
+    sync_stops_at: from this step on the sampler's weights are never updated again (a missing
+        weight sync: its lag grows by one per update).
     """
 
     seed: int = 0
@@ -49,6 +54,9 @@ class ScenarioConfig:
     intermittent_every: int = 0
     intermittent_from: int = 10
     intermittent_temperature: float = 5.0
+    sampler_precision: str | None = None
+    lag_jitter: bool = False
+    sync_stops_at: int | None = None
     # training
     trainer_temperature: float = 1.0
     lr: float = 6e-3
@@ -89,5 +97,7 @@ class ScenarioConfig:
             raise ValueError(f"policy must be 'gru' or 'transformer', got {self.policy!r}")
         if self.tasks not in TASK_SETS:
             raise ValueError(f"tasks must be one of {', '.join(TASK_SETS)}, got {self.tasks!r}")
+        if self.sampler_precision not in (None, "bf16", "fp8"):
+            raise ValueError(f"sampler_precision must be None, 'bf16' or 'fp8', got {self.sampler_precision!r}")
         if self.max_response < self.max_digits + 1:
             raise ValueError("max_response must leave room for the longest answer and EOS")

@@ -91,17 +91,30 @@ def _sampler_logp(logits: torch.Tensor, temperature: float, top_p: float | None)
     return kept - torch.logsumexp(kept, dim=-1, keepdim=True)
 
 
+def _head(model: nn.Module, hidden: torch.Tensor, precision: str | None) -> torch.Tensor:
+    """The sampler's logits [B, V] from hidden states [B, H] at ``precision``: None (float32), "bf16"
+    (logits rounded to bfloat16) or "fp8" (output weights rounded to float8 e4m3, one scale per row)."""
+    if precision == "fp8":
+        weight = model.head.weight
+        scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0     # e4m3's largest finite value
+        quantised = (weight / scale).to(torch.float8_e4m3fn).float() * scale
+        return torch.nn.functional.linear(hidden, quantised, model.head.bias)
+    logits = model.head(hidden)
+    return logits.to(torch.bfloat16).float() if precision == "bf16" else logits
+
+
 @torch.no_grad()
 def sample(new: Policy, prompts: torch.Tensor, max_len: int, gen: torch.Generator, temperature: float = 1.0,
            top_p: float | None = None, old: Policy | None = None, switch: torch.Tensor | None = None,
-           greedy: bool = False) -> dict[str, torch.Tensor]:
+           greedy: bool = False, precision: str | None = None) -> dict[str, torch.Tensor]:
     """Batched autoregressive sampling.
 
     prompts [B, P] -> ``responses`` [B, T] (PAD after EOS), ``logp`` [B, T] float32 (the sampler's
     log-prob of each sampled token under the distribution it sampled from), ``mask`` [B, T] bool
     (the EOS token included), ``truncated`` [B] bool, ``from_old`` [B, T] bool. When ``old`` is
     given, rows use ``old`` for positions ``t < switch[row]`` and ``new`` after (a partial rollout:
-    both models read the same tokens, so ``new`` continues from a re-encoded prefix).
+    both models read the same tokens, so ``new`` continues from a re-encoded prefix). ``precision``:
+    the sampler's numerics (see :func:`_head`).
     """
     b = prompts.shape[0]
     models = [new] if old is None else [new, old]
@@ -114,10 +127,10 @@ def sample(new: Policy, prompts: torch.Tensor, max_len: int, gen: torch.Generato
     from_old = torch.zeros(b, max_len, dtype=torch.bool)
     alive = torch.ones(b, dtype=torch.bool)
     for t in range(max_len):
-        logits = new.head(last[0])
+        logits = _head(new, last[0], precision)
         if old is not None:
             use_old = t < switch
-            logits = torch.where(use_old[:, None], old.head(last[1]), logits)
+            logits = torch.where(use_old[:, None], _head(old, last[1], precision), logits)
             from_old[:, t] = use_old & alive
         logp = _sampler_logp(logits, temperature, top_p)
         if greedy:

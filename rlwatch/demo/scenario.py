@@ -153,13 +153,36 @@ def run_scenario(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | N
         torch.set_num_threads(previous_threads)
 
 
+#: Warm-started weights and the global RNG state after the warm start, by the settings it reads (runs
+#: that differ only in their RL settings share it; the evaluation trains many such runs).
+_WARM_STARTS: dict[tuple, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+_WARM_START_FIELDS = ("seed", "policy", "tasks", "embed_dim", "hidden_dim", "pretrain_steps", "pretrain_lr",
+                      "pretrain_noise", "pretrain_extra", "min_digits", "max_digits", "length_weights",
+                      "max_response", "prompts_per_step", "group_size")
+
+
+def _warm_started(config: ScenarioConfig) -> Policy:
+    """The policy after the supervised warm start, trained once per warm-start setting and process."""
+    key = (torch.get_num_threads(), *(getattr(config, name) for name in _WARM_START_FIELDS))
+    if key not in _WARM_STARTS:
+        torch.manual_seed(config.seed)
+        model = make_policy(config)
+        pretrain(model, config, torch.Generator().manual_seed(config.seed + 1_000_003))
+        if len(_WARM_STARTS) >= 16:
+            _WARM_STARTS.pop(next(iter(_WARM_STARTS)))
+        _WARM_STARTS[key] = (_snapshot(model), torch.get_rng_state())
+    state, rng = _WARM_STARTS[key]
+    model = make_policy(config)
+    model.load_state_dict(state)
+    torch.set_rng_state(rng)
+    return model
+
+
 def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, checkpoint_dir: str | None,
          checkpoint_every: int, on_checkpoint: Callable[[int, str], None] | None,
          should_stop: Callable[[], bool] | None) -> ScenarioResult:
     t0 = time.perf_counter()
-    torch.manual_seed(config.seed)
-    model = make_policy(config)
-    pretrain(model, config, torch.Generator().manual_seed(config.seed + 1_000_003))
+    model = _warm_started(config)
     behaviour, older = make_policy(config), make_policy(config)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, betas=config.adam_betas)
     gen = torch.Generator().manual_seed(config.seed)
@@ -185,7 +208,7 @@ def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, che
         weights = behaviour_weights(trainer_logp, rollout.out["logp"], mask, config)
         stats = ppo_update(model, optimizer, rollout.batch, advantages, weights, trainer_logp, config, gen)
         versions[trainer_version + 1] = _snapshot(model)
-        for v in [v for v in versions if v < trainer_version + 1 - config.lag - 1]:
+        for v in [v for v in versions if v < trainer_version + 1 - config.lag - 1 and v != config.sync_stops_at]:
             del versions[v]
 
         metrics = _step_metrics(step, rollout, trainer_logp, entropy, token_version, stats, names)
@@ -234,7 +257,10 @@ def _rollout(config: ScenarioConfig, step: int, versions: dict[int, dict[str, to
     every, start = config.intermittent_every, config.intermittent_from
     if every and step >= start and (step - start) % every == 0:
         sampler_temp = config.intermittent_temperature
-    v_new = max(0, trainer_version - config.lag)
+    lag = int(torch.randint(0, config.lag + 1, (1,), generator=gen)) if config.lag_jitter else config.lag
+    v_new = max(0, trainer_version - lag)
+    if config.sync_stops_at is not None:
+        v_new = min(v_new, config.sync_stops_at)
     behaviour.load_state_dict(versions[v_new])
     task = make_prompts(config.prompts_per_step // 2, config, gen)
     task = {k: v.repeat_interleave(g, dim=0) for k, v in task.items()}
@@ -248,7 +274,7 @@ def _rollout(config: ScenarioConfig, step: int, versions: dict[int, dict[str, to
         cut = torch.randint(1, config.max_digits + 1, (b,), generator=gen)
         switch = torch.where(is_partial, cut, 0)
     out = sample(behaviour, task["prompts"], config.max_response, gen, sampler_temp, config.sampler_top_p,
-                 old=old, switch=switch)
+                 old=old, switch=switch, precision=config.sampler_precision)
     rewards, true_pass = grade(out["responses"], out["truncated"], task["targets"], task["target_len"],
                                task["env"], config.hack, config.partial_credit)
     failed = None

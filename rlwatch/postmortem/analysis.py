@@ -14,8 +14,8 @@ from .changes import Change, detect_change, scanned_series
 from .compare import Comparison
 from .sources import QUALITY_KEYS, RunData
 
-__all__ = ["CAUSE_SIGNALS", "NO_CAUSE", "Coverage", "Report", "Resume", "analyse", "collapse_onset", "coverage",
-           "first_changes", "quality_series", "resume_point", "summarize_hacks"]
+__all__ = ["CAUSE_SIGNALS", "MISMATCH_ALERTS", "NO_CAUSE", "Coverage", "Report", "Resume", "analyse",
+           "collapse_onset", "coverage", "first_changes", "quality_series", "resume_point", "summarize_hacks"]
 
 
 # Which signals a diagnosed cause links to the collapse.
@@ -28,6 +28,11 @@ CAUSE_SIGNALS: dict[str, tuple[str, ...]] = {
     "reward_hacking": ("env_hack_ratio",),
 }
 NO_CAUSE = "no cause found"
+#: Alerts on the sampler-learner mismatch and the lag: one of them firing makes a diagnosed cause
+#: the run's cause even where the run did not degrade.
+MISMATCH_ALERTS = frozenset({"RLWatchESSLow", "RLWatchISTruncationHigh", "RLWatchKLJump", "RLWatchKLSpike",
+                             "RLWatchMismatchDrift", "RLWatchNonFiniteLogProbs", "RLWatchOnPolicyRatioNotOne",
+                             "RLWatchStalenessBoundExceeded", "RLWatchVersionLagFarAboveBound"})
 
 
 @dataclass
@@ -121,11 +126,24 @@ class Report:
     superseded_checkpoints: list[dict[str, Any]] = field(default_factory=list)
 
     @property
+    def explanation(self) -> str | None:
+        """What the mismatch comes from where the diagnosis found a cause the run did not suffer from."""
+        if self.diagnosis.cause == "none" or self.cause == self.diagnosis.cause:
+            return None
+        return f"mismatch explained by {self.diagnosis.name}, below alert levels"
+
+    @property
+    def cause_name(self) -> str:
+        """The cause as reported: every diagnosed cause, the largest first, where the diagnosis named it."""
+        return self.diagnosis.name if self.cause == self.diagnosis.cause else self.cause
+
+    @property
     def evidence(self) -> list[str]:
         """Why the cause was named (or none was): the diagnosis' evidence, the hack rates."""
         if self.cause == self.diagnosis.cause:
             return list(self.diagnosis.evidence)
         lines = [f"hack rate of {h['env']} / {h['detector']} rose from {h['early_rate']:.1%} to {h['late_rate']:.1%}"
+                 + (f" from step {h['step']}" if h.get("step") is not None else "")
                  for h in self.hacks] if self.cause == "reward_hacking" else []
         return lines + [f"sampler-learner mismatch: {e}" for e in self.diagnosis.evidence]
 
@@ -151,8 +169,11 @@ class Report:
                                  if critical is not None and self.collapse_step is not None else None),
             "first_signals": [c.as_json() for c in self.first_signals],
             "cause": self.cause,
+            "causes": (self.diagnosis.causes if self.cause == self.diagnosis.cause else [self.cause]) if found else [],
             "cause_confidence": self.diagnosis.confidence if found and self.cause == self.diagnosis.cause else None,
+            "cause_accuracy": self.diagnosis.accuracy if found and self.cause == self.diagnosis.cause else None,
             "mismatch_diagnosis": self.diagnosis.cause,
+            "mismatch_explanation": self.explanation,
             "evidence": self.evidence,
             "last_healthy_checkpoint": ({"step": self.last_healthy_checkpoint[0],
                                          "path": self.last_healthy_checkpoint[1]}
@@ -255,15 +276,18 @@ def analyse(data: RunData) -> Report:
     window_end = collapse if collapse is not None else (steps[1] if steps else 0)
     window = [values for step, values in data.steps if step <= window_end] or [values for _, values in data.steps]
     diagnosis = diagnose(window)
-    hacks = summarize_hacks(data)
-    if diagnosis.cause != "none":
+    hacks = summarize_hacks(data, changes)
+    alerts = [a for a in data.alerts if a.get("state", "firing") == "firing"]
+    # A cause is named where the run degraded or an alert on the mismatch fired; otherwise the
+    # diagnosis only explains a mismatch that stayed below alert levels (Report.explanation).
+    suffered = collapse is not None or any(a.get("name") in MISMATCH_ALERTS for a in alerts)
+    if diagnosis.cause != "none" and suffered:
         cause = diagnosis.cause
     elif hacks:
         cause = "reward_hacking"
     else:
         cause = NO_CAUSE
     resume = resume_point(data, collapse, changes, cause, quality_key)
-    alerts = [a for a in data.alerts if a.get("state", "firing") == "firing"]
     return Report(run=data.run, source=data.source, steps=steps, quality_signal=quality_key, collapse_step=collapse,
                   peak=peak, first_signals=changes, alerts=alerts, diagnosis=diagnosis,
                   last_healthy_checkpoint=resume.checkpoint, hacks=hacks, events=data.events, resume=resume,
@@ -272,9 +296,12 @@ def analyse(data: RunData) -> Report:
                   superseded_checkpoints=data.superseded_checkpoints)
 
 
-def summarize_hacks(data: RunData) -> list[dict[str, Any]]:
-    """Environments and detectors whose hack rate rose, with a few example episodes."""
+def summarize_hacks(data: RunData, changes: list[Change] = ()) -> list[dict[str, Any]]:
+    """Environments and detectors whose hack rate rose, with a few example episodes. The rates are
+    the change test's levels before and after the change where it dated one (the first-movers table
+    shows the same numbers), else the first and last quarters' means."""
     out = []
+    dated = {c.labels: c for c in changes if c.signal == "env_hack_ratio"}
     for labels in sorted(data.label_sets("env_hack_ratio")):
         series = data.series("env_hack_ratio", labels)
         if len(series) < 4 or len(labels) != 2:
@@ -283,8 +310,13 @@ def summarize_hacks(data: RunData) -> list[dict[str, Any]]:
         early = statistics.mean(v for _, v in series[:quarter])
         late = statistics.mean(v for _, v in series[-quarter:])
         if late > max(0.05, 2 * early):
+            change = dated.get(labels)
+            if change is None or change.after <= change.before:
+                change = None
+            else:
+                early, late = change.before, change.after
             env, detector = labels
             examples = [e for e in data.hack_examples if e.get("env") == env and e.get("detector") == detector][:3]
             out.append({"env": env, "detector": detector, "early_rate": early, "late_rate": late,
-                        "examples": examples})
+                        "step": change.step if change is not None else None, "examples": examples})
     return out

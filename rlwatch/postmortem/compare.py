@@ -23,8 +23,9 @@ class Divergence:
     alarm_step: int
     difference: float     # bad - good, the level after the divergence
     noise: float
-    bad: float            # the bad run's level after the divergence
-    good: float           # the good run's level over the same steps
+    bad: float            # the bad run's median over ``window``, after the divergence
+    good: float           # the good run's median over the same steps
+    window: tuple[int, int] = (0, 0)   # first and last step of those medians
 
     @property
     def name(self) -> str:
@@ -37,7 +38,7 @@ class Divergence:
     def as_json(self) -> dict[str, Any]:
         return {"signal": self.name, "step": self.step, "alarm_step": self.alarm_step,
                 "difference": _clean_zero(self.difference), "size": _finite(self.size), "noise": self.noise,
-                "bad": _clean_zero(self.bad), "good": _clean_zero(self.good)}
+                "bad": _clean_zero(self.bad), "good": _clean_zero(self.good), "window": list(self.window)}
 
 
 @dataclass
@@ -86,9 +87,10 @@ def compare(bad: RunData, good: RunData) -> Comparison:
         if found is None:
             continue
         step, alarm, _, difference, sigma = found
-        window = [(x, y) for s, x, y in pairs if alarm <= s <= alarm + CONFIRM_STEPS]
+        window = [(s, x, y) for s, x, y in pairs if alarm <= s <= alarm + CONFIRM_STEPS]
         divergences.append(Divergence(key[0], key[1], step, alarm, difference, sigma,
-                                      statistics.median(x for x, _ in window), statistics.median(y for _, y in window)))
+                                      statistics.median(x for _, x, _ in window),
+                                      statistics.median(y for _, _, y in window), (window[0][0], window[-1][0])))
     divergences.sort(key=lambda d: (d.step, -abs(d.size)))
     span = (common_steps[0], common_steps[-1], len(common_steps)) if common_steps else None
     return Comparison(bad=f"{bad.run} ({bad.source})", good=f"{good.run} ({good.source})", common_steps=span,

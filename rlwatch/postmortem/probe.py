@@ -16,6 +16,7 @@ refused and reported, never unpickled.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -167,12 +168,24 @@ def _token_stats(logits_fn: LogitsFn, rollouts: dict[str, torch.Tensor], chunk: 
     return torch.cat(token_logps), dists
 
 
+def distinct(checkpoints: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """Each checkpoint directory once, by step, however its path was spelled (absolute, relative,
+    through a link): the absolute spelling is kept."""
+    by_place: dict[tuple[int, str], str] = {}
+    for step, path in checkpoints:
+        key = (step, os.path.realpath(path))
+        if key not in by_place or (os.path.isabs(path) and not os.path.isabs(by_place[key])):
+            by_place[key] = path
+    return sorted((step, path) for (step, _), path in by_place.items())
+
+
 def probe(checkpoints: list[tuple[int, str]], rollouts_path: str | Path, chunk: int = 8) -> list[ProbeResult]:
+    """Score each distinct checkpoint on the stored rollouts, and the KL from each to the next."""
     rollouts = load_rollouts(rollouts_path)
     results: list[ProbeResult] = []
     previous: list[torch.Tensor] | None = None
     previous_result: ProbeResult | None = None
-    for step, path in sorted(checkpoints):
+    for step, path in distinct(checkpoints):
         result = ProbeResult(step, path)
         try:
             token_logp, dists = _token_stats(load_policy(path), rollouts, chunk)

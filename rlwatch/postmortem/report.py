@@ -96,11 +96,19 @@ def headline(report: Report) -> str:
     return safe(text)
 
 
+def _confidence(report: Report) -> str:
+    """The confidence of a diagnosed cause, with the tuning split's accuracy it stands for."""
+    if report.cause != report.diagnosis.cause:
+        return ""
+    accuracy = report.diagnosis.accuracy
+    return f" ({report.diagnosis.confidence} confidence" + (
+        f": {accuracy:.0%} of alike verdicts right in the evaluation's tuning split)" if accuracy is not None else ")")
+
+
 def cause_line(report: Report) -> str:
     if report.cause == NO_CAUSE:
-        return "cause: no cause found"
-    confidence = report.diagnosis.confidence if report.cause == report.diagnosis.cause else None
-    return f"cause: {report.cause}" + (f" ({confidence} confidence)" if confidence else "")
+        return "cause: no cause found" + (f" ({report.explanation})" if report.explanation else "")
+    return f"cause: {report.cause_name}{_confidence(report)}"
 
 
 def resume_line(report: Report) -> str:
@@ -112,8 +120,13 @@ def resume_line(report: Report) -> str:
     return f"resume: nothing recommended: {safe(r.reason)}"
 
 
+def _level(c: Change, value: float) -> str:
+    """A change's level: hack rates as percentages (as the hack section gives them)."""
+    return f"{value:.1%}" if c.signal == "env_hack_ratio" else _fmt(value)
+
+
 def change_line(c: Change) -> str:
-    return (f"step {c.step:>5}  {safe(c.name)}: {_fmt(c.before)} -> {_fmt(c.after)} ({_size(c)}"
+    return (f"step {c.step:>5}  {safe(c.name)}: {_level(c, c.before)} -> {_level(c, c.after)} ({_size(c)}"
             f"{'' if c.concerning else ', not a trouble direction'})"
             + (f", {_lead(c.lead)}" if c.lead is not None else ""))
 
@@ -133,9 +146,11 @@ def comparison_lines(c: Comparison) -> list[str]:
                  f"{len(c.compared)} signals compared")
     if not c.divergences:
         lines.append("  diverged: none (no signal left the good run's by more than its noise)")
+    else:
+        lines.append("  diverged (this run against the good run: medians over the steps given):")
     for d in c.divergences:
-        lines.append(f"  step {d.step:>5}  {safe(d.name)}: {_fmt(d.bad)} against {_fmt(d.good)} "
-                     f"(difference {_fmt(d.difference)}, {_size(d)})")
+        lines.append(f"  from step {d.step:>5}  {safe(d.name)}: {_fmt(d.bad)} against {_fmt(d.good)} "
+                     f"(steps {d.window[0]}..{d.window[1]}; difference {_fmt(d.difference)}, {_size(d)})")
     if c.only_bad:
         lines.append(f"  only in this run: {safe(', '.join(c.only_bad), 400)}")
     if c.only_good:
@@ -185,7 +200,8 @@ def text_report(report: Report) -> str:
     if report.hacks:
         lines.append("reward hacks:")
         for h in report.hacks:
-            lines.append(f"  {safe(h['env'])} / {safe(h['detector'])}: {h['early_rate']:.1%} -> {h['late_rate']:.1%}")
+            lines.append(f"  {safe(h['env'])} / {safe(h['detector'])}: {h['early_rate']:.1%} -> {h['late_rate']:.1%}"
+                         + (f" from step {h['step']}" if h.get("step") is not None else ""))
             for e in h["examples"][:2]:
                 lines.append(f"    step {e['step']}: {safe(e['reason'], 120)}: {safe(repr(e['response']), 80)}")
     if report.probe:
@@ -384,10 +400,10 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
 
 def _md_cause(report: Report) -> list[str]:
     if report.cause == NO_CAUSE:
-        lines = ["## Cause", "", "**No cause found.**", ""]
+        lines = ["## Cause", "", "**No cause found.**" + (f" The {report.explanation}." if report.explanation else ""),
+                 ""]
     else:
-        lines = ["## Cause", "", f"**{md(report.cause)}**" + (
-            f" ({report.diagnosis.confidence} confidence)" if report.cause == report.diagnosis.cause else ""), ""]
+        lines = ["## Cause", "", f"**{md(report.cause_name)}**{_confidence(report)}", ""]
     return lines + [f"- {md(e)}" for e in report.evidence] + [""]
 
 
@@ -398,8 +414,8 @@ def _md_changes(report: Report) -> list[str]:
     if not report.first_signals:
         return lines + ["None: no signal moved by more than its noise."]
     lines += ["| from step | confirmed | signal | before | after | size | lead |", "|---|---|---|---|---|---|---|"]
-    return lines + [f"| {c.step} | {c.alarm_step} | {code(c.name)} | {_fmt(c.before)} | "
-                    f"{_fmt(c.after)} | {_size(c)}{'' if c.concerning else ' (not a trouble direction)'} | "
+    return lines + [f"| {c.step} | {c.alarm_step} | {code(c.name)} | {_level(c, c.before)} | "
+                    f"{_level(c, c.after)} | {_size(c)}{'' if c.concerning else ' (not a trouble direction)'} | "
                     f"{_lead(c.lead)} |" for c in report.first_signals]
 
 
@@ -418,8 +434,8 @@ def _md_hacks(report: Report) -> list[str]:
         return []
     lines = ["", "## Reward hacks", ""]
     for h in report.hacks:
-        lines.append(f"- **{md(h['env'])} / {md(h['detector'])}**: {h['early_rate']:.1%} early, "
-                     f"{h['late_rate']:.1%} late")
+        lines.append(f"- **{md(h['env'])} / {md(h['detector'])}**: {h['early_rate']:.1%} -> {h['late_rate']:.1%}"
+                     + (f" from step {h['step']}" if h.get("step") is not None else ""))
         for e in h["examples"]:
             lines.append(f"  - step {e['step']}, reward {_fmt(e.get('reward'))}: {md(e['reason'], 200)}: "
                          f"{md(e['response'], 120)}")
@@ -459,7 +475,7 @@ def _md_comparison(c: Comparison) -> list[str]:
               f"common), {len(c.compared)} signals compared (CUSUM on the per-step difference).", ""]
     if not c.divergences:
         return lines + ["Diverged: none (no signal left the good run's by more than its noise)."]
-    lines += ["| from step | confirmed | signal | this run | good run | difference | size |",
-              "|---|---|---|---|---|---|---|"]
-    return lines + [f"| {d.step} | {d.alarm_step} | {code(d.name)} | {_fmt(d.bad)} | "
+    lines += ["| from step | confirmed | signal | medians over steps | this run | good run | difference | size |",
+              "|---|---|---|---|---|---|---|---|"]
+    return lines + [f"| {d.step} | {d.alarm_step} | {code(d.name)} | {d.window[0]}..{d.window[1]} | {_fmt(d.bad)} | "
                     f"{_fmt(d.good)} | {_fmt(d.difference)} | {_size(d)} |" for d in c.divergences]
