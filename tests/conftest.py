@@ -254,9 +254,10 @@ def _module_needs(module) -> tuple[set[str], dict[str, set[str]]]:
 
 
 def _function_needs(func) -> set[str]:
+    """What a test or fixture function needs: its own calls and those of its module's functions it calls."""
     func = inspect.unwrap(func)
-    at_import, by_function = _module_needs(inspect.getmodule(func))
-    if func.__name__ in by_function and inspect.getmodule(func) is not None and "<locals>" not in func.__qualname__:
+    by_function = _module_needs(inspect.getmodule(func))[1]
+    if "<locals>" not in func.__qualname__ and func.__name__ in by_function:
         return set(by_function[func.__name__])
     try:
         calls = _calls(ast.parse(textwrap.dedent(inspect.getsource(func))))
