@@ -145,8 +145,9 @@ def test_builtins_run_by_default_on_episodes_and_feed_metrics(tmp_path):
         w.observe(1, **step)
         import urllib.request
         text = urllib.request.urlopen(w.url).read().decode()
-    assert 'rlwatch_episodes_hacked_total{detector="verifier_disagreement",env="math",run="d"} 2.0' in text
-    assert 'rlwatch_episodes_judged_total{detector="degenerate_output",env="math",run="d"} 2.0' in text
+    me = f'run="d",run_instance="{w.run_instance}"'
+    assert f'rlwatch_episodes_hacked_total{{detector="verifier_disagreement",env="math",{me}}} 2.0' in text
+    assert f'rlwatch_episodes_judged_total{{detector="degenerate_output",env="math",{me}}} 2.0' in text
     assert 'detector="format_gaming"' not in text                 # no reward components: not applicable
 
 

@@ -389,8 +389,9 @@ def test_mismatch_by_lag_is_in_the_step_values_the_store_and_the_exposition(tmp_
     assert values.value("mismatch_kl_k3_by_lag", ("3",)) == pytest.approx(k3, rel=1e-5)
     assert values.value("mismatch_abs_log_ratio_mean_by_lag", ("3",)) == pytest.approx(0.3, rel=1e-5)
     assert values.value("mismatch_kl_k3_by_lag", ("1",)) is None                  # a bucket without tokens
-    assert 'rlwatch_mismatch_tokens_by_lag{lag="3",run="bylag"} 12.0' in text
-    assert 'rlwatch_mismatch_kl_k3_by_lag{lag="3",run="bylag"}' in text
+    me = f'lag="3",run="bylag",run_instance="{watch.run_instance}"'
+    assert f'rlwatch_mismatch_tokens_by_lag{{{me}}} 12.0' in text
+    assert f'rlwatch_mismatch_kl_k3_by_lag{{{me}}}' in text
     with StoreReader(path) as store:
         row = next(iter(store.steps("bylag")))
     assert row.get("mismatch_kl_k3_by_lag", ("3",)) == pytest.approx(k3, rel=1e-5)
