@@ -464,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.overrides:
         try:
             checked = check_overrides_file(Path(args.overrides).read_text())
+        except ImportError:
+            print("render --overrides reads YAML: pip install pyyaml", file=sys.stderr)
+            return 2
         except ValueError as exc:
             print(f"{args.overrides}: {exc}", file=sys.stderr)
             return 1
