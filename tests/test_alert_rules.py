@@ -179,8 +179,8 @@ def test_one_incident_one_page_and_resolved_carries_the_current_value():
     states = [(e.name, e.state, e.step, e.value) for e in evaluator.events]
     # opens at step 1 (2 steps above 0.1); 0.06 > 0.5 x 0.1 holds at step 5; quiet from step 6; 15 quiet steps
     assert states == [("RLWatchKLSpike", "firing", 1, 0.5), ("RLWatchKLSpike", "resolved", 20, 0.001)]
+    evaluator.close()                                         # waits for the guard's thread
     assert [e.name for e in seen] == ["RLWatchKLSpike"]      # once, on firing
-    evaluator.close()
 
 
 def test_evidence_before_alarm():
