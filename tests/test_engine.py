@@ -408,7 +408,8 @@ def test_a_declared_quantity_is_computed_in_chunks_in_the_values_and_in_the_expo
         values = watch.observe(0, **fields)
         text = generate_latest(watch.registry).decode()
     assert values.value("toy_r_cubed_mean") == pytest.approx(want, rel=1e-4, abs=1e-9)
-    line = next(x for x in text.splitlines() if x.startswith(f'rlwatch_toy_r_cubed_mean{{run="toy",run_instance="{watch.run_instance}"}}'))
+    series = f'rlwatch_toy_r_cubed_mean{{run="toy",run_instance="{watch.run_instance}"}}'
+    line = next(x for x in text.splitlines() if x.startswith(series))
     assert float(line.split()[-1]) == pytest.approx(want, rel=1e-4, abs=1e-9)
     chunked, _ = run(fields, path="chunked")
     assert chunked["toy_r_cubed_mean"][()] == pytest.approx(want, rel=1e-4, abs=1e-9)

@@ -259,7 +259,7 @@ def test_the_runbook_page_renders_whole_list_items_and_no_repeated_condition_not
     page = request(endpoint.port, "/runbook")[2].decode()
     policy = page.split('id="paging-policy"')[1].split("<h2")[0]
     items = re.findall(r"<li>(.*?)</li>", policy)
-    from rlwatch.alerts.render import PAGING_POLICY
+    from rlwatch.alerts.policy import PAGING_POLICY
 
     bullets = PAGING_POLICY.count("\n- ")
     assert bullets >= 6 and len(items) == bullets and all(item.endswith(".") for item in items), items

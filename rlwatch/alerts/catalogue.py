@@ -26,8 +26,8 @@ training process (:mod:`rlwatch.alerts.windows`) and exported as ``rlwatch_alert
 opens and resolves and exports every opening as an incident (``rlwatch_alert_incident``). The
 Prometheus rules page on the incidents and the embedded evaluator reads the same transitions, so
 the two fire the same alerts the same number of times whatever the time between steps or scrapes
-(delivery: the runbook's paging policy, :attr:`.model.Alert.expr`). Only the wall-clock alerts (trainer stalled, exporter down, hook errors, the watchdog) are
-evaluated on time.
+(delivery: the runbook's paging policy, :attr:`.model.Alert.expr`). Only the wall-clock alerts
+(trainer stalled, exporter down, hook errors, the watchdog) are evaluated on time.
 
 Thresholds (:data:`PARAMS`, :mod:`.params`) are defaults; a run overrides any of them with
 ``Watch(alert_overrides={...})``.

@@ -337,8 +337,8 @@ def _print_summary(document: dict, collapse: int | None, directory: Path, second
     resume = document.get("resume") or {}
     explained = f" ({document['mismatch_explanation']})" if document.get("mismatch_explanation") else ""
     named = " + ".join(document.get("causes") or []) or document["cause"]
-    print(f"Cause: {named}{explained}. Resume from: "
-          f"{(resume.get('checkpoint') or {}).get('path', 'no checkpoint')} ({resume.get('reason', 'no resume point')}).")
+    checkpoint = (resume.get("checkpoint") or {}).get("path", "no checkpoint")
+    print(f"Cause: {named}{explained}. Resume from: {checkpoint} ({resume.get('reason', 'no resume point')}).")
     if prometheus_alerts is not None:
         sent = [f"{name} ({', '.join(f'{status} to {to}' for to, status in notes)})"
                 for name, notes in (delivered or {}).items()]
