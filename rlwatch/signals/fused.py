@@ -311,7 +311,7 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
 
 def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
                 index: dict[str, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Eagerly: each kind of sum as one stacked [k, B, T] group, all reduced at once; and the
+    """Eagerly: each kind of sum as one stacked [k, B, T] group reduced at once; and the
     per-sequence sums of the first two (valid tokens, r) [2, B]."""
     plain = [s for s in sums if not (s.square or s.against or s.by)]
     y = torch.stack([terms[s.term] for s in plain])
@@ -326,7 +326,7 @@ def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
             [terms[s.term] for s in against])
         at = thr[_threshold_slice([s.against for s in against])].view(-1, 1, 1)
         groups.append((x - at) * _signs(against, thr.dtype, thr.device, 3) > 0)
-    parts = _row_sums(torch.cat(groups))
+    parts = [p for g in groups for p in _row_sums(g)]
     for by in dict.fromkeys(s.by for s in sums if s.by):
         of = torch.stack([terms[s.term] for s in sums if s.by == by])
         parts.append(_split_sums(of, index[by].expand(y.shape[1:]), len(q.BY_LABELS[by])))
@@ -341,7 +341,7 @@ def _split_sums(of: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tens
     if device.type == "cpu":
         offsets = cached(("by_offsets", n, width), lambda: torch.arange(n).view(-1, 1) * (width + 1))
         flat = (index.reshape(1, -1) + offsets).reshape(-1)
-        counts = torch.bincount(flat, of.reshape(-1).double(), n * (width + 1))
+        counts = torch.bincount(flat, of.reshape(-1), n * (width + 1))       # float64 sums
         return counts.view(n, width + 1)[:, :width].reshape(-1)
     one_hot = index == cached(("by", width, device), lambda: torch.arange(width, device=device).view(-1, 1, 1))
     return _row_sums((of.unsqueeze(1) * one_hot).flatten(0, 1))[0]
