@@ -24,7 +24,9 @@ does not recompile.
 
 from __future__ import annotations
 
+import contextlib
 from bisect import bisect_left
+from typing import Iterator
 
 import torch
 
@@ -128,22 +130,19 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     """
     mismatch = trainer_logp is not None and sampler_logp is not None
     B, T = mask.shape
-    whole: list[torch.Tensor] | None = None
     chunks = _chunks(B, T)
-    for lo, hi in chunks:
-        inputs = [mask, version, trainer_logp, sampler_logp]
-        if len(chunks) > 1:
-            inputs = [x[lo:hi] if x is not None else None for x in inputs]
-        m, v, trainer, sampler = inputs
-        per_seq = m.sum(-1)                                                  # [B] float32
-        part: list[torch.Tensor] = [per_seq.sum(0, keepdim=True, dtype=torch.float64)]   # exact: whole numbers
-        bucket = None
-        if v is not None:
-            lag, bucket = _lag_part(v, trainer_version, m, per_seq)
-            part += lag
-        if mismatch:
-            part += _mismatch_part(m, trainer, sampler, thresholds, bucket, exact_quantiles)
-        whole = part if whole is None else _combine(whole, part, version is not None, mismatch and exact_quantiles)
+    inputs = (mask, version, trainer_logp, sampler_logp)
+    args = (trainer_version, thresholds, exact_quantiles)
+    if len(chunks) == 1:
+        whole = _chunk_parts(*inputs, *args)
+    else:
+        # Many chunks of small reductions run on one intra-op thread: waking others costs more than
+        # they save at a chunk's size (milliseconds per operation on a busy host).
+        with _one_thread(mask.device.type == "cpu"):
+            whole = []
+            for lo, hi in chunks:
+                part = _chunk_parts(*(x[lo:hi] if x is not None else None for x in inputs), *args)
+                whole = _combine(whole, part, version is not None, mismatch and exact_quantiles) if whole else part
     out = [whole[0]]
     if mismatch:
         out += _mismatch_finish(*whole[4 if version is not None else 1:], mask.numel(), abs_mids, qs,
@@ -157,6 +156,36 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     out.append(cached(("compiled", device), lambda: torch.full(
         (1,), 1.0 if torch.compiler.is_compiling() else 0.0, dtype=torch.float64, device=device)))
     return torch.cat(out)
+
+
+def _chunk_parts(mask: torch.Tensor, version: torch.Tensor | None, trainer_logp: torch.Tensor | None,
+                 sampler_logp: torch.Tensor | None, trainer_version: torch.Tensor, thresholds: torch.Tensor,
+                 exact_quantiles: bool) -> list[torch.Tensor]:
+    """One chunk's parts: tokens [1], the lag parts (with versions), the mismatch parts (with both
+    log-probs); see :func:`_combine`."""
+    per_seq = mask.sum(-1)                                                    # [B] float32
+    parts: list[torch.Tensor] = [per_seq.sum(0, keepdim=True, dtype=torch.float64)]   # exact: whole numbers
+    bucket = None
+    if version is not None:
+        lag, bucket = _lag_part(version, trainer_version, mask, per_seq)
+        parts += lag
+    if trainer_logp is not None and sampler_logp is not None:
+        parts += _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, bucket, exact_quantiles)
+    return parts
+
+
+@contextlib.contextmanager
+def _one_thread(wanted: bool) -> Iterator[None]:
+    """One intra-op thread for the block when ``wanted``, the caller's setting restored after."""
+    threads = torch.get_num_threads()
+    if not wanted or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exact: bool) -> list[torch.Tensor]:
@@ -282,7 +311,7 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
 
 def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
                 index: dict[str, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Eagerly: each kind of sum as one stacked [k, B, T] group, all reduced at once; and the
+    """Eagerly: each kind of sum as one stacked [k, B, T] group reduced at once; and the
     per-sequence sums of the first two (valid tokens, r) [2, B]."""
     plain = [s for s in sums if not (s.square or s.against or s.by)]
     y = torch.stack([terms[s.term] for s in plain])
@@ -297,7 +326,7 @@ def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
             [terms[s.term] for s in against])
         at = thr[_threshold_slice([s.against for s in against])].view(-1, 1, 1)
         groups.append((x - at) * _signs(against, thr.dtype, thr.device, 3) > 0)
-    parts = _row_sums(torch.cat(groups))
+    parts = [p for g in groups for p in _row_sums(g)]
     for by in dict.fromkeys(s.by for s in sums if s.by):
         of = torch.stack([terms[s.term] for s in sums if s.by == by])
         parts.append(_split_sums(of, index[by].expand(y.shape[1:]), len(q.BY_LABELS[by])))
@@ -312,7 +341,7 @@ def _split_sums(of: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tens
     if device.type == "cpu":
         offsets = cached(("by_offsets", n, width), lambda: torch.arange(n).view(-1, 1) * (width + 1))
         flat = (index.reshape(1, -1) + offsets).reshape(-1)
-        counts = torch.bincount(flat, of.reshape(-1).double(), n * (width + 1))
+        counts = torch.bincount(flat, of.reshape(-1), n * (width + 1))       # float64 sums
         return counts.view(n, width + 1)[:, :width].reshape(-1)
     one_hot = index == cached(("by", width, device), lambda: torch.arange(width, device=device).view(-1, 1, 1))
     return _row_sums((of.unsqueeze(1) * one_hot).flatten(0, 1))[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -130,19 +131,14 @@ def token_fields(mismatch: bool, lag: bool) -> list[tuple[str, int]]:
     return fields
 
 
-class Fields:
+def fields(v: list[float], pos: dict[str, Any]) -> SimpleNamespace:
     """The fused vector's fields by name: ``f.n`` a float, ``f.band_abs`` a list (a ``by`` slice)."""
-
-    def __init__(self, v: list[float], pos: dict[str, Any]) -> None:
-        self._v, self._pos = v, pos
-
-    def __getattr__(self, name: str) -> Any:
-        return self._v[self._pos[name]]
+    return SimpleNamespace(**{name: v[at] for name, at in pos.items() if name != "size"})
 
 
 @dataclass(frozen=True)
 class Metric:
-    """A catalogue family and its host formula ``fn(f)`` of :class:`Fields` (``fn(f, k)`` for the
+    """A catalogue family and its host formula ``fn(f)`` of :func:`fields` (``fn(f, k)`` for the
     k-th label when ``by`` is set); ``block``: "tokens", "mismatch" or "lag", the inputs it needs."""
 
     name: str
@@ -159,7 +155,7 @@ def ess_ratio(sum_w: float, sum_w2: float, n: float) -> float | None:
     return None if ratio is None else min(ratio, 1.0)
 
 
-def slope(f: Fields) -> float | None:
+def slope(f: SimpleNamespace) -> float | None:
     """Least-squares slope of r on s; None when s is (numerically) constant."""
     var_s = f.n * f.ss - f.s_sum * f.s_sum
     return (f.n * f.rs - f.s_sum * f.sum_r) / var_s if var_s > 1e-9 * f.n * f.n else None
@@ -174,16 +170,16 @@ def _if_any(value: float, n: float) -> float | None:
     return value if n > 0 else None
 
 
-def _quantile(f: Fields, q: float) -> float | None:
+def _quantile(f: SimpleNamespace, q: float) -> float | None:
     """A bin's midpoint never exceeds the maximum it stands for."""
     return min(q, f.max_a) if f.n > 0 and math.isfinite(q) else None
 
 
-def _lag_sum(f: Fields) -> float:
+def _lag_sum(f: SimpleNamespace) -> float:
     return LAG_BINS * f.n_ok - f.cum_sum
 
 
-def _lag_bucket(f: Fields, k: int) -> float:
+def _lag_bucket(f: SimpleNamespace, k: int) -> float:
     """Tokens in the k-th histogram bucket (the last: above the largest bound)."""
     cum = [0.0, *f.lag_cum, f.n_ok]
     return cum[k + 1] - cum[k]
@@ -246,7 +242,7 @@ def finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: bool
     have = {"tokens"} | ({"mismatch"} if mismatch else set()) | ({"lag"} if lag else set())
     if mismatch and lag:
         have.add("mismatch+lag")
-    f = Fields(v, pos)
+    f = fields(v, pos)
     out: Values = {}
     for metric in METRICS:
         if metric.block not in have:
