@@ -382,9 +382,10 @@ def toy_quantity(monkeypatch):
     monkeypatch.setitem(q.TERMS, "r3", lambda t: t["r"] ** 3)
     monkeypatch.setattr(q, "TOKEN_SUMS", q.TOKEN_SUMS + (q.TokenSum("sum_r3", "r3"),))
     monkeypatch.setattr(q, "METRICS", q.METRICS + (q.Metric("toy_r_cubed_mean", lambda f: _div(f.sum_r3, f.n)),))
+    catalogue = metrics.CATALOGUE          # every module that imported it, rlwatch.metrics itself among them
     for module in [m for name, m in sys.modules.items() if name.startswith("rlwatch")]:
-        if getattr(module, "CATALOGUE", None) is metrics.CATALOGUE:
-            monkeypatch.setattr(module, "CATALOGUE", metrics.CATALOGUE + (spec,))
+        if getattr(module, "CATALOGUE", None) is catalogue:
+            monkeypatch.setattr(module, "CATALOGUE", catalogue + (spec,))
     monkeypatch.setitem(metrics.BY_NAME, spec.name, spec)
     _forget_compiled()
     yield lambda f: float(((f["trainer_logp"].double() - f["sampler_logp"].double())[f["mask"]] ** 3).mean())
