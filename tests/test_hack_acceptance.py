@@ -50,7 +50,8 @@ def test_builtin_detectors_flag_the_exploited_environment_only(tmp_path):
                for f in text_string_to_metric_families(text) for s in f.samples}
 
     def total(name, env, detector):
-        return samples.get((name, (("detector", detector), ("env", env), ("run", "hack"))), 0.0)
+        labels = (("detector", detector), ("env", env), ("run", "hack"), ("run_instance", watch.run_instance))
+        return samples.get((name, labels), 0.0)
 
     hacked = total("rlwatch_episodes_hacked_total", "reverse", "verifier_disagreement")
     judged = total("rlwatch_episodes_judged_total", "reverse", "verifier_disagreement")
