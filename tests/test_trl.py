@@ -201,7 +201,8 @@ def expected_rows(tap: Tap, trainer, config: SignalConfig, funcs=REWARD_FUNCS) -
 # --- scraping and comparing ---------------------------------------------------------------------------
 
 def parse(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+    """Samples keyed by name and labels, run_instance left out: one process per run in these tests."""
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "run_instance"))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
