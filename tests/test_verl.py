@@ -438,8 +438,8 @@ def test_tracking_log_is_mirrored_and_checkpoints_recorded(config, instrumented,
     tracking = Tracking(project_name="p", experiment_name="e", default_backend=[])
     tracking.log(data={"actor/grad_norm": 0.5, "critic/score/mean": 0.25, "table": "skipped"}, step=3)
     text = generate_latest(watch.registry).decode()
-    assert f'rlwatch_framework_metric{{name="actor/grad_norm",run="verl-test",run_instance="{watch.run_instance}"}} 0.5' \
-        in text
+    series = f'rlwatch_framework_metric{{name="actor/grad_norm",run="verl-test",run_instance="{watch.run_instance}"}}'
+    assert f"{series} 0.5" in text
     with pytest.raises(AssertionError):          # no rlwatch backend was added to verl's list
         Tracking(project_name="p", experiment_name="e", default_backend="rlwatch")
 
