@@ -176,9 +176,9 @@ NEWCOMER = """
 import sys, time
 from rlwatch import Watch
 from tests.conftest import make_step
-with Watch(run=sys.argv[1], port=0, store=None, alerts=False) as watch:
-    for step in range(3):
-        watch.observe(step, **make_step(seed=step))
+with Watch(run=sys.argv[1], port=0, store=None) as watch:
+    for step in range(3):                # k3 ~0.65 nats, far above kl_k3_max: RLWatchKLSpike opens
+        watch.observe(step, **make_step(seed=step, noise=1.0))
     print(watch.port, flush=True)
     sys.stdin.readline()                 # until the test has seen it in Prometheus
 """
@@ -186,7 +186,8 @@ with Watch(run=sys.argv[1], port=0, store=None, alerts=False) as watch:
 
 def test_newcomer_flow_a_run_registers_with_the_stack_up_started(tmp_path):
     """`rlwatch up`, then a run in another shell with no RLWATCH_* variable: Prometheus scrapes it (its
-    target is up, its series are there); with RLWATCH_SD_DIR= it stays out; then `rlwatch down`."""
+    target is up, its series and its critical alert are there); with RLWATCH_SD_DIR= it stays out; then
+    `rlwatch down`."""
     need_binary("prometheus")
     need_binary("prometheus-alertmanager")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RLWATCH_")}
@@ -209,6 +210,8 @@ def test_newcomer_flow_a_run_registers_with_the_stack_up_started(tmp_path):
                       for group in json.loads(p.read_text())) == ["newcomer"]
         assert wait_series(prom, 'up{run="newcomer"} == 1', timeout=40)[0]["metric"]["job"] == "rlwatch-sd"
         assert float(wait_series(prom, 'rlwatch_steps_total{run="newcomer"}')[0]["value"][1]) == 3
+        firing = 'ALERTS{alertname="RLWatchKLSpike",alertstate="firing",run="newcomer",severity="critical"}'
+        assert wait_series(prom, firing, timeout=40)                       # its alert, from the stack's rules
         for run in runs:
             assert run.communicate("\n", timeout=60) and run.returncode == 0
         assert not list(targets.glob("*.json"))                          # unregistered on close
