@@ -82,20 +82,25 @@ def test_background_mode_exports_the_same_steps_in_order(tmp_path):
     hold exactly what the same steps give when computed on the calling thread."""
     steps = [make_step(B=8, T=16, seed=s) for s in range(12)]
     results = {}
+
+    def in_a_new_thread() -> int:
+        seen: list[int] = []
+        spawned = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        spawned.start()
+        spawned.join()
+        return seen[0]
+
     for mode in ("inline", "background"):
         store = str(tmp_path / f"{mode}.db")
+        # This thread's setting and the one threads started later get, before the Watch: neither changes.
+        threads, threads_later = torch.get_num_threads(), in_a_new_thread()
         with rlwatch.Watch(run=mode, port=0, store=store, background=mode == "background") as watch:
-            threads = torch.get_num_threads()
             returned = [watch.observe(i, **step) for i, step in enumerate(steps)]
             watch.log_scalars(11, {"loss": 0.5})
             assert watch.flush()
             samples = scrape(watch.url)
             assert torch.get_num_threads() == threads
-            later: list[int] = []                                   # threads started later keep it too
-            spawned = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-            spawned.start()
-            spawned.join()
-            assert later == [threads]
+            assert in_a_new_thread() == threads_later
         with StoreReader(store) as reader:
             rows = reader.steps(mode)
         results[mode] = (returned, samples, rows)
