@@ -18,17 +18,10 @@ def few_threads_for(mask: Any) -> Iterator[None]:
     waits for the others to wake, which on a busy host costs milliseconds per reduction. Large
     batches keep every thread, and GPU tensors are unaffected. Only rlwatch's own work runs in
     between, on the training thread, so the trainer's numbers do not change."""
-    import torch
+    from .signals.fused import one_intra_op_thread
 
-    threads = torch.get_num_threads()
-    if threads == 1 or mask.device.type != "cpu" or mask.numel() >= SMALL_BATCH:
+    with one_intra_op_thread(mask.device.type == "cpu" and mask.numel() < SMALL_BATCH):
         yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def one_intra_op_thread_here() -> None:

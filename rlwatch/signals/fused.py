@@ -138,7 +138,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     else:
         # Many chunks of small reductions run on one intra-op thread: waking others costs more than
         # they save at a chunk's size (milliseconds per operation on a busy host).
-        with _one_thread(mask.device.type == "cpu"):
+        with one_intra_op_thread(mask.device.type == "cpu"):
             whole = []
             for lo, hi in chunks:
                 part = _chunk_parts(*(x[lo:hi] if x is not None else None for x in inputs), *args)
@@ -175,7 +175,7 @@ def _chunk_parts(mask: torch.Tensor, version: torch.Tensor | None, trainer_logp:
 
 
 @contextlib.contextmanager
-def _one_thread(wanted: bool) -> Iterator[None]:
+def one_intra_op_thread(wanted: bool) -> Iterator[None]:
     """One intra-op thread for the block when ``wanted``, the caller's setting restored after."""
     threads = torch.get_num_threads()
     if not wanted or threads == 1:
