@@ -385,3 +385,39 @@ def test_watch_evaluator_knows_the_staleness_bound():
             w.observe(step, mask=[[1, 1]], seq_version=[step], trainer_version=step + 9)
         names = [e.name for e in w.evaluator.firing()]
     assert "RLWatchVersionLagFarAboveBound" in names                 # lag 9 > 2 x bound 2
+
+
+def test_prometheus_side_override_file_takes_effect(tmp_path):
+    """The shipped override file (stall_seconds 3600 for run my-run) wins over the 900 s the process
+    exports, for every process of that run name; another run keeps the exported value."""
+    import yaml
+
+    promtool = need_binary("promtool")
+    idle = "0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0"
+    series = []
+    for run, instance in (("my-run", "a"), ("my-run", "b"), ("other", "c")):
+        labels = f'run="{run}",run_instance="{instance}"'
+        series += [{"series": f"rlwatch_last_step_timestamp_seconds{{{labels}}}", "values": idle},
+                   {"series": f"rlwatch_step{{{labels}}}", "values": idle},
+                   {"series": f'rlwatch_alert_threshold{{{labels},param="stall_seconds"}}', "values": "900x20"}]
+
+    def firing(*runs):
+        return [{"exp_labels": {"severity": "critical", "run": run, "run_instance": instance},
+                 "exp_annotations": {"summary": "The trainer has not finished a step for too long.",
+                                     "description": f"Run {run}: no step for 16m 0s.",
+                                     "runbook_url": "http://127.0.0.1:9400/runbook#rlwatchtrainerstalled"}}
+                for run, instance in runs]
+    case = {"interval": "1m", "input_series": series, "alert_rule_test": [
+        {"eval_time": "16m", "alertname": "RLWatchTrainerStalled", "exp_alerts": firing(("other", "c"))}]}
+    tests = {"rule_files": [str(ALERTS_DIR / render.RULES_FILE), str(ALERTS_DIR / render.OVERRIDES_FILE)],
+             "evaluation_interval": "1m", "tests": [case]}
+    path = tmp_path / "overrides.test.yaml"
+    path.write_text(yaml.safe_dump(tests))
+    result = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # Without the override file, both processes of my-run page at 16 min as well.
+    tests["rule_files"] = tests["rule_files"][:1]
+    case["alert_rule_test"][0]["exp_alerts"] = firing(("my-run", "a"), ("my-run", "b"), ("other", "c"))
+    path.write_text(yaml.safe_dump(tests))
+    result = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -2,8 +2,9 @@
 
 Thresholds (:data:`PARAMS`) are defaults; a run overrides any of them with
 ``Watch(alert_overrides={...})``, which the step windows use and which is exported as
-``rlwatch_alert_threshold{param=...}``. Each parameter declares the values it allows; an override
-outside them is refused with a ValueError when the Watch is built.
+``rlwatch_alert_threshold{param=...}``; the thresholds that rules compare themselves (``stall_seconds``)
+may also be set per run name on the Prometheus side (:func:`threshold`). Each parameter declares the
+values it allows; an override outside them is refused with a ValueError when the Watch is built.
 """
 
 from __future__ import annotations
@@ -90,9 +91,13 @@ PARAMS: dict[str, Param] = {
 
 
 def threshold(param: str) -> str:
-    """PromQL for the per-run value of ``param``: the run's exported override, else the default."""
-    return (f'(rlwatch_alert_threshold{{param="{param}"}} or on(run, run_instance) '
-            f'(0 * rlwatch_step + {PARAMS[param].default:g}))')
+    """PromQL for the value of ``param`` per process (run, run_instance): a Prometheus-side override
+    of the run (``source="overrides"``, ``alerts/overrides.example.yaml``; it applies to every process
+    of that run name), else the value the process exports, else the default."""
+    series = f'rlwatch_alert_threshold{{param="{param}"'
+    return (f'(max by(run) ({series}, source="overrides"}}) * on(run) group_right() (0 * rlwatch_step + 1) '
+            f'or on(run, run_instance) {series}, source!="overrides"}} '
+            f'or on(run, run_instance) (0 * rlwatch_step + {PARAMS[param].default:g}))')
 
 
 def defaults() -> dict[str, float]:

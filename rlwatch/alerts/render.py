@@ -308,9 +308,10 @@ def overrides_yaml() -> str:
          "expr": 'label_replace(label_replace(vector(3600), "run", "my-run", "", ""), '
                  '"param", "stall_seconds", "", "")',
          "labels": {"source": "overrides"}}]}]}
-    return (HEADER + "# Per-run overrides of the threshold the rules compare themselves (stall_seconds) for\n"
-            "# runs whose Watch does not set alert_overrides: one recording rule per\n"
-            "# (run, param). Load it next to rlwatch-rules.yaml. The step-window thresholds are applied in\n"
+    return (HEADER + "# Per-run overrides of the threshold the rules compare themselves (stall_seconds): one\n"
+            "# recording rule per (run, param), with source=\"overrides\". It applies to every process of that\n"
+            "# run name and wins over the value the process exports (its Watch's alert_overrides or the\n"
+            "# default). Load it next to rlwatch-rules.yaml. The step-window thresholds are applied in\n"
             "# the training process: set them with Watch(alert_overrides={...}). Check a file of yours with\n"
             "# `python -m rlwatch.alerts.render --overrides FILE` (the ranges a Watch accepts).\n"
             + to_yaml(example))
