@@ -337,6 +337,8 @@ class Services:
         """Stop the exporters (a last push), remove the file_sd entry, then flush and close the store.
         An alert incident that opened or resolved since the last scrape is served to one more scrape
         first (bounded, :meth:`CachedExposition.await_scrape`), so a run that ends right after it still pages."""
+        if self.push is not None:           # the gateway serves the last push after the run: nothing stays open
+            self.state.resolve_open_incidents()
         if self.server is not None and self.state.delivery_version > self.exposition.served_version:
             guard(self.errors, "export", "final_scrape", lambda: self.exposition.await_scrape(
                 self.state.delivery_version))

@@ -103,6 +103,20 @@ class MetricState:
                 family[labels] = float(value)
                 self.version += 1
 
+    def resolve_open_incidents(self) -> int:
+        """Mark every open ``alert_incident`` series resolved (its last label is the state), for a
+        final push: a Pushgateway keeps a group's last push after the run ends, where an incident
+        left open would page forever. Returns how many were open."""
+        with self._lock:
+            family = self._gauges.get("alert_incident", {})
+            open_ = [labels for labels in family if labels and labels[-1] == "open"]
+            for labels in open_:
+                family[labels[:-1] + ("resolved",)] = family.pop(labels)
+            if open_:
+                self.version += 1
+                self.delivery_version = self.version
+            return len(open_)
+
     def set_info(self, name: str, labels: LabelValues) -> None:
         with self._lock:
             self._info[name] = {labels: 1.0}

@@ -745,3 +745,18 @@ def test_an_invalid_token_version_is_left_out_of_the_lag_and_counted_never_paged
         assert values.value("version_lag_mean") == pytest.approx(1.0)
         assert watch.errors.counts[("validate", "negative_lag")] == 4
         assert [e.name for e in watch.evaluator.events] == []
+
+
+def test_pushgateway_last_push_leaves_no_incident_open(pushgateway):
+    """A run that ends during an incident: the gateway keeps the last push forever, so that push
+    shows the incident resolved (delivered once by the rules' resolved branch), never open."""
+    with rlwatch.Watch(run="spiked", port=None, store=None, alerts=True, pushgateway=pushgateway.url,
+                       push_interval=60) as w:
+        for step in range(8):
+            w.observe(step, **make_step(seed=step, noise=3.0 if step >= 3 else 0.01))
+        assert any(e.name == "RLWatchKLSpike" for e in w.evaluator.firing())
+    text = urllib.request.urlopen(pushgateway.url + "/metrics", timeout=5).read().decode()
+    states = [(s.labels["alert"], s.labels["state"]) for family in text_string_to_metric_families(text)
+              for s in family.samples if s.name == "rlwatch_alert_incident" and s.labels.get("run") == "spiked"]
+    assert ("RLWatchKLSpike", "resolved") in states
+    assert not [state for _, state in states if state == "open"], states
