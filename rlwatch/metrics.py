@@ -156,7 +156,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("partial_rollout_ratio", "Fraction of sequences whose tokens span more than one policy version.", "lag"),
     _c("tokens_over_staleness_bound_total", "Tokens whose lag exceeded the staleness bound.", "lag"),
     _c("partial_rollout_sequences_total", "Sequences whose tokens span more than one policy version.", "lag"),
-    _c("negative_lag_tokens_total", "Tokens stamped with a version newer than the trainer's (invalid).", "lag"),
+    _c("negative_lag_tokens_total", "Tokens left out of the lag signals as invalid input: a version newer than the "
+       "trainer's, negative, NaN or infinite.", "lag"),
     # --- sampler-learner mismatch -----------------------------------------------------------
     _g("mismatch_tokens", "Tokens with finite sampler and trainer log-probs in the latest step.", "mismatch"),
     _g("mismatch_log_ratio_mean", "Mean signed log-ratio r = trainer_logp - sampler_logp (nats).", "mismatch"),
