@@ -391,8 +391,8 @@ def toy_quantity(monkeypatch):
     monkeypatch.setattr(q, "EPISODE_ROWS", q.EPISODE_ROWS + (
         q.EpisodeRow("toy_rl", lambda e: e["r"] * e["length"], "rewards", per_env=True),))
     monkeypatch.setattr(q, "EPISODE_METRICS", q.EPISODE_METRICS + (
-        q.EpisodeMetric("toy_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards"),
-        q.EpisodeMetric("toy_env_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards+envs", "env")))
+        q.Metric("toy_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards"),
+        q.Metric("toy_env_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards+envs", "env")))
     catalogue = metrics.CATALOGUE          # every module that imported it, rlwatch.metrics itself among them
     for module in [m for name, m in sys.modules.items() if name.startswith("rlwatch")]:
         if getattr(module, "CATALOGUE", None) is catalogue:

@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlwatch.signals import episodes, quantities
+from rlwatch.signals.pending import _finite
 
 #: Eager operations of episode_core for a step with rewards, groups, truncation and 4 environments
 #: (60 when written; 147 before the one-matrix rewrite).
@@ -101,7 +102,8 @@ def _computed(step: dict) -> dict:
     rewards, groups = step["rewards"] is not None, step["groups"] is not None
     pos = quantities.episode_layout(rewards, groups, max(E, 2) if E else 0, step["truncated"] is not None, detectors)
     assert len(vector) == pos["size"]
-    return quantities.finish_episodes(vector, pos, [f"e{e}" for e in range(E)], detectors, step["bounds"])
+    values = quantities.finish_episodes(vector, pos, [f"e{e}" for e in range(E)], detectors, step["bounds"])
+    return {name: {k: _finite(x) for k, x in family.items()} for name, family in values.items()}   # as Pending
 
 
 def _ratio(num: float, den: float) -> float | None:

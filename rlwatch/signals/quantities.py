@@ -103,7 +103,7 @@ SEQ_SUMS: tuple[SeqSum, ...] = (
 )
 
 #: Labels of the ``by`` slices.
-BY_LABELS: dict[str, tuple[str, ...]] = {"band": PROB_BIN_LABELS, "lag": LAG_BUCKET_LABELS}
+BY_LABELS: dict[str, tuple[str, ...]] = {"band": PROB_BIN_LABELS, "lag": LAG_BUCKET_LABELS, "kind": ZERO_VARIANCE_KINDS}
 
 #: Fields after the sums: the extremes over the valid tokens (max r, -min r, max |r|; -inf without
 #: any), the largest |s_b| and the |r| quantiles.
@@ -143,13 +143,39 @@ def fields(v: list[float], pos: dict[str, Any]) -> SimpleNamespace:
 
 @dataclass(frozen=True)
 class Metric:
-    """A catalogue family and its host formula ``fn(f)`` of :func:`fields` (``fn(f, k)`` for the
-    k-th label when ``by`` is set); ``block``: "tokens", "mismatch" or "lag", the inputs it needs."""
+    """A catalogue family and its host formula ``fn(f)``, ``f`` the fields by name (:func:`fields`
+    for a token metric; for an episode metric the sums of its rows, see :func:`finish_episodes`).
+    ``needs``: the inputs it needs, joined by "+" ("tokens", "mismatch", "lag"; "episodes",
+    "rewards", "groups", "envs", "truncated"). ``by``: one value per label, ``fn(f, k)`` for the
+    k-th of :data:`BY_LABELS` ("band", "lag", "kind"); "env": ``fn(f)`` per environment with ``f``
+    its sums of the ``per_env`` rows; "detector": ``fn(f, detector)`` per environment and detector."""
 
     name: str
     fn: Callable[..., float | None]
-    block: str = "mismatch"
+    needs: str = "mismatch"
     by: str = ""
+
+
+def _needed(needs: str, have: set[str]) -> bool:
+    return set(needs.split("+")) <= have
+
+
+def _apply(metrics: tuple[Metric, ...], have: set[str], f: SimpleNamespace,
+           per_env: list[tuple[str, SimpleNamespace]] = (), detectors: list[str] = ()) -> Values:
+    """The values of the ``metrics`` whose inputs are all in ``have``."""
+    out: Values = {}
+    for m in metrics:
+        if not _needed(m.needs, have):
+            continue
+        if m.by == "env":
+            out[m.name] = {(name,): m.fn(fe) for name, fe in per_env}
+        elif m.by == "detector":
+            out[m.name] = {(name, d): m.fn(fe, d) for d in detectors for name, fe in per_env}
+        elif m.by:
+            out[m.name] = {(label,): m.fn(f, k) for k, label in enumerate(BY_LABELS[m.by])}
+        else:
+            out[m.name] = {(): m.fn(f)}
+    return out
 
 
 def ess_ratio(sum_w: float, sum_w2: float, n: float) -> float | None:
@@ -243,20 +269,9 @@ METRICS: tuple[Metric, ...] = (
 
 
 def finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: bool) -> Values:
-    """:data:`METRICS` of the blocks present, from the fused vector ``v`` (positions ``pos``)."""
-    have = {"tokens"} | ({"mismatch"} if mismatch else set()) | ({"lag"} if lag else set())
-    if mismatch and lag:
-        have.add("mismatch+lag")
-    f = fields(v, pos)
-    out: Values = {}
-    for metric in METRICS:
-        if metric.block not in have:
-            continue
-        if metric.by:
-            out[metric.name] = {(label,): metric.fn(f, k) for k, label in enumerate(BY_LABELS[metric.by])}
-        else:
-            out[metric.name] = {(): metric.fn(f)}
-    return out
+    """:data:`METRICS` of the inputs present, from the fused vector ``v`` (positions ``pos``)."""
+    return _apply(METRICS, {"tokens"} | ({"mismatch"} if mismatch else set()) | ({"lag"} if lag else set()),
+                  fields(v, pos))
 
 
 # --- episode-level quantities -----------------------------------------------------------------------
@@ -272,12 +287,13 @@ class EpisodeRow:
     failed, ``length``, ``truncated``; with rewards ``ok``: usable (not failed, finite reward), ``r``:
     the reward, 0 where unusable; with groups and environments ``pairs``, ``pairs_zero_var``) and the
     rows declared before it, by name; None for a row of the group block (one value per group slot,
-    computed by ``episodes._groups`` in this order). ``needs``: the inputs it needs ("rewards",
-    "groups", "envs", "truncated", joined by "+"); ``per_env``: also summed per environment."""
+    computed by ``episodes._groups`` in this order). ``needs``: the inputs it needs ("episodes", always
+    there; "rewards", "groups", "envs", "truncated", joined by "+"); ``per_env``: also summed per
+    environment."""
 
     name: str
     term: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None
-    needs: str = ""
+    needs: str = "episodes"
     per_env: bool = False
 
 
@@ -306,12 +322,8 @@ EPISODE_ROWS: tuple[EpisodeRow, ...] = (
 
 
 def _inputs(rewards: bool, groups: bool, envs: bool, truncated: bool) -> set[str]:
-    return {name for name, on in (("rewards", rewards), ("groups", rewards and groups), ("envs", envs),
-                                  ("truncated", truncated)) if on}
-
-
-def _needed(needs: str, have: set[str]) -> bool:
-    return set(needs.split("+")) - {""} <= have
+    return {name for name, on in (("episodes", True), ("rewards", rewards), ("groups", rewards and groups),
+                                  ("envs", envs), ("truncated", truncated)) if on}
 
 
 def episode_rows(rewards: bool, groups: bool, envs: bool, truncated: bool) -> list[EpisodeRow]:
@@ -340,20 +352,6 @@ def episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, dete
     pos["env"], at = slice(at, at + envs * width), at + envs * width
     pos["size"] = at
     return pos
-
-
-@dataclass(frozen=True)
-class EpisodeMetric:
-    """A catalogue family from the episode rows and its host formula ``fn(f)``: ``f.<row>`` the
-    step's sum of a row, ``f.max_<row>`` its maximum, ``f.hacked[detector]``, ``f.range``, ``f.p99``
-    and ``f.bounds`` (the configured (fail, pass) rewards or None). ``by``: "kind" (``fn(f, k)`` for
-    the k-th of ZERO_VARIANCE_KINDS), "env" (``fn(f)`` with ``f`` one environment's sums of the
-    ``per_env`` rows) or "detector" (``fn(f, detector)``, per environment and detector)."""
-
-    name: str
-    fn: Callable[..., float | None]
-    needs: str = ""
-    by: str = ""
 
 
 def _std(n: float, s: float, sq: float) -> float | None:
@@ -391,32 +389,31 @@ def _corr(f: SimpleNamespace) -> float | None:
     return (f.ok * f.rn - f.r * f.n) / math.sqrt(max(var, 1e-300)) if f.ok >= 4 and var > 0 else None
 
 
-EPISODE_METRICS: tuple[EpisodeMetric, ...] = (
-    EpisodeMetric("nonfinite_rewards", lambda f: f.all_ok - f.ok, "rewards"),
-    EpisodeMetric("nonfinite_rewards_total", lambda f: f.all_ok - f.ok, "rewards"),
-    EpisodeMetric("reward_mean", lambda f: _div(f.r, f.ok), "rewards"),
-    EpisodeMetric("reward_std", lambda f: _std(f.ok, f.r, f.rr), "rewards"),
-    EpisodeMetric("groups", lambda f: f.groups, "groups"),
-    EpisodeMetric("groups_total", lambda f: f.groups, "groups"),
-    EpisodeMetric("zero_variance_groups_ratio", lambda f, k: _div(_constant_kinds(f)[k], f.groups), "groups", "kind"),
-    EpisodeMetric("zero_variance_groups_total", lambda f, k: _constant_kinds(f)[k], "groups", "kind"),
-    EpisodeMetric("zero_gradient_episodes_ratio", lambda f: _div(f.zero_var_episodes, f.ok), "groups"),
-    EpisodeMetric("_group_size_min", lambda f: f.episodes + 1 - f.max_size_gap if f.max_size_gap > 0 else None,
-                  "groups"),
-    EpisodeMetric("_group_size_max", lambda f: f.max_size, "groups"),
-    EpisodeMetric("response_length_mean", lambda f: _div(f.length, f.episodes)),
-    EpisodeMetric("response_length_max", lambda f: f.max_length),
-    EpisodeMetric("response_length_p99", _length_quantile),
-    EpisodeMetric("truncated_ratio", lambda f: _div(f.truncated, f.episodes), "truncated"),
-    EpisodeMetric("env_episodes", lambda f: f.episodes, "envs", "env"),
-    EpisodeMetric("episodes_total", lambda f: f.episodes, "envs", "env"),
-    EpisodeMetric("env_reward_mean", lambda f: _div(f.r, f.ok), "rewards+envs", "env"),
-    EpisodeMetric("env_reward_length_corr", _corr, "rewards+envs", "env"),
-    EpisodeMetric("env_truncated_ratio", lambda f: _div(f.truncated, f.episodes), "truncated+envs", "env"),
-    EpisodeMetric("episodes_truncated_total", lambda f: f.truncated, "truncated+envs", "env"),
-    EpisodeMetric("env_zero_variance_groups_ratio", lambda f: _div(f.pairs_zero_var, f.pairs), "groups+envs", "env"),
-    EpisodeMetric("episodes_hacked_total", lambda f, d: f.hacked[d], "envs", "detector"),
-    EpisodeMetric("episodes_judged_total", lambda f, d: f.episodes, "envs", "detector"),
+EPISODE_METRICS: tuple[Metric, ...] = (
+    Metric("nonfinite_rewards", lambda f: f.all_ok - f.ok, "rewards"),
+    Metric("nonfinite_rewards_total", lambda f: f.all_ok - f.ok, "rewards"),
+    Metric("reward_mean", lambda f: _div(f.r, f.ok), "rewards"),
+    Metric("reward_std", lambda f: _std(f.ok, f.r, f.rr), "rewards"),
+    Metric("groups", lambda f: f.groups, "groups"),
+    Metric("groups_total", lambda f: f.groups, "groups"),
+    Metric("zero_variance_groups_ratio", lambda f, k: _div(_constant_kinds(f)[k], f.groups), "groups", "kind"),
+    Metric("zero_variance_groups_total", lambda f, k: _constant_kinds(f)[k], "groups", "kind"),
+    Metric("zero_gradient_episodes_ratio", lambda f: _div(f.zero_var_episodes, f.ok), "groups"),
+    Metric("_group_size_min", lambda f: f.episodes + 1 - f.max_size_gap if f.max_size_gap > 0 else None, "groups"),
+    Metric("_group_size_max", lambda f: f.max_size, "groups"),
+    Metric("response_length_mean", lambda f: _div(f.length, f.episodes), "episodes"),
+    Metric("response_length_max", lambda f: f.max_length, "episodes"),
+    Metric("response_length_p99", _length_quantile, "episodes"),
+    Metric("truncated_ratio", lambda f: _div(f.truncated, f.episodes), "truncated"),
+    Metric("env_episodes", lambda f: f.episodes, "envs", "env"),
+    Metric("episodes_total", lambda f: f.episodes, "envs", "env"),
+    Metric("env_reward_mean", lambda f: _div(f.r, f.ok), "rewards+envs", "env"),
+    Metric("env_reward_length_corr", _corr, "rewards+envs", "env"),
+    Metric("env_truncated_ratio", lambda f: _div(f.truncated, f.episodes), "truncated+envs", "env"),
+    Metric("episodes_truncated_total", lambda f: f.truncated, "truncated+envs", "env"),
+    Metric("env_zero_variance_groups_ratio", lambda f: _div(f.pairs_zero_var, f.pairs), "groups+envs", "env"),
+    Metric("episodes_hacked_total", lambda f, d: f.hacked[d], "envs", "detector"),
+    Metric("episodes_judged_total", lambda f, d: f.episodes, "envs", "detector"),
 )
 
 
@@ -428,25 +425,12 @@ def _episode_fields(names: list[str], sums: list[float], **more: Any) -> SimpleN
 def finish_episodes(v: list[float], pos: dict[str, Any], envs: list[str], detectors: list[str],
                     reward_bounds: tuple[float, float] | None = None) -> Values:
     """:data:`EPISODE_METRICS` of the inputs present, from :func:`.episodes.episode_core`'s vector
-    ``v`` (``reward_bounds``: the configured (fail, pass) rewards, None when inferred per batch);
-    NaN and infinities as None."""
+    ``v`` (``reward_bounds``: the configured (fail, pass) rewards, None when inferred per batch)."""
     names, width = pos["rows"], pos["width"]
     f = _episode_fields(names, v[pos["sums"]], **{"max_" + n: x for n, x in zip(names, v[pos["maxes"]])},
                         range=v[pos["range"]] if "range" in pos else None, p99=v[pos["p99"]], bounds=reward_bounds)
     env = v[pos["env"]]
     per_env = [(name, _episode_fields(names[:width], env[e * width:(e + 1) * width])) for e, name in enumerate(envs)]
-    out: Values = {}
-    for m in EPISODE_METRICS:
-        if not _needed(m.needs, pos["have"]):
-            continue
-        if m.by == "kind":
-            out[m.name] = {(kind,): m.fn(f, k) for k, kind in enumerate(ZERO_VARIANCE_KINDS)}
-        elif m.by == "env":
-            out[m.name] = {(name,): m.fn(fe) for name, fe in per_env}
-        elif m.by == "detector":
-            out[m.name] = {(name, d): m.fn(fe, d) for d in detectors for name, fe in per_env}
-        else:
-            out[m.name] = {(): m.fn(f)}
+    out = _apply(EPISODE_METRICS, pos["have"], f, per_env, detectors)
     derive_hack_ratios(out)
-    return {name: {k: (x if x is not None and math.isfinite(x) else None) for k, x in family.items()}
-            for name, family in out.items()}
+    return out

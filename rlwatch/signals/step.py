@@ -9,7 +9,8 @@ values the record states on the host, and :meth:`Pending.resolve`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from collections import Counter
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -153,22 +154,13 @@ def _put_record_values(values: Values, record: "StepRecord") -> None:
     if "logprobs_mode" in record.sampling:
         values["sampler_info"] = {(str(record.sampling["logprobs_mode"]),): 1.0}
     if record.failed is not None and record.env is not None:
-        failures = failure_counts(record.env, record.failed)
+        failures = Counter((e, kind) for e, kind in zip(record.env, record.failed) if kind)    # (env, kind)
         episodes = values.get("env_episodes", {})
         values["episodes_failed_total"] = {k: float(v) for k, v in failures.items()}
         values["env_failure_ratio"] = {
             (e, kind): (count / episodes[(e,)] if episodes.get((e,)) else None)
             for (e, kind), count in failures.items()}
         # Kinds seen earlier but absent now are reported as 0 by the exporter state.
-
-
-def failure_counts(env: Sequence[str], failed: Iterable[str | None]) -> dict[tuple[str, str], int]:
-    """Infrastructure failures per (env, kind), counted from the per-episode labels."""
-    counts: dict[tuple[str, str], int] = {}
-    for e, kind in zip(env, failed):
-        if kind:
-            counts[(e, kind)] = counts.get((e, kind), 0) + 1
-    return counts
 
 
 def compute(config: SignalConfig | None = None, **fields) -> Values:
