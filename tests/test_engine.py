@@ -371,25 +371,51 @@ def test_compiled_step_writes_no_per_position_matrix():
 
 @pytest.fixture
 def toy_quantity(monkeypatch):
-    """One extra token quantity, declared as docs/adding-a-signal.md says (a term, a sum, a metric and
-    its catalogue entry) and nothing else: the mean of r^3 over the valid tokens. Not shipped. Returns
-    its plain float64 reference."""
+    """Extra quantities declared as docs/adding-a-signal.md says and nothing else, not shipped: a token
+    quantity (a term, a sum, a metric and its catalogue entry: the mean of r^3 over the valid tokens)
+    and an episode quantity (a row and two metrics with their catalogue entries: the mean of reward x
+    response length over the usable episodes, for the step and per environment). Returns their plain
+    float64 references, {(family, labels): value}."""
     from rlwatch import metrics
     from rlwatch.signals import quantities as q
     from rlwatch.signals.pending import _div
 
-    spec = metrics.MetricSpec("toy_r_cubed_mean", "gauge", "Mean r^3 over the valid tokens (nats^3).", group="mismatch")
+    specs = (metrics.MetricSpec("toy_r_cubed_mean", "gauge", "Mean r^3 over the valid tokens (nats^3).",
+                                group="mismatch"),
+             metrics.MetricSpec("toy_reward_length_mean", "gauge", "Mean reward x length.", group="length"),
+             metrics.MetricSpec("toy_env_reward_length_mean", "gauge", "Mean reward x length per environment.",
+                                ("env",), group="env"))
     monkeypatch.setitem(q.TERMS, "r3", lambda t: t["r"] ** 3)
     monkeypatch.setattr(q, "TOKEN_SUMS", q.TOKEN_SUMS + (q.TokenSum("sum_r3", "r3"),))
     monkeypatch.setattr(q, "METRICS", q.METRICS + (q.Metric("toy_r_cubed_mean", lambda f: _div(f.sum_r3, f.n)),))
+    monkeypatch.setattr(q, "EPISODE_ROWS", q.EPISODE_ROWS + (
+        q.EpisodeRow("toy_rl", lambda e: e["r"] * e["length"], "rewards", per_env=True),))
+    monkeypatch.setattr(q, "EPISODE_METRICS", q.EPISODE_METRICS + (
+        q.Metric("toy_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards"),
+        q.Metric("toy_env_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards+envs", "env")))
     catalogue = metrics.CATALOGUE          # every module that imported it, rlwatch.metrics itself among them
     for module in [m for name, m in sys.modules.items() if name.startswith("rlwatch")]:
         if getattr(module, "CATALOGUE", None) is catalogue:
-            monkeypatch.setattr(module, "CATALOGUE", catalogue + (spec,))
-    monkeypatch.setitem(metrics.BY_NAME, spec.name, spec)
+            monkeypatch.setattr(module, "CATALOGUE", catalogue + specs)
+    for spec in specs:
+        monkeypatch.setitem(metrics.BY_NAME, spec.name, spec)
     _forget_compiled()
-    yield lambda f: float(((f["trainer_logp"].double() - f["sampler_logp"].double())[f["mask"]] ** 3).mean())
+
+    def want(f: dict) -> dict:
+        r = f["trainer_logp"].double() - f["sampler_logp"].double()
+        rl = f["rewards"].double() * f["mask"].sum(-1).double()
+        out = {("toy_r_cubed_mean", ()): float((r[f["mask"]] ** 3).mean()),
+               ("toy_reward_length_mean", ()): float(rl.mean())}
+        for env in set(f["env"]):
+            out[("toy_env_reward_length_mean", (env,))] = float(rl[[e == env for e in f["env"]]].mean())
+        return out
+    yield want
     _forget_compiled()
+
+
+def _assert_toy(values, want: dict) -> None:
+    for (name, labels), x in want.items():
+        assert values[name][labels] == pytest.approx(x, rel=1e-4, abs=1e-9), (name, labels)
 
 
 def _forget_compiled() -> None:
@@ -408,16 +434,17 @@ def test_a_declared_quantity_is_computed_in_chunks_in_the_values_and_in_the_expo
     with rlwatch.Watch(run="toy", port=None, store=None, alerts=False) as watch:
         values = watch.observe(0, **fields)
         text = generate_latest(watch.registry).decode()
-    assert values.value("toy_r_cubed_mean") == pytest.approx(want, rel=1e-4, abs=1e-9)
-    series = f'rlwatch_toy_r_cubed_mean{{run="toy",run_instance="{watch.run_instance}"}}'
-    line = next(x for x in text.splitlines() if x.startswith(series))
-    assert float(line.split()[-1]) == pytest.approx(want, rel=1e-4, abs=1e-9)
-    chunked, _ = run(fields, path="chunked")
-    assert chunked["toy_r_cubed_mean"][()] == pytest.approx(want, rel=1e-4, abs=1e-9)
+    for (name, labels), x in want.items():
+        assert values.value(name, labels) == pytest.approx(x, rel=1e-4, abs=1e-9), (name, labels)
+        env = f'env="{labels[0]}",' if labels else ""
+        series = f'rlwatch_{name}{{{env}run="toy",run_instance="{watch.run_instance}"}}'
+        line = next(x for x in text.splitlines() if x.startswith(series))
+        assert float(line.split()[-1]) == pytest.approx(x, rel=1e-4, abs=1e-9), (name, labels)
+    _assert_toy(run(fields, path="fused")[0], want)
+    _assert_toy(run(fields, path="chunked")[0], want)
 
 
 @pytest.mark.slow
 def test_a_declared_quantity_is_computed_compiled(toy_quantity):
     fields = make_step(B=6, T=10, seed=2)
-    compiled, _ = run(fields, path="compiled")
-    assert compiled["toy_r_cubed_mean"][()] == pytest.approx(toy_quantity(fields), rel=1e-4, abs=1e-9)
+    _assert_toy(run(fields, path="compiled")[0], toy_quantity(fields))

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlwatch.signals import episodes
+from rlwatch.signals import episodes, quantities
+from rlwatch.signals.pending import _finite
 
 #: Eager operations of episode_core for a step with rewards, groups, truncation and 4 environments
 #: (60 when written; 147 before the one-matrix rewrite).
@@ -99,10 +100,10 @@ def _computed(step: dict) -> dict:
     with torch.inference_mode():
         vector = episodes.episode_core(*args).tolist()
     rewards, groups = step["rewards"] is not None, step["groups"] is not None
-    pos = episodes.episode_layout(rewards, groups, max(E, 2) if E else 0, step["truncated"] is not None, detectors)
+    pos = quantities.episode_layout(rewards, groups, max(E, 2) if E else 0, step["truncated"] is not None, detectors)
     assert len(vector) == pos["size"]
-    columns = episodes.env_columns(rewards, step["truncated"] is not None, detectors)
-    return episodes.finish_episodes(vector, pos, [f"e{e}" for e in range(E)], columns, detectors, step["bounds"])
+    values = quantities.finish_episodes(vector, pos, [f"e{e}" for e in range(E)], detectors, step["bounds"])
+    return {name: {k: _finite(x) for k, x in family.items()} for name, family in values.items()}   # as Pending
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -115,7 +116,7 @@ def _reference(step: dict) -> dict:
     out: dict = {}
     if B:
         ordered = sorted(lengths)
-        rank = episodes.LENGTH_QUANTILE * (B - 1)
+        rank = quantities.LENGTH_QUANTILE * (B - 1)
         lo = math.floor(rank)
         hi = min(lo + 1, B - 1)
         p99 = ordered[lo] + (rank - lo) * (ordered[hi] - ordered[lo])

@@ -86,6 +86,23 @@ def test_prometheus_and_opentelemetry_write_the_same_le_labels():
     assert otel == prom
 
 
+def test_one_helper_writes_every_bucket_label():
+    """rlwatch.metrics.bucket_labels: the ``le`` format is prometheus_client's, the in-process and range
+    labels are the ones exported, and no other module spells a bound as a label."""
+    from prometheus_client.utils import floatToGoString
+
+    from rlwatch import metrics
+
+    bounds = (0, 1, 2.5, 0.001, 1e-9, 123456.0, 1e6, 1e7, 12345678.9, 1e20)
+    assert metrics.bucket_labels(bounds, "le") == (*(floatToGoString(b) for b in bounds), "+Inf")
+    assert metrics.LAG_LE_LABELS == (*(floatToGoString(b) for b in metrics.LAG_BUCKETS), "+Inf")
+    assert metrics.LAG_BUCKET_LABELS == ("0", "1", "2", "3", "4", "6", "8", "12", "16", "24", "32", "+Inf")
+    assert metrics.PROB_BIN_LABELS == ("0.0-0.1", "0.1-0.5", "0.5-0.9", "0.9-1.0")
+    spelled = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "metrics.py"
+               and any(s in p.read_text() for s in ("floatToGoString", '"+Inf",', "le_labels"))]
+    assert not spelled
+
+
 def test_alert_overrides_are_validated_once_the_same_way_by_every_reader():
     from rlwatch.alerts.catalogue import PARAMS, thresholds
     from rlwatch.alerts.evaluator import AlertEvaluator

@@ -407,6 +407,7 @@ def test_catalogue_levels_are_the_levels_the_engine_computes():
     from rlwatch.signals import quantities
 
     assert {BY_NAME[m.name].level for m in quantities.METRICS if m.name in BY_NAME} == {"token", "sequence"}
+    assert {BY_NAME[m.name].level for m in quantities.EPISODE_METRICS if m.name in BY_NAME} == {"episode"}
     token_fields = make_step(B=8, T=16)
     g = torch.Generator().manual_seed(0)
     full = dict(token_fields, rewards=torch.randint(0, 2, (8,), generator=g).float(), group_ids=torch.arange(8) // 2,

@@ -14,9 +14,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from ..metrics import CATALOGUE, MetricSpec
+from ..metrics import CATALOGUE, LAG_LE_LABELS, MetricSpec
 from ..state import MetricState, Snapshot
-from . import le_labels
 
 
 class OTelExporter:
@@ -86,7 +85,7 @@ class OTelExporter:
             if hist is None:
                 return
             running = 0.0
-            for bound, count in zip(le_labels(), hist[0]):
+            for bound, count in zip(LAG_LE_LABELS, hist[0]):
                 running += count
                 yield self._Observation(running, {**self._attributes(spec, snap.run, (), snap.run_instance),
                                                   "le": bound})

@@ -25,9 +25,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from ..metrics import CATALOGUE
+from ..metrics import CATALOGUE, LAG_LE_LABELS
 from ..state import MetricState
-from . import le_labels
 
 logger = logging.getLogger("rlwatch")
 
@@ -72,7 +71,7 @@ class RLWatchCollector:
                     continue
                 counts, total = hist
                 cumulative, running = [], 0.0
-                for bound, count in zip(le_labels(), counts):
+                for bound, count in zip(LAG_LE_LABELS, counts):
                     running += count
                     cumulative.append((bound, running))
                 metric = HistogramMetricFamily(spec.full_name, spec.help, labels=labels)

@@ -7,11 +7,12 @@ before the step's single transfer (:meth:`Pending.resolve`). Nothing materialise
 One module per concern, in the order a step runs through them:
 
 - :mod:`.settings`: :class:`SignalConfig`, the size limits, the :class:`Workspace`.
-- :mod:`.quantities`: every token- and sequence-level quantity declared once, with its host formula.
+- :mod:`.quantities`: every token-, sequence- and episode-level quantity declared once, with its host
+  formula.
 - :mod:`.step`: :func:`compute_step` / :func:`compute`; it runs :func:`.fused.step_core` (built from
   the declaration; :mod:`.episodes` for the episode block) through :mod:`.engine` (compiled when ready).
 - :mod:`.reduce`: the constant cache and integer counts; :mod:`.pending`: the one transfer and the
-  NaN-to-None policy; :mod:`.environments`: the per-environment host formulas.
+  NaN-to-None policy.
 
 The size limits are read at call time from :mod:`.settings`: change
 ``rlwatch.signals.settings.EXACT_QUANTILE_MAX_TOKENS`` (not a copy here).

@@ -1,15 +1,19 @@
-"""Every token- and sequence-level quantity of a step, declared once.
+"""Every token-, sequence- and episode-level quantity of a step, declared once.
 
 A :class:`TokenSum` names a sum over the step's *valid tokens* (masked, with a finite log-ratio r):
 of a per-token term of :data:`TERMS`, of its square, of its comparison with a threshold, or split
 by a per-token index (``by``: the sampler-probability band or the version-lag bucket, one sum per
 label). A :class:`SeqSum` is the same over the sequences with a valid token. A :class:`Metric`
 is a catalogue family (:mod:`rlwatch.metrics`) and its host formula from those sums, read by name.
+An :class:`EpisodeRow` is a per-episode row (a term, what it needs, whether it is summed per
+environment) and an :class:`EpisodeMetric` a family and its host formula from the rows' sums.
 
 :mod:`.fused` builds its device work from :data:`TOKEN_SUMS` and :data:`SEQ_SUMS` (eagerly as a
 few stacked [k, B, T] groups reduced at once, compiled as one reduction per sum) and packs the
 results in the order :func:`token_fields` gives; :func:`finish_tokens` applies :data:`METRICS` to
-the transferred vector. Adding a quantity is a term (when new), a sum, and a metric here, and its
+the transferred vector. :mod:`.episodes` stacks :data:`EPISODE_ROWS` in the order
+:func:`episode_layout` gives; :func:`finish_episodes` applies :data:`EPISODE_METRICS`. Adding a
+quantity is a term (when new), a sum or a row, and a metric here, and its
 :class:`~rlwatch.metrics.MetricSpec` in the catalogue (``docs/adding-a-signal.md``).
 
 Conventions: ``r = log pi_old - log mu`` (nats), ``w = exp(r)`` with r clamped to
@@ -27,7 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..metrics import LAG_BUCKET_LABELS, PROB_BIN_LABELS
+from ..metrics import LAG_BUCKET_LABELS, PROB_BIN_LABELS, ZERO_VARIANCE_KINDS
+from ..values import derive_hack_ratios
 from .pending import Values, _div
 from .settings import LAG_BINS, SAFETY_BOUND
 
@@ -98,7 +103,7 @@ SEQ_SUMS: tuple[SeqSum, ...] = (
 )
 
 #: Labels of the ``by`` slices.
-BY_LABELS: dict[str, tuple[str, ...]] = {"band": PROB_BIN_LABELS, "lag": LAG_BUCKET_LABELS}
+BY_LABELS: dict[str, tuple[str, ...]] = {"band": PROB_BIN_LABELS, "lag": LAG_BUCKET_LABELS, "kind": ZERO_VARIANCE_KINDS}
 
 #: Fields after the sums: the extremes over the valid tokens (max r, -min r, max |r|; -inf without
 #: any), the largest |s_b| and the |r| quantiles.
@@ -138,13 +143,39 @@ def fields(v: list[float], pos: dict[str, Any]) -> SimpleNamespace:
 
 @dataclass(frozen=True)
 class Metric:
-    """A catalogue family and its host formula ``fn(f)`` of :func:`fields` (``fn(f, k)`` for the
-    k-th label when ``by`` is set); ``block``: "tokens", "mismatch" or "lag", the inputs it needs."""
+    """A catalogue family and its host formula ``fn(f)``, ``f`` the fields by name (:func:`fields`
+    for a token metric; for an episode metric the sums of its rows, see :func:`finish_episodes`).
+    ``needs``: the inputs it needs, joined by "+" ("tokens", "mismatch", "lag"; "episodes",
+    "rewards", "groups", "envs", "truncated"). ``by``: one value per label, ``fn(f, k)`` for the
+    k-th of :data:`BY_LABELS` ("band", "lag", "kind"); "env": ``fn(f)`` per environment with ``f``
+    its sums of the ``per_env`` rows; "detector": ``fn(f, detector)`` per environment and detector."""
 
     name: str
     fn: Callable[..., float | None]
-    block: str = "mismatch"
+    needs: str = "mismatch"
     by: str = ""
+
+
+def _needed(needs: str, have: set[str]) -> bool:
+    return set(needs.split("+")) <= have
+
+
+def _apply(metrics: tuple[Metric, ...], have: set[str], f: SimpleNamespace,
+           per_env: list[tuple[str, SimpleNamespace]] = (), detectors: list[str] = ()) -> Values:
+    """The values of the ``metrics`` whose inputs are all in ``have``."""
+    out: Values = {}
+    for m in metrics:
+        if not _needed(m.needs, have):
+            continue
+        if m.by == "env":
+            out[m.name] = {(name,): m.fn(fe) for name, fe in per_env}
+        elif m.by == "detector":
+            out[m.name] = {(name, d): m.fn(fe, d) for d in detectors for name, fe in per_env}
+        elif m.by:
+            out[m.name] = {(label,): m.fn(f, k) for k, label in enumerate(BY_LABELS[m.by])}
+        else:
+            out[m.name] = {(): m.fn(f)}
+    return out
 
 
 def ess_ratio(sum_w: float, sum_w2: float, n: float) -> float | None:
@@ -238,17 +269,168 @@ METRICS: tuple[Metric, ...] = (
 
 
 def finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: bool) -> Values:
-    """:data:`METRICS` of the blocks present, from the fused vector ``v`` (positions ``pos``)."""
-    have = {"tokens"} | ({"mismatch"} if mismatch else set()) | ({"lag"} if lag else set())
-    if mismatch and lag:
-        have.add("mismatch+lag")
-    f = fields(v, pos)
-    out: Values = {}
-    for metric in METRICS:
-        if metric.block not in have:
-            continue
-        if metric.by:
-            out[metric.name] = {(label,): metric.fn(f, k) for k, label in enumerate(BY_LABELS[metric.by])}
-        else:
-            out[metric.name] = {(): metric.fn(f)}
+    """:data:`METRICS` of the inputs present, from the fused vector ``v`` (positions ``pos``)."""
+    return _apply(METRICS, {"tokens"} | ({"mismatch"} if mismatch else set()) | ({"lag"} if lag else set()),
+                  fields(v, pos))
+
+
+# --- episode-level quantities -----------------------------------------------------------------------
+
+#: The response-length quantile (linear interpolation between order statistics, as torch.quantile).
+LENGTH_QUANTILE = 0.99
+
+
+@dataclass(frozen=True)
+class EpisodeRow:
+    """A row of the step's [K, B] per-episode matrix (:func:`.episodes.episode_core`), reduced to its
+    sum and its maximum. ``term(e)``: the [B] row from the per-episode tensors ``e`` (``all_ok``: not
+    failed, ``length``, ``truncated``; with rewards ``ok``: usable (not failed, finite reward), ``r``:
+    the reward, 0 where unusable; with groups and environments ``pairs``, ``pairs_zero_var``) and the
+    rows declared before it, by name; None for a row of the group block (one value per group slot,
+    computed by ``episodes._groups`` in this order). ``needs``: the inputs it needs ("episodes", always
+    there; "rewards", "groups", "envs", "truncated", joined by "+"); ``per_env``: also summed per
+    environment."""
+
+    name: str
+    term: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None
+    needs: str = "episodes"
+    per_env: bool = False
+
+
+EPISODE_ROWS: tuple[EpisodeRow, ...] = (
+    EpisodeRow("episodes", lambda e: torch.ones_like(e["length"]), per_env=True),
+    EpisodeRow("all_ok", lambda e: e["all_ok"], "rewards"),
+    EpisodeRow("length", lambda e: e["length"]),
+    EpisodeRow("ok", lambda e: e["ok"], "rewards", per_env=True),
+    EpisodeRow("r", lambda e: e["r"], "rewards", per_env=True),
+    EpisodeRow("rr", lambda e: e["r"] * e["r"], "rewards", per_env=True),
+    EpisodeRow("n", lambda e: e["length"] * e["ok"], "rewards+envs", per_env=True),     # usable lengths
+    EpisodeRow("nn", lambda e: e["n"] * e["n"], "rewards+envs", per_env=True),
+    EpisodeRow("rn", lambda e: e["r"] * e["n"], "rewards+envs", per_env=True),
+    EpisodeRow("truncated", lambda e: e["truncated"], "truncated", per_env=True),
+    # The episode represents a distinct (group, environment) pair; and that group is constant.
+    EpisodeRow("pairs", lambda e: e["pairs"], "groups+envs", per_env=True),
+    EpisodeRow("pairs_zero_var", lambda e: e["pairs_zero_var"], "groups+envs", per_env=True),
+    # The group block: usable episodes > 0, constant, usable episodes of constant groups, usable
+    # episodes, B + 1 - usable episodes (0 for an empty slot, so that its maximum gives the smallest
+    # group), then the constant groups at the batch's highest reward and at its lowest, at the
+    # configured pass and fail rewards, and above 0.
+    *(EpisodeRow(name, None, "groups") for name in (
+        "groups", "zero_var", "zero_var_episodes", "size", "size_gap",
+        "range_pass", "range_fail", "bounds_pass", "bounds_fail", "sign_pass")),
+)
+
+
+def _inputs(rewards: bool, groups: bool, envs: bool, truncated: bool) -> set[str]:
+    return {name for name, on in (("episodes", True), ("rewards", rewards), ("groups", rewards and groups),
+                                  ("envs", envs), ("truncated", truncated)) if on}
+
+
+def episode_rows(rewards: bool, groups: bool, envs: bool, truncated: bool) -> list[EpisodeRow]:
+    """The rows a step computes, in the matrix's order after the ``hacked`` rows: those summed per
+    environment, the others, then the group block."""
+    have = _inputs(rewards, groups, envs, truncated)
+    rows = [row for row in EPISODE_ROWS if _needed(row.needs, have)]
+    return sorted(rows, key=lambda row: (row.term is None, not row.per_env))
+
+
+def episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, detectors: list[str]) -> dict[str, Any]:
+    """Positions in :func:`.episodes.episode_core`'s output (``envs`` = E', the rows of the
+    per-environment sums; 0 without environments): ``rows`` (the row names: ``hacked/<detector>``,
+    then :func:`episode_rows`), ``have`` (the inputs), ``width`` (rows summed per environment), then
+    slices of the output: ``sums`` [K], ``maxes`` [K], ``range`` (highest reward, -lowest; with
+    groups), ``p99`` (the order statistics around the length quantile), ``env`` ([E', width] row-major)."""
+    declared = episode_rows(rewards, groups, envs > 0, truncated)
+    rows = ["hacked/" + d for d in detectors] + [row.name for row in declared]
+    K, have = len(rows), _inputs(rewards, groups, envs > 0, truncated)
+    width = len(detectors) + sum(row.per_env for row in declared) if envs else 0
+    pos: dict[str, Any] = {"rows": rows, "have": have, "width": width, "sums": slice(0, K), "maxes": slice(K, 2 * K)}
+    at = 2 * K
+    if "groups" in have:
+        pos["range"], at = slice(at, at + 2), at + 2
+    pos["p99"], at = slice(at, at + 2), at + 2
+    pos["env"], at = slice(at, at + envs * width), at + envs * width
+    pos["size"] = at
+    return pos
+
+
+def _std(n: float, s: float, sq: float) -> float | None:
+    """Population standard deviation from n, sum x, sum x^2."""
+    return math.sqrt(max(sq / n - (s / n) ** 2, 0.0)) if n else None
+
+
+def _length_quantile(f: SimpleNamespace) -> float | None:
+    """The LENGTH_QUANTILE quantile from its two order statistics (the formula of torch.quantile)."""
+    if not f.episodes:
+        return None
+    rank = LENGTH_QUANTILE * (f.episodes - 1)
+    lo_value, hi_value = f.p99
+    return lo_value + (rank - math.floor(rank)) * (hi_value - lo_value)
+
+
+def _constant_kinds(f: SimpleNamespace) -> tuple[float, float, float]:
+    """Constant groups passing, failing and other. Classified by the configured (fail, pass)
+    rewards, else by the batch's range (a constant group at its highest reward passes, at its
+    lowest fails); when these do not span an interval (one constant batch), by sign."""
+    if f.bounds is not None:
+        fail, passing = f.bounds
+        rule = "bounds" if passing > fail else "sign"
+    else:
+        highest, neg_lowest = f.range
+        rule = "range" if highest > -neg_lowest else "sign"
+    at_pass = getattr(f, rule + "_pass")
+    at_fail = f.zero_var - at_pass if rule == "sign" else getattr(f, rule + "_fail")
+    return at_pass, at_fail, f.zero_var - at_pass - at_fail
+
+
+def _corr(f: SimpleNamespace) -> float | None:
+    """Pearson correlation of reward with response length (usable episodes; None under 4)."""
+    var = (f.ok * f.rr - f.r * f.r) * (f.ok * f.nn - f.n * f.n)
+    return (f.ok * f.rn - f.r * f.n) / math.sqrt(max(var, 1e-300)) if f.ok >= 4 and var > 0 else None
+
+
+EPISODE_METRICS: tuple[Metric, ...] = (
+    Metric("nonfinite_rewards", lambda f: f.all_ok - f.ok, "rewards"),
+    Metric("nonfinite_rewards_total", lambda f: f.all_ok - f.ok, "rewards"),
+    Metric("reward_mean", lambda f: _div(f.r, f.ok), "rewards"),
+    Metric("reward_std", lambda f: _std(f.ok, f.r, f.rr), "rewards"),
+    Metric("groups", lambda f: f.groups, "groups"),
+    Metric("groups_total", lambda f: f.groups, "groups"),
+    Metric("zero_variance_groups_ratio", lambda f, k: _div(_constant_kinds(f)[k], f.groups), "groups", "kind"),
+    Metric("zero_variance_groups_total", lambda f, k: _constant_kinds(f)[k], "groups", "kind"),
+    Metric("zero_gradient_episodes_ratio", lambda f: _div(f.zero_var_episodes, f.ok), "groups"),
+    Metric("_group_size_min", lambda f: f.episodes + 1 - f.max_size_gap if f.max_size_gap > 0 else None, "groups"),
+    Metric("_group_size_max", lambda f: f.max_size, "groups"),
+    Metric("response_length_mean", lambda f: _div(f.length, f.episodes), "episodes"),
+    Metric("response_length_max", lambda f: f.max_length, "episodes"),
+    Metric("response_length_p99", _length_quantile, "episodes"),
+    Metric("truncated_ratio", lambda f: _div(f.truncated, f.episodes), "truncated"),
+    Metric("env_episodes", lambda f: f.episodes, "envs", "env"),
+    Metric("episodes_total", lambda f: f.episodes, "envs", "env"),
+    Metric("env_reward_mean", lambda f: _div(f.r, f.ok), "rewards+envs", "env"),
+    Metric("env_reward_length_corr", _corr, "rewards+envs", "env"),
+    Metric("env_truncated_ratio", lambda f: _div(f.truncated, f.episodes), "truncated+envs", "env"),
+    Metric("episodes_truncated_total", lambda f: f.truncated, "truncated+envs", "env"),
+    Metric("env_zero_variance_groups_ratio", lambda f: _div(f.pairs_zero_var, f.pairs), "groups+envs", "env"),
+    Metric("episodes_hacked_total", lambda f, d: f.hacked[d], "envs", "detector"),
+    Metric("episodes_judged_total", lambda f, d: f.episodes, "envs", "detector"),
+)
+
+
+def _episode_fields(names: list[str], sums: list[float], **more: Any) -> SimpleNamespace:
+    hacked = {name[len("hacked/"):]: x for name, x in zip(names, sums) if name.startswith("hacked/")}
+    return SimpleNamespace(**dict(zip(names, sums)), hacked=hacked, **more)
+
+
+def finish_episodes(v: list[float], pos: dict[str, Any], envs: list[str], detectors: list[str],
+                    reward_bounds: tuple[float, float] | None = None) -> Values:
+    """:data:`EPISODE_METRICS` of the inputs present, from :func:`.episodes.episode_core`'s vector
+    ``v`` (``reward_bounds``: the configured (fail, pass) rewards, None when inferred per batch)."""
+    names, width = pos["rows"], pos["width"]
+    f = _episode_fields(names, v[pos["sums"]], **{"max_" + n: x for n, x in zip(names, v[pos["maxes"]])},
+                        range=v[pos["range"]] if "range" in pos else None, p99=v[pos["p99"]], bounds=reward_bounds)
+    env = v[pos["env"]]
+    per_env = [(name, _episode_fields(names[:width], env[e * width:(e + 1) * width])) for e, name in enumerate(envs)]
+    out = _apply(EPISODE_METRICS, pos["have"], f, per_env, detectors)
+    derive_hack_ratios(out)
     return out

@@ -2,23 +2,23 @@
 
 The token and episode signals run as one function (:func:`.fused.step_core`, compiled by
 :mod:`.engine` when ready, else eagerly in chunks of sequences), finished on the host by
-:func:`.quantities.finish_tokens` and :func:`.episodes.finish_episodes`; then the entropy and the
+:func:`.quantities.finish_tokens` and :func:`.quantities.finish_episodes`; then the entropy and the
 values the record states on the host, and :meth:`Pending.resolve`.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import engine, fused, settings
 from ..metrics import LAG_BUCKETS, PROB_BIN_EDGES
-from .environments import failure_counts
-from .episodes import bound_values, env_columns, episode_layout, finish_episodes
+from .episodes import bound_values
 from .pending import Pending, Values
-from .quantities import finish_tokens
+from .quantities import episode_layout, finish_episodes, finish_tokens
 from .reduce import abs_bin_values, constant
 from .settings import SignalConfig, Workspace
 
@@ -63,12 +63,11 @@ class EpisodeInputs:
         self.tensors = (ok, rewards, groups, record.env_index if envs else None, slots, record.truncated,
                         hacked, bounds)
         self.envs = envs
-        self.columns = env_columns(rewards is not None, record.truncated is not None, self.detectors)
         self.pos = episode_layout(rewards is not None, groups is not None, slots.numel() if envs else 0,
                                   record.truncated is not None, self.detectors)
 
     def finish(self, v: list[float]) -> "Values":
-        return finish_episodes(v, self.pos, self.envs, self.columns, self.detectors, self.reward_bounds)
+        return finish_episodes(v, self.pos, self.envs, self.detectors, self.reward_bounds)
 
 
 def engine_inputs(record: "StepRecord", config: SignalConfig) -> tuple[tuple[Any, ...], bool]:
@@ -155,7 +154,7 @@ def _put_record_values(values: Values, record: "StepRecord") -> None:
     if "logprobs_mode" in record.sampling:
         values["sampler_info"] = {(str(record.sampling["logprobs_mode"]),): 1.0}
     if record.failed is not None and record.env is not None:
-        failures = failure_counts(record.env, record.failed)
+        failures = Counter((e, kind) for e, kind in zip(record.env, record.failed) if kind)    # (env, kind)
         episodes = values.get("env_episodes", {})
         values["episodes_failed_total"] = {k: float(v) for k, v in failures.items()}
         values["env_failure_ratio"] = {
