@@ -133,11 +133,11 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     chunks = _chunks(B, T)
     inputs = (mask, version, trainer_logp, sampler_logp)
     args = (trainer_version, thresholds, exact_quantiles)
-    if len(chunks) == 1:
+    if len(chunks) == 1 and (mask.numel() < _SERIAL or mask.device.type != "cpu" or torch.compiler.is_compiling()):
         whole = _chunk_parts(*inputs, *args)
     else:
-        # Many chunks of small reductions run on one intra-op thread: waking others costs more than
-        # they save at a chunk's size (milliseconds per operation on a busy host).
+        # Eager CPU chunks run on one intra-op thread: waking others costs more than they save at a
+        # chunk's size (milliseconds per operation on a busy host).
         with one_intra_op_thread(mask.device.type == "cpu"):
             whole = []
             for lo, hi in chunks:
@@ -165,12 +165,12 @@ def _chunk_parts(mask: torch.Tensor, version: torch.Tensor | None, trainer_logp:
     log-probs); see :func:`_combine`."""
     per_seq = mask.sum(-1)                                                    # [B] float32
     parts: list[torch.Tensor] = [per_seq.sum(0, keepdim=True, dtype=torch.float64)]   # exact: whole numbers
-    bucket = None
+    lag_bins = None
     if version is not None:
-        lag, bucket = _lag_part(version, trainer_version, mask, per_seq)
+        lag, lag_bins = _lag_part(version, trainer_version, mask, per_seq)
         parts += lag
     if trainer_logp is not None and sampler_logp is not None:
-        parts += _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, bucket, exact_quantiles)
+        parts += _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, lag_bins, exact_quantiles)
     return parts
 
 
@@ -201,7 +201,7 @@ def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exa
         elif exact and i == first_mismatch + 4:
             out.append(torch.cat([a, b]))
         else:
-            out.append(a.double() + b)
+            out.append(a + b if a.dtype == b.dtype == torch.int64 else a.double() + b)
     return out
 
 
@@ -209,10 +209,9 @@ def _lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.
               per_seq: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A chunk's lag histogram [LAG_BINS] (tokens by lag 0 .. LAG_EXACT_MAX, larger lags in the last
     bin), per-sequence sums [3] (sequences with a token, their largest lags, those spanning versions),
-    the largest lag [1]; and each token's lag bucket ([B, T] or [B, 1] int64; the bucket count where
-    no valid lag)."""
+    the largest lag [1]; and each token's lag bin ([B, T] int32 or [B, 1] int64: lag + 1, 0 where no
+    valid lag)."""
     B, T = mask.shape
-    device = mask.device
     has = per_seq > 0
     if version.shape == mask.shape:
         if version.dtype.is_floating_point and version.dtype not in (torch.float32, torch.float64):
@@ -244,10 +243,9 @@ def _lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.
         hist = count_into(LAG_SIZE, index, per_seq)[1:]               # sequences without tokens weigh 0
         seq_max = torch.where(has, seq_max, 0.0)
         index = index.unsqueeze(1)
-    table = cached(("lag_buckets", device), lambda: torch.tensor(_LAG_BUCKET_OF_BIN, device=device))
     seq_sums = torch.stack([has, seq_max.clamp_min(0), spans]).sum(-1, dtype=torch.float64)
     lag_max = seq_max.amax(0, keepdim=True) if B else seq_max.new_zeros(1)
-    return [hist, seq_sums, lag_max], table[index]
+    return [hist, seq_sums, lag_max], index
 
 
 def _lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tensor, bucket_index: torch.Tensor,
@@ -264,49 +262,74 @@ def _lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tenso
     return [cum[bucket_index], n_ok, *sums, quantiles, seq_sums, lag_max]
 
 
-def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
-           thr: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype."""
+def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thr: torch.Tensor,
+           arithmetic: bool) -> dict[str, torch.Tensor]:
+    """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype; ``keep``
+    boolean, or 0/1 in the work dtype when ``arithmetic`` (boolean tensors and torch.where cost several
+    times a float pass on CPU)."""
     work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
     trainer = trainer_logp if trainer_logp.dtype == work else trainer_logp.to(work)
     sampler = sampler_logp if sampler_logp.dtype == work else sampler_logp.to(work)
     r = trainer - sampler
-    keep = torch.logical_and(torch.isfinite(r), mask)                     # the valid tokens: masked, finite r
-    r = torch.where(keep, r, 0.0)                                         # 0 off the valid set
+    if arithmetic:                      # r - r: 0 where r is finite, NaN elsewhere
+        keep = torch.nan_to_num(mask + (r - r), 0.0)                      # the valid tokens: masked, finite r
+        r = torch.nan_to_num(r, 0.0, 0.0, 0.0).mul_(keep)                 # 0 off the valid set
+        s = torch.nan_to_num(sampler * keep, 0.0, 0.0, 0.0)
+    else:
+        keep = torch.logical_and(torch.isfinite(r), mask)
+        r, s = torch.where(keep, r, 0.0), torch.where(keep, sampler, 0.0)
     em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1()                    # w - 1, 0 off the valid set
-    return {"keep": keep, "r": r, "s": torch.where(keep, sampler, 0.0), "a": r.abs(), "em1": em1,
-            "em1_t": em1.clamp(max=thr[0])}                               # min(w, C) - 1
+    return {"keep": keep, "r": r, "s": s, "a": r.abs(), "em1": em1, "em1_t": em1.clamp(max=thr[0])}  # min(w, C) - 1
 
 
 def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
-                   thresholds: torch.Tensor, lag_bucket: torch.Tensor | None,
+                   thresholds: torch.Tensor, lag_bins: torch.Tensor | None,
                    exact_quantiles: bool) -> list[torch.Tensor]:
     """A chunk's token sums [K] (:func:`~.quantities.token_sums` order), extremes [3], sequence sums,
     largest |s_b| [1], and its |r| sample (exact: |r| on the valid set, +inf off it; else its
     bit-pattern histogram)."""
     work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
     thr = thresholds if work == torch.float64 else thresholds.to(work)
-    t = _terms(mask, trainer_logp, sampler_logp, thr)
+    compiling = torch.compiler.is_compiling()
+    stacked = not compiling and (mask.numel() <= settings.STACK_MAX_TOKENS or mask.device.type != "cpu")
+    t = _terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not (stacked or compiling))
     edges = thr[_threshold_slice(["edges"])]
     # Sampler-probability bands: band k holds log mu in [edge k-1, edge k) (not bucketize: its CPU
     # kernel goes multi-threaded from 200 elements, slow on a busy host). Off the valid set s = 0
     # falls in the last band, where no valid token counts.
-    index = {"band": (t["s"] >= edges.view(-1, 1, 1)).sum(0) if not torch.compiler.is_compiling()
-             else sum(t["s"] >= edges[k] for k in range(edges.numel())), "lag": lag_bucket}
-    sums = q.token_sums(lag_bucket is not None)
+    above = t["s"] >= edges.view(-1, 1, 1) if not compiling else None
+    index = {"band": sum(t["s"] >= edges[k] for k in range(edges.numel())) if compiling
+             else above.sum(0) if stacked else above.view(torch.uint8).sum(0, dtype=torch.uint8), "lag": lag_bins}
+    # The lag bucket of each lag bin; compiled and stacked, per token; else applied to the bin sums.
+    tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
+        _LAG_BUCKET_OF_BIN, device=mask.device))}
+    if compiling or stacked:
+        index.update({by: table[index[by]] for by, table in tables.items()})
+    sums = q.token_sums(lag_bins is not None)
     keep, r, a = t["keep"], t["r"], t["a"]
     terms = {name: fn(t) for name, fn in q.TERMS.items() if any(s.term == name for s in sums)}
-    if torch.compiler.is_compiling():
-        parts, per_seq = _compiled_sums(sums, terms, thr, index)
-        extremes = torch.stack([torch.where(keep, x, -torch.inf).amax() for x in (r, -r, a)])
-    else:
+    if stacked:
         parts, per_seq = _eager_sums(sums, terms, thr, index)
         if keep.numel():
             extremes = torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2))
         else:
             extremes = torch.zeros(3, dtype=work, device=keep.device)
+    else:
+        parts, per_seq = _direct_sums(sums, terms, thr, index, tables)
+        extremes = _extremes(keep, r)
     return [torch.cat(parts) if len(parts) > 1 else parts[0], extremes, *_sequence_sums(per_seq, thresholds),
             _abs_sample(a, keep, exact_quantiles)]
+
+
+def _extremes(keep: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """max r, -min r and max |r| over the valid set [3] (without a valid token, -inf or -big: the
+    host reads none of them then); off it r is moved by -big / +big when ``keep`` is 0/1."""
+    if keep.dtype == torch.bool:
+        high, low = torch.where(keep, r, -torch.inf).amax(), torch.where(keep, r, torch.inf).amin()
+    else:
+        big, off = torch.finfo(r.dtype).max / 4, keep - 1.0
+        high, low = torch.add(r, off, alpha=big).amax(), torch.sub(r, off, alpha=big).amin()
+    return torch.stack([high, -low, torch.maximum(high, -low)])
 
 
 def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
@@ -347,12 +370,15 @@ def _split_sums(of: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tens
     return _row_sums((of.unsqueeze(1) * one_hot).flatten(0, 1))[0]
 
 
-def _compiled_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
-                   index: dict[str, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Compiled: one float64 reduction per sum (exact counts), in the eager order. Inductor fuses
-    reductions over the same positions into a few loops and never writes a row; a stack of the rows
-    feeding one reduction would instead be materialised ([B, T, K] float64, 8 K bytes per position:
-    several times the inputs; tests/test_engine.py forbids it)."""
+def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor, index: dict[str, torch.Tensor | None],
+                 tables: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One reduction per sum, in the eager order (compiled and large eager chunks): nothing stacked
+    is written. Compiled, inductor fuses the reductions over the same positions into a few loops (a
+    stack feeding one reduction would be materialised, [B, T, K] float64: several times the inputs;
+    tests/test_engine.py forbids it), float64 for exact counts. Eagerly each ``by`` sum is one bincount
+    by ``index`` then, where ``tables`` maps its values to labels, one by the table."""
+    compiling = torch.compiler.is_compiling()
+    dtype = torch.float64 if compiling or terms["r"].numel() > _EXACT_F32_COUNT else None
     order = list(q.THRESHOLDS)
     edges = order.index("edges")
     rows = []
@@ -363,13 +389,23 @@ def _compiled_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor
         elif s.against:
             i = order.index(s.against)
             t = thr[i if i < edges else i - len(order)]
-            rows.append(x > t if s.above else x < t)
-        elif s.by:
+            if compiling:
+                rows.append(x > t if s.above else x < t)
+            else:                       # 1 where x > t (x < t), else 0: x - t is 0 only where x == t
+                rows.append((x - t if s.above else t - x).sign_().clamp_(min=0.0))
+        elif compiling and s.by:
             rows += [torch.where(index[s.by] == k, x, 0.0) for k in range(len(q.BY_LABELS[s.by]))]
-        else:
+        elif not s.by:
             rows.append(x)
-    sums_ = torch.stack([row.sum(dtype=torch.float64) for row in rows])
-    return [sums_], torch.stack([terms["keep"].sum(-1), terms["r"].sum(-1)])
+    parts = [torch.stack([row.sum(dtype=dtype) for row in rows])]
+    for s in sums if not compiling else ():
+        if s.by:
+            width = len(q.BY_LABELS[s.by])
+            at = index[s.by].expand(terms["r"].shape).reshape(-1)
+            table = tables.get(s.by)
+            split = torch.bincount(at, terms[s.term].reshape(-1), width + 1 if table is None else table.numel())
+            parts.append((split if table is None else torch.bincount(table, split, width + 1))[:width])
+    return parts, torch.stack([terms["keep"].sum(-1), terms["r"].sum(-1)])
 
 
 def _sequence_sums(per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torch.Tensor]:
@@ -390,7 +426,7 @@ def _abs_sample(a: torch.Tensor, keep: torch.Tensor, exact: bool) -> torch.Tenso
     """What the |r| quantiles need of a chunk: exact, |r| on the valid set and +inf off it (flat);
     else the counts of its float32 bit patterns >> ABS_SHIFT (int64 [65536], zeros included)."""
     if exact:
-        return torch.where(keep, a, torch.inf).reshape(-1)
+        return torch.where(keep if keep.dtype == torch.bool else keep > 0, a, torch.inf).reshape(-1)
     a32 = a if a.dtype == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).float()
     return count_into(1 << (31 - ABS_SHIFT), torch.bitwise_right_shift(a32.view(torch.int32), ABS_SHIFT)).long()
 
