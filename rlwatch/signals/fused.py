@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from bisect import bisect_left
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -42,35 +42,42 @@ _LAG_BUCKET_OF_BIN = (len(q.BY_LABELS["lag"]),) + tuple(
 
 # Float32 sums of 0/1 rows are exact up to 2**24 positions; a larger eager chunk sums in float64.
 _EXACT_F32_COUNT = 1 << 24
-# CPU reductions over this many elements or more go to the thread pool, which wakes other threads for
-# microseconds of work (and stalls for milliseconds on a busy host).
-_SERIAL = 32768
+# Eager CPU steps of this many positions or more run on one intra-op thread: their reductions would
+# otherwise wake other threads for microseconds of work (and stall for milliseconds on a busy host).
+_ONE_THREAD = 4096
+_MEMO: dict = {}
+
+
+def _memo(key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()`` once per key and declaration (:data:`~.quantities.TOKEN_SUMS` and ``SEQ_SUMS``, which
+    a test may extend)."""
+    if torch.compiler.is_compiling():
+        return make()
+    hit = _MEMO.get(key)
+    if hit is None or hit[0] is not q.TOKEN_SUMS or hit[1] is not q.SEQ_SUMS:
+        hit = _MEMO[key] = (q.TOKEN_SUMS, q.SEQ_SUMS, make())
+    return hit[2]
 
 
 def layout(mismatch: bool, lag: bool) -> dict[str, int | slice]:
     """Positions in :func:`token_core`'s output: ``tokens``, the fields of
     :func:`~.quantities.token_fields` (slices for ``by`` sums and ``lag_cum``), then ``compiled`` (1
-    when compiled code produced the vector) and ``size``."""
-    at, pos = 1, {"tokens": 0}
-    for name, width in q.token_fields(mismatch, lag):
-        pos[name], at = (slice(at, at + width), at + width) if width else (at, at + 1)
-    pos["compiled"], pos["size"] = at, at + 1
-    return pos
+    when compiled code produced the vector) and ``size``. Read-only."""
+    def make() -> dict[str, int | slice]:
+        at, pos = 1, {"tokens": 0}
+        for name, width in q.token_fields(mismatch, lag):
+            pos[name], at = (slice(at, at + width), at + width) if width else (at, at + 1)
+        pos["compiled"], pos["size"] = at, at + 1
+        return pos
+    return _memo(("layout", mismatch, lag), make)
 
 
 def _threshold_slice(names: list[str]) -> slice:
-    """The positions of consecutive named thresholds in the thresholds input (negative from the end,
-    past the band edges, whose number varies)."""
-    order = list(q.THRESHOLDS)
-    at = [order.index(n) for n in names]
+    """The positions of consecutive named thresholds in the thresholds input (the band edges, whose
+    number varies, last)."""
+    at = [q.THRESHOLDS.index(n) for n in names]
     assert at == list(range(at[0], at[0] + len(at))), names
-    edges = order.index("edges")
-    if names == ["edges"]:
-        return slice(edges, edges + 1 - len(order))
-    if at[0] > edges:
-        start = at[0] - len(order)
-        return slice(start, start + len(at) if start + len(at) < 0 else None)
-    return slice(at[0], at[0] + len(at))
+    return slice(at[0], None if names == ["edges"] else at[0] + len(at))
 
 
 def _signs(sums: list, dtype: torch.dtype, device: torch.device, dims: int) -> torch.Tensor:
@@ -79,17 +86,6 @@ def _signs(sums: list, dtype: torch.dtype, device: torch.device, dims: int) -> t
     signs = tuple(1.0 if s.above else -1.0 for s in sums)
     return cached(("signs", signs, dtype, device, dims), lambda: torch.tensor(
         signs, dtype=dtype, device=device).view((len(signs),) + (1,) * (dims - 1)))
-
-
-def _row_sums(rows: torch.Tensor) -> list[torch.Tensor]:
-    """Sums over the positions of each row of ``rows`` [K, B, T], as parts [k] (one for up to
-    _SERIAL elements, else in chunks of rows that each stay in one thread)."""
-    dtype = torch.float64 if rows[0].numel() > _EXACT_F32_COUNT else None
-    if rows.numel() < _SERIAL or rows.device.type != "cpu":
-        return [rows.sum((1, 2), dtype=dtype)]
-    K, flat = rows.shape[0], rows.reshape(rows.shape[0], -1)
-    step = max(1, (_SERIAL - 1) // max(flat.shape[1], 1))
-    return [flat[i:i + step].sum(-1, dtype=dtype) for i in range(0, K, step)]
 
 
 def _ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +129,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     chunks = _chunks(B, T)
     inputs = (mask, version, trainer_logp, sampler_logp)
     args = (trainer_version, thresholds, exact_quantiles)
-    if len(chunks) == 1 and (mask.numel() < _SERIAL or mask.device.type != "cpu" or torch.compiler.is_compiling()):
+    if len(chunks) == 1 and (mask.numel() < _ONE_THREAD or mask.device.type != "cpu" or torch.compiler.is_compiling()):
         whole = _chunk_parts(*inputs, *args)
     else:
         # Eager CPU chunks run on one intra-op thread: waking others costs more than they save at a
@@ -290,8 +286,8 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     bit-pattern histogram)."""
     work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
     thr = thresholds if work == torch.float64 else thresholds.to(work)
-    compiling = torch.compiler.is_compiling()
-    stacked = not compiling and (mask.numel() <= settings.STACK_MAX_TOKENS or mask.device.type != "cpu")
+    compiling, cpu = torch.compiler.is_compiling(), mask.device.type == "cpu"
+    stacked = not compiling and cpu and mask.numel() <= settings.STACK_MAX_TOKENS
     t = _terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not (stacked or compiling))
     edges = thr[_threshold_slice(["edges"])]
     # Sampler-probability bands: band k holds log mu in [edge k-1, edge k) (not bucketize: its CPU
@@ -300,14 +296,15 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     above = t["s"] >= edges.view(-1, 1, 1) if not compiling else None
     index = {"band": sum(t["s"] >= edges[k] for k in range(edges.numel())) if compiling
              else above.sum(0) if stacked else above.view(torch.uint8).sum(0, dtype=torch.uint8), "lag": lag_bins}
-    # The lag bucket of each lag bin; compiled and stacked, per token; else applied to the bin sums.
+    # The lag bucket of each lag bin: per token, or (eagerly on CPU, large chunks) on the bin sums.
     tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
         _LAG_BUCKET_OF_BIN, device=mask.device))}
-    if compiling or stacked:
+    if compiling or stacked or not cpu:
         index.update({by: table[index[by]] for by, table in tables.items()})
-    sums = q.token_sums(lag_bins is not None)
+    sums = _memo(("sums", lag_bins is not None), lambda: q.token_sums(lag_bins is not None))
     keep, r, a = t["keep"], t["r"], t["a"]
-    terms = {name: fn(t) for name, fn in q.TERMS.items() if any(s.term == name for s in sums)}
+    needed = _memo(("terms", lag_bins is not None), lambda: {s.term for s in sums})
+    terms = {name: fn(t) for name, fn in q.TERMS.items() if name in needed}
     if stacked:
         parts, per_seq = _eager_sums(sums, terms, thr, index)
         if keep.numel():
@@ -349,56 +346,54 @@ def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
             [terms[s.term] for s in against])
         at = thr[_threshold_slice([s.against for s in against])].view(-1, 1, 1)
         groups.append((x - at) * _signs(against, thr.dtype, thr.device, 3) > 0)
-    parts = [p for g in groups for p in _row_sums(g)]
-    for by in dict.fromkeys(s.by for s in sums if s.by):
-        of = torch.stack([terms[s.term] for s in sums if s.by == by])
-        parts.append(_split_sums(of, index[by].expand(y.shape[1:]), len(q.BY_LABELS[by])))
-    return parts, y[:2].sum(-1)
+    by_sums = [s for s in sums if s.by]
+    # Float32 sums of a chunk's rows are exact for counts (at most STACK_MAX_TOKENS < 2**24 positions).
+    return [g.sum((1, 2)) for g in groups] + ([_split_sums(by_sums, terms, index)] if by_sums else []), y[:2].sum(-1)
 
 
-def _split_sums(of: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
-    """Sums of each term of ``of`` [n, B, T] by ``index`` [B, T] (0 .. width - 1; ``width``: none),
-    [n * width] term by term. On CPU one float64 bincount; elsewhere 0/1 rows by broadcasting, one
-    sum (no float atomics: the same values on every device)."""
-    n, device = of.shape[0], of.device
-    if device.type == "cpu":
-        offsets = cached(("by_offsets", n, width), lambda: torch.arange(n).view(-1, 1) * (width + 1))
-        flat = (index.reshape(1, -1) + offsets).reshape(-1)
-        counts = torch.bincount(flat, of.reshape(-1), n * (width + 1))       # float64 sums
-        return counts.view(n, width + 1)[:, :width].reshape(-1)
-    one_hot = index == cached(("by", width, device), lambda: torch.arange(width, device=device).view(-1, 1, 1))
-    return _row_sums((of.unsqueeze(1) * one_hot).flatten(0, 1))[0]
+def _split_sums(by_sums: list, terms: dict[str, torch.Tensor], index: dict[str, torch.Tensor | None]) -> torch.Tensor:
+    """The ``by`` sums, each of its term by its index (0 .. width - 1; width: none), one after another:
+    one bincount of every term at its index plus an offset."""
+    shape, widths = terms["r"].shape, tuple(len(q.BY_LABELS[s.by]) for s in by_sums)
+
+    def labels() -> torch.Tensor:           # the label bins of each sum (each has one more, none)
+        return torch.cat([torch.arange(w) + sum(widths[:i]) + i for i, w in enumerate(widths)])
+    offsets = cached(("by_offsets", widths), lambda: torch.tensor(
+        [sum(widths[:i]) + i for i in range(len(widths))]).view(-1, 1, 1))
+    at = torch.stack([index[s.by] if index[s.by].shape == shape else index[s.by].expand(shape) for s in by_sums])
+    of = torch.stack([terms[s.term] for s in by_sums])
+    counts = torch.bincount((at + offsets).reshape(-1), of.reshape(-1), sum(widths) + len(widths))
+    return counts[cached(("by_labels", widths), labels)]
 
 
 def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor, index: dict[str, torch.Tensor | None],
                  tables: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """One reduction per sum, in the eager order (compiled and large eager chunks): nothing stacked
-    is written. Compiled, inductor fuses the reductions over the same positions into a few loops (a
-    stack feeding one reduction would be materialised, [B, T, K] float64: several times the inputs;
-    tests/test_engine.py forbids it), float64 for exact counts. Eagerly each ``by`` sum is one bincount
-    by ``index`` then, where ``tables`` maps its values to labels, one by the table."""
+    """One reduction per sum, in the eager order (compiled, large eager chunks, other devices): nothing
+    stacked is written. Compiled, inductor fuses the reductions over the same positions into a few
+    loops (a stack feeding one reduction would be materialised, [B, T, K] float64: several times the
+    inputs; tests/test_engine.py forbids it), float64 for exact counts. On CPU each ``by`` sum is one
+    bincount by ``index`` then, where ``tables`` maps its values to labels, one by the table;
+    elsewhere one 0/1 row per label (no float atomics: the same values on every device)."""
     compiling = torch.compiler.is_compiling()
+    rows_by = compiling or terms["r"].device.type != "cpu"
     dtype = torch.float64 if compiling or terms["r"].numel() > _EXACT_F32_COUNT else None
-    order = list(q.THRESHOLDS)
-    edges = order.index("edges")
     rows = []
     for s in sums:
         x = terms[s.term]
         if s.square:
             rows.append(x * x)
         elif s.against:
-            i = order.index(s.against)
-            t = thr[i if i < edges else i - len(order)]
+            t = thr[q.THRESHOLDS.index(s.against)]
             if compiling:
                 rows.append(x > t if s.above else x < t)
             else:                       # 1 where x > t (x < t), else 0: x - t is 0 only where x == t
                 rows.append((x - t if s.above else t - x).sign_().clamp_(min=0.0))
-        elif compiling and s.by:
+        elif rows_by and s.by:
             rows += [torch.where(index[s.by] == k, x, 0.0) for k in range(len(q.BY_LABELS[s.by]))]
         elif not s.by:
             rows.append(x)
     parts = [torch.stack([row.sum(dtype=dtype) for row in rows])]
-    for s in sums if not compiling else ():
+    for s in sums if not rows_by else ():
         if s.by:
             width = len(q.BY_LABELS[s.by])
             at = index[s.by].expand(terms["r"].shape).reshape(-1)
