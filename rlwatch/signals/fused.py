@@ -8,14 +8,11 @@ host transfer; :func:`~.quantities.finish_tokens` applies the host formulas.
 
 It has no host synchronisation, no data-dependent shape and no Python branch on tensor values:
 ``torch.compile(token_core, fullgraph=True, dynamic=True)`` traces it without a graph break and
-inductor fuses one reduction per declared sum into a few loops, without writing a per-position
-matrix. Eagerly the sums of each kind (plain, squares, threshold counts) are one stacked [k, B, T]
-group, all reduced at once (a few microseconds of dispatch per operation is what a small step
-costs), and each ``by`` split one float64 bincount on CPU (0/1 rows elsewhere), over chunks of at
-most ``settings.FUSED_CHUNK_TOKENS`` positions (whole sequences), so that a large step never holds
-more than a chunk's groups; chunks' sums add, their extremes take the maximum, their |r| samples and
-lag histograms add up before the quantiles.
-Histograms use integer counts (bincount on CPU, int64 scatter-adds elsewhere, never float atomics).
+inductor fuses one reduction per declared sum into a few loops. Eagerly it runs over chunks of whole
+sequences of at most ``settings.FUSED_CHUNK_TOKENS`` positions: small ones stack the sums of each kind
+into one [k, B, T] group reduced at once (dispatch is what a small step costs), larger ones reduce
+each sum on its own; chunks' sums add, their extremes take the maximum, their |r| samples and lag
+histograms add up before the quantiles. Histograms count in integers (never float atomics).
 
 Shapes: ``mask`` [B, T] float32 0/1; log-probs [B, T] any float dtype; ``version`` [B, T], [B]
 or [B, 2]. Thresholds arrive as small tensors (not Python numbers) so that a new configuration
@@ -49,8 +46,7 @@ _MEMO: dict = {}
 
 
 def _memo(key: tuple, make: Callable[[], Any]) -> Any:
-    """``make()`` once per key and declaration (:data:`~.quantities.TOKEN_SUMS` and ``SEQ_SUMS``, which
-    a test may extend)."""
+    """``make()`` once per key and declaration (``TOKEN_SUMS``, ``SEQ_SUMS``: a test may extend them)."""
     if torch.compiler.is_compiling():
         return make()
     hit = _MEMO.get(key)
@@ -132,8 +128,6 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     if len(chunks) == 1 and (mask.numel() < _ONE_THREAD or mask.device.type != "cpu" or torch.compiler.is_compiling()):
         whole = _chunk_parts(*inputs, *args)
     else:
-        # Eager CPU chunks run on one intra-op thread: waking others costs more than they save at a
-        # chunk's size (milliseconds per operation on a busy host).
         with one_intra_op_thread(mask.device.type == "cpu"):
             whole = []
             for lo, hi in chunks:
@@ -145,9 +139,8 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
                                 exact_quantiles)
     if version is not None:
         out += _lag_finish(*whole[1:4], bucket_index, qs, over_from)
-    # 1 when this ran as compiled code, 0 eagerly (a guard that fails on the step's thread runs
-    # eagerly). Float64, so that torch.cat promotes every part to float64 (exactly: float32 sums and
-    # int64 counts fit).
+    # 1 when this ran as compiled code, 0 eagerly. Float64, so that torch.cat promotes every part to
+    # float64 (exactly: float32 sums and int64 counts fit).
     device = mask.device
     out.append(cached(("compiled", device), lambda: torch.full(
         (1,), 1.0 if torch.compiler.is_compiling() else 0.0, dtype=torch.float64, device=device)))
@@ -174,10 +167,7 @@ def _chunk_parts(mask: torch.Tensor, version: torch.Tensor | None, trainer_logp:
 def one_intra_op_thread(wanted: bool) -> Iterator[None]:
     """One intra-op thread for the block when ``wanted``, the caller's setting restored after."""
     threads = torch.get_num_threads()
-    if not wanted or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
+    torch.set_num_threads(1 if wanted else threads)
     try:
         yield
     finally:
@@ -187,18 +177,11 @@ def one_intra_op_thread(wanted: bool) -> Iterator[None]:
 def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exact: bool) -> list[torch.Tensor]:
     """The parts so far and the next chunk's (tokens, [lag histogram, sequence sums, largest lag], [token
     sums, extremes, sequence sums, largest |s_b|, |r| sample]) combined: by maximum for the largest
-    values, the exact |r| samples concatenated, every other part summed (float64: exact for counts)."""
-    first_mismatch = 4 if lag else 1
-    largest = ({3} if lag else set()) | {first_mismatch + 1, first_mismatch + 3}
-    out = []
-    for i, (a, b) in enumerate(zip(whole, part)):
-        if i in largest:
-            out.append(torch.maximum(a, b))
-        elif exact and i == first_mismatch + 4:
-            out.append(torch.cat([a, b]))
-        else:
-            out.append(a + b if a.dtype == b.dtype == torch.int64 else a.double() + b)
-    return out
+    values, the exact |r| samples concatenated, every other part summed (float64 or int64: exact counts)."""
+    m = 4 if lag else 1                                                   # the first mismatch part
+    largest = ({3} if lag else set()) | {m + 1, m + 3}
+    return [torch.maximum(a, b) if i in largest else torch.cat([a, b]) if exact and i == m + 4 else a + b
+            if a.dtype == b.dtype == torch.int64 else a.double() + b for i, (a, b) in enumerate(zip(whole, part))]
 
 
 def _lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.Tensor,
@@ -249,8 +232,7 @@ def _lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tenso
     """The lag block (``LAG_FIELDS``) from the step's lag histogram and sums."""
     cum = hist.cumsum(0, dtype=torch.float64)
     n_ok = cum[-1:]                                                           # tokens of lag >= 0
-    device = hist.device
-    lags = cached(("lags", device), lambda: torch.arange(LAG_BINS, dtype=torch.float64, device=device))
+    lags = cached(("lags", hist.device), lambda: torch.arange(LAG_BINS, dtype=torch.float64, device=hist.device))
     # The sum of the lags is LAG_BINS * n_ok - sum(cum) (exact: whole numbers below 2**53).
     sums = [cum.sum(0, keepdim=True), (hist * (lags >= over_from)).sum(0, keepdim=True)]
     lohi, frac = _ranks(n_ok, qs)
@@ -260,10 +242,9 @@ def _lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tenso
 
 def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thr: torch.Tensor,
            arithmetic: bool) -> dict[str, torch.Tensor]:
-    """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype; ``keep``
-    boolean, or 0/1 in the work dtype when ``arithmetic`` (boolean tensors and torch.where cost several
-    times a float pass on CPU)."""
-    work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
+    """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype (``thr``'s);
+    ``keep`` boolean, or 0/1 when ``arithmetic`` (boolean tensors and torch.where are slow on CPU)."""
+    work = thr.dtype
     trainer = trainer_logp if trainer_logp.dtype == work else trainer_logp.to(work)
     sampler = sampler_logp if sampler_logp.dtype == work else sampler_logp.to(work)
     r = trainer - sampler
@@ -290,9 +271,8 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     stacked = not compiling and cpu and mask.numel() <= settings.STACK_MAX_TOKENS
     t = _terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not (stacked or compiling))
     edges = thr[_threshold_slice(["edges"])]
-    # Sampler-probability bands: band k holds log mu in [edge k-1, edge k) (not bucketize: its CPU
-    # kernel goes multi-threaded from 200 elements, slow on a busy host). Off the valid set s = 0
-    # falls in the last band, where no valid token counts.
+    # Sampler-probability bands: band k holds log mu in [edge k-1, edge k) (not bucketize: several times
+    # slower on CPU). Off the valid set s = 0 falls in the last band, where no valid token counts.
     above = t["s"] >= edges.view(-1, 1, 1) if not compiling else None
     index = {"band": sum(t["s"] >= edges[k] for k in range(edges.numel())) if compiling
              else above.sum(0) if stacked else above.view(torch.uint8).sum(0, dtype=torch.uint8), "lag": lag_bins}
@@ -305,22 +285,15 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     keep, r, a = t["keep"], t["r"], t["a"]
     needed = _memo(("terms", lag_bins is not None), lambda: {s.term for s in sums})
     terms = {name: fn(t) for name, fn in q.TERMS.items() if name in needed}
-    if stacked:
-        parts, per_seq = _eager_sums(sums, terms, thr, index)
-        if keep.numel():
-            extremes = torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2))
-        else:
-            extremes = torch.zeros(3, dtype=work, device=keep.device)
-    else:
-        parts, per_seq = _direct_sums(sums, terms, thr, index, tables)
-        extremes = _extremes(keep, r)
-    return [torch.cat(parts) if len(parts) > 1 else parts[0], extremes, *_sequence_sums(per_seq, thresholds),
-            _abs_sample(a, keep, exact_quantiles)]
+    parts, per_seq = _eager_sums(sums, terms, thr, index) if stacked else _direct_sums(sums, terms, thr, index, tables)
+    return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(keep, r, a, stacked),
+            *_sequence_sums(per_seq, thresholds), _abs_sample(a, keep, exact_quantiles)]
 
 
-def _extremes(keep: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """max r, -min r and max |r| over the valid set [3] (without a valid token, -inf or -big: the
-    host reads none of them then); off it r is moved by -big / +big when ``keep`` is 0/1."""
+def _extremes(keep: torch.Tensor, r: torch.Tensor, a: torch.Tensor, stacked: bool) -> torch.Tensor:
+    """max r, -min r and max |r| over the valid set [3] (-inf, -big or 0 without one: not read then)."""
+    if stacked:                                                             # as one group (fewer operations)
+        return torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2)) if keep.numel() else r.new_zeros(3)
     if keep.dtype == torch.bool:
         high, low = torch.where(keep, r, -torch.inf).amax(), torch.where(keep, r, torch.inf).amin()
     else:
@@ -337,9 +310,7 @@ def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
     y = torch.stack([terms[s.term] for s in plain])
     groups = [y]
     squares = [terms[s.term] for s in sums if s.square]
-    if squares:
-        sq = torch.stack(squares)
-        groups.append(sq * sq)
+    groups += [torch.stack(squares).square()] if squares else []
     against = [s for s in sums if s.against]
     if against:
         x = terms[against[0].term] if len({s.term for s in against}) == 1 else torch.stack(
@@ -353,17 +324,15 @@ def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
 
 def _split_sums(by_sums: list, terms: dict[str, torch.Tensor], index: dict[str, torch.Tensor | None]) -> torch.Tensor:
     """The ``by`` sums, each of its term by its index (0 .. width - 1; width: none), one after another:
-    one bincount of every term at its index plus an offset."""
+    one bincount of every term at its index plus its first bin (its labels, then one for none)."""
     shape, widths = terms["r"].shape, tuple(len(q.BY_LABELS[s.by]) for s in by_sums)
-
-    def labels() -> torch.Tensor:           # the label bins of each sum (each has one more, none)
-        return torch.cat([torch.arange(w) + sum(widths[:i]) + i for i, w in enumerate(widths)])
-    offsets = cached(("by_offsets", widths), lambda: torch.tensor(
-        [sum(widths[:i]) + i for i in range(len(widths))]).view(-1, 1, 1))
+    starts = [sum(widths[:i]) + i for i in range(len(widths))]
+    offsets = cached(("by_offsets", widths), lambda: torch.tensor(starts).view(-1, 1, 1))
     at = torch.stack([index[s.by] if index[s.by].shape == shape else index[s.by].expand(shape) for s in by_sums])
     of = torch.stack([terms[s.term] for s in by_sums])
     counts = torch.bincount((at + offsets).reshape(-1), of.reshape(-1), sum(widths) + len(widths))
-    return counts[cached(("by_labels", widths), labels)]
+    return counts[cached(("by_labels", widths), lambda: torch.cat(
+        [torch.arange(w) + o for w, o in zip(widths, starts)]))]
 
 
 def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor, index: dict[str, torch.Tensor | None],
@@ -393,13 +362,10 @@ def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor, 
         elif not s.by:
             rows.append(x)
     parts = [torch.stack([row.sum(dtype=dtype) for row in rows])]
-    for s in sums if not rows_by else ():
-        if s.by:
-            width = len(q.BY_LABELS[s.by])
-            at = index[s.by].expand(terms["r"].shape).reshape(-1)
-            table = tables.get(s.by)
-            split = torch.bincount(at, terms[s.term].reshape(-1), width + 1 if table is None else table.numel())
-            parts.append((split if table is None else torch.bincount(table, split, width + 1))[:width])
+    for s in (s for s in sums if s.by and not rows_by):
+        width, table, at = len(q.BY_LABELS[s.by]), tables.get(s.by), index[s.by].expand(terms["r"].shape).reshape(-1)
+        split = torch.bincount(at, terms[s.term].reshape(-1), width + 1 if table is None else table.numel())
+        parts.append((split if table is None else torch.bincount(table, split, width + 1))[:width])
     return parts, torch.stack([terms["keep"].sum(-1), terms["r"].sum(-1)])
 
 

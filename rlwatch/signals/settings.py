@@ -25,9 +25,8 @@ EXACT_QUANTILE_MAX_TOKENS = 8192
 # positions, so that a large step holds a chunk's stacked sums at a time, never the step's (compiled,
 # inductor writes no per-position matrix and one chunk serves every size).
 FUSED_CHUNK_TOKENS = 65536
-# Chunks of up to this many positions stack the sums of each kind into one [k, B, T] group reduced at
-# once (fewer operations: what a small step costs); larger ones reduce each sum on its own, with
-# float 0/1 arithmetic instead of boolean tensors (cheaper per position on CPU).
+# CPU chunks of up to this many positions stack the sums of each kind into one [k, B, T] group (fewer
+# operations); larger ones reduce each sum on its own, with 0/1 float arithmetic (no boolean tensors).
 STACK_MAX_TOKENS = 16384
 
 
