@@ -256,7 +256,8 @@ def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.T
         keep = torch.logical_and(torch.isfinite(r), mask)
         r, s = torch.where(keep, r, 0.0), torch.where(keep, sampler, 0.0)
     em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1()                    # w - 1, 0 off the valid set
-    return {"keep": keep, "r": r, "s": s, "a": r.abs(), "em1": em1, "em1_t": em1.clamp(max=thr[0])}  # min(w, C) - 1
+    cap = cached(("cap_em1",), lambda: thr[0], on=thr)
+    return {"keep": keep, "r": r, "s": s, "a": r.abs(), "em1": em1, "em1_t": em1.clamp(max=cap)}  # min(w, C) - 1
 
 
 def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
@@ -266,15 +267,15 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     largest |s_b| [1], and its |r| sample (exact: |r| on the valid set, +inf off it; else its
     bit-pattern histogram)."""
     work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
-    thr = thresholds if work == torch.float64 else thresholds.to(work)
+    thr = thresholds if work == torch.float64 else cached(("to", work), lambda: thresholds.to(work), on=thresholds)
     compiling, cpu = torch.compiler.is_compiling(), mask.device.type == "cpu"
     stacked = not compiling and cpu and mask.numel() <= settings.STACK_MAX_TOKENS
-    t = _terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not (stacked or compiling))
-    edges = thr[_threshold_slice(["edges"])]
+    t = _terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not stacked)
     # Sampler-probability bands: band k holds log mu in [edge k-1, edge k) (not bucketize: several times
     # slower on CPU). Off the valid set s = 0 falls in the last band, where no valid token counts.
-    above = t["s"] >= edges.view(-1, 1, 1) if not compiling else None
-    index = {"band": sum(t["s"] >= edges[k] for k in range(edges.numel())) if compiling
+    edges = cached(("edges",), lambda: thr[_threshold_slice(["edges"])].view(-1, 1, 1), on=thr)
+    above = t["s"] >= edges if not compiling else None
+    index = {"band": sum(t["s"] >= edges[k] for k in range(edges.shape[0])) if compiling
              else above.sum(0) if stacked else above.view(torch.uint8).sum(0, dtype=torch.uint8), "lag": lag_bins}
     # The lag bucket of each lag bin: per token, or (eagerly on CPU, large chunks) on the bin sums.
     tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
@@ -282,23 +283,19 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     if compiling or stacked or not cpu:
         index.update({by: table[index[by]] for by, table in tables.items()})
     sums = _memo(("sums", lag_bins is not None), lambda: q.token_sums(lag_bins is not None))
-    keep, r, a = t["keep"], t["r"], t["a"]
     needed = _memo(("terms", lag_bins is not None), lambda: {s.term for s in sums})
     terms = {name: fn(t) for name, fn in q.TERMS.items() if name in needed}
     parts, per_seq = _eager_sums(sums, terms, thr, index) if stacked else _direct_sums(sums, terms, thr, index, tables)
-    return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(keep, r, a, stacked),
-            *_sequence_sums(per_seq, thresholds), _abs_sample(a, keep, exact_quantiles)]
+    return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(t["keep"], t["r"], t["a"], stacked),
+            *_sequence_sums(per_seq, thresholds), _abs_sample(t["a"], t["keep"], exact_quantiles)]
 
 
 def _extremes(keep: torch.Tensor, r: torch.Tensor, a: torch.Tensor, stacked: bool) -> torch.Tensor:
     """max r, -min r and max |r| over the valid set [3] (-inf, -big or 0 without one: not read then)."""
     if stacked:                                                             # as one group (fewer operations)
         return torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2)) if keep.numel() else r.new_zeros(3)
-    if keep.dtype == torch.bool:
-        high, low = torch.where(keep, r, -torch.inf).amax(), torch.where(keep, r, torch.inf).amin()
-    else:
-        big, off = torch.finfo(r.dtype).max / 4, keep - 1.0
-        high, low = torch.add(r, off, alpha=big).amax(), torch.sub(r, off, alpha=big).amin()
+    big, off = torch.finfo(r.dtype).max / 4, keep - 1.0                   # r moved by -big / +big off it
+    high, low = torch.add(r, off, alpha=big).amax(), torch.sub(r, off, alpha=big).amin()
     return torch.stack([high, -low, torch.maximum(high, -low)])
 
 
@@ -315,7 +312,8 @@ def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
     if against:
         x = terms[against[0].term] if len({s.term for s in against}) == 1 else torch.stack(
             [terms[s.term] for s in against])
-        at = thr[_threshold_slice([s.against for s in against])].view(-1, 1, 1)
+        names = [s.against for s in against]
+        at = cached(("at", 3, *names), lambda: thr[_threshold_slice(names)].view(-1, 1, 1), on=thr)
         groups.append((x - at) * _signs(against, thr.dtype, thr.device, 3) > 0)
     by_sums = [s for s in sums if s.by]
     # Float32 sums of a chunk's rows are exact for counts (at most STACK_MAX_TOKENS < 2**24 positions).
@@ -353,10 +351,8 @@ def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor, 
             rows.append(x * x)
         elif s.against:
             t = thr[q.THRESHOLDS.index(s.against)]
-            if compiling:
-                rows.append(x > t if s.above else x < t)
-            else:                       # 1 where x > t (x < t), else 0: x - t is 0 only where x == t
-                rows.append((x - t if s.above else t - x).sign_().clamp_(min=0.0))
+            d = x - t if s.above else t - x          # > 0 where x > t (x < t): x - t is 0 only where x == t
+            rows.append(d > 0 if compiling else d.sign_().clamp_(min=0.0))
         elif rows_by and s.by:
             rows += [torch.where(index[s.by] == k, x, 0.0) for k in range(len(q.BY_LABELS[s.by]))]
         elif not s.by:
@@ -378,7 +374,8 @@ def _sequence_sums(per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torc
     terms = {"has": valid_count > 0, "abs": seq_abs, "chi2": torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))}
     plain = [terms[s.term] for s in q.SEQ_SUMS if not s.against]
     against = [s for s in q.SEQ_SUMS if s.against]
-    at = thresholds[_threshold_slice([s.against for s in against])].view(-1, 1)
+    names = [s.against for s in against]
+    at = cached(("at", 2, *names), lambda: thresholds[_threshold_slice(names)].view(-1, 1), on=thresholds)
     rows = torch.cat([torch.stack(plain), (seq_r - at) * _signs(against, torch.float64, seq_r.device, 2) > 0])
     return [rows.sum(-1), seq_abs.amax(0, keepdim=True) if seq_abs.numel() else seq_abs.new_zeros(1)]
 
