@@ -218,13 +218,13 @@ def test_compiled_equals_eager_without_graph_breaks():
 
 
 # Generated kernels per compiled graph of a whole step (tokens, mismatch, lag, groups, envs) on CPU:
-# 109 on average over the 3 graphs of this test's signature (torch 2.13, inductor C++): 71 before the
+# 106 on average over the 3 graphs of this test's signature (torch 2.13, inductor C++): 71 before the
 # per-lag mismatch, whose 36 sums by lag bucket are one reduction each. Inductor's CPU count adds one
 # per reduction even where it fuses many into one loop (stacking the rows into one reduction counts
 # fewer but materialises a [B, T, K] float64 buffer, which test_compiled_step_writes_no_per_position_matrix
 # forbids). A regression bound, not the CUDA goal (40 launches), which bench/gpu_check.py measures
 # with torch.profiler on a GPU.
-MAX_CPU_KERNELS_PER_GRAPH = 115
+MAX_CPU_KERNELS_PER_GRAPH = 112
 
 
 @pytest.mark.slow

@@ -125,7 +125,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     chunks = _chunks(B, T)
     inputs = (mask, version, trainer_logp, sampler_logp)
     args = (trainer_version, thresholds, exact_quantiles)
-    if len(chunks) == 1 and (mask.numel() < _ONE_THREAD or mask.device.type != "cpu" or torch.compiler.is_compiling()):
+    if len(chunks) == 1 and (torch.compiler.is_compiling() or mask.device.type != "cpu" or mask.numel() < _ONE_THREAD):
         whole = _chunk_parts(*inputs, *args)
     else:
         with one_intra_op_thread(mask.device.type == "cpu"):
