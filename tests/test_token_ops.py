@@ -21,9 +21,9 @@ from rlwatch.signals import Workspace, fused
 from rlwatch.signals.step import engine_inputs
 
 # Dispatched aten operations of one eager token_core at 8 x 64 (fp32 log-probs, per-token
-# versions): 134 (130 with per-sequence versions): 107 before the per-lag mismatch, the direct
-# weight sums for the ESS and the bincount splits by band and lag; a little headroom.
-MAX_TOKEN_CORE_OPS = 140
+# versions): 111 (110 with per-sequence versions), with the per-lag mismatch sums and every split by
+# band and lag in one bincount; a little headroom.
+MAX_TOKEN_CORE_OPS = 117
 
 
 class _CountOps(TorchDispatchMode):

@@ -8,14 +8,11 @@ host transfer; :func:`~.quantities.finish_tokens` applies the host formulas.
 
 It has no host synchronisation, no data-dependent shape and no Python branch on tensor values:
 ``torch.compile(token_core, fullgraph=True, dynamic=True)`` traces it without a graph break and
-inductor fuses one reduction per declared sum into a few loops, without writing a per-position
-matrix. Eagerly the sums of each kind (plain, squares, threshold counts) are one stacked [k, B, T]
-group, all reduced at once (a few microseconds of dispatch per operation is what a small step
-costs), and each ``by`` split one float64 bincount on CPU (0/1 rows elsewhere), over chunks of at
-most ``settings.FUSED_CHUNK_TOKENS`` positions (whole sequences), so that a large step never holds
-more than a chunk's groups; chunks' sums add, their extremes take the maximum, their |r| samples and
-lag histograms add up before the quantiles.
-Histograms use integer counts (bincount on CPU, int64 scatter-adds elsewhere, never float atomics).
+inductor fuses one reduction per declared sum into a few loops. Eagerly it runs over chunks of whole
+sequences of at most ``settings.FUSED_CHUNK_TOKENS`` positions: small ones stack the sums of each kind
+into one [k, B, T] group reduced at once (dispatch is what a small step costs), larger ones reduce
+each sum on its own; chunks' sums add, their extremes take the maximum, their |r| samples and lag
+histograms add up before the quantiles. Histograms count in integers (never float atomics).
 
 Shapes: ``mask`` [B, T] float32 0/1; log-probs [B, T] any float dtype; ``version`` [B, T], [B]
 or [B, 2]. Thresholds arrive as small tensors (not Python numbers) so that a new configuration
@@ -26,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from bisect import bisect_left
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -42,35 +39,41 @@ _LAG_BUCKET_OF_BIN = (len(q.BY_LABELS["lag"]),) + tuple(
 
 # Float32 sums of 0/1 rows are exact up to 2**24 positions; a larger eager chunk sums in float64.
 _EXACT_F32_COUNT = 1 << 24
-# CPU reductions over this many elements or more go to the thread pool, which wakes other threads for
-# microseconds of work (and stalls for milliseconds on a busy host).
-_SERIAL = 32768
+# Eager CPU steps of this many positions or more run on one intra-op thread: their reductions would
+# otherwise wake other threads for microseconds of work (and stall for milliseconds on a busy host).
+_ONE_THREAD = 4096
+_MEMO: dict = {}
+
+
+def _memo(key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()`` once per key and declaration (``TOKEN_SUMS``, ``SEQ_SUMS``: a test may extend them)."""
+    if torch.compiler.is_compiling():
+        return make()
+    hit = _MEMO.get(key)
+    if hit is None or hit[0] is not q.TOKEN_SUMS or hit[1] is not q.SEQ_SUMS:
+        hit = _MEMO[key] = (q.TOKEN_SUMS, q.SEQ_SUMS, make())
+    return hit[2]
 
 
 def layout(mismatch: bool, lag: bool) -> dict[str, int | slice]:
     """Positions in :func:`token_core`'s output: ``tokens``, the fields of
     :func:`~.quantities.token_fields` (slices for ``by`` sums and ``lag_cum``), then ``compiled`` (1
-    when compiled code produced the vector) and ``size``."""
-    at, pos = 1, {"tokens": 0}
-    for name, width in q.token_fields(mismatch, lag):
-        pos[name], at = (slice(at, at + width), at + width) if width else (at, at + 1)
-    pos["compiled"], pos["size"] = at, at + 1
-    return pos
+    when compiled code produced the vector) and ``size``. Read-only."""
+    def make() -> dict[str, int | slice]:
+        at, pos = 1, {"tokens": 0}
+        for name, width in q.token_fields(mismatch, lag):
+            pos[name], at = (slice(at, at + width), at + width) if width else (at, at + 1)
+        pos["compiled"], pos["size"] = at, at + 1
+        return pos
+    return _memo(("layout", mismatch, lag), make)
 
 
 def _threshold_slice(names: list[str]) -> slice:
-    """The positions of consecutive named thresholds in the thresholds input (negative from the end,
-    past the band edges, whose number varies)."""
-    order = list(q.THRESHOLDS)
-    at = [order.index(n) for n in names]
+    """The positions of consecutive named thresholds in the thresholds input (the band edges, whose
+    number varies, last)."""
+    at = [q.THRESHOLDS.index(n) for n in names]
     assert at == list(range(at[0], at[0] + len(at))), names
-    edges = order.index("edges")
-    if names == ["edges"]:
-        return slice(edges, edges + 1 - len(order))
-    if at[0] > edges:
-        start = at[0] - len(order)
-        return slice(start, start + len(at) if start + len(at) < 0 else None)
-    return slice(at[0], at[0] + len(at))
+    return slice(at[0], None if names == ["edges"] else at[0] + len(at))
 
 
 def _signs(sums: list, dtype: torch.dtype, device: torch.device, dims: int) -> torch.Tensor:
@@ -79,17 +82,6 @@ def _signs(sums: list, dtype: torch.dtype, device: torch.device, dims: int) -> t
     signs = tuple(1.0 if s.above else -1.0 for s in sums)
     return cached(("signs", signs, dtype, device, dims), lambda: torch.tensor(
         signs, dtype=dtype, device=device).view((len(signs),) + (1,) * (dims - 1)))
-
-
-def _row_sums(rows: torch.Tensor) -> list[torch.Tensor]:
-    """Sums over the positions of each row of ``rows`` [K, B, T], as parts [k] (one for up to
-    _SERIAL elements, else in chunks of rows that each stay in one thread)."""
-    dtype = torch.float64 if rows[0].numel() > _EXACT_F32_COUNT else None
-    if rows.numel() < _SERIAL or rows.device.type != "cpu":
-        return [rows.sum((1, 2), dtype=dtype)]
-    K, flat = rows.shape[0], rows.reshape(rows.shape[0], -1)
-    step = max(1, (_SERIAL - 1) // max(flat.shape[1], 1))
-    return [flat[i:i + step].sum(-1, dtype=dtype) for i in range(0, K, step)]
 
 
 def _ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,11 +125,9 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     chunks = _chunks(B, T)
     inputs = (mask, version, trainer_logp, sampler_logp)
     args = (trainer_version, thresholds, exact_quantiles)
-    if len(chunks) == 1:
+    if len(chunks) == 1 and (torch.compiler.is_compiling() or mask.device.type != "cpu" or mask.numel() < _ONE_THREAD):
         whole = _chunk_parts(*inputs, *args)
     else:
-        # Many chunks of small reductions run on one intra-op thread: waking others costs more than
-        # they save at a chunk's size (milliseconds per operation on a busy host).
         with one_intra_op_thread(mask.device.type == "cpu"):
             whole = []
             for lo, hi in chunks:
@@ -149,9 +139,8 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
                                 exact_quantiles)
     if version is not None:
         out += _lag_finish(*whole[1:4], bucket_index, qs, over_from)
-    # 1 when this ran as compiled code, 0 eagerly (a guard that fails on the step's thread runs
-    # eagerly). Float64, so that torch.cat promotes every part to float64 (exactly: float32 sums and
-    # int64 counts fit).
+    # 1 when this ran as compiled code, 0 eagerly. Float64, so that torch.cat promotes every part to
+    # float64 (exactly: float32 sums and int64 counts fit).
     device = mask.device
     out.append(cached(("compiled", device), lambda: torch.full(
         (1,), 1.0 if torch.compiler.is_compiling() else 0.0, dtype=torch.float64, device=device)))
@@ -165,12 +154,12 @@ def _chunk_parts(mask: torch.Tensor, version: torch.Tensor | None, trainer_logp:
     log-probs); see :func:`_combine`."""
     per_seq = mask.sum(-1)                                                    # [B] float32
     parts: list[torch.Tensor] = [per_seq.sum(0, keepdim=True, dtype=torch.float64)]   # exact: whole numbers
-    bucket = None
+    lag_bins = None
     if version is not None:
-        lag, bucket = _lag_part(version, trainer_version, mask, per_seq)
+        lag, lag_bins = _lag_part(version, trainer_version, mask, per_seq)
         parts += lag
     if trainer_logp is not None and sampler_logp is not None:
-        parts += _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, bucket, exact_quantiles)
+        parts += _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, lag_bins, exact_quantiles)
     return parts
 
 
@@ -178,10 +167,7 @@ def _chunk_parts(mask: torch.Tensor, version: torch.Tensor | None, trainer_logp:
 def one_intra_op_thread(wanted: bool) -> Iterator[None]:
     """One intra-op thread for the block when ``wanted``, the caller's setting restored after."""
     threads = torch.get_num_threads()
-    if not wanted or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
+    torch.set_num_threads(1 if wanted else threads)
     try:
         yield
     finally:
@@ -191,28 +177,20 @@ def one_intra_op_thread(wanted: bool) -> Iterator[None]:
 def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exact: bool) -> list[torch.Tensor]:
     """The parts so far and the next chunk's (tokens, [lag histogram, sequence sums, largest lag], [token
     sums, extremes, sequence sums, largest |s_b|, |r| sample]) combined: by maximum for the largest
-    values, the exact |r| samples concatenated, every other part summed (float64: exact for counts)."""
-    first_mismatch = 4 if lag else 1
-    largest = ({3} if lag else set()) | {first_mismatch + 1, first_mismatch + 3}
-    out = []
-    for i, (a, b) in enumerate(zip(whole, part)):
-        if i in largest:
-            out.append(torch.maximum(a, b))
-        elif exact and i == first_mismatch + 4:
-            out.append(torch.cat([a, b]))
-        else:
-            out.append(a.double() + b)
-    return out
+    values, the exact |r| samples concatenated, every other part summed (float64 or int64: exact counts)."""
+    m = 4 if lag else 1                                                   # the first mismatch part
+    largest = ({3} if lag else set()) | {m + 1, m + 3}
+    return [torch.maximum(a, b) if i in largest else torch.cat([a, b]) if exact and i == m + 4 else a + b
+            if a.dtype == b.dtype == torch.int64 else a.double() + b for i, (a, b) in enumerate(zip(whole, part))]
 
 
 def _lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.Tensor,
               per_seq: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A chunk's lag histogram [LAG_BINS] (tokens by lag 0 .. LAG_EXACT_MAX, larger lags in the last
     bin), per-sequence sums [3] (sequences with a token, their largest lags, those spanning versions),
-    the largest lag [1]; and each token's lag bucket ([B, T] or [B, 1] int64; the bucket count where
-    no valid lag)."""
+    the largest lag [1]; and each token's lag bin ([B, T] int32 or [B, 1] int64: lag + 1, 0 where no
+    valid lag)."""
     B, T = mask.shape
-    device = mask.device
     has = per_seq > 0
     if version.shape == mask.shape:
         if version.dtype.is_floating_point and version.dtype not in (torch.float32, torch.float64):
@@ -244,10 +222,9 @@ def _lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.
         hist = count_into(LAG_SIZE, index, per_seq)[1:]               # sequences without tokens weigh 0
         seq_max = torch.where(has, seq_max, 0.0)
         index = index.unsqueeze(1)
-    table = cached(("lag_buckets", device), lambda: torch.tensor(_LAG_BUCKET_OF_BIN, device=device))
     seq_sums = torch.stack([has, seq_max.clamp_min(0), spans]).sum(-1, dtype=torch.float64)
     lag_max = seq_max.amax(0, keepdim=True) if B else seq_max.new_zeros(1)
-    return [hist, seq_sums, lag_max], table[index]
+    return [hist, seq_sums, lag_max], index
 
 
 def _lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tensor, bucket_index: torch.Tensor,
@@ -255,8 +232,7 @@ def _lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tenso
     """The lag block (``LAG_FIELDS``) from the step's lag histogram and sums."""
     cum = hist.cumsum(0, dtype=torch.float64)
     n_ok = cum[-1:]                                                           # tokens of lag >= 0
-    device = hist.device
-    lags = cached(("lags", device), lambda: torch.arange(LAG_BINS, dtype=torch.float64, device=device))
+    lags = cached(("lags", hist.device), lambda: torch.arange(LAG_BINS, dtype=torch.float64, device=hist.device))
     # The sum of the lags is LAG_BINS * n_ok - sum(cum) (exact: whole numbers below 2**53).
     sums = [cum.sum(0, keepdim=True), (hist * (lags >= over_from)).sum(0, keepdim=True)]
     lohi, frac = _ranks(n_ok, qs)
@@ -264,49 +240,63 @@ def _lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tenso
     return [cum[bucket_index], n_ok, *sums, quantiles, seq_sums, lag_max]
 
 
-def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
-           thr: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype."""
-    work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
+def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thr: torch.Tensor,
+           arithmetic: bool) -> dict[str, torch.Tensor]:
+    """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype (``thr``'s);
+    ``keep`` boolean, or 0/1 when ``arithmetic`` (boolean tensors and torch.where are slow on CPU)."""
+    work = thr.dtype
     trainer = trainer_logp if trainer_logp.dtype == work else trainer_logp.to(work)
     sampler = sampler_logp if sampler_logp.dtype == work else sampler_logp.to(work)
     r = trainer - sampler
-    keep = torch.logical_and(torch.isfinite(r), mask)                     # the valid tokens: masked, finite r
-    r = torch.where(keep, r, 0.0)                                         # 0 off the valid set
+    if arithmetic:                      # r - r: 0 where r is finite, NaN elsewhere
+        keep = torch.nan_to_num(mask + (r - r), 0.0)                      # the valid tokens: masked, finite r
+        r = torch.nan_to_num(r, 0.0, 0.0, 0.0).mul_(keep)                 # 0 off the valid set
+        s = torch.nan_to_num(sampler * keep, 0.0, 0.0, 0.0)
+    else:
+        keep = torch.logical_and(torch.isfinite(r), mask)
+        r, s = torch.where(keep, r, 0.0), torch.where(keep, sampler, 0.0)
     em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1()                    # w - 1, 0 off the valid set
-    return {"keep": keep, "r": r, "s": torch.where(keep, sampler, 0.0), "a": r.abs(), "em1": em1,
-            "em1_t": em1.clamp(max=thr[0])}                               # min(w, C) - 1
+    cap = cached(("cap_em1",), lambda: thr[0], on=thr)
+    return {"keep": keep, "r": r, "s": s, "a": r.abs(), "em1": em1, "em1_t": em1.clamp(max=cap)}  # min(w, C) - 1
 
 
 def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
-                   thresholds: torch.Tensor, lag_bucket: torch.Tensor | None,
+                   thresholds: torch.Tensor, lag_bins: torch.Tensor | None,
                    exact_quantiles: bool) -> list[torch.Tensor]:
     """A chunk's token sums [K] (:func:`~.quantities.token_sums` order), extremes [3], sequence sums,
     largest |s_b| [1], and its |r| sample (exact: |r| on the valid set, +inf off it; else its
     bit-pattern histogram)."""
     work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
-    thr = thresholds if work == torch.float64 else thresholds.to(work)
-    t = _terms(mask, trainer_logp, sampler_logp, thr)
-    edges = thr[_threshold_slice(["edges"])]
-    # Sampler-probability bands: band k holds log mu in [edge k-1, edge k) (not bucketize: its CPU
-    # kernel goes multi-threaded from 200 elements, slow on a busy host). Off the valid set s = 0
-    # falls in the last band, where no valid token counts.
-    index = {"band": (t["s"] >= edges.view(-1, 1, 1)).sum(0) if not torch.compiler.is_compiling()
-             else sum(t["s"] >= edges[k] for k in range(edges.numel())), "lag": lag_bucket}
-    sums = q.token_sums(lag_bucket is not None)
-    keep, r, a = t["keep"], t["r"], t["a"]
-    terms = {name: fn(t) for name, fn in q.TERMS.items() if any(s.term == name for s in sums)}
-    if torch.compiler.is_compiling():
-        parts, per_seq = _compiled_sums(sums, terms, thr, index)
-        extremes = torch.stack([torch.where(keep, x, -torch.inf).amax() for x in (r, -r, a)])
-    else:
-        parts, per_seq = _eager_sums(sums, terms, thr, index)
-        if keep.numel():
-            extremes = torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2))
-        else:
-            extremes = torch.zeros(3, dtype=work, device=keep.device)
-    return [torch.cat(parts) if len(parts) > 1 else parts[0], extremes, *_sequence_sums(per_seq, thresholds),
-            _abs_sample(a, keep, exact_quantiles)]
+    thr = thresholds if work == torch.float64 else cached(("to", work), lambda: thresholds.to(work), on=thresholds)
+    compiling, cpu = torch.compiler.is_compiling(), mask.device.type == "cpu"
+    stacked = not compiling and cpu and mask.numel() <= settings.STACK_MAX_TOKENS
+    t = _terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not stacked)
+    # Sampler-probability bands: band k holds log mu in [edge k-1, edge k) (not bucketize: several times
+    # slower on CPU). Off the valid set s = 0 falls in the last band, where no valid token counts.
+    edges = cached(("edges",), lambda: thr[_threshold_slice(["edges"])].view(-1, 1, 1), on=thr)
+    above = t["s"] >= edges if not compiling else None
+    index = {"band": sum(t["s"] >= edges[k] for k in range(edges.shape[0])) if compiling
+             else above.sum(0) if stacked else above.view(torch.uint8).sum(0, dtype=torch.uint8), "lag": lag_bins}
+    # The lag bucket of each lag bin: per token, or (eagerly on CPU, large chunks) on the bin sums.
+    tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
+        _LAG_BUCKET_OF_BIN, device=mask.device))}
+    if compiling or stacked or not cpu:
+        index.update({by: table[index[by]] for by, table in tables.items()})
+    sums = _memo(("sums", lag_bins is not None), lambda: q.token_sums(lag_bins is not None))
+    needed = _memo(("terms", lag_bins is not None), lambda: {s.term for s in sums})
+    terms = {name: fn(t) for name, fn in q.TERMS.items() if name in needed}
+    parts, per_seq = _eager_sums(sums, terms, thr, index) if stacked else _direct_sums(sums, terms, thr, index, tables)
+    return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(t["keep"], t["r"], t["a"], stacked),
+            *_sequence_sums(per_seq, thresholds), _abs_sample(t["a"], t["keep"], exact_quantiles)]
+
+
+def _extremes(keep: torch.Tensor, r: torch.Tensor, a: torch.Tensor, stacked: bool) -> torch.Tensor:
+    """max r, -min r and max |r| over the valid set [3] (-inf, -big or 0 without one: not read then)."""
+    if stacked:                                                             # as one group (fewer operations)
+        return torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2)) if keep.numel() else r.new_zeros(3)
+    big, off = torch.finfo(r.dtype).max / 4, keep - 1.0                   # r moved by -big / +big off it
+    high, low = torch.add(r, off, alpha=big).amax(), torch.sub(r, off, alpha=big).amin()
+    return torch.stack([high, -low, torch.maximum(high, -low)])
 
 
 def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
@@ -317,59 +307,62 @@ def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
     y = torch.stack([terms[s.term] for s in plain])
     groups = [y]
     squares = [terms[s.term] for s in sums if s.square]
-    if squares:
-        sq = torch.stack(squares)
-        groups.append(sq * sq)
+    groups += [torch.stack(squares).square()] if squares else []
     against = [s for s in sums if s.against]
     if against:
         x = terms[against[0].term] if len({s.term for s in against}) == 1 else torch.stack(
             [terms[s.term] for s in against])
-        at = thr[_threshold_slice([s.against for s in against])].view(-1, 1, 1)
+        names = [s.against for s in against]
+        at = cached(("at", 3, *names), lambda: thr[_threshold_slice(names)].view(-1, 1, 1), on=thr)
         groups.append((x - at) * _signs(against, thr.dtype, thr.device, 3) > 0)
-    parts = [p for g in groups for p in _row_sums(g)]
-    for by in dict.fromkeys(s.by for s in sums if s.by):
-        of = torch.stack([terms[s.term] for s in sums if s.by == by])
-        parts.append(_split_sums(of, index[by].expand(y.shape[1:]), len(q.BY_LABELS[by])))
-    return parts, y[:2].sum(-1)
+    by_sums = [s for s in sums if s.by]
+    # Float32 sums of a chunk's rows are exact for counts (at most STACK_MAX_TOKENS < 2**24 positions).
+    return [g.sum((1, 2)) for g in groups] + ([_split_sums(by_sums, terms, index)] if by_sums else []), y[:2].sum(-1)
 
 
-def _split_sums(of: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
-    """Sums of each term of ``of`` [n, B, T] by ``index`` [B, T] (0 .. width - 1; ``width``: none),
-    [n * width] term by term. On CPU one float64 bincount; elsewhere 0/1 rows by broadcasting, one
-    sum (no float atomics: the same values on every device)."""
-    n, device = of.shape[0], of.device
-    if device.type == "cpu":
-        offsets = cached(("by_offsets", n, width), lambda: torch.arange(n).view(-1, 1) * (width + 1))
-        flat = (index.reshape(1, -1) + offsets).reshape(-1)
-        counts = torch.bincount(flat, of.reshape(-1), n * (width + 1))       # float64 sums
-        return counts.view(n, width + 1)[:, :width].reshape(-1)
-    one_hot = index == cached(("by", width, device), lambda: torch.arange(width, device=device).view(-1, 1, 1))
-    return _row_sums((of.unsqueeze(1) * one_hot).flatten(0, 1))[0]
+def _split_sums(by_sums: list, terms: dict[str, torch.Tensor], index: dict[str, torch.Tensor | None]) -> torch.Tensor:
+    """The ``by`` sums, each of its term by its index (0 .. width - 1; width: none), one after another:
+    one bincount of every term at its index plus its first bin (its labels, then one for none)."""
+    shape, widths = terms["r"].shape, tuple(len(q.BY_LABELS[s.by]) for s in by_sums)
+    starts = [sum(widths[:i]) + i for i in range(len(widths))]
+    offsets = cached(("by_offsets", widths), lambda: torch.tensor(starts).view(-1, 1, 1))
+    at = torch.stack([index[s.by] if index[s.by].shape == shape else index[s.by].expand(shape) for s in by_sums])
+    of = torch.stack([terms[s.term] for s in by_sums])
+    counts = torch.bincount((at + offsets).reshape(-1), of.reshape(-1), sum(widths) + len(widths))
+    return counts[cached(("by_labels", widths), lambda: torch.cat(
+        [torch.arange(w) + o for w, o in zip(widths, starts)]))]
 
 
-def _compiled_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
-                   index: dict[str, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Compiled: one float64 reduction per sum (exact counts), in the eager order. Inductor fuses
-    reductions over the same positions into a few loops and never writes a row; a stack of the rows
-    feeding one reduction would instead be materialised ([B, T, K] float64, 8 K bytes per position:
-    several times the inputs; tests/test_engine.py forbids it)."""
-    order = list(q.THRESHOLDS)
-    edges = order.index("edges")
+def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor, index: dict[str, torch.Tensor | None],
+                 tables: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One reduction per sum, in the eager order (compiled, large eager chunks, other devices): nothing
+    stacked is written. Compiled, inductor fuses the reductions over the same positions into a few
+    loops (a stack feeding one reduction would be materialised, [B, T, K] float64: several times the
+    inputs; tests/test_engine.py forbids it), float64 for exact counts. On CPU each ``by`` sum is one
+    bincount by ``index`` then, where ``tables`` maps its values to labels, one by the table;
+    elsewhere one 0/1 row per label (no float atomics: the same values on every device)."""
+    compiling = torch.compiler.is_compiling()
+    rows_by = compiling or terms["r"].device.type != "cpu"
+    dtype = torch.float64 if compiling or terms["r"].numel() > _EXACT_F32_COUNT else None
     rows = []
     for s in sums:
         x = terms[s.term]
         if s.square:
             rows.append(x * x)
         elif s.against:
-            i = order.index(s.against)
-            t = thr[i if i < edges else i - len(order)]
-            rows.append(x > t if s.above else x < t)
-        elif s.by:
+            t = thr[q.THRESHOLDS.index(s.against)]
+            d = x - t if s.above else t - x          # > 0 where x > t (x < t): x - t is 0 only where x == t
+            rows.append(d > 0 if compiling else d.sign_().clamp_(min=0.0))
+        elif rows_by and s.by:
             rows += [torch.where(index[s.by] == k, x, 0.0) for k in range(len(q.BY_LABELS[s.by]))]
-        else:
+        elif not s.by:
             rows.append(x)
-    sums_ = torch.stack([row.sum(dtype=torch.float64) for row in rows])
-    return [sums_], torch.stack([terms["keep"].sum(-1), terms["r"].sum(-1)])
+    parts = [torch.stack([row.sum(dtype=dtype) for row in rows])]
+    for s in (s for s in sums if s.by and not rows_by):
+        width, table, at = len(q.BY_LABELS[s.by]), tables.get(s.by), index[s.by].expand(terms["r"].shape).reshape(-1)
+        split = torch.bincount(at, terms[s.term].reshape(-1), width + 1 if table is None else table.numel())
+        parts.append((split if table is None else torch.bincount(table, split, width + 1))[:width])
+    return parts, torch.stack([terms["keep"].sum(-1), terms["r"].sum(-1)])
 
 
 def _sequence_sums(per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torch.Tensor]:
@@ -381,7 +374,8 @@ def _sequence_sums(per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torc
     terms = {"has": valid_count > 0, "abs": seq_abs, "chi2": torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))}
     plain = [terms[s.term] for s in q.SEQ_SUMS if not s.against]
     against = [s for s in q.SEQ_SUMS if s.against]
-    at = thresholds[_threshold_slice([s.against for s in against])].view(-1, 1)
+    names = [s.against for s in against]
+    at = cached(("at", 2, *names), lambda: thresholds[_threshold_slice(names)].view(-1, 1), on=thresholds)
     rows = torch.cat([torch.stack(plain), (seq_r - at) * _signs(against, torch.float64, seq_r.device, 2) > 0])
     return [rows.sum(-1), seq_abs.amax(0, keepdim=True) if seq_abs.numel() else seq_abs.new_zeros(1)]
 
@@ -390,7 +384,7 @@ def _abs_sample(a: torch.Tensor, keep: torch.Tensor, exact: bool) -> torch.Tenso
     """What the |r| quantiles need of a chunk: exact, |r| on the valid set and +inf off it (flat);
     else the counts of its float32 bit patterns >> ABS_SHIFT (int64 [65536], zeros included)."""
     if exact:
-        return torch.where(keep, a, torch.inf).reshape(-1)
+        return torch.where(keep if keep.dtype == torch.bool else keep > 0, a, torch.inf).reshape(-1)
     a32 = a if a.dtype == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).float()
     return count_into(1 << (31 - ABS_SHIFT), torch.bitwise_right_shift(a32.view(torch.int32), ABS_SHIFT)).long()
 

@@ -51,10 +51,10 @@ TERMS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "rs": lambda t: t["r"] * t["s"],
 }
 
-#: The ``thresholds`` input of the fused function, by name: (C - 1, 1/C - 1, low - 1, high - 1, the
-#: log-probability band edges, log C, -log C, log low, log high), C the TIS cap, [low, high] the MIS band.
-THRESHOLDS = ("cap_em1", "inv_cap_em1", "low_em1", "high_em1", "edges", "log_cap", "neg_log_cap", "log_low",
-              "log_high")
+#: The ``thresholds`` input of the fused function, by name: (C - 1, 1/C - 1, low - 1, high - 1, log C,
+#: -log C, log low, log high, then the log-probability band edges), C the TIS cap, [low, high] the MIS band.
+THRESHOLDS = ("cap_em1", "inv_cap_em1", "low_em1", "high_em1", "log_cap", "neg_log_cap", "log_low", "log_high",
+              "edges")
 
 
 @dataclass(frozen=True)

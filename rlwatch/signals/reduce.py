@@ -20,14 +20,16 @@ ABS_NBINS = ((127 + 24) << 8) - ABS_FIRST + 2   # + the zero bin and the top bin
 _CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def cached(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+def cached(key: tuple, make: Callable[[], torch.Tensor], on: torch.Tensor | None = None) -> torch.Tensor:
     """A small constant tensor made once per process and key when eager (a host-to-device copy or an
-    operation less per step); compiled code makes it inline (a constant of the graph)."""
+    operation less per step), or once per ``on`` (an input it is made from, where it is kept);
+    compiled code makes it inline (a constant of the graph)."""
     if torch.compiler.is_compiling():
         return make()
-    tensor = _CACHE.get(key)
+    store = _CACHE if on is None else on.__dict__.setdefault("_rlwatch_cached", {})
+    tensor = store.get(key)
     if tensor is None:          # read-only, so one made in inference mode serves outside it too
-        tensor = _CACHE[key] = make()
+        tensor = store[key] = make()
     return tensor
 
 

@@ -32,8 +32,8 @@ def _fused_constants(config: SignalConfig, device: torch.device) -> tuple[torch.
     """thresholds (as :data:`.quantities.THRESHOLDS` names them), the |r| bin midpoints, the lag
     bucket bounds, the quantiles and the smallest lag over the staleness bound."""
     cap, (low, high) = config.is_cap, config.mis_band
-    thresholds = constant((cap - 1.0, 1.0 / cap - 1.0, low - 1.0, high - 1.0, *_BAND_THRESHOLDS,
-                           math.log(cap), -math.log(cap), math.log(low), math.log(high)), device)
+    thresholds = constant((cap - 1.0, 1.0 / cap - 1.0, low - 1.0, high - 1.0, math.log(cap), -math.log(cap),
+                           math.log(low), math.log(high), *_BAND_THRESHOLDS), device)
     return (thresholds, abs_bin_values(device), constant(LAG_BUCKETS, device, torch.int64),
             constant((0.5, 0.99), device),
             constant((float(math.floor(config.staleness_bound)) + 1.0,), device).reshape(()))
