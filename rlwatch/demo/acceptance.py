@@ -240,7 +240,7 @@ def score(outcomes: list[Outcome]) -> dict[str, object]:
     def hack_envs(o: Outcome) -> set[str]:
         return {e.labels.get("env", "") for e in o.firings() if e.name == "RLWatchRewardHackRateRising"}
 
-    buggy = {spec.name: spec.buggy_env for spec in specs(TUNING_SEEDS + TEST_SEEDS)}
+    buggy = {o.run: RunSpec(o.family, o.scenario, o.seed).buggy_env for o in hack}      # any seed
     took_hold = [o for o in hack if o.hack_took_hold]
     return {
         "runs": len(outcomes), "runs_failed": len(outcomes) - len(ok),
