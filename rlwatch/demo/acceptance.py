@@ -333,7 +333,8 @@ def tune(traces: list[dict], base: dict[str, float]) -> tuple[dict[str, float], 
     its feasible bounds (the lower one of two): a margin on both sides, healthy pages below, late
     collapses above. Else the quietest with the best recall."""
     tried = []
-    for lag, (hits, steps), ess in itertools.product(*list(TUNED.values())[1:]):
+    others = (TUNED["lag_critical_factor"], TUNED["intermittent"], TUNED["ess_min"])
+    for lag, (hits, steps), ess in itertools.product(*others):
         feasible = []
         for kl in TUNED["kl_k3_max"]:
             overrides = {**base, "kl_k3_max": kl, "lag_critical_factor": lag, "intermittent_hits": hits,
