@@ -122,7 +122,8 @@ def replay(trace: dict, overrides: dict[str, float]) -> Outcome:
                 values.update(extra)
         evaluator.on_step(step, values)
     events = [Event(e.name, e.severity, e.state, int(e.step), dict(e.labels), e.value) for e in evaluator.events]
-    # Ground truth of a hack run: the buggy grader's exploit took hold when, over some 10 steps, at
+    # Ground truth of a hack run: the buggy grader's exploit took hold when, over some 10 consecutive
+    # steps of the run (a whole window: not a last step or two, which no pager could see in time), at
     # least HACK_HOLD of the buggy environment's episodes got reward 1 while the true checker failed
     # them (what the verifier_disagreement detector counts, on every episode).
     hacked = [v.get("episodes_hacked_total", {}).get((spec.buggy_env, "verifier_disagreement"), 0.0)
@@ -130,7 +131,7 @@ def replay(trace: dict, overrides: dict[str, float]) -> Outcome:
     judged = [v.get("episodes_judged_total", {}).get((spec.buggy_env, "verifier_disagreement"), 0.0)
               for _, v in trace["steps"]]
     took_hold = any(sum(judged[i:i + 10]) and sum(hacked[i:i + 10]) / sum(judged[i:i + 10]) >= HACK_HOLD
-                    for i in range(len(hacked)))
+                    for i in range(max(1, len(hacked) - 9)))
     firing = sorted({e.name for e in evaluator.firing()})
     evaluator.close()
     return Outcome(run=spec.name, family=spec.family, scenario=spec.scenario, kind=spec.kind, seed=spec.seed,
@@ -258,7 +259,12 @@ def score(outcomes: list[Outcome]) -> dict[str, object]:
         "intermittent_runs": len(intermittent), "intermittent_ok": sum(intermittent_ok(o) for o in intermittent),
         "hack_runs": len(hack), "hack_took_hold": len(took_hold),
         "hack_buggy_env_only": sum(hack_envs(o) == {buggy[o.run]} for o in took_hold),
-        "hack_alert_without_a_hack": sum(bool(hack_envs(o)) for o in ok if not o.hack_took_hold),
+        # A false hack alert names an environment whose grader is sound: any on a run without the bug,
+        # another environment on a hack run. On the buggy environment it is not false even when the
+        # exploit stayed below HACK_HOLD: episodes were hacked, at the rate the alert claims.
+        "hack_alert_on_a_sound_grader": sum(bool(hack_envs(o) - ({buggy[o.run]} if o.kind == "hack" else set()))
+                                            for o in ok),
+        "hack_alert_below_hold": sum(bool(hack_envs(o)) for o in hack if not o.hack_took_hold),
         "infra_runs": len(infra),
         "infra_warned": sum(any(e.name == "RLWatchInfraFailureRateHigh" for e in o.firings()) for o in infra),
         "lag_fault_runs": len(lag_fault), "lag_fault_paged": sum(bool(o.firings("critical")) for o in lag_fault),
@@ -290,7 +296,7 @@ def bars(s: dict) -> dict[str, bool]:
         "intermittent faults critical within 10 steps of the first faulty step": (s["intermittent_ok"]
                                                                                   == s["intermittent_runs"]),
         "hack alert on the hacked environment only": (s["hack_buggy_env_only"] == s["hack_took_hold"]
-                                                      and s["hack_alert_without_a_hack"] == 0),
+                                                      and s["hack_alert_on_a_sound_grader"] == 0),
     }
 
 
@@ -329,27 +335,56 @@ def per_alert(outcomes: list[Outcome]) -> dict[str, dict[str, object]]:
 def tune(traces: list[dict], base: dict[str, float]) -> tuple[dict[str, float], list[dict]]:
     """Choose TUNED's thresholds on the tuning traces. For each combination of the other thresholds
     (the catalogue's lag factor first, then the most sensitive intermittent window, then the largest
-    ESS floor), the KL bounds that meet every bar; the first combination with any, at the median of
-    its feasible bounds (the lower one of two): a margin on both sides, healthy pages below, late
-    collapses above. Else the quietest with the best recall."""
-    tried = []
+    ESS floor), the KL bounds of the grid that meet every bar; at the first combination with any, the
+    feasible interval's two edges are found by bisection (in log space, to 5%) and the bound is their
+    geometric midpoint: the same ratio of margin to the first healthy page below and to the first
+    missed fault above. Else the quietest with the best recall."""
+    tried: list[dict] = []
     others = (TUNED["lag_critical_factor"], TUNED["intermittent"], TUNED["ess_min"])
     for lag, (hits, steps), ess in itertools.product(*others):
-        feasible = []
-        for kl in TUNED["kl_k3_max"]:
-            overrides = {**base, "kl_k3_max": kl, "lag_critical_factor": lag, "intermittent_hits": hits,
-                         "intermittent_steps": steps, "ess_min": ess}
-            s = score([replay(t, overrides) for t in traces])
-            tried.append({**{k: overrides[k] for k in TUNED_PARAMS}, **{k: s[k] for k in (
-                "healthy_critical_pages", "collapsed_paged_before", "collapsed", "lead_median", "intermittent_ok",
-                "intermittent_runs", "flaps")}})
-            if all(bars(s).values()):
-                feasible.append(overrides)
+        fixed = {**base, "lag_critical_factor": lag, "intermittent_hits": hits, "intermittent_steps": steps,
+                 "ess_min": ess}
+        grid = TUNED["kl_k3_max"]
+        feasible = [kl for kl in grid if _meets_bars(traces, fixed, kl, tried)]
         if feasible:
-            return feasible[(len(feasible) - 1) // 2], tried
+            return {**fixed, "kl_k3_max": _midpoint(traces, fixed, grid, feasible, tried)}, tried
     quiet = [t for t in tried if t["healthy_critical_pages"] == 0] or tried
     best = max(quiet, key=lambda t: (t["collapsed_paged_before"] + t["intermittent_ok"], -t["flaps"]))
     return {**base, **{k: best[k] for k in TUNED_PARAMS}}, tried
+
+
+def _meets_bars(traces: list[dict], fixed: dict[str, float], kl: float, tried: list[dict]) -> bool:
+    """Replay ``traces`` at ``fixed`` with KL bound ``kl``; record the candidate in ``tried``."""
+    overrides = {**fixed, "kl_k3_max": kl}
+    s = score([replay(t, overrides) for t in traces])
+    tried.append({**{k: overrides[k] for k in TUNED_PARAMS}, **{k: s[k] for k in (
+        "healthy_critical_pages", "collapsed_paged_before", "collapsed", "lead_median", "intermittent_ok",
+        "intermittent_runs", "flaps")}})
+    return all(bars(s).values())
+
+
+def _midpoint(traces: list[dict], fixed: dict[str, float], grid: tuple, feasible: list[float],
+              tried: list[dict], resolution: float = 1.05) -> float:
+    """The geometric midpoint of the feasible KL interval around the grid's ``feasible`` bounds, its
+    edges bisected against the nearest infeasible grid bounds (an edge at the grid's end stays there);
+    the median feasible grid bound (the lower of two) if the midpoint itself misses a bar."""
+    def edge(good: float, bad: float | None) -> float:
+        while bad is not None and max(good, bad) / min(good, bad) > resolution:
+            middle = float(f"{(good * bad) ** 0.5:.3g}")
+            if middle in (good, bad):
+                break
+            if _meets_bars(traces, fixed, middle, tried):
+                good = middle
+            else:
+                bad = middle
+        return good
+
+    below = [kl for kl in grid if kl < feasible[0]]
+    above = [kl for kl in grid if kl > feasible[-1]]
+    low = edge(feasible[0], below[-1] if below else None)
+    high = edge(feasible[-1], above[0] if above else None)
+    middle = float(f"{(low * high) ** 0.5:.2g}")
+    return middle if _meets_bars(traces, fixed, middle, tried) else feasible[(len(feasible) - 1) // 2]
 
 
 # --- report -------------------------------------------------------------------------------------------

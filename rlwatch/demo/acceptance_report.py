@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .acceptance import STALENESS_BOUND, TUNED_PARAMS, Outcome
+from .acceptance import STALENESS_BOUND, TUNED_PARAMS, Outcome, bars, score
 from .matrix import FAMILIES
 
 
@@ -50,6 +50,10 @@ def markdown(command: str, at: dict[str, dict], tried: list[dict], summaries: di
         f"{agreement.get('steps', 0)} steps each with a step every {agreement.get('step_seconds', '-')} s; "
         f"tuned) | - | {yes(agreement['ok']) if agreement else 'not run'} |",
         "",
+        "## Bars per test seed (tuned thresholds)",
+        "",
+        *_per_seed(outcomes),
+        "",
         "## Summary (test split)",
         "",
         "| measure | shipped defaults | tuned |", "|---|---|---|",
@@ -61,6 +65,11 @@ def markdown(command: str, at: dict[str, dict], tried: list[dict], summaries: di
         *_table([{"alert": name, **row} for name, row in alerts.items()]),
         "",
         "## Tuning (tuning split), candidates in the order tried",
+        "",
+        "The rule (`rlwatch.demo.acceptance.tune`): for each combination of lag factor, intermittent window and "
+        "ESS floor in this order, the grid's KL bounds are tried; at the first combination where any meets every "
+        "bar, the edges of the feasible interval are bisected (log space, to 5%) against the nearest grid bounds "
+        "that miss a bar, and the bound is the geometric midpoint of the two edges (rows after the grid).",
         "",
         *_table(tried),
         "",
@@ -91,6 +100,19 @@ def _runs(outcomes: list[Outcome]) -> list[str]:
                      f"{o.lead if o.lead is not None else '-'} | {', '.join(crit) or '-'} | "
                      f"{', '.join(warn) or '-'} | {o.flaps} |" + (f" error: {o.error}" if o.error else ""))
     return lines
+
+
+def _per_seed(outcomes: list[Outcome]) -> list[str]:
+    rows = []
+    for seed in sorted({o.seed for o in outcomes}):
+        s = score([o for o in outcomes if o.seed == seed])
+        rows.append({"seed": seed, "healthy pages": s["healthy_critical_pages"], "flaps": s["flaps"],
+                     "collapses paged before": f"{s['collapsed_paged_before']}/{s['collapsed']}",
+                     "intermittent": f"{s['intermittent_ok']}/{s['intermittent_runs']}",
+                     "semantic": f"{s['semantic_ok']}/{s['semantic_runs']}",
+                     "hack (took hold: buggy env only)": f"{s['hack_buggy_env_only']}/{s['hack_took_hold']}",
+                     "every bar": "yes" if all(bars(s).values()) else "**no**"})
+    return _table(rows)
 
 
 def _short(name: str) -> str:
