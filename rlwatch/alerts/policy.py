@@ -55,18 +55,18 @@ The catalogue enforces it; `tests/test_alert_rules.py` and the acceptance report
   fires only for a target that answered in the last hour. The Alertmanager inhibitions only act
   between alerts of the same, non-empty run or instance and never touch RLWatchWatchdog.
 
-Measured (`alerts/acceptance.md`: the full matrix, 20 scenarios x 2 policy families, 240 test runs
-on seeds 3-8, thresholds tuned on seeds 0-2). **At the shipped defaults** (`kl_k3_max`=0.1,
+Measured (`alerts/acceptance.md`: the full matrix, 20 scenarios x 2 policy families, 360 test runs
+on seeds 3-11, thresholds tuned on seeds 0-2). **At the shipped defaults** (`kl_k3_max`=0.1,
 `intermittent_hits`=2 of `intermittent_steps`=4, `ess_min`=0.3, set for language models) the toy
-policies page 58 times on 108 healthy runs: their k3 between consecutive versions is 10-100x a large
+policies page 87 times on 162 healthy runs: their k3 between consecutive versions is 10-100x a large
 model's; every collapse and semantic fault still pages in time. **At the thresholds tuned for them**
-(`kl_k3_max`=1, `lag_critical_factor`=1.5, `kl_jump_floor`=1, the rest the defaults): 3 critical
-pages on 2 of 108 healthy runs (policies at the staleness bound whose k3 reaches 1-1.3 as they
-sharpen) and 1 critical flap: the bar of no healthy page is not met on held-out seeds. All 24 runs
-that collapsed paged before it (median lead 21 steps, 0.81 of the steps to the collapse), every
-intermittent fault (a bad sampler on every second or third step) critical within 10 steps, every
-semantic fault critical, the reward-hack alert on the hacked environment only in 7 of the 8 runs where
-the hack took hold (one raised none), and the process and Prometheus fired the same alerts with a
-step every 1 s, 10 s and 10 min. Warnings are not pages: the same healthy runs raised 248, mostly
-entropy collapse, drift and zero-variance groups of toy policies that sharpen fast.
+(`kl_k3_max`=1.7, `lag_critical_factor`=1.5, `kl_jump_floor`=1, the rest the defaults): 0 critical
+pages on 162 healthy runs and 0 flaps; all 36 runs that collapsed paged before it (median lead 19.5
+steps, 0.80 of the steps to the collapse), every intermittent fault (a bad sampler on every second or
+third step) critical within 10 steps, every semantic fault critical, the reward-hack alert on the
+hacked environment only in the 10 runs where the hack took hold and never on a sound grader, and the
+process and Prometheus fired the same alerts with a step every 1 s, 10 s and 10 min. Seeds 9-11 were
+trained after the tuning rule was fixed and meet every bar on their own. Warnings are not pages: the
+same healthy runs raised 372, mostly entropy collapse, drift and zero-variance groups of toy policies
+that sharpen fast.
 """
