@@ -17,31 +17,26 @@ def _thresholds_text(thresholds: dict[str, float]) -> str:
     return ", ".join(f"`{k}`={thresholds.get(k, PARAMS[k].default):g}" for k in TUNED_PARAMS)
 
 
+TUNING_RULE = (
+    "The rule (`rlwatch.demo.acceptance.tune`): for each combination of lag factor, intermittent window and ESS "
+    "floor in this order, the grid's KL bounds are tried; at the first combination where any meets every bar, "
+    "the edges of the feasible interval are bisected (log space, to 5%) against the nearest grid bounds that "
+    "miss a bar, and the bound is the geometric midpoint of the two edges (rows after the grid).")
+
+
+SCALE_FREE = ("A critical condition on k3 divided by the policy's mean token entropy, opened as RLWatchKLSpike "
+              "is (2 steps running or the intermittent window), at each bound; a shipped default would have to "
+              "meet the bars on this matrix and mean the same on a language model.")
+
+
 def markdown(command: str, at: dict[str, dict], tried: list[dict], summaries: dict[str, dict],
              checks: dict[str, dict], alerts: dict, outcomes: list[Outcome], agreement: dict, seconds: float,
              split: dict, ratio: dict[str, list[dict]]) -> str:
     """The report: bars and summary at the shipped defaults and at the tuned thresholds side by side,
     the tuned thresholds' per-alert table and runs, the tuning, the scale-free trial."""
-    fams = ", ".join(f"`{name}` ({FAMILIES[name]['policy']} on {FAMILIES[name]['tasks']})"
-                     for name in split["families"])
     yes = lambda ok: "yes" if ok else "**no**"  # noqa: E731
     lines = [
-        "<!-- Written by `python -m rlwatch.demo.acceptance`. -->",
-        "# Alert acceptance report",
-        "",
-        f"Command: `{command}` ({seconds:.0f} s of replay; the traces were trained once by "
-        "`python -m rlwatch.demo.matrix`).",
-        "",
-        f"Matrix: {len(split['scenarios'])} scenarios ({', '.join(split['scenarios'])}) x {len(split['families'])} "
-        f"families ({fams}) x seeds: {split['tuning_runs']} tuning runs (seeds {list(split['tuning_seeds'])}), "
-        f"{len(outcomes)} test runs (seeds {list(split['test_seeds'])}); staleness bound {STALENESS_BOUND}; kinds "
-        "of run as in `rlwatch.demo.matrix.SCENARIOS`.",
-        "",
-        "Two sets of thresholds, each labelled in every table: **shipped defaults** (the catalogue's, what a run "
-        f"gets without overrides: {_thresholds_text(at['shipped'])}) and **tuned** (chosen on the tuning split "
-        f"for these toy policies: {_thresholds_text(at['tuned'])}; also "
-        + ", ".join(f"`{k}`={v:g}" for k, v in at["tuned"].items() if k not in TUNED_PARAMS) + ").",
-        "",
+        *_header(command, at, outcomes, seconds, split),
         "## Bars (test split)",
         "",
         "| bar | shipped defaults | tuned |", "|---|---|---|",
@@ -66,18 +61,13 @@ def markdown(command: str, at: dict[str, dict], tried: list[dict], summaries: di
         "",
         "## Tuning (tuning split), candidates in the order tried",
         "",
-        "The rule (`rlwatch.demo.acceptance.tune`): for each combination of lag factor, intermittent window and "
-        "ESS floor in this order, the grid's KL bounds are tried; at the first combination where any meets every "
-        "bar, the edges of the feasible interval are bisected (log space, to 5%) against the nearest grid bounds "
-        "that miss a bar, and the bound is the geometric midpoint of the two edges (rows after the grid).",
+        TUNING_RULE,
         "",
         *_table(tried),
         "",
         "## Scale-free trial: k3 / mean token entropy (not shipped)",
         "",
-        "A critical condition on k3 divided by the policy's mean token entropy, opened as RLWatchKLSpike is (2 "
-        "steps running or the intermittent window), at each bound; a shipped default would have to meet the "
-        "bars on this matrix and mean the same on a language model.",
+        SCALE_FREE,
         "",
         "Tuning split:", "", *_table(ratio["tuning"]), "", "Test split:", "", *_table(ratio["test"]),
         "",
@@ -100,6 +90,29 @@ def _runs(outcomes: list[Outcome]) -> list[str]:
                      f"{o.lead if o.lead is not None else '-'} | {', '.join(crit) or '-'} | "
                      f"{', '.join(warn) or '-'} | {o.flaps} |" + (f" error: {o.error}" if o.error else ""))
     return lines
+
+
+def _header(command: str, at: dict[str, dict], outcomes: list[Outcome], seconds: float, split: dict) -> list[str]:
+    fams = ", ".join(f"`{name}` ({FAMILIES[name]['policy']} on {FAMILIES[name]['tasks']})"
+                     for name in split["families"])
+    return [
+        "<!-- Written by `python -m rlwatch.demo.acceptance`. -->",
+        "# Alert acceptance report",
+        "",
+        f"Command: `{command}` ({seconds:.0f} s of replay; the traces were trained once by "
+        "`python -m rlwatch.demo.matrix`).",
+        "",
+        f"Matrix: {len(split['scenarios'])} scenarios ({', '.join(split['scenarios'])}) x {len(split['families'])} "
+        f"families ({fams}) x seeds: {split['tuning_runs']} tuning runs (seeds {list(split['tuning_seeds'])}), "
+        f"{len(outcomes)} test runs (seeds {list(split['test_seeds'])}); staleness bound {STALENESS_BOUND}; kinds "
+        "of run as in `rlwatch.demo.matrix.SCENARIOS`.",
+        "",
+        "Two sets of thresholds, each labelled in every table: **shipped defaults** (the catalogue's, what a run "
+        f"gets without overrides: {_thresholds_text(at['shipped'])}) and **tuned** (chosen on the tuning split "
+        f"for these toy policies: {_thresholds_text(at['tuned'])}; also "
+        + ", ".join(f"`{k}`={v:g}" for k, v in at["tuned"].items() if k not in TUNED_PARAMS) + ").",
+        "",
+    ]
 
 
 def _per_seed(outcomes: list[Outcome]) -> list[str]:
