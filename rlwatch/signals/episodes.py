@@ -77,15 +77,13 @@ def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor 
             parts.append(reward_range)
             if envs:
                 e.update(_pairs(index, env_index, env_slots.shape[0], zero_var))
-    rows = q.episode_rows(rewards is not None, groups, envs, truncated is not None)
-    wanted = {row.name for row in rows if row.term is not None}
-    for row in q.EPISODE_ROWS:                  # in declaration order: a term may read an earlier row
-        if row.name in wanted:
-            e[row.name] = row.term(e)
-    width = sum(row.per_env for row in rows) + (hacked.shape[0] if hacked is not None else 0)
-    sums = _reduce([e[row.name] for row in rows if row.term is not None], hacked, group_rows,
+    rows, termed, per_env = q.episode_rows(rewards is not None, groups, envs, truncated is not None)
+    for row in termed:                          # in declaration order: a term may read an earlier row
+        e[row.name] = row.term(e)
+    width = per_env + (hacked.shape[0] if hacked is not None else 0)
+    sums = _reduce([e[row.name] for row in rows[:len(termed)]], hacked, group_rows,
                    env_index if envs else None, env_slots.shape[0] if envs else 0, width, compiled)
-    return torch.cat([*sums[:2], *parts, _length_order_statistics(per_seq.sort().values), *sums[2:]])
+    return torch.cat([*sums[:2], *parts, _length_order_statistics(lengths.sort().values), *sums[2:]])
 
 
 def _reduce(main: list[torch.Tensor], hacked: torch.Tensor | None, group_rows: list[torch.Tensor],

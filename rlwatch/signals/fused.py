@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextlib
 from bisect import bisect_left
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from . import quantities as q
 from . import settings
-from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT, cached, count_into
+from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT, cached, count_into, plan
 from .settings import LAG_BINS, SAFETY_BOUND
 
 LAG_SIZE = LAG_BINS + 1                 # bin k holds lag k - 1; bin 0 off-mask and negative lags
@@ -42,30 +42,39 @@ _EXACT_F32_COUNT = 1 << 24
 # Eager CPU steps of this many positions or more run on one intra-op thread: their reductions would
 # otherwise wake other threads for microseconds of work (and stall for milliseconds on a busy host).
 _ONE_THREAD = 4096
-_MEMO: dict = {}
 
 
-def _memo(key: tuple, make: Callable[[], Any]) -> Any:
-    """``make()`` once per key and declaration (``TOKEN_SUMS``, ``SEQ_SUMS``: a test may extend them)."""
-    if torch.compiler.is_compiling():
-        return make()
-    hit = _MEMO.get(key)
-    if hit is None or hit[0] is not q.TOKEN_SUMS or hit[1] is not q.SEQ_SUMS:
-        hit = _MEMO[key] = (q.TOKEN_SUMS, q.SEQ_SUMS, make())
-    return hit[2]
-
-
+@plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS))
 def layout(mismatch: bool, lag: bool) -> dict[str, int | slice]:
     """Positions in :func:`token_core`'s output: ``tokens``, the fields of
     :func:`~.quantities.token_fields` (slices for ``by`` sums and ``lag_cum``), then ``compiled`` (1
     when compiled code produced the vector) and ``size``. Read-only."""
-    def make() -> dict[str, int | slice]:
-        at, pos = 1, {"tokens": 0}
-        for name, width in q.token_fields(mismatch, lag):
-            pos[name], at = (slice(at, at + width), at + width) if width else (at, at + 1)
-        pos["compiled"], pos["size"] = at, at + 1
-        return pos
-    return _memo(("layout", mismatch, lag), make)
+    at, pos = 1, {"tokens": 0}
+    for name, width in q.token_fields(mismatch, lag):
+        pos[name], at = (slice(at, at + width), at + width) if width else (at, at + 1)
+    pos["compiled"], pos["size"] = at, at + 1
+    return pos
+
+
+@plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS))
+def _plan(lag: bool) -> dict[str, Any]:
+    """What the token sums of a step (with per-token lags or not) need of the declaration: the sums in
+    the vector's order, the terms they read, the terms of each kind of sum, the thresholds and signs
+    of the counts, the ``by`` sums with their widths and offsets, and the same for the sequence sums."""
+    sums = q.token_sums(lag)
+    needed, against = {s.term for s in sums}, [s for s in sums if s.against]
+    by, seq_against = [s for s in sums if s.by], [s for s in q.SEQ_SUMS if s.against]
+    widths = tuple(len(q.BY_LABELS[s.by]) for s in by)
+    plain, squares = [s.term for s in sums if not (s.square or s.against or s.by)], [s.term for s in sums if s.square]
+    rows = [plain.index(term) if term in plain else -1 for term in squares]
+    if rows and rows[0] >= 0 and rows == list(range(rows[0], rows[0] + len(rows))):   # plain rows: a slice, no stack
+        squares = slice(rows[0], rows[0] + len(rows))
+    return dict(sums=sums, terms=[(name, fn) for name, fn in q.TERMS.items() if name in needed],
+                plain=plain, squares=squares, against=[s.term for s in against],
+                at=tuple(s.against for s in against), signs=tuple(1.0 if s.above else -1.0 for s in against),
+                by=by, widths=widths, starts=[sum(widths[:i]) + i for i in range(len(widths))],
+                seq_plain=[s.term for s in q.SEQ_SUMS if not s.against], seq_at=tuple(s.against for s in seq_against),
+                seq_signs=tuple(1.0 if s.above else -1.0 for s in seq_against))
 
 
 def _threshold_slice(names: list[str]) -> slice:
@@ -76,10 +85,9 @@ def _threshold_slice(names: list[str]) -> slice:
     return slice(at[0], None if names == ["edges"] else at[0] + len(at))
 
 
-def _signs(sums: list, dtype: torch.dtype, device: torch.device, dims: int) -> torch.Tensor:
+def _signs(signs: tuple[float, ...], dtype: torch.dtype, device: torch.device, dims: int) -> torch.Tensor:
     """+1 / -1 per threshold count (above / below) shaped [k, 1 ...]: (x - t) * sign > 0 is x > t or
     x < t exactly (x - t is 0 only where x == t, and keeps its sign)."""
-    signs = tuple(1.0 if s.above else -1.0 for s in sums)
     return cached(("signs", signs, dtype, device, dims), lambda: torch.tensor(
         signs, dtype=dtype, device=device).view((len(signs),) + (1,) * (dims - 1)))
 
@@ -243,7 +251,8 @@ def _lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tenso
 def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thr: torch.Tensor,
            arithmetic: bool) -> dict[str, torch.Tensor]:
     """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype (``thr``'s);
-    ``keep`` boolean, or 0/1 when ``arithmetic`` (boolean tensors and torch.where are slow on CPU)."""
+    ``keep`` 0/1 and ``valid`` the same set, boolean unless ``arithmetic`` (then ``keep`` itself: boolean
+    tensors and torch.where are slow on CPU)."""
     work = thr.dtype
     trainer = trainer_logp if trainer_logp.dtype == work else trainer_logp.to(work)
     sampler = sampler_logp if sampler_logp.dtype == work else sampler_logp.to(work)
@@ -253,11 +262,13 @@ def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.T
         r = torch.nan_to_num(r, 0.0, 0.0, 0.0).mul_(keep)                 # 0 off the valid set
         s = torch.nan_to_num(sampler * keep, 0.0, 0.0, 0.0)
     else:
-        keep = torch.logical_and(torch.isfinite(r), mask)
-        r, s = torch.where(keep, r, 0.0), torch.where(keep, sampler, 0.0)
+        valid = torch.logical_and(torch.isfinite(r), mask)
+        r, s = torch.where(valid, r, 0.0), torch.where(valid, sampler, 0.0)
+        keep = valid.to(work)           # the stacks of terms mix no dtypes (several times slower on CPU)
     em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1()                    # w - 1, 0 off the valid set
     cap = cached(("cap_em1",), lambda: thr[0], on=thr)
-    return {"keep": keep, "r": r, "s": s, "a": r.abs(), "em1": em1, "em1_t": em1.clamp(max=cap)}  # min(w, C) - 1
+    return {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "a": r.abs(), "em1": em1,
+            "em1_t": em1.clamp(max=cap)}                                # min(w, C) - 1
 
 
 def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
@@ -282,12 +293,12 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
         _LAG_BUCKET_OF_BIN, device=mask.device))}
     if compiling or stacked or not cpu:
         index.update({by: table[index[by]] for by, table in tables.items()})
-    sums = _memo(("sums", lag_bins is not None), lambda: q.token_sums(lag_bins is not None))
-    needed = _memo(("terms", lag_bins is not None), lambda: {s.term for s in sums})
-    terms = {name: fn(t) for name, fn in q.TERMS.items() if name in needed}
-    parts, per_seq = _eager_sums(sums, terms, thr, index) if stacked else _direct_sums(sums, terms, thr, index, tables)
-    return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(t["keep"], t["r"], t["a"], stacked),
-            *_sequence_sums(per_seq, thresholds), _abs_sample(t["a"], t["keep"], exact_quantiles)]
+    plan = _plan(lag_bins is not None)
+    terms = {name: fn(t) for name, fn in plan["terms"]}
+    parts, per_seq = _eager_sums(plan, terms, thr, index) if stacked else _direct_sums(plan["sums"], terms, thr, index,
+                                                                                       tables)
+    return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(t["valid"], t["r"], t["a"], stacked),
+            *_sequence_sums(plan, per_seq, thresholds), _abs_sample(t["a"], t["valid"], exact_quantiles)]
 
 
 def _extremes(keep: torch.Tensor, r: torch.Tensor, a: torch.Tensor, stacked: bool) -> torch.Tensor:
@@ -299,38 +310,37 @@ def _extremes(keep: torch.Tensor, r: torch.Tensor, a: torch.Tensor, stacked: boo
     return torch.stack([high, -low, torch.maximum(high, -low)])
 
 
-def _eager_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
+def _eager_sums(plan: dict[str, Any], terms: dict[str, torch.Tensor], thr: torch.Tensor,
                 index: dict[str, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Eagerly: each kind of sum as one stacked [k, B, T] group reduced at once; and the
     per-sequence sums of the first two (valid tokens, r) [2, B]."""
-    plain = [s for s in sums if not (s.square or s.against or s.by)]
-    y = torch.stack([terms[s.term] for s in plain])
+    y = torch.stack([terms[name] for name in plan["plain"]])
     groups = [y]
-    squares = [terms[s.term] for s in sums if s.square]
-    groups += [torch.stack(squares).square()] if squares else []
-    against = [s for s in sums if s.against]
+    squares = plan["squares"]
+    if squares:
+        groups.append((y[squares] if isinstance(squares, slice) else torch.stack([terms[n] for n in squares])).square())
+    against = plan["against"]
     if against:
-        x = terms[against[0].term] if len({s.term for s in against}) == 1 else torch.stack(
-            [terms[s.term] for s in against])
-        names = [s.against for s in against]
-        at = cached(("at", 3, *names), lambda: thr[_threshold_slice(names)].view(-1, 1, 1), on=thr)
-        groups.append((x - at) * _signs(against, thr.dtype, thr.device, 3) > 0)
-    by_sums = [s for s in sums if s.by]
-    # Float32 sums of a chunk's rows are exact for counts (at most STACK_MAX_TOKENS < 2**24 positions).
-    return [g.sum((1, 2)) for g in groups] + ([_split_sums(by_sums, terms, index)] if by_sums else []), y[:2].sum(-1)
+        x = terms[against[0]] if len(set(against)) == 1 else torch.stack([terms[name] for name in against])
+        at = cached(("at", 3, *plan["at"]), lambda: thr[_threshold_slice(list(plan["at"]))].view(-1, 1, 1), on=thr)
+        groups.append((x - at) * _signs(plan["signs"], thr.dtype, thr.device, 3) > 0)
+    # Float32 sums of a chunk's rows are exact for counts (at most STACK_MAX_TOKENS < 2**24 positions);
+    # summed in the work dtype, the parts concatenate without mixing dtypes.
+    sums = [g.sum((1, 2), dtype=y.dtype) for g in groups]
+    return sums + ([_split_sums(plan, terms, index)] if plan["by"] else []), y[:2].sum(-1)
 
 
-def _split_sums(by_sums: list, terms: dict[str, torch.Tensor], index: dict[str, torch.Tensor | None]) -> torch.Tensor:
+def _split_sums(plan: dict[str, Any], terms: dict[str, torch.Tensor],
+                index: dict[str, torch.Tensor | None]) -> torch.Tensor:
     """The ``by`` sums, each of its term by its index (0 .. width - 1; width: none), one after another:
     one bincount of every term at its index plus its first bin (its labels, then one for none)."""
-    shape, widths = terms["r"].shape, tuple(len(q.BY_LABELS[s.by]) for s in by_sums)
-    starts = [sum(widths[:i]) + i for i in range(len(widths))]
-    offsets = cached(("by_offsets", widths), lambda: torch.tensor(starts).view(-1, 1, 1))
-    at = torch.stack([index[s.by] if index[s.by].shape == shape else index[s.by].expand(shape) for s in by_sums])
-    of = torch.stack([terms[s.term] for s in by_sums])
+    shape, widths = terms["r"].shape, plan["widths"]
+    offsets = cached(("by_offsets", widths), lambda: torch.tensor(plan["starts"]).view(-1, 1, 1))
+    at = torch.stack([index[s.by] if index[s.by].shape == shape else index[s.by].expand(shape) for s in plan["by"]])
+    of = torch.stack([terms[s.term] for s in plan["by"]])
     counts = torch.bincount((at + offsets).reshape(-1), of.reshape(-1), sum(widths) + len(widths))
     return counts[cached(("by_labels", widths), lambda: torch.cat(
-        [torch.arange(w) + o for w, o in zip(widths, starts)]))]
+        [torch.arange(w) + o for w, o in zip(widths, plan["starts"])]))]
 
 
 def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor, index: dict[str, torch.Tensor | None],
@@ -365,18 +375,19 @@ def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor, 
     return parts, torch.stack([terms["keep"].sum(-1), terms["r"].sum(-1)])
 
 
-def _sequence_sums(per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torch.Tensor]:
+def _sequence_sums(plan: dict[str, Any], per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torch.Tensor]:
     """:data:`~.quantities.SEQ_SUMS` [K] float64 and the largest |s_b| [1] from the per-sequence
     valid tokens and sums of r [2, B]. Without a valid token s_b = 0, so every term but the count is 0
     (log C, log high > 0 > -log C, log low)."""
     valid_count, seq_r = per_seq.double().unbind()
     seq_abs = seq_r.abs()
-    terms = {"has": valid_count > 0, "abs": seq_abs, "chi2": torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))}
-    plain = [terms[s.term] for s in q.SEQ_SUMS if not s.against]
-    against = [s for s in q.SEQ_SUMS if s.against]
-    names = [s.against for s in against]
-    at = cached(("at", 2, *names), lambda: thresholds[_threshold_slice(names)].view(-1, 1), on=thresholds)
-    rows = torch.cat([torch.stack(plain), (seq_r - at) * _signs(against, torch.float64, seq_r.device, 2) > 0])
+    # 0/1 as float64 (valid_count is a whole number >= 0; sign then clamp is "> 0"): one dtype in the cat.
+    terms = {"has": valid_count.clamp(max=1.0), "abs": seq_abs,
+             "chi2": torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))}
+    at = cached(("at", 2, *plan["seq_at"]), lambda: thresholds[_threshold_slice(list(plan["seq_at"]))].view(-1, 1),
+                on=thresholds)
+    rows = torch.cat([torch.stack([terms[name] for name in plan["seq_plain"]]),
+                      ((seq_r - at) * _signs(plan["seq_signs"], torch.float64, seq_r.device, 2)).sign_().clamp_(0.0)])
     return [rows.sum(-1), seq_abs.amax(0, keepdim=True) if seq_abs.numel() else seq_abs.new_zeros(1)]
 
 
@@ -414,7 +425,7 @@ def _mismatch_finish(sums: torch.Tensor, extremes: torch.Tensor, seq_sums: torch
                             extremes[2:].double()])
         at = torch.searchsorted(hist.cumsum(0, dtype=torch.float64), lohi, right=True).clamp_max(hist.numel() - 1)
         quantiles = _interpolate(values[at], frac)
-    return [sums, seq_sums, extremes, seq_max, quantiles]
+    return [sums.double(), seq_sums, extremes.double(), seq_max, quantiles]     # one dtype: a faster cat
 
 
 def step_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_logp: torch.Tensor | None,

@@ -70,7 +70,7 @@ class Pending:
             return {}
         if len({t.device for t in tensors}) > 1:
             tensors = [t.cpu() for t in tensors]
-        host = torch.cat(tensors).to(torch.float64).tolist()   # the one host synchronisation of the step
+        host = (torch.cat(tensors) if len(tensors) > 1 else tensors[0]).to(torch.float64).tolist()  # the one sync
         position = [0] * len(self._scalars)
         for at, i in enumerate(i for members in groups.values() for i in members):
             position[i] = at
@@ -92,9 +92,10 @@ class Pending:
             args = [value(p) for p in parts]
             if labels is None:                      # a host() entry: several families at once
                 for family_name, rows in fn(*args).items():
-                    target = out.setdefault(family_name, {})
                     for row, v in rows.items():
-                        target[row] = _finite(v)
+                        if v is not None and not math.isfinite(v):
+                            rows[row] = None
+                    out[family_name] = out[family_name] | rows if family_name in out else rows
                 continue
             out.setdefault(name, {})[labels] = _finite(_apply(fn, args) if fn else args[0])
         return out

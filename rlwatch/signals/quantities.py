@@ -34,6 +34,7 @@ import torch
 from ..metrics import LAG_BUCKET_LABELS, PROB_BIN_LABELS, ZERO_VARIANCE_KINDS
 from ..values import derive_hack_ratios
 from .pending import Values, _div
+from .reduce import plan
 from .settings import LAG_BINS, SAFETY_BOUND
 
 #: Per-token terms from the valid-set tensors ``t`` (keep: 0/1, r, s, a = |r|, em1 = w - 1, em1_t =
@@ -160,21 +161,27 @@ def _needed(needs: str, have: set[str]) -> bool:
     return set(needs.split("+")) <= have
 
 
-def _apply(metrics: tuple[Metric, ...], have: set[str], f: SimpleNamespace,
+@plan(lambda: (METRICS, EPISODE_METRICS))
+def _metrics(level: str, have: frozenset[str]) -> list[tuple[str, Callable[..., Any], str, list]]:
+    """(name, formula, ``by``, [(k, labels)] of a ``by`` slice) of the token or episode metrics whose
+    inputs are all in ``have``."""
+    return [(m.name, m.fn, m.by, list(enumerate((label,) for label in BY_LABELS.get(m.by, ()))))
+            for m in (METRICS if level == "tokens" else EPISODE_METRICS) if _needed(m.needs, have)]
+
+
+def _apply(level: str, have: frozenset[str], f: SimpleNamespace,
            per_env: list[tuple[str, SimpleNamespace]] = (), detectors: list[str] = ()) -> Values:
-    """The values of the ``metrics`` whose inputs are all in ``have``."""
+    """The values of the ``level`` metrics whose inputs are all in ``have``."""
     out: Values = {}
-    for m in metrics:
-        if not _needed(m.needs, have):
-            continue
-        if m.by == "env":
-            out[m.name] = {(name,): m.fn(fe) for name, fe in per_env}
-        elif m.by == "detector":
-            out[m.name] = {(name, d): m.fn(fe, d) for d in detectors for name, fe in per_env}
-        elif m.by:
-            out[m.name] = {(label,): m.fn(f, k) for k, label in enumerate(BY_LABELS[m.by])}
+    for name, fn, by, labels in _metrics(level, have):
+        if by == "env":
+            out[name] = {(env,): fn(fe) for env, fe in per_env}
+        elif by == "detector":
+            out[name] = {(env, d): fn(fe, d) for d in detectors for env, fe in per_env}
+        elif by:
+            out[name] = {label: fn(f, k) for k, label in labels}
         else:
-            out[m.name] = {(): m.fn(f)}
+            out[name] = {(): fn(f)}
     return out
 
 
@@ -270,8 +277,7 @@ METRICS: tuple[Metric, ...] = (
 
 def finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: bool) -> Values:
     """:data:`METRICS` of the inputs present, from the fused vector ``v`` (positions ``pos``)."""
-    return _apply(METRICS, {"tokens"} | ({"mismatch"} if mismatch else set()) | ({"lag"} if lag else set()),
-                  fields(v, pos))
+    return _apply("tokens", _inputs(mismatch, lag), fields(v, pos))
 
 
 # --- episode-level quantities -----------------------------------------------------------------------
@@ -321,17 +327,24 @@ EPISODE_ROWS: tuple[EpisodeRow, ...] = (
 )
 
 
-def _inputs(rewards: bool, groups: bool, envs: bool, truncated: bool) -> set[str]:
-    return {name for name, on in (("episodes", True), ("rewards", rewards), ("groups", rewards and groups),
-                                  ("envs", envs), ("truncated", truncated)) if on}
+@plan(tuple)
+def _inputs(*on: bool) -> frozenset[str]:
+    """The inputs present: "tokens" and "episodes" (always) and of (mismatch, lag) or (rewards,
+    groups, envs, truncated) those on (groups only with rewards)."""
+    names = ("mismatch", "lag") if len(on) == 2 else ("rewards", "groups", "envs", "truncated")
+    on = on if len(on) == 2 else (on[0], on[0] and on[1], *on[2:])
+    return frozenset(["tokens", "episodes", *(name for name, there in zip(names, on) if there)])
 
 
-def episode_rows(rewards: bool, groups: bool, envs: bool, truncated: bool) -> list[EpisodeRow]:
-    """The rows a step computes, in the matrix's order after the ``hacked`` rows: those summed per
-    environment, the others, then the group block."""
-    have = _inputs(rewards, groups, envs, truncated)
-    rows = [row for row in EPISODE_ROWS if _needed(row.needs, have)]
-    return sorted(rows, key=lambda row: (row.term is None, not row.per_env))
+@plan(lambda: (EPISODE_ROWS,))
+def episode_rows(rewards: bool, groups: bool, envs: bool, truncated: bool) -> tuple[list[EpisodeRow], list[EpisodeRow],
+                                                                                      int]:
+    """The rows a step computes, in the matrix's order after the ``hacked`` rows (those summed per
+    environment, the others, then the group block); those with a term, in declaration order (a term
+    may read an earlier row); and how many are summed per environment."""
+    rows = [row for row in EPISODE_ROWS if _needed(row.needs, _inputs(rewards, groups, envs, truncated))]
+    ordered = sorted(rows, key=lambda row: (row.term is None, not row.per_env))
+    return ordered, [row for row in rows if row.term is not None], sum(row.per_env for row in rows)
 
 
 def episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, detectors: list[str]) -> dict[str, Any]:
@@ -339,12 +352,19 @@ def episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, dete
     per-environment sums; 0 without environments): ``rows`` (the row names: ``hacked/<detector>``,
     then :func:`episode_rows`), ``have`` (the inputs), ``width`` (rows summed per environment), then
     slices of the output: ``sums`` [K], ``maxes`` [K], ``range`` (highest reward, -lowest; with
-    groups), ``p99`` (the order statistics around the length quantile), ``env`` ([E', width] row-major)."""
-    declared = episode_rows(rewards, groups, envs > 0, truncated)
+    groups), ``p99`` (the order statistics around the length quantile), ``env`` ([E', width] row-major).
+    Read-only."""
+    return _episode_layout(rewards, groups, envs, truncated, tuple(detectors))
+
+
+@plan(lambda: (EPISODE_ROWS,))
+def _episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, detectors: tuple[str, ...]) -> dict:
+    declared, _, per_env = episode_rows(rewards, groups, envs > 0, truncated)
     rows = ["hacked/" + d for d in detectors] + [row.name for row in declared]
     K, have = len(rows), _inputs(rewards, groups, envs > 0, truncated)
-    width = len(detectors) + sum(row.per_env for row in declared) if envs else 0
-    pos: dict[str, Any] = {"rows": rows, "have": have, "width": width, "sums": slice(0, K), "maxes": slice(K, 2 * K)}
+    width = len(detectors) + per_env if envs else 0
+    pos: dict[str, Any] = {"rows": rows, "max_rows": ["max_" + row for row in rows], "have": have, "width": width,
+                           "sums": slice(0, K), "maxes": slice(K, 2 * K)}
     at = 2 * K
     if "groups" in have:
         pos["range"], at = slice(at, at + 2), at + 2
@@ -417,20 +437,20 @@ EPISODE_METRICS: tuple[Metric, ...] = (
 )
 
 
-def _episode_fields(names: list[str], sums: list[float], **more: Any) -> SimpleNamespace:
-    hacked = {name[len("hacked/"):]: x for name, x in zip(names, sums) if name.startswith("hacked/")}
-    return SimpleNamespace(**dict(zip(names, sums)), hacked=hacked, **more)
+def _episode_fields(names: list[str], sums: list[float], detectors: list[str], **more: Any) -> SimpleNamespace:
+    """The rows' sums by name, and by detector those of the ``hacked/<detector>`` rows (the first)."""
+    return SimpleNamespace(**dict(zip(names, sums)), hacked=dict(zip(detectors, sums)), **more)
 
 
 def finish_episodes(v: list[float], pos: dict[str, Any], envs: list[str], detectors: list[str],
                     reward_bounds: tuple[float, float] | None = None) -> Values:
     """:data:`EPISODE_METRICS` of the inputs present, from :func:`.episodes.episode_core`'s vector
     ``v`` (``reward_bounds``: the configured (fail, pass) rewards, None when inferred per batch)."""
-    names, width = pos["rows"], pos["width"]
-    f = _episode_fields(names, v[pos["sums"]], **{"max_" + n: x for n, x in zip(names, v[pos["maxes"]])},
+    names, width, env = pos["rows"], pos["width"], v[pos["env"]]
+    f = _episode_fields(names, v[pos["sums"]], detectors, **dict(zip(pos["max_rows"], v[pos["maxes"]])),
                         range=v[pos["range"]] if "range" in pos else None, p99=v[pos["p99"]], bounds=reward_bounds)
-    env = v[pos["env"]]
-    per_env = [(name, _episode_fields(names[:width], env[e * width:(e + 1) * width])) for e, name in enumerate(envs)]
-    out = _apply(EPISODE_METRICS, pos["have"], f, per_env, detectors)
+    per_env = [(name, _episode_fields(names[:width], env[e * width:(e + 1) * width], detectors))
+               for e, name in enumerate(envs)]
+    out = _apply("episodes", pos["have"], f, per_env, detectors)
     derive_hack_ratios(out)
     return out

@@ -3,7 +3,8 @@ and the |r| bit-pattern histogram's bins."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -17,20 +18,32 @@ ABS_FIRST = (127 - 40) << 8                 # bit-pattern bin of 2^-40
 ABS_NBINS = ((127 + 24) << 8) - ABS_FIRST + 2   # + the zero bin and the top bin
 
 
-_CACHE: dict[tuple, torch.Tensor] = {}
+_CACHE: dict[tuple, tuple[tuple, Any]] = {}
 
 
-def cached(key: tuple, make: Callable[[], torch.Tensor], on: torch.Tensor | None = None) -> torch.Tensor:
-    """A small constant tensor made once per process and key when eager (a host-to-device copy or an
-    operation less per step), or once per ``on`` (an input it is made from, where it is kept);
-    compiled code makes it inline (a constant of the graph)."""
+def cached(key: tuple, make: Callable[[], Any], on: torch.Tensor | None = None, deps: tuple = ()) -> Any:
+    """``make()`` once per process and key when eager (a host-to-device copy or an operation less per
+    step), or once per ``on`` (an input it is made from, where it is kept), and again when ``deps``
+    differ (see :func:`plan`); compiled code makes it inline (a constant of the graph)."""
     if torch.compiler.is_compiling():
         return make()
     store = _CACHE if on is None else on.__dict__.setdefault("_rlwatch_cached", {})
-    tensor = store.get(key)
-    if tensor is None:          # read-only, so one made in inference mode serves outside it too
-        tensor = store[key] = make()
-    return tensor
+    hit = store.get(key)
+    if hit is None or hit[0] != deps:       # read-only: one made in inference mode serves outside it too
+        hit = store[key] = (deps, make())
+    return hit[1]
+
+
+def plan(deps: Callable[[], tuple]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A function of hashable arguments that reads the declaration, run once per arguments (a step's
+    plan: no Python rebuilding it each step) and again when ``deps()`` (the tables it reads) differ.
+    Its result is read-only."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def planned(*args: Any) -> Any:
+            return cached((fn, *args), lambda: fn(*args), deps=deps())
+        return planned
+    return wrap
 
 
 def constant(values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
