@@ -275,9 +275,15 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
+@plan()
+def _token_inputs(mismatch: bool, lag: bool) -> frozenset[str]:
+    """The token-level inputs present: "tokens" (always) and those on."""
+    return frozenset(name for name, on in (("tokens", True), ("mismatch", mismatch), ("lag", lag)) if on)
+
+
 def finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: bool) -> Values:
     """:data:`METRICS` of the inputs present, from the fused vector ``v`` (positions ``pos``)."""
-    return _apply("tokens", _inputs(mismatch, lag), fields(v, pos))
+    return _apply("tokens", _token_inputs(mismatch, lag), fields(v, pos))
 
 
 # --- episode-level quantities -----------------------------------------------------------------------
@@ -327,13 +333,11 @@ EPISODE_ROWS: tuple[EpisodeRow, ...] = (
 )
 
 
-@plan(tuple)
-def _inputs(*on: bool) -> frozenset[str]:
-    """The inputs present: "tokens" and "episodes" (always) and of (mismatch, lag) or (rewards,
-    groups, envs, truncated) those on (groups only with rewards)."""
-    names = ("mismatch", "lag") if len(on) == 2 else ("rewards", "groups", "envs", "truncated")
-    on = on if len(on) == 2 else (on[0], on[0] and on[1], *on[2:])
-    return frozenset(["tokens", "episodes", *(name for name, there in zip(names, on) if there)])
+@plan()
+def _episode_inputs(rewards: bool, groups: bool, envs: bool, truncated: bool) -> frozenset[str]:
+    """The episode-level inputs present: "episodes" (always) and those on (groups only with rewards)."""
+    return frozenset(name for name, on in (("episodes", True), ("rewards", rewards), ("groups", rewards and groups),
+                                           ("envs", envs), ("truncated", truncated)) if on)
 
 
 @plan(lambda: (EPISODE_ROWS,))
@@ -342,7 +346,7 @@ def episode_rows(rewards: bool, groups: bool, envs: bool, truncated: bool) -> tu
     """The rows a step computes, in the matrix's order after the ``hacked`` rows (those summed per
     environment, the others, then the group block); those with a term, in declaration order (a term
     may read an earlier row); and how many are summed per environment."""
-    rows = [row for row in EPISODE_ROWS if _needed(row.needs, _inputs(rewards, groups, envs, truncated))]
+    rows = [row for row in EPISODE_ROWS if _needed(row.needs, _episode_inputs(rewards, groups, envs, truncated))]
     ordered = sorted(rows, key=lambda row: (row.term is None, not row.per_env))
     return ordered, [row for row in rows if row.term is not None], sum(row.per_env for row in rows)
 
@@ -361,7 +365,7 @@ def episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, dete
 def _episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, detectors: tuple[str, ...]) -> dict:
     declared, _, per_env = episode_rows(rewards, groups, envs > 0, truncated)
     rows = ["hacked/" + d for d in detectors] + [row.name for row in declared]
-    K, have = len(rows), _inputs(rewards, groups, envs > 0, truncated)
+    K, have = len(rows), _episode_inputs(rewards, groups, envs > 0, truncated)
     width = len(detectors) + per_env if envs else 0
     pos: dict[str, Any] = {"rows": rows, "max_rows": ["max_" + row for row in rows], "have": have, "width": width,
                            "sums": slice(0, K), "maxes": slice(K, 2 * K)}

@@ -34,10 +34,10 @@ def cached(key: tuple, make: Callable[[], Any], on: torch.Tensor | None = None, 
     return hit[1]
 
 
-def plan(deps: Callable[[], tuple]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def plan(deps: Callable[[], tuple] = tuple) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A function of hashable arguments that reads the declaration, run once per arguments (a step's
-    plan: no Python rebuilding it each step) and again when ``deps()`` (the tables it reads) differ.
-    Its result is read-only."""
+    plan: no Python rebuilding it each step) and again when ``deps()`` (the tables it reads; none by
+    default) differ. Its result is read-only."""
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def planned(*args: Any) -> Any:

@@ -34,7 +34,7 @@ def _fused_constants(config: SignalConfig, device: torch.device) -> tuple[torch.
     return _constants(config.is_cap, *config.mis_band, config.staleness_bound, device)
 
 
-@plan(tuple)
+@plan()
 def _constants(cap: float, low: float, high: float, staleness_bound: float, device: torch.device) -> tuple:
     thresholds = constant((cap - 1.0, 1.0 / cap - 1.0, low - 1.0, high - 1.0, math.log(cap), -math.log(cap),
                            math.log(low), math.log(high), *_BAND_THRESHOLDS), device)
