@@ -22,6 +22,7 @@ does not recompile.
 from __future__ import annotations
 
 import contextlib
+import math
 from bisect import bisect_left
 from typing import Any, Iterator
 
@@ -42,6 +43,8 @@ _EXACT_F32_COUNT = 1 << 24
 # Eager CPU steps of this many positions or more run on one intra-op thread: their reductions would
 # otherwise wake other threads for microseconds of work (and stall for milliseconds on a busy host).
 _ONE_THREAD = 4096
+# Larger than any lag + 1 (and finite: 0 * it is 0).
+_BEYOND_LAG = 1e30
 
 
 @plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS))
@@ -70,6 +73,7 @@ def _plan(lag: bool) -> dict[str, Any]:
     if rows and rows[0] >= 0 and rows == list(range(rows[0], rows[0] + len(rows))):   # plain rows: a slice, no stack
         squares = slice(rows[0], rows[0] + len(rows))
     return dict(sums=sums, terms=[(name, fn) for name, fn in q.TERMS.items() if name in needed],
+                squared=[s.term for s in sums if s.square],
                 plain=plain, squares=squares, against=[s.term for s in against],
                 at=tuple(s.against for s in against), signs=tuple(1.0 if s.above else -1.0 for s in against),
                 by=by, widths=widths, starts=[sum(widths[:i]) + i for i in range(len(widths))],
@@ -203,16 +207,19 @@ def _lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.
     if version.shape == mask.shape:
         if version.dtype.is_floating_point and version.dtype not in (torch.float32, torch.float64):
             version = version.float()
-        lag1 = (trainer_version + 1.0 - version) * mask                # lag + 1, 0 off mask (float64 for integers)
+        # lag + 1, 0 off the mask: float32 (exact for lags below 2**24) from integer versions, the versions'
+        # dtype from floats; one dtype per operation (mixed ones are several times slower on CPU).
+        lag1 = (_version_plus_one(trainer_version, version.dtype) - version)
+        lag1 = (lag1.float() if not lag1.dtype.is_floating_point else lag1).mul_(mask)
         index = lag1.clamp(0.0, float(LAG_SIZE - 1)).int()           # (not histc: ~1.4 ms on CPU for any input)
         hist = count_into(LAG_SIZE, index)[1:]
         if T:
-            big = float(LAG_SIZE) * 4.0
             top = lag1.amax(-1)                               # 1 + the largest lag of the sequence (>= 0)
-            # 1 + its smallest lag, + big; big when it has no token, so no span then either.
-            spans = top > (lag1 - big * mask).amin(-1) + big
+            # 1 + its smallest lag (off the mask 1e30, exactly: lag1 + 0 on it); no span without a token.
+            spans = top > torch.add(lag1, 1.0 - mask, alpha=_BEYOND_LAG).amin(-1)
+            top = top.double()
         else:
-            top, spans = per_seq, has
+            top, spans = per_seq.double(), has
         seq_max = top - 1.0
         # A sequence without tokens (top 0) adds 0 to the sums; to the maximum it adds -1 instead of 0,
         # which changes it only when no token has a lag >= 0 (n_ok = 0: not reported).
@@ -233,6 +240,12 @@ def _lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.
     seq_sums = torch.stack([has, seq_max.clamp_min(0), spans]).sum(-1, dtype=torch.float64)
     lag_max = seq_max.amax(0, keepdim=True) if B else seq_max.new_zeros(1)
     return [hist, seq_sums, lag_max], index
+
+
+def _version_plus_one(trainer_version: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """trainer_version + 1 (0-d float64) as the versions' dtype (int64 for integers; 0-d, so that it does
+    not promote them)."""
+    return (trainer_version + 1.0).to(dtype if dtype.is_floating_point else torch.int64)
 
 
 def _lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tensor, bucket_index: torch.Tensor,
@@ -287,7 +300,7 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     edges = cached(("edges",), lambda: thr[_threshold_slice(["edges"])].view(-1, 1, 1), on=thr)
     above = t["s"] >= edges if not compiling else None
     index = {"band": sum(t["s"] >= edges[k] for k in range(edges.shape[0])) if compiling
-             else above.sum(0) if stacked else above.view(torch.uint8).sum(0, dtype=torch.uint8), "lag": lag_bins}
+             else above.sum(0) if stacked else above.view(torch.uint8).sum(0, dtype=torch.uint8).int(), "lag": lag_bins}
     # The lag bucket of each lag bin: per token, or (eagerly on CPU, large chunks) on the bin sums.
     tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
         _LAG_BUCKET_OF_BIN, device=mask.device))}
@@ -295,8 +308,12 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
         index.update({by: table[index[by]] for by, table in tables.items()})
     plan = _plan(lag_bins is not None)
     terms = {name: fn(t) for name, fn in plan["terms"]}
-    parts, per_seq = _eager_sums(plan, terms, thr, index) if stacked else _direct_sums(plan["sums"], terms, thr, index,
-                                                                                       tables)
+    if stacked:
+        parts, per_seq = _eager_sums(plan, terms, thr, index)
+    elif cpu and not compiling:
+        parts, per_seq = _cpu_sums(plan, terms, thr, index, tables)
+    else:
+        parts, per_seq = _direct_sums(plan["sums"], terms, thr, index)
     return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(t["valid"], t["r"], t["a"], stacked),
             *_sequence_sums(plan, per_seq, thresholds), _abs_sample(t["a"], t["valid"], exact_quantiles)]
 
@@ -343,16 +360,14 @@ def _split_sums(plan: dict[str, Any], terms: dict[str, torch.Tensor],
         [torch.arange(w) + o for w, o in zip(widths, plan["starts"])]))]
 
 
-def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor, index: dict[str, torch.Tensor | None],
-                 tables: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """One reduction per sum, in the eager order (compiled, large eager chunks, other devices): nothing
+def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
+                 index: dict[str, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One reduction per sum, in the eager order (compiled, and eagerly on other devices): nothing
     stacked is written. Compiled, inductor fuses the reductions over the same positions into a few
     loops (a stack feeding one reduction would be materialised, [B, T, K] float64: several times the
-    inputs; tests/test_engine.py forbids it), float64 for exact counts. On CPU each ``by`` sum is one
-    bincount by ``index`` then, where ``tables`` maps its values to labels, one by the table;
-    elsewhere one 0/1 row per label (no float atomics: the same values on every device)."""
+    inputs; tests/test_engine.py forbids it), float64 for exact counts. A ``by`` sum is one 0/1 row per
+    label (no float atomics: the same values on every device)."""
     compiling = torch.compiler.is_compiling()
-    rows_by = compiling or terms["r"].device.type != "cpu"
     dtype = torch.float64 if compiling or terms["r"].numel() > _EXACT_F32_COUNT else None
     rows = []
     for s in sums:
@@ -363,16 +378,60 @@ def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor, 
             t = thr[q.THRESHOLDS.index(s.against)]
             d = x - t if s.above else t - x          # > 0 where x > t (x < t): x - t is 0 only where x == t
             rows.append(d > 0 if compiling else d.sign_().clamp_(min=0.0))
-        elif rows_by and s.by:
+        elif s.by:
             rows += [torch.where(index[s.by] == k, x, 0.0) for k in range(len(q.BY_LABELS[s.by]))]
-        elif not s.by:
+        else:
             rows.append(x)
-    parts = [torch.stack([row.sum(dtype=dtype) for row in rows])]
-    for s in (s for s in sums if s.by and not rows_by):
-        width, table, at = len(q.BY_LABELS[s.by]), tables.get(s.by), index[s.by].expand(terms["r"].shape).reshape(-1)
-        split = torch.bincount(at, terms[s.term].reshape(-1), width + 1 if table is None else table.numel())
-        parts.append((split if table is None else torch.bincount(table, split, width + 1))[:width])
+    return [torch.stack([row.sum(dtype=dtype) for row in rows])], torch.stack([terms["keep"].sum(-1),
+                                                                              terms["r"].sum(-1)])
+
+
+def _cpu_sums(plan: dict[str, Any], terms: dict[str, torch.Tensor], thr: torch.Tensor,
+              index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor],
+                                                                                                torch.Tensor]:
+    """Eagerly on CPU, chunks too large to stack (memory-bound: as few passes as the sums allow): each
+    plain sum one reduction, each square one dot product (nothing written), each threshold count a 0/1
+    row and its sum, the ``by`` sums by :func:`_joint_splits`; the per-sequence sums as
+    :func:`_eager_sums`. A chunk of more than 2**24 positions sums in float64 (exact counts)."""
+    flat = {name: x.reshape(-1) for name, x in terms.items()}
+    wide = terms["r"].numel() > _EXACT_F32_COUNT
+    if wide:
+        flat = {name: x.double() for name, x in flat.items()}
+    values = [flat[name].sum() for name in plan["plain"]] + [torch.dot(flat[name], flat[name]) for name in
+                                                               plan["squared"]]
+    for term, at, sign in zip(plan["against"], plan["at"], plan["signs"]):
+        t = thr[q.THRESHOLDS.index(at)]
+        # 0/1 floats (faster than a boolean tensor and its count on CPU); x - t is 0 only where x == t.
+        d = flat[term] - t if sign > 0 else t - flat[term]
+        values.append(d.sign_().clamp_(min=0.0).sum())
+    parts = [torch.stack(values)]
+    if plan["by"]:
+        parts.append(_joint_splits(plan["by"], flat, index, tables, terms["r"].shape))
     return parts, torch.stack([terms["keep"].sum(-1), terms["r"].sum(-1)])
+
+
+def _joint_splits(by: list, flat: dict[str, torch.Tensor], index: dict[str, torch.Tensor | None],
+                  tables: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """Eagerly on CPU: the ``by`` sums one after another, [sum of widths] float64, from the flat terms
+    of a [B, T] chunk. One bincount per term they read, by the joint index of every split (band x lag
+    bin: 5 x 4097 bins); each split is then the sum over the others' axes (by its table where it has
+    one)."""
+    kinds = list(dict.fromkeys(s.by for s in by))
+    sizes = [tables[k].numel() if k in tables else len(q.BY_LABELS[k]) + 1 for k in kinds]
+    joint = None
+    for kind, size in zip(kinds, sizes):          # row-major: joint = ((i0 * size1) + i1) * size2 + ...
+        at = index[kind] if index[kind].dtype == torch.int32 else index[kind].int()
+        joint = at if joint is None else torch.add(at, joint, alpha=size)
+    joint = joint.expand(shape).reshape(-1)
+    counts = {term: torch.bincount(joint, flat[term], math.prod(sizes)).view(sizes).double()
+              for term in dict.fromkeys(s.term for s in by)}
+    out = []
+    for s in by:
+        axis = kinds.index(s.by)
+        split = counts[s.term].sum([d for d in range(len(kinds)) if d != axis]) if len(kinds) > 1 else counts[s.term]
+        out.append((torch.bincount(tables[s.by], split, len(q.BY_LABELS[s.by]) + 1) if s.by in tables
+                    else split)[:len(q.BY_LABELS[s.by])])
+    return torch.cat(out)
 
 
 def _sequence_sums(plan: dict[str, Any], per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torch.Tensor]:
