@@ -73,7 +73,6 @@ def _plan(lag: bool) -> dict[str, Any]:
     if rows and rows[0] >= 0 and rows == list(range(rows[0], rows[0] + len(rows))):   # plain rows: a slice, no stack
         squares = slice(rows[0], rows[0] + len(rows))
     return dict(sums=sums, terms=[(name, fn) for name, fn in q.TERMS.items() if name in needed],
-                squared=[s.term for s in sums if s.square],
                 plain=plain, squares=squares, against=[s.term for s in against],
                 at=tuple(s.against for s in against), signs=tuple(1.0 if s.above else -1.0 for s in against),
                 by=by, widths=widths, starts=[sum(widths[:i]) + i for i in range(len(widths))],
@@ -271,14 +270,15 @@ def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.T
     sampler = sampler_logp if sampler_logp.dtype == work else sampler_logp.to(work)
     r = trainer - sampler
     if arithmetic:                      # r - r: 0 where r is finite, NaN elsewhere
-        keep = torch.nan_to_num(mask + (r - r), 0.0)                      # the valid tokens: masked, finite r
-        r = torch.nan_to_num(r, 0.0, 0.0, 0.0).mul_(keep)                 # 0 off the valid set
-        s = torch.nan_to_num(sampler * keep, 0.0, 0.0, 0.0)
+        # In place where the buffer was just written (on CPU it is still in cache: several times faster).
+        keep = (r - r).add_(mask).nan_to_num_(0.0)                         # the valid tokens: masked, finite r
+        r = r.nan_to_num_(0.0, 0.0, 0.0).mul_(keep)                        # 0 off the valid set
+        s = (sampler * keep).nan_to_num_(0.0, 0.0, 0.0)
     else:
         valid = torch.logical_and(torch.isfinite(r), mask)
         r, s = torch.where(valid, r, 0.0), torch.where(valid, sampler, 0.0)
         keep = valid.to(work)           # the stacks of terms mix no dtypes (several times slower on CPU)
-    em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1()                    # w - 1, 0 off the valid set
+    em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1_()                   # w - 1, 0 off the valid set
     cap = cached(("cap_em1",), lambda: thr[0], on=thr)
     return {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "a": r.abs(), "em1": em1,
             "em1_t": em1.clamp(max=cap)}                                # min(w, C) - 1
@@ -307,13 +307,12 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     if compiling or stacked or not cpu:
         index.update({by: table[index[by]] for by, table in tables.items()})
     plan = _plan(lag_bins is not None)
-    terms = {name: fn(t) for name, fn in plan["terms"]}
-    if stacked:
-        parts, per_seq = _eager_sums(plan, terms, thr, index)
-    elif cpu and not compiling:
-        parts, per_seq = _cpu_sums(plan, terms, thr, index, tables)
+    if cpu and not compiling and not stacked:
+        parts, per_seq = _cpu_sums(_cpu_plan(lag_bins is not None), t, thr, index, tables)
     else:
-        parts, per_seq = _direct_sums(plan["sums"], terms, thr, index)
+        terms = {name: fn(t) for name, fn in plan["terms"]}
+        parts, per_seq = (_eager_sums(plan, terms, thr, index) if stacked
+                          else _direct_sums(plan["sums"], terms, thr, index))
     return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(t["valid"], t["r"], t["a"], stacked),
             *_sequence_sums(plan, per_seq, thresholds), _abs_sample(t["a"], t["valid"], exact_quantiles)]
 
@@ -323,7 +322,8 @@ def _extremes(keep: torch.Tensor, r: torch.Tensor, a: torch.Tensor, stacked: boo
     if stacked:                                                             # as one group (fewer operations)
         return torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2)) if keep.numel() else r.new_zeros(3)
     big, off = torch.finfo(r.dtype).max / 4, keep - 1.0                   # r moved by -big / +big off it
-    high, low = torch.add(r, off, alpha=big).amax(), torch.sub(r, off, alpha=big).amin()
+    high = torch.add(r, off, alpha=big).amax()
+    low = off.mul_(-big).add_(r).amin()                       # in place (r + 0 on the valid set: exact)
     return torch.stack([high, -low, torch.maximum(high, -low)])
 
 
@@ -386,52 +386,74 @@ def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
                                                                               terms["r"].sum(-1)])
 
 
-def _cpu_sums(plan: dict[str, Any], terms: dict[str, torch.Tensor], thr: torch.Tensor,
+@plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS))
+def _cpu_plan(lag: bool) -> dict[str, Any]:
+    """:func:`_cpu_sums`' work by term: for each term the sums read (in :data:`~.quantities.TERMS` order),
+    its reductions (position among the sums before the ``by`` ones, kind, threshold and direction)
+    and the positions of its ``by`` sums; the ``by`` sums; how many others there are."""
+    sums = _plan(lag)["sums"]
+    flat, by = [s for s in sums if not s.by], [s for s in sums if s.by]
+    steps = [(fn, [(i, "square" if s.square else "count" if s.against else "sum", s.against, s.above)
+                   for i, s in enumerate(flat) if s.term == name], [j for j, s in enumerate(by) if s.term == name])
+             for name, fn in _plan(lag)["terms"]]
+    return dict(steps=steps, by=by, size=len(flat))
+
+
+def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tensor,
               index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor],
                                                                                                 torch.Tensor]:
-    """Eagerly on CPU, chunks too large to stack (memory-bound: as few passes as the sums allow): each
-    plain sum one reduction, each square one dot product (nothing written), each threshold count a 0/1
-    row and its sum, the ``by`` sums by :func:`_joint_splits`; the per-sequence sums as
-    :func:`_eager_sums`. A chunk of more than 2**24 positions sums in float64 (exact counts)."""
-    flat = {name: x.reshape(-1) for name, x in terms.items()}
-    wide = terms["r"].numel() > _EXACT_F32_COUNT
-    if wide:
-        flat = {name: x.double() for name, x in flat.items()}
-    values = [flat[name].sum() for name in plan["plain"]] + [torch.dot(flat[name], flat[name]) for name in
-                                                               plan["squared"]]
-    for term, at, sign in zip(plan["against"], plan["at"], plan["signs"]):
-        t = thr[q.THRESHOLDS.index(at)]
-        # 0/1 floats (faster than a boolean tensor and its count on CPU); x - t is 0 only where x == t.
-        d = flat[term] - t if sign > 0 else t - flat[term]
-        values.append(d.sign_().clamp_(min=0.0).sum())
-    parts = [torch.stack(values)]
-    if plan["by"]:
-        parts.append(_joint_splits(plan["by"], flat, index, tables, terms["r"].shape))
-    return parts, torch.stack([terms["keep"].sum(-1), terms["r"].sum(-1)])
+    """Eagerly on CPU, chunks too large to stack. Memory-bound: one term at a time (a term built from
+    others is freed before the next is made, so that its buffer is reused while in cache), each sum
+    one reduction, each square one dot product, each threshold count a 0/1 row in one reused buffer
+    and its sum, the ``by`` sums one bincount per term by :func:`_joint_index`; the per-sequence sums
+    as :func:`_eager_sums`. A chunk of more than 2**24 positions sums in float64 (exact counts)."""
+    shape, wide = t["r"].shape, t["r"].numel() > _EXACT_F32_COUNT
+    values: list[torch.Tensor] = [None] * plan["size"]                # type: ignore[list-item]
+    splits: list[torch.Tensor] = [None] * len(plan["by"])              # type: ignore[list-item]
+    joint, kinds, sizes = _joint_index(plan["by"], index, tables, shape) if plan["by"] else (None, [], [])
+    scratch = None
+    for fn, reductions, split_at in plan["steps"]:
+        x = fn(t).reshape(-1)
+        x = x.double() if wide else x
+        for at, kind, threshold, above in reductions:
+            if kind == "sum":
+                values[at] = x.sum()
+            elif kind == "square":
+                values[at] = torch.dot(x, x)
+            else:       # 0/1 floats (faster than a boolean count on CPU); x - c is 0 only where x == c
+                c = thr[q.THRESHOLDS.index(threshold)]
+                scratch = torch.empty_like(x) if scratch is None or scratch.dtype != x.dtype else scratch
+                d = torch.sub(x, c, out=scratch) if above else torch.sub(c, x, out=scratch)
+                values[at] = d.sign_().clamp_(min=0.0).sum()
+        if split_at:
+            counts = torch.bincount(joint, x, math.prod(sizes)).view(sizes).double()
+            for j in split_at:
+                splits[j] = _split_of(counts, kinds, plan["by"][j], tables)
+        del x                           # before the next term is made: its buffer is reused
+    parts = [torch.stack(values)] + ([torch.cat(splits)] if splits else [])
+    return parts, torch.stack([t["keep"].sum(-1), t["r"].sum(-1)])
 
 
-def _joint_splits(by: list, flat: dict[str, torch.Tensor], index: dict[str, torch.Tensor | None],
-                  tables: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    """Eagerly on CPU: the ``by`` sums one after another, [sum of widths] float64, from the flat terms
-    of a [B, T] chunk. One bincount per term they read, by the joint index of every split (band x lag
-    bin: 5 x 4097 bins); each split is then the sum over the others' axes (by its table where it has
-    one)."""
+def _joint_index(by: list, index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor],
+                 shape: torch.Size) -> tuple[torch.Tensor, list[str], list[int]]:
+    """The joint index of every split of the ``by`` sums (band x lag bin: 5 x 4097 values), flat int32
+    [B * T] for a [B, T] chunk, with the splits' names and sizes (row-major)."""
     kinds = list(dict.fromkeys(s.by for s in by))
     sizes = [tables[k].numel() if k in tables else len(q.BY_LABELS[k]) + 1 for k in kinds]
     joint = None
-    for kind, size in zip(kinds, sizes):          # row-major: joint = ((i0 * size1) + i1) * size2 + ...
+    for kind, size in zip(kinds, sizes):          # ((i0 * size1) + i1) * size2 + ...
         at = index[kind] if index[kind].dtype == torch.int32 else index[kind].int()
         joint = at if joint is None else torch.add(at, joint, alpha=size)
-    joint = joint.expand(shape).reshape(-1)
-    counts = {term: torch.bincount(joint, flat[term], math.prod(sizes)).view(sizes).double()
-              for term in dict.fromkeys(s.term for s in by)}
-    out = []
-    for s in by:
-        axis = kinds.index(s.by)
-        split = counts[s.term].sum([d for d in range(len(kinds)) if d != axis]) if len(kinds) > 1 else counts[s.term]
-        out.append((torch.bincount(tables[s.by], split, len(q.BY_LABELS[s.by]) + 1) if s.by in tables
-                    else split)[:len(q.BY_LABELS[s.by])])
-    return torch.cat(out)
+    return joint.expand(shape).reshape(-1), kinds, sizes
+
+
+def _split_of(counts: torch.Tensor, kinds: list[str], s: Any, tables: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A ``by`` sum [width] from a term's sums by joint index (``counts``, one axis per split): the sum
+    over the other splits' axes, by its table where it has one."""
+    axis = kinds.index(s.by)
+    split = counts.sum([d for d in range(len(kinds)) if d != axis]) if len(kinds) > 1 else counts
+    width = len(q.BY_LABELS[s.by])
+    return (torch.bincount(tables[s.by], split, width + 1) if s.by in tables else split)[:width]
 
 
 def _sequence_sums(plan: dict[str, Any], per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torch.Tensor]:
