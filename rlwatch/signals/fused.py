@@ -10,9 +10,11 @@ It has no host synchronisation, no data-dependent shape and no Python branch on 
 ``torch.compile(token_core, fullgraph=True, dynamic=True)`` traces it without a graph break and
 inductor fuses one reduction per declared sum into a few loops. Eagerly it runs over chunks of whole
 sequences of at most ``settings.FUSED_CHUNK_TOKENS`` positions: small ones stack the sums of each kind
-into one [k, B, T] group reduced at once (dispatch is what a small step costs), larger ones reduce
-each sum on its own; chunks' sums add, their extremes take the maximum, their |r| samples and lag
-histograms add up before the quantiles. Histograms count in integers (never float atomics).
+into one [k, B, T] group reduced at once (dispatch is what a small step costs); larger ones on CPU
+take one term at a time with as few fresh buffers as the sums allow (memory traffic is what a large
+step costs), on other devices reduce each sum on its own; chunks' sums add, their extremes take the
+maximum, their |r| samples and lag histograms add up before the quantiles. Histograms count in
+integers (never float atomics).
 
 Shapes: ``mask`` [B, T] float32 0/1; log-probs [B, T] any float dtype; ``version`` [B, T], [B]
 or [B, 2]. Thresholds arrive as small tensors (not Python numbers) so that a new configuration
@@ -23,28 +25,22 @@ from __future__ import annotations
 
 import contextlib
 import math
-from bisect import bisect_left
 from typing import Any, Iterator
 
 import torch
 
 from . import quantities as q
 from . import settings
-from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT, cached, count_into, plan
-from .settings import LAG_BINS, SAFETY_BOUND
+from .lag import LAG_BUCKET_OF_BIN, lag_finish, lag_part
+from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT, cached, count_into, interpolate, plan, ranks
+from .settings import SAFETY_BOUND
 
-LAG_SIZE = LAG_BINS + 1                 # bin k holds lag k - 1; bin 0 off-mask and negative lags
-# The lag bucket (index into LAG_BUCKET_LABELS) of each lag bin; bin 0 (no valid lag) in none.
-_LAG_BUCKET_OF_BIN = (len(q.BY_LABELS["lag"]),) + tuple(
-    bisect_left(tuple(int(b) for b in q.BY_LABELS["lag"][:-1]), lag) for lag in range(LAG_BINS))
 
 # Float32 sums of 0/1 rows are exact up to 2**24 positions; a larger eager chunk sums in float64.
 _EXACT_F32_COUNT = 1 << 24
 # Eager CPU steps of this many positions or more run on one intra-op thread: their reductions would
 # otherwise wake other threads for microseconds of work (and stall for milliseconds on a busy host).
 _ONE_THREAD = 4096
-# Larger than any lag + 1 (and finite: 0 * it is 0).
-_BEYOND_LAG = 1e30
 
 
 @plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS))
@@ -95,22 +91,6 @@ def _signs(signs: tuple[float, ...], dtype: torch.dtype, device: torch.device, d
         signs, dtype=dtype, device=device).view((len(signs),) + (1,) * (dims - 1)))
 
 
-def _ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The order statistics [2, Q] (0-based, float64) that each ``qs``-quantile of ``n`` items lies
-    between, and its position between them [Q] (linear interpolation, as ``torch.quantile``; the upper
-    one equals the lower where the rank is whole, which interpolates to the same value). With n = 0
-    the ranks are negative (indices from the end, a value the host ignores)."""
-    rank = qs * (n - 1)
-    low = rank.floor()
-    return torch.stack([low, rank.ceil()]), rank - low
-
-
-def _interpolate(pairs: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
-    """Values [Q] between the order statistics ``pairs`` [2, Q] (float64), as ``torch.quantile``."""
-    low, high = pairs.unbind()
-    return torch.lerp(low, high, frac)
-
-
 def _chunks(B: int, T: int) -> list[tuple[int, int]]:
     """Ranges of whole sequences of at most FUSED_CHUNK_TOKENS positions (one range compiled)."""
     if torch.compiler.is_compiling() or B * T <= settings.FUSED_CHUNK_TOKENS:
@@ -149,7 +129,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
         out += _mismatch_finish(*whole[4 if version is not None else 1:], mask.numel(), abs_mids, qs,
                                 exact_quantiles)
     if version is not None:
-        out += _lag_finish(*whole[1:4], bucket_index, qs, over_from)
+        out += lag_finish(*whole[1:4], bucket_index, qs, over_from)
     # 1 when this ran as compiled code, 0 eagerly. Float64, so that torch.cat promotes every part to
     # float64 (exactly: float32 sums and int64 counts fit).
     device = mask.device
@@ -167,7 +147,7 @@ def _chunk_parts(mask: torch.Tensor, version: torch.Tensor | None, trainer_logp:
     parts: list[torch.Tensor] = [per_seq.sum(0, keepdim=True, dtype=torch.float64)]   # exact: whole numbers
     lag_bins = None
     if version is not None:
-        lag, lag_bins = _lag_part(version, trainer_version, mask, per_seq)
+        lag, lag_bins = lag_part(version, trainer_version, mask, per_seq)
         parts += lag
     if trainer_logp is not None and sampler_logp is not None:
         parts += _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, lag_bins, exact_quantiles)
@@ -193,71 +173,6 @@ def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exa
     largest = ({3} if lag else set()) | {m + 1, m + 3}
     return [torch.maximum(a, b) if i in largest else torch.cat([a, b]) if exact and i == m + 4 else a + b
             if a.dtype == b.dtype == torch.int64 else a.double() + b for i, (a, b) in enumerate(zip(whole, part))]
-
-
-def _lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.Tensor,
-              per_seq: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """A chunk's lag histogram [LAG_BINS] (tokens by lag 0 .. LAG_EXACT_MAX, larger lags in the last
-    bin), per-sequence sums [3] (sequences with a token, their largest lags, those spanning versions),
-    the largest lag [1]; and each token's lag bin ([B, T] int32 or [B, 1] int64: lag + 1, 0 where no
-    valid lag)."""
-    B, T = mask.shape
-    has = per_seq > 0
-    if version.shape == mask.shape:
-        if version.dtype.is_floating_point and version.dtype not in (torch.float32, torch.float64):
-            version = version.float()
-        # lag + 1, 0 off the mask: float32 (exact for lags below 2**24) from integer versions, the versions'
-        # dtype from floats; one dtype per operation (mixed ones are several times slower on CPU).
-        lag1 = (_version_plus_one(trainer_version, version.dtype) - version)
-        lag1 = (lag1.float() if not lag1.dtype.is_floating_point else lag1).mul_(mask)
-        index = lag1.clamp(0.0, float(LAG_SIZE - 1)).int()           # (not histc: ~1.4 ms on CPU for any input)
-        hist = count_into(LAG_SIZE, index)[1:]
-        if T:
-            top = lag1.amax(-1)                               # 1 + the largest lag of the sequence (>= 0)
-            # 1 + its smallest lag (off the mask 1e30, exactly: lag1 + 0 on it); no span without a token.
-            spans = top > torch.add(lag1, 1.0 - mask, alpha=_BEYOND_LAG).amin(-1)
-            top = top.double()
-        else:
-            top, spans = per_seq.double(), has
-        seq_max = top - 1.0
-        # A sequence without tokens (top 0) adds 0 to the sums; to the maximum it adds -1 instead of 0,
-        # which changes it only when no token has a lag >= 0 (n_ok = 0: not reported).
-    else:
-        if version.dim() == 2:
-            first, last = version.unbind(-1)
-            spans = (last != first) & has
-        else:
-            first = version.reshape(-1)
-            spans = torch.zeros_like(has)
-        if first.dtype.is_floating_point and first.dtype != torch.float64:
-            first = first.double()
-        seq_max = trainer_version - first                                               # [B] float64
-        index = (seq_max + 1.0).clamp(0, LAG_SIZE - 1).long()
-        hist = count_into(LAG_SIZE, index, per_seq)[1:]               # sequences without tokens weigh 0
-        seq_max = torch.where(has, seq_max, 0.0)
-        index = index.unsqueeze(1)
-    seq_sums = torch.stack([has, seq_max.clamp_min(0), spans]).sum(-1, dtype=torch.float64)
-    lag_max = seq_max.amax(0, keepdim=True) if B else seq_max.new_zeros(1)
-    return [hist, seq_sums, lag_max], index
-
-
-def _version_plus_one(trainer_version: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """trainer_version + 1 (0-d float64) as the versions' dtype (int64 for integers; 0-d, so that it does
-    not promote them)."""
-    return (trainer_version + 1.0).to(dtype if dtype.is_floating_point else torch.int64)
-
-
-def _lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tensor, bucket_index: torch.Tensor,
-                qs: torch.Tensor, over_from: torch.Tensor) -> list[torch.Tensor]:
-    """The lag block (``LAG_FIELDS``) from the step's lag histogram and sums."""
-    cum = hist.cumsum(0, dtype=torch.float64)
-    n_ok = cum[-1:]                                                           # tokens of lag >= 0
-    lags = cached(("lags", hist.device), lambda: torch.arange(LAG_BINS, dtype=torch.float64, device=hist.device))
-    # The sum of the lags is LAG_BINS * n_ok - sum(cum) (exact: whole numbers below 2**53).
-    sums = [cum.sum(0, keepdim=True), (hist * (lags >= over_from)).sum(0, keepdim=True)]
-    lohi, frac = _ranks(n_ok, qs)
-    quantiles = _interpolate(torch.searchsorted(cum, lohi, right=True).double(), frac)   # bin k: lag k
-    return [cum[bucket_index], n_ok, *sums, quantiles, seq_sums, lag_max]
 
 
 def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thr: torch.Tensor,
@@ -303,7 +218,7 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
              else above.sum(0) if stacked else above.view(torch.uint8).sum(0, dtype=torch.uint8).int(), "lag": lag_bins}
     # The lag bucket of each lag bin: per token, or (eagerly on CPU, large chunks) on the bin sums.
     tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
-        _LAG_BUCKET_OF_BIN, device=mask.device))}
+        LAG_BUCKET_OF_BIN, device=mask.device))}
     if compiling or stacked or not cpu:
         index.update({by: table[index[by]] for by, table in tables.items()})
     plan = _plan(lag_bins is not None)
@@ -487,7 +402,7 @@ def _mismatch_finish(sums: torch.Tensor, extremes: torch.Tensor, seq_sums: torch
     """The mismatch block: the sums, extremes, sequence sums, largest |s_b| and |r| quantiles [Q]
     (meaningless when no token is valid)."""
     n = sums[:1]
-    lohi, frac = _ranks(n.double(), qs)
+    lohi, frac = ranks(n.double(), qs)
     if exact:
         if sample.numel() == 0:
             quantiles = torch.zeros(qs.numel(), dtype=torch.float64, device=sums.device)
@@ -495,7 +410,7 @@ def _mismatch_finish(sums: torch.Tensor, extremes: torch.Tensor, seq_sums: torch
             # As non-negative floats (+inf off the valid set) the bit patterns sort as the values (an
             # integer sort is cheaper than a float one), the n valid ones first.
             bits = sample.view(torch.int32 if sample.dtype == torch.float32 else torch.int64)
-            quantiles = _interpolate(bits.sort().values.view(sample.dtype)[lohi.long()].double(), frac)
+            quantiles = interpolate(bits.sort().values.view(sample.dtype)[lohi.long()].double(), frac)
     else:
         every = sample.long() if sample.dtype != torch.int64 else sample
         last = ABS_FIRST + ABS_NBINS - 2
@@ -505,7 +420,7 @@ def _mismatch_finish(sums: torch.Tensor, extremes: torch.Tensor, seq_sums: torch
         values = torch.cat([torch.zeros(1, dtype=torch.float64, device=sums.device), abs_mids,
                             extremes[2:].double()])
         at = torch.searchsorted(hist.cumsum(0, dtype=torch.float64), lohi, right=True).clamp_max(hist.numel() - 1)
-        quantiles = _interpolate(values[at], frac)
+        quantiles = interpolate(values[at], frac)
     return [sums.double(), seq_sums, extremes.double(), seq_max, quantiles]     # one dtype: a faster cat
 
 

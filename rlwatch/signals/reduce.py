@@ -1,5 +1,5 @@
 """Small pieces the fused function shares: the per-process constant cache, integer counts by index,
-and the |r| bit-pattern histogram's bins."""
+the |r| bit-pattern histogram's bins, and quantile ranks."""
 
 from __future__ import annotations
 
@@ -77,3 +77,19 @@ def count_into(size: int, index: torch.Tensor, weights: torch.Tensor | None = No
     index = index.long()
     src = torch.ones_like(index) if weights is None else weights.long()
     return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add(0, index, src)
+
+
+def ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The order statistics [2, Q] (0-based, float64) that each ``qs``-quantile of ``n`` items lies
+    between, and its position between them [Q] (linear interpolation, as ``torch.quantile``; the upper
+    one equals the lower where the rank is whole, which interpolates to the same value). With n = 0
+    the ranks are negative (indices from the end, a value the host ignores)."""
+    rank = qs * (n - 1)
+    low = rank.floor()
+    return torch.stack([low, rank.ceil()]), rank - low
+
+
+def interpolate(pairs: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+    """Values [Q] between the order statistics ``pairs`` [2, Q] (float64), as ``torch.quantile``."""
+    low, high = pairs.unbind()
+    return torch.lerp(low, high, frac)

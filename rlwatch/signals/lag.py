@@ -1,0 +1,88 @@
+"""The version-lag block of :func:`.fused.token_core`: a chunk's lag histogram, per-sequence sums and
+largest lag (:func:`lag_part`), and the step's lag fields from them (:func:`lag_finish`,
+:data:`~.quantities.LAG_FIELDS`).
+
+Versions: [B, T] per token, [B] or [B, 2] (first, last) per sequence; ``trainer_version`` 0-d float64.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import torch
+
+from . import quantities as q
+from .reduce import cached, count_into, interpolate, ranks
+from .settings import LAG_BINS
+
+LAG_SIZE = LAG_BINS + 1                 # bin k holds lag k - 1; bin 0 off-mask and negative lags
+# The lag bucket (index into LAG_BUCKET_LABELS) of each lag bin; bin 0 (no valid lag) in none.
+LAG_BUCKET_OF_BIN = (len(q.BY_LABELS["lag"]),) + tuple(
+    bisect_left(tuple(int(b) for b in q.BY_LABELS["lag"][:-1]), lag) for lag in range(LAG_BINS))
+# Larger than any lag + 1 (and finite: 0 * it is 0).
+_BEYOND_LAG = 1e30
+
+
+def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.Tensor,
+              per_seq: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A chunk's lag histogram [LAG_BINS] (tokens by lag 0 .. LAG_EXACT_MAX, larger lags in the last
+    bin), per-sequence sums [3] (sequences with a token, their largest lags, those spanning versions),
+    the largest lag [1]; and each token's lag bin ([B, T] int32 or [B, 1] int64: lag + 1, 0 where no
+    valid lag)."""
+    B, T = mask.shape
+    has = per_seq > 0
+    if version.shape == mask.shape:
+        if version.dtype.is_floating_point and version.dtype not in (torch.float32, torch.float64):
+            version = version.float()
+        # lag + 1, 0 off the mask: float32 (exact for lags below 2**24) from integer versions, the versions'
+        # dtype from floats; one dtype per operation (mixed ones are several times slower on CPU).
+        lag1 = (_version_plus_one(trainer_version, version.dtype) - version)
+        lag1 = (lag1.float() if not lag1.dtype.is_floating_point else lag1).mul_(mask)
+        index = lag1.clamp(0.0, float(LAG_SIZE - 1)).int()           # (not histc: ~1.4 ms on CPU for any input)
+        hist = count_into(LAG_SIZE, index)[1:]
+        if T:
+            top = lag1.amax(-1)                               # 1 + the largest lag of the sequence (>= 0)
+            # 1 + its smallest lag (off the mask 1e30, exactly: lag1 + 0 on it); no span without a token.
+            spans = top > torch.add(lag1, 1.0 - mask, alpha=_BEYOND_LAG).amin(-1)
+            top = top.double()
+        else:
+            top, spans = per_seq.double(), has
+        seq_max = top - 1.0
+        # A sequence without tokens (top 0) adds 0 to the sums; to the maximum it adds -1 instead of 0,
+        # which changes it only when no token has a lag >= 0 (n_ok = 0: not reported).
+    else:
+        if version.dim() == 2:
+            first, last = version.unbind(-1)
+            spans = (last != first) & has
+        else:
+            first = version.reshape(-1)
+            spans = torch.zeros_like(has)
+        if first.dtype.is_floating_point and first.dtype != torch.float64:
+            first = first.double()
+        seq_max = trainer_version - first                                               # [B] float64
+        index = (seq_max + 1.0).clamp(0, LAG_SIZE - 1).long()
+        hist = count_into(LAG_SIZE, index, per_seq)[1:]               # sequences without tokens weigh 0
+        seq_max = torch.where(has, seq_max, 0.0)
+        index = index.unsqueeze(1)
+    seq_sums = torch.stack([has, seq_max.clamp_min(0), spans]).sum(-1, dtype=torch.float64)
+    lag_max = seq_max.amax(0, keepdim=True) if B else seq_max.new_zeros(1)
+    return [hist, seq_sums, lag_max], index
+
+
+def _version_plus_one(trainer_version: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """trainer_version + 1 (0-d float64) as the versions' dtype (int64 for integers; 0-d, so that it does
+    not promote them)."""
+    return (trainer_version + 1.0).to(dtype if dtype.is_floating_point else torch.int64)
+
+
+def lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tensor, bucket_index: torch.Tensor,
+                qs: torch.Tensor, over_from: torch.Tensor) -> list[torch.Tensor]:
+    """The lag block (``LAG_FIELDS``) from the step's lag histogram and sums."""
+    cum = hist.cumsum(0, dtype=torch.float64)
+    n_ok = cum[-1:]                                                           # tokens of lag >= 0
+    lags = cached(("lags", hist.device), lambda: torch.arange(LAG_BINS, dtype=torch.float64, device=hist.device))
+    # The sum of the lags is LAG_BINS * n_ok - sum(cum) (exact: whole numbers below 2**53).
+    sums = [cum.sum(0, keepdim=True), (hist * (lags >= over_from)).sum(0, keepdim=True)]
+    lohi, frac = ranks(n_ok, qs)
+    quantiles = interpolate(torch.searchsorted(cum, lohi, right=True).double(), frac)   # bin k: lag k
+    return [cum[bucket_index], n_ok, *sums, quantiles, seq_sums, lag_max]
