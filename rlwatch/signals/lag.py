@@ -44,9 +44,8 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
             top = lag1.amax(-1)                               # 1 + the largest lag of the sequence (>= 0)
             # 1 + its smallest lag (off the mask 1e30, exactly: lag1 + 0 on it); no span without a token.
             spans = top > torch.add(lag1, 1.0 - mask, alpha=_BEYOND_LAG).amin(-1)
-            top = top.double()
         else:
-            top, spans = per_seq.double(), has
+            top, spans = per_seq, has
         seq_max = top - 1.0
         # A sequence without tokens (top 0) adds 0 to the sums; to the maximum it adds -1 instead of 0,
         # which changes it only when no token has a lag >= 0 (n_ok = 0: not reported).
