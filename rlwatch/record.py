@@ -358,6 +358,11 @@ class RecordBuilder:
             return
         if v.dtype == torch.bool:
             v = v.to(torch.int64)
+        if tuple(v.shape) == (B, T) and not v.dtype.is_floating_point:
+            # Per-token integer versions: the lag block treats a negative one as no version itself, per
+            # chunk (signals/lag.py), instead of a pass over the whole step here.
+            rec.version = v
+            return
         # NaN, infinite or negative versions are no version: stamped one newer than the trainer, which
         # the lag signals leave out and count (negative_lag_tokens_total, reported as a validate error
         # once the step's values are read), without a host sync here.

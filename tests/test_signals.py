@@ -253,6 +253,25 @@ def test_negative_lag_is_counted_and_excluded():
     assert scalar(v, "version_lag_mean") == pytest.approx((5 * 4 + 7 * 2) / 6)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one_pass", "chunked"])
+def test_negative_integer_versions_are_no_version_as_float_ones(chunked, monkeypatch):
+    # Per-token integer versions reach the lag block unchecked (the record checks floats and the
+    # per-sequence layouts): a negative one counts as a negative lag, as a future one does.
+    if chunked:
+        monkeypatch.setattr(signals.settings, "FUSED_CHUNK_TOKENS", 4)
+        monkeypatch.setattr(signals.settings, "STACK_MAX_TOKENS", 0)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    version = torch.tensor([[5, 5, -3, 5], [12, -1, 3, -7]])
+    values = {dtype: compute(mask=mask, token_version=version.to(dtype), trainer_version=10)
+              for dtype in (torch.int64, torch.int32, torch.float64)}
+    for v in values.values():
+        assert scalar(v, "negative_lag_tokens_total") == 3               # -3, 12, -1 (-7 is off the mask)
+        assert scalar(v, "version_lag_max") == 7
+        assert scalar(v, "version_lag_mean") == pytest.approx((5 * 3 + 7) / 4)
+        assert scalar(v, "partial_rollout_ratio") == 1.0       # no version stamps one newer: both rows span
+    assert values[torch.int64] == values[torch.int32] == values[torch.float64]
+
+
 def test_zero_variance_groups_by_kind():
     rewards = torch.tensor([1., 1., 1., 1., 0., 0., 0., 0., 0.5, 0.5, 0.5, 0.5, 1., 0., 1., 0.])
     groups = torch.arange(16) // 4

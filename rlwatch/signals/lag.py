@@ -32,12 +32,16 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
     B, T = mask.shape
     has = per_seq > 0
     if version.shape == mask.shape:
-        if version.dtype.is_floating_point and version.dtype not in (torch.float32, torch.float64):
-            version = version.float()
+        if version.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64):
+            version = version.float() if version.dtype.is_floating_point else version.long()
         # lag + 1, 0 off the mask: float32 (exact for lags below 2**24) from integer versions, the versions'
         # dtype from floats; one dtype per operation (mixed ones are several times slower on CPU).
-        lag1 = (_version_plus_one(trainer_version, version.dtype) - version)
-        lag1 = (lag1.float() if not lag1.dtype.is_floating_point else lag1).mul_(mask)
+        plus_one = _version_plus_one(trainer_version, version.dtype)
+        lag1 = plus_one - version
+        lag1 = lag1.float() if not lag1.dtype.is_floating_point else lag1
+        # A negative version (lag + 1 above trainer_version + 1) is no version: 0, as one newer than the
+        # trainer (negative_lag_tokens_total). The record checks every other layout and float versions.
+        lag1 = lag1.masked_fill_(lag1 > plus_one, 0.0).mul_(mask)
         index = lag1.clamp(0.0, float(LAG_SIZE - 1)).int()           # (not histc: ~1.4 ms on CPU for any input)
         hist = count_into(LAG_SIZE, index)[1:]
         if T:
