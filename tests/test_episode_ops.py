@@ -1,6 +1,6 @@
 """The episode block (:func:`rlwatch.signals.episodes.episode_core`): few operations per step (the
-tiny-step cost is its operation count), and every value equal to a plain-Python reference over
-episodes, on many random group/environment layouts."""
+tiny-step cost is its operation count), every value equal to a plain-Python reference over
+episodes, on many random group/environment layouts, and group rows declared in a test computed."""
 
 from __future__ import annotations
 
@@ -238,3 +238,23 @@ def test_episode_core_equals_a_plain_python_reference(seed):
                     assert _close(rows[k], v), (seed, case, name, k, rows[k], v, step)
             else:
                 assert _close(rows[()], expected), (seed, case, name, rows[()], expected, step)
+
+
+def test_a_declared_group_row_is_computed_from_its_declaration(monkeypatch):
+    """A term over the group slots, and threshold rows that reuse thresholds out of their order (the
+    thresholds are then indexed): each group row's sum is the plain count."""
+    monkeypatch.setattr(quantities, "GROUP_ROWS", quantities.GROUP_ROWS + (
+        quantities.GroupRow("size_sq", lambda g: g["size"] * g["size"]),
+        quantities.GroupRow("neg_at_pass", base="neg", at="pass"),
+        quantities.GroupRow("at_neg_fail", base="ref", at="neg_fail")))
+    # Groups {1, 1}, {0, 0.5}, {0.5}, {-1}; (fail, pass) = (0, 1).
+    rewards, ids = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.5, -1.0], dtype=torch.float64), torch.tensor([0, 0, 1, 1, 2, 3])
+    with torch.inference_mode():
+        v = episodes.episode_core(torch.ones(6), torch.ones(6, dtype=torch.bool), rewards, ids, None, None, None, None,
+                                  torch.tensor(episodes.bound_values((0.0, 1.0)))).tolist()
+    pos = quantities.episode_layout(True, True, 0, False, [])
+    sums = dict(zip(pos["rows"], v[pos["sums"]]))
+    assert {name: sums[name] for name in [row.name for row in quantities.GROUP_ROWS]} == {
+        "groups": 4, "zero_var": 3, "zero_var_episodes": 4, "size": 6, "size_gap": 4 * 7 - 6,
+        "range_pass": 1, "range_fail": 1, "bounds_pass": 1, "bounds_fail": 1, "sign_pass": 2,
+        "size_sq": 10, "neg_at_pass": 1, "at_neg_fail": 2}

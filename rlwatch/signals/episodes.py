@@ -1,8 +1,8 @@
 """The per-episode signals as one pure tensor function, shaped for ``torch.compile`` like
 :func:`rlwatch.signals.fused.token_core`, built from the declaration in :mod:`.quantities`
-(:data:`~.quantities.EPISODE_ROWS`): rewards, zero-variance GRPO groups by kind, response lengths,
-truncation and the per-environment sums, packed in one float64 vector whose layout
-:func:`~.quantities.episode_layout` describes and whose host formulas
+(:data:`~.quantities.EPISODE_ROWS`, :data:`~.quantities.GROUP_ROWS`): rewards, zero-variance GRPO
+groups by kind, response lengths, truncation and the per-environment sums, packed in one float64
+vector whose layout :func:`~.quantities.episode_layout` describes and whose host formulas
 :func:`~.quantities.finish_episodes` applies.
 
 Every per-episode quantity is a row of one [K, B] matrix, reduced once for the step's sums and once
@@ -14,7 +14,9 @@ Groups: one sort of the group ids, then each episode's *group slot* is the posit
 first occurrence in the sorted ids (one ``searchsorted``): equal ids share a slot, slots are in
 [0, B). A group's constancy is tested against one of its own usable rewards (written by a plain
 scatter, so whichever write wins gives the same answer); group sizes and the episodes differing from
-that reward are integer counts (``bincount`` on CPU, an int64 scatter-add elsewhere). A group counts
+that reward are integer counts (``bincount`` on CPU, an int64 scatter-add elsewhere). The group
+block is :data:`~.quantities.GROUP_ROWS` over these per-slot tensors; eagerly its threshold rows are
+one stacked comparison with the threshold vector, compiled one comparison each. A group counts
 once for each environment among its episodes: the (group slot, environment) pairs are numbered and
 the episode whose index a plain scatter leaves in a pair's cell is that pair's one representative
 (again: any winner gives the same counts).
@@ -44,7 +46,7 @@ from .reduce import count_into
 
 def bound_values(reward_bounds: tuple[float, float] | None) -> tuple[float, float, float]:
     """The ``bounds`` input of :func:`episode_core`: (pass, -fail, the smallest positive float64),
-    the thresholds that ``ref >= t`` and ``-ref >= t`` compare group rewards with."""
+    the last thresholds of :data:`~.quantities.GROUP_THRESHOLDS`."""
     fail, passing = (float(b) for b in reward_bounds or (0.0, 0.0))
     return passing, -fail, 5e-324
 
@@ -131,9 +133,9 @@ def _length_order_statistics(sorted_lengths: torch.Tensor) -> torch.Tensor:
 
 def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor, bounds: torch.Tensor,
             compiled: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """The group block of :data:`~.quantities.EPISODE_ROWS` per group slot (one [10, B] matrix
-    eagerly, ten [B] rows compiled), the batch's reward range [2] (highest, -lowest usable reward;
-    -inf without one) and the constant flags per slot [B + 1] bool."""
+    """The rows of :func:`~.quantities.group_block` per group slot (one [k, B] matrix eagerly, k [B]
+    rows compiled), the batch's reward range [2] (highest, -lowest usable reward; -inf without one)
+    and the constant flags per slot [B + 1] bool."""
     B = r.shape[0]
     slot = torch.where(ok_r, index, B)                    # usable episodes; slot B collects the others
     # One usable reward of each group (a slot without one keeps whatever the buffer held: only
@@ -143,22 +145,23 @@ def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor, bounds: to
     counts = count_into(B + 1, slot, torch.where(r != ref.gather(0, index), B + 2, 1))
     exists = counts > 0
     zero_var = exists & (counts <= B)
-    size = counts % (B + 1)
     if B:
         reward_range = torch.where(ok_r, torch.stack([r, -r]), -torch.inf).amax(1)
     else:
         reward_range = r.new_full((2,), -torch.inf)
-    # Constant groups at or past each threshold: ref >= highest, -ref >= -lowest, ref >= pass,
-    # -ref >= -fail, ref > 0 (the host picks the rule that applies).
-    neg = -ref
-    slots = [exists, zero_var, zero_var * size, size, (B + 1 - size) * exists]
+    g = {"exists": exists, "zero_var": zero_var, "size": counts % (B + 1), "B": B, "ref": ref, "neg": -ref}
+    block = q.group_block()
+    rows = [row.term(g) for row in block["terms"]]
+    # Constant groups at or past each threshold (q.GROUP_THRESHOLDS; the host picks the rule that applies).
     if compiled:
         thresholds = reward_range.unbind() + bounds.unbind()
-        kinds = [(x >= t) & zero_var for x, t in zip((ref, neg, ref, neg, ref), thresholds)]
-        return [x[:B] for x in slots + kinds], reward_range, zero_var
-    thresholds = torch.cat([reward_range, bounds]).unsqueeze(1)
-    kinds = (torch.stack([ref, neg, ref, neg, ref]) >= thresholds) & zero_var
-    return [torch.cat([torch.stack(slots), kinds])[:, :B]], reward_range, zero_var
+        rows += [(g[row.base] >= thresholds[k]) & zero_var for row, k in zip(block["kinds"], block["at"])]
+        return [x[:B] for x in rows], reward_range, zero_var
+    thresholds = torch.cat([reward_range, bounds])
+    if block["index"] is not None:
+        thresholds = thresholds[block["index"]]
+    at_or_past = (torch.stack([g[row.base] for row in block["kinds"]]) >= thresholds.unsqueeze(1)) & zero_var
+    return [torch.cat([torch.stack(rows), at_or_past])[:, :B]], reward_range, zero_var
 
 
 def _pairs(index: torch.Tensor, env_index: torch.Tensor, E: int, zero_var: torch.Tensor) -> dict[str, torch.Tensor]:

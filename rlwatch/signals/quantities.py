@@ -6,14 +6,15 @@ by a per-token index (``by``: the sampler-probability band or the version-lag bu
 label). A :class:`SeqSum` is the same over the sequences with a valid token. A :class:`Metric`
 is a catalogue family (:mod:`rlwatch.metrics`) and its host formula from those sums, read by name.
 An :class:`EpisodeRow` is a per-episode row (a term, what it needs, whether it is summed per
-environment) and an :class:`EpisodeMetric` a family and its host formula from the rows' sums.
+environment), a :class:`GroupRow` a row of one value per GRPO group (a term, or a constant group's
+reward against a named threshold), and an episode :class:`Metric` a formula from the rows' sums.
 
 :mod:`.fused` builds its device work from :data:`TOKEN_SUMS` and :data:`SEQ_SUMS` (eagerly as a
 few stacked [k, B, T] groups reduced at once, compiled as one reduction per sum) and packs the
 results in the order :func:`token_fields` gives; :func:`finish_tokens` applies :data:`METRICS` to
-the transferred vector. :mod:`.episodes` stacks :data:`EPISODE_ROWS` in the order
-:func:`episode_layout` gives; :func:`finish_episodes` applies :data:`EPISODE_METRICS`. Adding a
-quantity is a term (when new), a sum or a row, and a metric here, and its
+the transferred vector. :mod:`.episodes` stacks :data:`EPISODE_ROWS` and :data:`GROUP_ROWS` in the
+order :func:`episode_layout` gives; :func:`finish_episodes` applies :data:`EPISODE_METRICS`. Adding
+a quantity is a term (when new), a sum or a row, and a metric here, and its
 :class:`~rlwatch.metrics.MetricSpec` in the catalogue (``docs/adding-a-signal.md``).
 
 Conventions: ``r = log pi_old - log mu`` (nats), ``w = exp(r)`` with r clamped to
@@ -298,13 +299,11 @@ class EpisodeRow:
     sum and its maximum. ``term(e)``: the [B] row from the per-episode tensors ``e`` (``all_ok``: not
     failed, ``length``, ``truncated``; with rewards ``ok``: usable (not failed, finite reward), ``r``:
     the reward, 0 where unusable; with groups and environments ``pairs``, ``pairs_zero_var``) and the
-    rows declared before it, by name; None for a row of the group block (one value per group slot,
-    computed by ``episodes._groups`` in this order). ``needs``: the inputs it needs ("episodes", always
-    there; "rewards", "groups", "envs", "truncated", joined by "+"); ``per_env``: also summed per
-    environment."""
+    rows declared before it, by name. ``needs``: the inputs it needs ("episodes", always there;
+    "rewards", "groups", "envs", "truncated", joined by "+"); ``per_env``: also summed per environment."""
 
     name: str
-    term: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None
+    term: Callable[[dict[str, torch.Tensor]], torch.Tensor]
     needs: str = "episodes"
     per_env: bool = False
 
@@ -323,14 +322,54 @@ EPISODE_ROWS: tuple[EpisodeRow, ...] = (
     # The episode represents a distinct (group, environment) pair; and that group is constant.
     EpisodeRow("pairs", lambda e: e["pairs"], "groups+envs", per_env=True),
     EpisodeRow("pairs_zero_var", lambda e: e["pairs_zero_var"], "groups+envs", per_env=True),
-    # The group block: usable episodes > 0, constant, usable episodes of constant groups, usable
-    # episodes, B + 1 - usable episodes (0 for an empty slot, so that its maximum gives the smallest
-    # group), then the constant groups at the batch's highest reward and at its lowest, at the
-    # configured pass and fail rewards, and above 0.
-    *(EpisodeRow(name, None, "groups") for name in (
-        "groups", "zero_var", "zero_var_episodes", "size", "size_gap",
-        "range_pass", "range_fail", "bounds_pass", "bounds_fail", "sign_pass")),
 )
+
+#: The group block's thresholds, in the device vector's order: the batch's highest usable reward, -lowest
+#: (the layout's ``range``), then :func:`.episodes.bound_values`: pass, -fail, the smallest positive float64.
+GROUP_THRESHOLDS = ("highest", "neg_lowest", "pass", "neg_fail", "positive")
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    """A row of the group block: one value per group slot (one per group id, B + 1 in all), reduced as
+    an :class:`EpisodeRow`. ``term(g)``: the row from the per-slot tensors ``g`` (``exists``: a usable
+    episode, ``zero_var``: a constant group, ``size``: usable episodes; ``B``, an int); without a term,
+    the constant groups whose ``base`` ("ref": the group's reward, "neg": -ref) is >= the threshold of
+    :data:`GROUP_THRESHOLDS` named ``at``."""
+
+    name: str
+    term: Callable[[dict[str, Any]], torch.Tensor] | None = None
+    base: str = ""
+    at: str = ""
+
+
+#: Groups, constant groups, their usable episodes, sizes, B + 1 - size (0 for an empty slot: its maximum
+#: gives the smallest group); constant groups at the batch's highest and lowest reward, at the configured
+#: pass and fail rewards, and above 0.
+GROUP_ROWS: tuple[GroupRow, ...] = (
+    GroupRow("groups", lambda g: g["exists"]),
+    GroupRow("zero_var", lambda g: g["zero_var"]),
+    GroupRow("zero_var_episodes", lambda g: g["zero_var"] * g["size"]),
+    GroupRow("size", lambda g: g["size"]),
+    GroupRow("size_gap", lambda g: (g["B"] + 1 - g["size"]) * g["exists"]),
+    GroupRow("range_pass", base="ref", at="highest"),
+    GroupRow("range_fail", base="neg", at="neg_lowest"),
+    GroupRow("bounds_pass", base="ref", at="pass"),
+    GroupRow("bounds_fail", base="neg", at="neg_fail"),
+    GroupRow("sign_pass", base="ref", at="positive"),
+)
+
+
+@plan(lambda: (GROUP_ROWS,))
+def group_block() -> dict[str, Any]:
+    """The group block: ``rows`` in the matrix's order, ``terms`` (those with a term) then ``kinds``
+    (the threshold rows); ``at``, the position of each kind's threshold in :data:`GROUP_THRESHOLDS`,
+    and ``index``, those positions as an index of the threshold vector (None: the whole vector)."""
+    terms = [row for row in GROUP_ROWS if row.term is not None]
+    kinds = [row for row in GROUP_ROWS if row.term is None]
+    at = tuple(GROUP_THRESHOLDS.index(row.at) for row in kinds)
+    return dict(rows=terms + kinds, terms=terms, kinds=kinds, at=at,
+                index=None if at == tuple(range(len(GROUP_THRESHOLDS))) else list(at))
 
 
 @plan()
@@ -340,15 +379,16 @@ def _episode_inputs(rewards: bool, groups: bool, envs: bool, truncated: bool) ->
                                            ("envs", envs), ("truncated", truncated)) if on)
 
 
-@plan(lambda: (EPISODE_ROWS,))
-def episode_rows(rewards: bool, groups: bool, envs: bool, truncated: bool) -> tuple[list[EpisodeRow], list[EpisodeRow],
-                                                                                      int]:
-    """The rows a step computes, in the matrix's order after the ``hacked`` rows (those summed per
-    environment, the others, then the group block); those with a term, in declaration order (a term
-    may read an earlier row); and how many are summed per environment."""
-    rows = [row for row in EPISODE_ROWS if _needed(row.needs, _episode_inputs(rewards, groups, envs, truncated))]
-    ordered = sorted(rows, key=lambda row: (row.term is None, not row.per_env))
-    return ordered, [row for row in rows if row.term is not None], sum(row.per_env for row in rows)
+@plan(lambda: (EPISODE_ROWS, GROUP_ROWS))
+def episode_rows(rewards: bool, groups: bool, envs: bool,
+                 truncated: bool) -> tuple[list[EpisodeRow | GroupRow], list[EpisodeRow], int]:
+    """The rows a step computes, in the matrix's order after the ``hacked`` rows (the episode rows
+    summed per environment, the others, then :func:`group_block`); the episode rows in declaration
+    order (a term may read an earlier row); and how many are summed per environment."""
+    have = _episode_inputs(rewards, groups, envs, truncated)
+    rows = [row for row in EPISODE_ROWS if _needed(row.needs, have)]
+    block = group_block()["rows"] if "groups" in have else []
+    return sorted(rows, key=lambda row: not row.per_env) + block, rows, sum(row.per_env for row in rows)
 
 
 def episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, detectors: list[str]) -> dict[str, Any]:
@@ -361,7 +401,7 @@ def episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, dete
     return _episode_layout(rewards, groups, envs, truncated, tuple(detectors))
 
 
-@plan(lambda: (EPISODE_ROWS,))
+@plan(lambda: (EPISODE_ROWS, GROUP_ROWS))
 def _episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, detectors: tuple[str, ...]) -> dict:
     declared, _, per_env = episode_rows(rewards, groups, envs > 0, truncated)
     rows = ["hacked/" + d for d in detectors] + [row.name for row in declared]
