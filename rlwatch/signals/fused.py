@@ -215,7 +215,7 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     edges = cached(("edges",), lambda: thr[_threshold_slice(["edges"])].view(-1, 1, 1), on=thr)
     above = t["s"] >= edges if not compiling else None
     index = {"band": sum(t["s"] >= edges[k] for k in range(edges.shape[0])) if compiling
-             else above.sum(0) if stacked else above.view(torch.uint8).sum(0, dtype=torch.uint8).int(), "lag": lag_bins}
+             else above.sum(0) if stacked else above.view(torch.uint8).sum(0, dtype=torch.uint8), "lag": lag_bins}
     # The lag bucket of each lag bin: per token, or (eagerly on CPU, large chunks) on the bin sums.
     tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
         LAG_BUCKET_OF_BIN, device=mask.device))}
@@ -351,14 +351,18 @@ def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tenso
 
 def _joint_index(by: list, index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor],
                  shape: torch.Size) -> tuple[torch.Tensor, list[str], list[int]]:
-    """The joint index of every split of the ``by`` sums (band x lag bin: 5 x 4097 values), flat int32
+    """The joint index of every split of the ``by`` sums (band x lag bin: 5 x 4097 values), flat integers
     [B * T] for a [B, T] chunk, with the splits' names and sizes (row-major)."""
     kinds = list(dict.fromkeys(s.by for s in by))
     sizes = [tables[k].numel() if k in tables else len(q.BY_LABELS[k]) + 1 for k in kinds]
-    joint = None
-    for kind, size in zip(kinds, sizes):          # ((i0 * size1) + i1) * size2 + ...
-        at = index[kind] if index[kind].dtype == torch.int32 else index[kind].int()
-        joint = at if joint is None else torch.add(at, joint, alpha=size)
+    joint = index[kinds[0]]
+    for kind, size in zip(kinds[1:], sizes[1:]):      # ((i0 * size1) + i1) * size2 + ...
+        at = index[kind]
+        # Into the split's own index where it is a fresh int32 [B, T] (the lag bins, not read after):
+        # written while in cache.
+        joint = joint if joint.dtype == torch.int32 else joint.int()         # one dtype: mixed adds are slow
+        joint = at.add_(joint, alpha=size) if at.dtype == torch.int32 and at.shape == shape else torch.add(
+            at.int(), joint, alpha=size)
     return joint.expand(shape).reshape(-1), kinds, sizes
 
 
