@@ -28,7 +28,7 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
     """A chunk's lag histogram [LAG_BINS] (tokens by lag 0 .. LAG_EXACT_MAX, larger lags in the last
     bin), per-sequence sums [3] (sequences with a token, their largest lags, those spanning versions),
     the largest lag [1]; and each token's lag bin ([B, T] int32 or [B, 1] int64: lag + 1, 0 where no
-    valid lag)."""
+    valid lag; a fresh tensor, which the caller may write into)."""
     B, T = mask.shape
     has = per_seq > 0
     if version.shape == mask.shape:
