@@ -304,13 +304,15 @@ def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
 @plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS))
 def _cpu_plan(lag: bool) -> dict[str, Any]:
     """:func:`_cpu_sums`' work by term: for each term the sums read (in :data:`~.quantities.TERMS` order),
-    its reductions (position among the sums before the ``by`` ones, kind, threshold and direction)
-    and the positions of its ``by`` sums; the ``by`` sums; how many others there are."""
-    sums = _plan(lag)["sums"]
-    flat, by = [s for s in sums if not s.by], [s for s in sums if s.by]
-    steps = [(fn, [(i, "square" if s.square else "count" if s.against else "sum", s.against, s.above)
+    its reductions (position among the sums before the ``by`` ones, kind, the threshold's position in
+    :data:`~.quantities.THRESHOLDS` and direction) and the positions of its ``by`` sums; the ``by``
+    sums; how many others there are."""
+    token = _plan(lag)
+    flat, by = [s for s in token["sums"] if not s.by], [s for s in token["sums"] if s.by]
+    steps = [(fn, [(i, "square" if s.square else "count" if s.against else "sum",
+                    q.THRESHOLDS.index(s.against) if s.against else -1, s.above)
                    for i, s in enumerate(flat) if s.term == name], [j for j, s in enumerate(by) if s.term == name])
-             for name, fn in _plan(lag)["terms"]]
+             for name, fn in token["terms"]]
     return dict(steps=steps, by=by, size=len(flat))
 
 
@@ -336,8 +338,8 @@ def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tenso
             elif kind == "square":
                 values[at] = torch.dot(x, x)
             else:       # 0/1 floats (faster than a boolean count on CPU); x - c is 0 only where x == c
-                c = thr[q.THRESHOLDS.index(threshold)]
-                scratch = torch.empty_like(x) if scratch is None or scratch.dtype != x.dtype else scratch
+                c = thr[threshold]
+                scratch = torch.empty_like(x) if scratch is None else scratch     # every term: one dtype
                 d = torch.sub(x, c, out=scratch) if above else torch.sub(c, x, out=scratch)
                 values[at] = d.sign_().clamp_(min=0.0).sum()
         if split_at:
