@@ -177,7 +177,7 @@ def need_module(name: str):
     except ImportError as exc:
         if REQUIRE_FRAMEWORKS:
             pytest.fail(f"{name} is required here: {exc}")
-        pytest.skip(f"{name} not installed: {exc}")
+        pytest.skip(f"{name} not installed: {exc}", allow_module_level=True)   # also at a module's top
 
 
 @pytest.fixture(autouse=True, scope="session")

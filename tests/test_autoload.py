@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from .conftest import ROOT, need_module
 
 
@@ -15,6 +17,7 @@ def rlwatch_run(*command: str, extra: tuple[str, ...] = (), timeout: float = 180
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.frameworks          # the bootstrap instruments installed trl and ray
 def test_plain_subprocess_gets_the_bootstrap_and_config():
     probe = textwrap.dedent("""
         import json, os, sys

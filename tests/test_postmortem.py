@@ -179,6 +179,7 @@ class _Payload:
         return (os.system, (f"touch {os.environ.get('RLWATCH_PWNED', '/tmp/rlwatch-pwned')}",))
 
 
+@pytest.mark.frameworks          # the probe loads the checkpoint with transformers
 def test_malicious_pickle_in_a_checkpoint_is_refused(tmp_path, monkeypatch):
     marker = tmp_path / "pwned"
     monkeypatch.setenv("RLWATCH_PWNED", str(marker))

@@ -692,6 +692,7 @@ def test_setup_hook_reaches_the_trainer_actor_through_ray(tmp_path):
         ray.shutdown()
 
 
+@pytest.mark.frameworks          # verl must be installed for the hook to patch it
 def test_setup_hook_imports_no_verl():
     """The worker setup hook only registers the import hook: it imports no verl."""
     code = ("import sys; import rlwatch.integrations.verl as rv; rv.setup_hook(); "
