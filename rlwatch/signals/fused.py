@@ -105,10 +105,11 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
                exact_quantiles: bool, over_from: torch.Tensor) -> torch.Tensor:
     """Every token-level sum of one step, packed as :func:`layout` says (float64 [size]).
 
-    trainer_version: 0-d float64. thresholds: float64, as :data:`~.quantities.THRESHOLDS` names them.
-    abs_mids: float64 midpoints of the |r| histogram bins; bucket_index: int64 lags at the histogram
-    bucket bounds; qs: float64 (0.5, 0.99). ``exact_quantiles`` picks a sort for |r| quantiles (small
-    steps) instead of the bit-pattern histogram; ``over_from`` (0-d float64) is the smallest lag above
+    trainer_version: 0-d, float32 below 2**24 (see :func:`.lag.lag_part`), else float64. thresholds:
+    float64, as :data:`~.quantities.THRESHOLDS` names them. abs_mids: float64 midpoints of the |r|
+    histogram bins; bucket_index: int64 lags at the histogram bucket bounds; qs: float64 (0.5, 0.99).
+    ``exact_quantiles`` picks a sort for |r| quantiles (small steps) instead of the bit-pattern
+    histogram; ``over_from`` (0-d float64) is the smallest lag above
     the staleness bound.
     """
     mismatch = trainer_logp is not None and sampler_logp is not None
@@ -146,12 +147,24 @@ def _chunk_parts(mask: torch.Tensor, version: torch.Tensor | None, trainer_logp:
     per_seq = mask.sum(-1)                                                    # [B] float32
     parts: list[torch.Tensor] = [per_seq.sum(0, keepdim=True, dtype=torch.float64)]   # exact: whole numbers
     lag_bins = None
+    mismatch = trainer_logp is not None and sampler_logp is not None
+    # Eagerly on CPU the mismatch part's count of tokens by band x lag bin is the lag histogram too.
+    counted = (mismatch and version is not None and version.shape == mask.shape and _cpu_chunk(mask)
+               and _cpu_plan(True)["counted"])
     if version is not None:
-        lag, lag_bins = lag_part(version, trainer_version, mask, per_seq)
+        lag, lag_bins = lag_part(version, trainer_version, mask, per_seq, histogram=not counted)
         parts += lag
-    if trainer_logp is not None and sampler_logp is not None:
-        parts += _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, lag_bins, exact_quantiles)
+    if mismatch:
+        more, hist = _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, lag_bins, exact_quantiles, counted)
+        parts += more
+        if counted:
+            parts[1] = hist
     return parts
+
+
+def _cpu_chunk(mask: torch.Tensor) -> bool:
+    """Whether an eager chunk takes :func:`_cpu_sums` (on CPU, too large to stack)."""
+    return mask.device.type == "cpu" and not torch.compiler.is_compiling() and mask.numel() > settings.STACK_MAX_TOKENS
 
 
 @contextlib.contextmanager
@@ -196,19 +209,19 @@ def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.T
     em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1_()                   # w - 1, 0 off the valid set
     cap = cached(("cap_em1",), lambda: thr[0], on=thr)
     return {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "a": r.abs(), "em1": em1,
-            "em1_t": em1.clamp(max=cap)}                                # min(w, C) - 1
+            "cap_em1": cap, "cap_w": cached(("cap_w",), lambda: cap + 1.0, on=thr)}
 
 
 def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
-                   thresholds: torch.Tensor, lag_bins: torch.Tensor | None,
-                   exact_quantiles: bool) -> list[torch.Tensor]:
+                   thresholds: torch.Tensor, lag_bins: torch.Tensor | None, exact_quantiles: bool,
+                   count_lags: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """A chunk's token sums [K] (:func:`~.quantities.token_sums` order), extremes [3], sequence sums,
     largest |s_b| [1], and its |r| sample (exact: |r| on the valid set, +inf off it; else its
-    bit-pattern histogram)."""
+    bit-pattern histogram); with ``count_lags`` (:func:`_cpu_sums` only) the lag histogram too."""
     work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
     thr = thresholds if work == torch.float64 else cached(("to", work), lambda: thresholds.to(work), on=thresholds)
     compiling, cpu = torch.compiler.is_compiling(), mask.device.type == "cpu"
-    stacked = not compiling and cpu and mask.numel() <= settings.STACK_MAX_TOKENS
+    stacked = not compiling and cpu and not _cpu_chunk(mask)
     t = _terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not stacked)
     # Sampler-probability bands: band k holds log mu in [edge k-1, edge k) (not bucketize: several times
     # slower on CPU). Off the valid set s = 0 falls in the last band, where no valid token counts.
@@ -221,15 +234,18 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
         LAG_BUCKET_OF_BIN, device=mask.device))}
     if compiling or stacked or not cpu:
         index.update({by: table[index[by]] for by, table in tables.items()})
-    plan = _plan(lag_bins is not None)
+    plan, hist = _plan(lag_bins is not None), None
     if cpu and not compiling and not stacked:
-        parts, per_seq = _cpu_sums(_cpu_plan(lag_bins is not None), t, thr, index, tables)
+        cpu_plan = _cpu_plan(lag_bins is not None)
+        if cpu_plan["counted"]:                 # the band's last slot (none): tokens off the valid set
+            index["band"] = index["band"].add_(t["keep"] == 0)
+        parts, per_seq, hist = _cpu_sums(cpu_plan, t, thr, index, tables, count_lags)
     else:
         terms = {name: fn(t) for name, fn in plan["terms"]}
         parts, per_seq = (_eager_sums(plan, terms, thr, index) if stacked
                           else _direct_sums(plan["sums"], terms, thr, index))
     return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(t["valid"], t["r"], t["a"], stacked),
-            *_sequence_sums(plan, per_seq, thresholds), _abs_sample(t["a"], t["valid"], exact_quantiles)]
+            *_sequence_sums(plan, per_seq, thresholds), _abs_sample(t["a"], t["valid"], exact_quantiles)], hist
 
 
 def _extremes(keep: torch.Tensor, r: torch.Tensor, a: torch.Tensor, stacked: bool) -> torch.Tensor:
@@ -254,8 +270,11 @@ def _eager_sums(plan: dict[str, Any], terms: dict[str, torch.Tensor], thr: torch
     against = plan["against"]
     if against:
         x = terms[against[0]] if len(set(against)) == 1 else torch.stack([terms[name] for name in against])
-        at = cached(("at", 3, *plan["at"]), lambda: thr[_threshold_slice(list(plan["at"]))].view(-1, 1, 1), on=thr)
-        groups.append((x - at) * _signs(plan["signs"], thr.dtype, thr.device, 3) > 0)
+        signs = _signs(plan["signs"], thr.dtype, thr.device, 3)
+        # (x - t) * sign > 0 as x * sign - t * sign > 0 (the same value: the sign is +-1), one operation.
+        at = cached(("neg_at", 3, plan["at"], plan["signs"]), lambda: -thr[_threshold_slice(list(plan["at"]))].view(
+            -1, 1, 1) * signs, on=thr)
+        groups.append(torch.addcmul(at, x, signs) > 0)
     # Float32 sums of a chunk's rows are exact for counts (at most STACK_MAX_TOKENS < 2**24 positions);
     # summed in the work dtype, the parts concatenate without mixing dtypes.
     sums = [g.sum((1, 2), dtype=y.dtype) for g in groups]
@@ -305,31 +324,36 @@ def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
 def _cpu_plan(lag: bool) -> dict[str, Any]:
     """:func:`_cpu_sums`' work by term: for each term the sums read (in :data:`~.quantities.TERMS` order),
     its reductions (position among the sums before the ``by`` ones, kind, the threshold's position in
-    :data:`~.quantities.THRESHOLDS` and direction) and the positions of its ``by`` sums; the ``by``
-    sums; how many others there are."""
+    :data:`~.quantities.THRESHOLDS` and direction), the positions of its ``by`` sums and whether they are
+    counts (``keep``'s, with ``counted``); the ``by`` sums; how many others there are; ``counted``: the
+    valid tokens by joint index are counted (with the others in the band's last slot, none)."""
     token = _plan(lag)
     flat, by = [s for s in token["sums"] if not s.by], [s for s in token["sums"] if s.by]
+    counted = any(s.by == "band" for s in by)
     steps = [(fn, [(i, "square" if s.square else "count" if s.against else "sum",
                     q.THRESHOLDS.index(s.against) if s.against else -1, s.above)
-                   for i, s in enumerate(flat) if s.term == name], [j for j, s in enumerate(by) if s.term == name])
-             for name, fn in token["terms"]]
-    return dict(steps=steps, by=by, size=len(flat))
+                   for i, s in enumerate(flat) if s.term == name], [j for j, s in enumerate(by) if s.term == name],
+              counted and name == "keep") for name, fn in token["terms"]]
+    return dict(steps=steps, by=by, size=len(flat), counted=counted)
 
 
 def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tensor,
-              index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor],
-                                                                                                torch.Tensor]:
+              index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor],
+              count_lags: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """Eagerly on CPU, chunks too large to stack. Memory-bound: one term at a time (a term built from
     others is freed before the next is made, so that its buffer is reused while in cache), each sum
     one reduction, each square one dot product, each threshold count a 0/1 row in one reused buffer
-    and its sum, the ``by`` sums one bincount per term by :func:`_joint_index`; the per-sequence sums
-    as :func:`_eager_sums`. A chunk of more than 2**24 positions sums in float64 (exact counts)."""
+    and its sum, the ``by`` sums one bincount per term by :func:`_joint_index` (``keep``'s: the count
+    of every token, the band's last slot holding those off the valid set); the per-sequence sums as
+    :func:`_eager_sums`; with ``count_lags``, the lag histogram from that count (tokens by lag bin, in
+    every band slot). A chunk of more than 2**24 positions sums in float64 (exact counts)."""
     shape, wide = t["r"].shape, t["r"].numel() > _EXACT_F32_COUNT
     values: list[torch.Tensor] = [None] * plan["size"]                # type: ignore[list-item]
     splits: list[torch.Tensor] = [None] * len(plan["by"])              # type: ignore[list-item]
     joint, kinds, sizes = _joint_index(plan["by"], index, tables, shape) if plan["by"] else (None, [], [])
+    every = torch.bincount(joint, minlength=math.prod(sizes)).view(sizes) if plan["counted"] else None
     scratch = None
-    for fn, reductions, split_at in plan["steps"]:
+    for fn, reductions, split_at, counted in plan["steps"]:
         x = fn(t).reshape(-1)
         x = x.double() if wide else x
         for at, kind, threshold, above in reductions:
@@ -343,12 +367,16 @@ def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tenso
                 d = torch.sub(x, c, out=scratch) if above else torch.sub(c, x, out=scratch)
                 values[at] = d.sign_().clamp_(min=0.0).sum()
         if split_at:
-            counts = torch.bincount(joint, x, math.prod(sizes)).view(sizes).double()
+            counts = every if counted else torch.bincount(joint, x, math.prod(sizes)).view(sizes)
+            # Each split's labels and its none slot; the band's last one (off the valid set) dropped.
+            counts = counts.narrow(kinds.index("band"), 0, len(q.BY_LABELS["band"])) if plan["counted"] else counts
+            counts = counts.double()
             for j in split_at:
                 splits[j] = _split_of(counts, kinds, plan["by"][j], tables)
         del x                           # before the next term is made: its buffer is reused
     parts = [torch.stack(values)] + ([torch.cat(splits)] if splits else [])
-    return parts, torch.stack([t["keep"].sum(-1), t["r"].sum(-1)])
+    hist = every.sum([d for d, kind in enumerate(kinds) if kind != "lag"])[1:] if count_lags else None
+    return parts, torch.stack([t["keep"].sum(-1), t["r"].sum(-1)]), hist
 
 
 def _joint_index(by: list, index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor],
@@ -386,10 +414,12 @@ def _sequence_sums(plan: dict[str, Any], per_seq: torch.Tensor, thresholds: torc
     # 0/1 as float64 (valid_count is a whole number >= 0; sign then clamp is "> 0"): one dtype in the cat.
     terms = {"has": valid_count.clamp(max=1.0), "abs": seq_abs,
              "chi2": torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))}
-    at = cached(("at", 2, *plan["seq_at"]), lambda: thresholds[_threshold_slice(list(plan["seq_at"]))].view(-1, 1),
-                on=thresholds)
+    signs = _signs(plan["seq_signs"], torch.float64, seq_r.device, 2)
+    # (s_b - t) * sign as s_b * sign - t * sign (the same value: the sign is +-1).
+    at = cached(("neg_at", 2, plan["seq_at"], plan["seq_signs"]), lambda: -thresholds[
+        _threshold_slice(list(plan["seq_at"]))].view(-1, 1) * signs, on=thresholds)
     rows = torch.cat([torch.stack([terms[name] for name in plan["seq_plain"]]),
-                      ((seq_r - at) * _signs(plan["seq_signs"], torch.float64, seq_r.device, 2)).sign_().clamp_(0.0)])
+                      torch.addcmul(at, seq_r, signs).sign_().clamp_(0.0)])
     return [rows.sum(-1), seq_abs.amax(0, keepdim=True) if seq_abs.numel() else seq_abs.new_zeros(1)]
 
 
@@ -408,7 +438,7 @@ def _mismatch_finish(sums: torch.Tensor, extremes: torch.Tensor, seq_sums: torch
     """The mismatch block: the sums, extremes, sequence sums, largest |s_b| and |r| quantiles [Q]
     (meaningless when no token is valid)."""
     n = sums[:1]
-    lohi, frac = ranks(n.double(), qs)
+    lohi, frac = ranks(n, qs)               # (n - 1 exact in the sums' dtype, then float64 with qs)
     if exact:
         if sample.numel() == 0:
             quantiles = torch.zeros(qs.numel(), dtype=torch.float64, device=sums.device)

@@ -2,7 +2,8 @@
 largest lag (:func:`lag_part`), and the step's lag fields from them (:func:`lag_finish`,
 :data:`~.quantities.LAG_FIELDS`).
 
-Versions: [B, T] per token, [B] or [B, 2] (first, last) per sequence; ``trainer_version`` 0-d float64.
+Versions: [B, T] per token, [B] or [B, 2] (first, last) per sequence; ``trainer_version`` 0-d, float32
+when below 2**24 (then each integer version up to it + 1 is a float32 exactly), else float64.
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ LAG_SIZE = LAG_BINS + 1                 # bin k holds lag k - 1; bin 0 off-mask 
 # The lag bucket (index into LAG_BUCKET_LABELS) of each lag bin; bin 0 (no valid lag) in none.
 LAG_BUCKET_OF_BIN = (len(q.BY_LABELS["lag"]),) + tuple(
     bisect_left(tuple(int(b) for b in q.BY_LABELS["lag"][:-1]), lag) for lag in range(LAG_BINS))
-# Larger than any lag + 1 (and finite: 0 * it is 0).
-_BEYOND_LAG = 1e30
+# Moves lag + 1 on the mask below 0 (its 0 off it) for the smallest lag: exact below 2**24, as the lags.
+_SHIFT = float(2 ** 24)
 
 
 def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.Tensor,
-              per_seq: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+              per_seq: torch.Tensor, histogram: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A chunk's lag histogram [LAG_BINS] (tokens by lag 0 .. LAG_EXACT_MAX, larger lags in the last
     bin), per-sequence sums [3] (sequences with a token, their largest lags, those spanning versions),
     the largest lag [1]; and each token's lag bin ([B, T] int32 or [B, 1] int64: lag + 1, 0 where no
-    valid lag; a fresh tensor, which the caller may write into)."""
+    valid lag; a fresh tensor, which the caller may write into). Without ``histogram`` (the caller counts
+    the bins) the histogram is an empty placeholder."""
     B, T = mask.shape
     has = per_seq > 0
     if version.shape == mask.shape:
@@ -36,18 +38,28 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
             version = version.float() if version.dtype.is_floating_point else version.long()
         # lag + 1, 0 off the mask: float32 (exact for lags below 2**24) from integer versions, the versions'
         # dtype from floats; one dtype per operation (mixed ones are several times slower on CPU).
-        plus_one = _version_plus_one(trainer_version, version.dtype)
-        lag1 = plus_one - version
-        lag1 = lag1.float() if not lag1.dtype.is_floating_point else lag1
+        if not version.dtype.is_floating_point and trainer_version.dtype == torch.float32:
+            # Integer versions as float32 first (exact up to trainer_version + 1; the conversion keeps the
+            # order of larger ones and the sign): half the bytes of an int64 difference, then one step.
+            plus_one = _version_plus_one(trainer_version, torch.float32)
+            lag1 = version.float()
+            lag1 = torch.sub(plus_one, lag1, out=None if torch.compiler.is_compiling() else lag1)
+        else:
+            plus_one = _version_plus_one(trainer_version, version.dtype)
+            lag1 = plus_one - version
+            lag1 = lag1.float() if not lag1.dtype.is_floating_point else lag1
         # A negative version (lag + 1 above trainer_version + 1) is no version: 0, as one newer than the
         # trainer (negative_lag_tokens_total). The record checks every other layout and float versions.
         lag1 = lag1.masked_fill_(lag1 > plus_one, 0.0).mul_(mask)
-        index = lag1.clamp(0.0, float(LAG_SIZE - 1)).int()           # (not histc: ~1.4 ms on CPU for any input)
-        hist = count_into(LAG_SIZE, index)[1:]
+        bins = lag1.clamp(0.0, float(LAG_SIZE - 1))
+        index = bins.int()                                  # (not histc: ~1.4 ms on CPU for any input)
+        hist = count_into(LAG_SIZE, index)[1:] if histogram else index.new_zeros(0)
         if T:
             top = lag1.amax(-1)                               # 1 + the largest lag of the sequence (>= 0)
-            # 1 + its smallest lag (off the mask 1e30, exactly: lag1 + 0 on it); no span without a token.
-            spans = top > torch.add(lag1, 1.0 - mask, alpha=_BEYOND_LAG).amin(-1)
+            # Its smallest lag + 1 - 2**24 (on the mask below the 0s off it; exact: whole numbers of magnitude
+            # <= 2**24 for lags below 2**24), eagerly into the clamped bins (read, so still in cache).
+            low = torch.add(lag1, mask, alpha=-_SHIFT, out=None if torch.compiler.is_compiling() else bins)
+            spans = top > low.amin(-1) + _SHIFT                      # never without a token (0 + 2**24)
         else:
             top, spans = per_seq, has
         seq_max = top - 1.0
@@ -62,7 +74,7 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
             spans = torch.zeros_like(has)
         if first.dtype.is_floating_point and first.dtype != torch.float64:
             first = first.double()
-        seq_max = trainer_version - first                                               # [B] float64
+        seq_max = trainer_version.double() - first                                      # [B] float64
         index = (seq_max + 1.0).clamp(0, LAG_SIZE - 1).long()
         hist = count_into(LAG_SIZE, index, per_seq)[1:]               # sequences without tokens weigh 0
         seq_max = torch.where(has, seq_max, 0.0)
@@ -73,9 +85,11 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
 
 
 def _version_plus_one(trainer_version: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """trainer_version + 1 (0-d float64) as the versions' dtype (int64 for integers; 0-d, so that it does
+    """trainer_version + 1 (0-d) as the versions' dtype (int64 for integers; 0-d, so that it does
     not promote them)."""
-    return (trainer_version + 1.0).to(dtype if dtype.is_floating_point else torch.int64)
+    plus_one = trainer_version + 1.0
+    dtype = dtype if dtype.is_floating_point else torch.int64
+    return plus_one if plus_one.dtype == dtype else plus_one.to(dtype)
 
 
 def lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tensor, bucket_index: torch.Tensor,
@@ -85,7 +99,8 @@ def lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tensor
     n_ok = cum[-1:]                                                           # tokens of lag >= 0
     lags = cached(("lags", hist.device), lambda: torch.arange(LAG_BINS, dtype=torch.float64, device=hist.device))
     # The sum of the lags is LAG_BINS * n_ok - sum(cum) (exact: whole numbers below 2**53).
-    sums = [cum.sum(0, keepdim=True), (hist * (lags >= over_from)).sum(0, keepdim=True)]
+    over = cached(("over", hist.device, hist.dtype), lambda: (lags >= over_from).to(hist.dtype), on=over_from)
+    sums = [cum.sum(0, keepdim=True), (hist * over).sum(0, keepdim=True)]
     lohi, frac = ranks(n_ok, qs)
     quantiles = interpolate(torch.searchsorted(cum, lohi, right=True).double(), frac)   # bin k: lag k
     return [cum[bucket_index], n_ok, *sums, quantiles, seq_sums, lag_max]

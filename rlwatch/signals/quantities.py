@@ -38,18 +38,18 @@ from .pending import Values, _div
 from .reduce import plan
 from .settings import LAG_BINS, SAFETY_BOUND
 
-#: Per-token terms from the valid-set tensors ``t`` (keep: 0/1, r, s, a = |r|, em1 = w - 1, em1_t =
-#: min(w, C) - 1); [B, T] each, 0 off the valid set.
+#: Per-token terms from the valid-set tensors ``t`` (keep: 0/1, r, s, a = |r|, em1 = w - 1; [B, T] each,
+#: 0 off the valid set) and the cap C as ``cap_em1`` = C - 1 and ``cap_w`` = (C - 1) + 1 (0-d, work dtype).
 TERMS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "keep": lambda t: t["keep"],
     "r": lambda t: t["r"],
     "s": lambda t: t["s"],
     "a": lambda t: t["a"],
     "em1": lambda t: t["em1"],
-    "em1_t": lambda t: t["em1_t"],
+    "em1_t": lambda t: t["em1"].clamp(max=t["cap_em1"]),            # min(w, C) - 1
     "k3": lambda t: t["em1"] - t["r"],                 # w - 1 - r
     "w": lambda t: t["em1"] + t["keep"],
-    "w_t": lambda t: t["em1_t"] + t["keep"],           # min(w, C)
+    "w_t": lambda t: (t["em1"] + t["keep"]).clamp_(max=t["cap_w"]),  # min(w, C): = em1_t + keep (exactly)
     "rs": lambda t: t["r"] * t["s"],
 }
 
