@@ -221,7 +221,8 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
     thr = thresholds if work == torch.float64 else cached(("to", work), lambda: thresholds.to(work), on=thresholds)
     compiling, cpu = torch.compiler.is_compiling(), mask.device.type == "cpu"
-    stacked = not compiling and cpu and not _cpu_chunk(mask)
+    chunk = _cpu_chunk(mask)                        # eagerly on CPU, too large to stack: _cpu_sums
+    stacked = not compiling and cpu and not chunk
     t = _terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not stacked)
     # Sampler-probability bands: band k holds log mu in [edge k-1, edge k) (not bucketize: several times
     # slower on CPU). Off the valid set s = 0 falls in the last band, where no valid token counts.
@@ -232,10 +233,10 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     # The lag bucket of each lag bin: per token, or (eagerly on CPU, large chunks) on the bin sums.
     tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
         LAG_BUCKET_OF_BIN, device=mask.device))}
-    if compiling or stacked or not cpu:
+    if not chunk:
         index.update({by: table[index[by]] for by, table in tables.items()})
     plan, hist = _plan(lag_bins is not None), None
-    if cpu and not compiling and not stacked:
+    if chunk:
         cpu_plan = _cpu_plan(lag_bins is not None)
         if cpu_plan["counted"]:                 # the band's last slot (none): tokens off the valid set
             index["band"] = index["band"].add_(t["keep"] == 0)
