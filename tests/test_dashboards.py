@@ -137,10 +137,23 @@ def scraped_run(tmp_path_factory):
             drive_full_run(watch)
             time.sleep(3)                                   # a few more scrapes and rule evaluations
             exposition = urllib.request.urlopen(watch.url, timeout=5).read().decode()
-            end = time.time()
+            time.sleep(2.5)                                 # longer than a scrape may take (timeout 1 s)
+            end = last_good_scrape(prom.url, time.time())
         yield dict(url=prom.url, start=start, end=end, exposition=exposition, run="dash-run")
     finally:
         prom.stop()
+
+
+def last_good_scrape(url: str, now: float, window_s: int = 5) -> float:
+    """The time of the latest scrape of the run that succeeded (``up`` == 1) in the last ``window_s``.
+
+    Instant queries are asked at this time, not at ``now``: a failed scrape (one cut by the exporter's
+    close, or past the 1 s timeout on a loaded machine) writes staleness markers at its start, and an
+    instant query after it sees no gauge at all, while range queries are unaffected."""
+    samples = prom_get(url, "/api/v1/query", query=f'up{{job="rlwatch"}}[{window_s}s]', time=now)["result"]
+    good = [float(ts) for series in samples for ts, value in series["values"] if value == "1"]
+    assert good, f"no successful scrape in the last {window_s} s: {samples}"
+    return max(good) + 0.001
 
 
 def prom_get(url: str, path: str, **params) -> dict:
