@@ -184,7 +184,9 @@ def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exa
     values, the exact |r| samples concatenated, every other part summed (float64 or int64: exact counts)."""
     m = 4 if lag else 1                                                   # the first mismatch part
     largest = ({3} if lag else set()) | {m + 1, m + 3}
-    return [torch.maximum(a, b) if i in largest else torch.cat([a, b]) if exact and i == m + 4 else a + b
+    # Integer counts (the |r| histogram: 65536 bins) add into the running sum, a chunk's own fresh tensor
+    # (in cache: a fresh 512 KB sum costs several times more).
+    return [torch.maximum(a, b) if i in largest else torch.cat([a, b]) if exact and i == m + 4 else a.add_(b)
             if a.dtype == b.dtype == torch.int64 else a.double() + b for i, (a, b) in enumerate(zip(whole, part))]
 
 
@@ -224,12 +226,10 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     chunk = _cpu_chunk(mask)                        # eagerly on CPU, too large to stack: _cpu_sums
     stacked = not compiling and cpu and not chunk
     t = _terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not stacked)
-    # Sampler-probability bands: band k holds log mu in [edge k-1, edge k) (not bucketize: several times
-    # slower on CPU). Off the valid set s = 0 falls in the last band, where no valid token counts.
     edges = cached(("edges",), lambda: thr[_threshold_slice(["edges"])].view(-1, 1, 1), on=thr)
-    above = t["s"] >= edges if not compiling else None
-    index = {"band": sum(t["s"] >= edges[k] for k in range(edges.shape[0])) if compiling
-             else above.sum(0) if stacked else above.view(torch.uint8).sum(0, dtype=torch.uint8), "lag": lag_bins}
+    cpu_plan = _cpu_plan(lag_bins is not None) if chunk else None
+    index = {"band": _band_index(t, edges, compiling, stacked, none_slot=chunk and cpu_plan["counted"]),
+             "lag": lag_bins}
     # The lag bucket of each lag bin: per token, or (eagerly on CPU, large chunks) on the bin sums.
     tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
         LAG_BUCKET_OF_BIN, device=mask.device))}
@@ -237,9 +237,6 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
         index.update({by: table[index[by]] for by, table in tables.items()})
     plan, hist = _plan(lag_bins is not None), None
     if chunk:
-        cpu_plan = _cpu_plan(lag_bins is not None)
-        if cpu_plan["counted"]:                 # the band's last slot (none): tokens off the valid set
-            index["band"] = index["band"].add_(t["keep"] == 0)
         parts, per_seq, hist = _cpu_sums(cpu_plan, t, thr, index, tables, count_lags)
     else:
         terms = {name: fn(t) for name, fn in plan["terms"]}
@@ -247,6 +244,24 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
                           else _direct_sums(plan["sums"], terms, thr, index))
     return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(t["valid"], t["r"], t["a"], stacked),
             *_sequence_sums(plan, per_seq, thresholds), _abs_sample(t["a"], t["valid"], exact_quantiles)], hist
+
+
+def _band_index(t: dict[str, torch.Tensor], edges: torch.Tensor, compiling: bool, stacked: bool,
+                none_slot: bool) -> torch.Tensor:
+    """Each token's sampler-probability band [B, T]: band k holds log mu in [edge k-1, edge k) (not
+    bucketize: several times slower on CPU); off the valid set s = 0 falls in the last band, where no
+    valid token counts, or with ``none_slot`` in one more (the edge comparisons and that of keep with 0
+    as rows of one boolean buffer, summed as uint8)."""
+    s = t["s"]
+    if compiling:
+        return sum(s >= edges[k] for k in range(edges.shape[0]))
+    if stacked:
+        return (s >= edges).sum(0)
+    rows = torch.empty((edges.shape[0] + none_slot, *s.shape), dtype=torch.bool, device=s.device)
+    torch.ge(s, edges, out=rows[:edges.shape[0]])
+    if none_slot:
+        torch.eq(t["keep"], 0.0, out=rows[-1])
+    return rows.view(torch.uint8).sum(0, dtype=torch.uint8)
 
 
 def _extremes(keep: torch.Tensor, r: torch.Tensor, a: torch.Tensor, stacked: bool) -> torch.Tensor:
@@ -341,8 +356,8 @@ def _cpu_plan(lag: bool) -> dict[str, Any]:
 def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tensor,
               index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor],
               count_lags: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
-    """Eagerly on CPU, chunks too large to stack. Memory-bound: one term at a time (a term built from
-    others is freed before the next is made, so that its buffer is reused while in cache), each sum
+    """Eagerly on CPU, chunks too large to stack. Memory-bound: one term at a time (a term made from
+    others is written into the buffer of the last one made, read a moment ago: in cache), each sum
     one reduction, each square one dot product, each threshold count a 0/1 row in one reused buffer
     and its sum, the ``by`` sums one bincount per term by :func:`_joint_index` (``keep``'s: the count
     of every token, the band's last slot holding those off the valid set); the per-sequence sums as
@@ -353,20 +368,19 @@ def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tenso
     splits: list[torch.Tensor] = [None] * len(plan["by"])              # type: ignore[list-item]
     joint, kinds, sizes = _joint_index(plan["by"], index, tables, shape) if plan["by"] else (None, [], [])
     every = torch.bincount(joint, minlength=math.prod(sizes)).view(sizes) if plan["counted"] else None
-    scratch = None
+    scratch, base = None, {id(v) for v in t.values()}
     for fn, reductions, split_at, counted in plan["steps"]:
-        x = fn(t).reshape(-1)
+        term = fn(t)
+        x = term.reshape(-1)
         x = x.double() if wide else x
         for at, kind, threshold, above in reductions:
             if kind == "sum":
                 values[at] = x.sum()
             elif kind == "square":
                 values[at] = torch.dot(x, x)
-            else:       # 0/1 floats (faster than a boolean count on CPU); x - c is 0 only where x == c
-                c = thr[threshold]
+            else:       # the comparison as 0/1 floats (a boolean count is slower on CPU), one buffer
                 scratch = torch.empty_like(x) if scratch is None else scratch     # every term: one dtype
-                d = torch.sub(x, c, out=scratch) if above else torch.sub(c, x, out=scratch)
-                values[at] = d.sign_().clamp_(min=0.0).sum()
+                values[at] = (torch.gt if above else torch.lt)(x, thr[threshold], out=scratch).sum()
         if split_at:
             counts = every if counted else torch.bincount(joint, x, math.prod(sizes)).view(sizes)
             # Each split's labels and its none slot; the band's last one (off the valid set) dropped.
@@ -374,7 +388,10 @@ def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tenso
             counts = counts.double()
             for j in split_at:
                 splits[j] = _split_of(counts, kinds, plan["by"][j], tables)
-        del x                           # before the next term is made: its buffer is reused
+        if id(term) not in base:        # made here: the next term made here writes into it (in cache)
+            t["out"] = term
+        del x, term
+    t.pop("out", None)
     parts = [torch.stack(values)] + ([torch.cat(splits)] if splits else [])
     hist = every.sum([d for d, kind in enumerate(kinds) if kind != "lag"])[1:] if count_lags else None
     return parts, torch.stack([t["keep"].sum(-1), t["r"].sum(-1)]), hist
@@ -390,10 +407,9 @@ def _joint_index(by: list, index: dict[str, torch.Tensor | None], tables: dict[s
     for kind, size in zip(kinds[1:], sizes[1:]):      # ((i0 * size1) + i1) * size2 + ...
         at = index[kind]
         # Into the split's own index where it is a fresh int32 [B, T] (the lag bins, not read after):
-        # written while in cache.
-        joint = joint if joint.dtype == torch.int32 else joint.int()         # one dtype: mixed adds are slow
+        # written while in cache, the band's uint8 index added as it is (an int32 copy of it costs more).
         joint = at.add_(joint, alpha=size) if at.dtype == torch.int32 and at.shape == shape else torch.add(
-            at.int(), joint, alpha=size)
+            at.int(), joint.int(), alpha=size)
     return joint.expand(shape).reshape(-1), kinds, sizes
 
 

@@ -22,6 +22,7 @@ LAG_BUCKET_OF_BIN = (len(q.BY_LABELS["lag"]),) + tuple(
     bisect_left(tuple(int(b) for b in q.BY_LABELS["lag"][:-1]), lag) for lag in range(LAG_BINS))
 # Moves lag + 1 on the mask below 0 (its 0 off it) for the smallest lag: exact below 2**24, as the lags.
 _SHIFT = float(2 ** 24)
+_MANTISSA, _MANTISSA_BITS = float(2 ** 23), 0x4B000000      # 2**23 as a float32 and its bit pattern
 
 
 def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.Tensor,
@@ -51,17 +52,19 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
         # A negative version (lag + 1 above trainer_version + 1) is no version: 0, as one newer than the
         # trainer (negative_lag_tokens_total). The record checks every other layout and float versions.
         lag1 = lag1.masked_fill_(lag1 > plus_one, 0.0).mul_(mask)
-        bins = lag1.clamp(0.0, float(LAG_SIZE - 1))
-        index = bins.int()                                  # (not histc: ~1.4 ms on CPU for any input)
-        hist = count_into(LAG_SIZE, index)[1:] if histogram else index.new_zeros(0)
+        eager = not torch.compiler.is_compiling()
         if T:
             top = lag1.amax(-1)                               # 1 + the largest lag of the sequence (>= 0)
             # Its smallest lag + 1 - 2**24 (on the mask below the 0s off it; exact: whole numbers of magnitude
-            # <= 2**24 for lags below 2**24), eagerly into the clamped bins (read, so still in cache).
-            low = torch.add(lag1, mask, alpha=-_SHIFT, out=None if torch.compiler.is_compiling() else bins)
+            # <= 2**24 for lags below 2**24), eagerly in place and undone after (the same bits back for
+            # those; a larger negative lag, newer than the trainer, stays below 0: bin 0 all the same).
+            low = lag1.add_(mask, alpha=-_SHIFT) if eager else torch.add(lag1, mask, alpha=-_SHIFT)
             spans = top > low.amin(-1) + _SHIFT                      # never without a token (0 + 2**24)
+            lag1 = low.add_(mask, alpha=_SHIFT) if eager else lag1
         else:
             top, spans = per_seq, has
+        index = _bins(lag1, eager)                          # (not histc: ~1.4 ms on CPU for any input)
+        hist = count_into(LAG_SIZE, index)[1:] if histogram else index.new_zeros(0)
         seq_max = top - 1.0
         # A sequence without tokens (top 0) adds 0 to the sums; to the maximum it adds -1 instead of 0,
         # which changes it only when no token has a lag >= 0 (n_ok = 0: not reported).
@@ -82,6 +85,15 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
     seq_sums = torch.stack([has, seq_max.clamp_min(0), spans]).sum(-1, dtype=torch.float64)
     lag_max = seq_max.amax(0, keepdim=True) if B else seq_max.new_zeros(1)
     return [hist, seq_sums, lag_max], index
+
+
+def _bins(lag1: torch.Tensor, eager: bool) -> torch.Tensor:
+    """The lag bins of lag + 1 (whole numbers): clamped to [0, LAG_SIZE - 1], int32. Eagerly in float32,
+    in place: a bin b plus 2**23 is a float32 whose low mantissa bits are b, read as an int32 less the
+    bit pattern of 2**23 (no fresh buffer for the conversion)."""
+    if eager and lag1.dtype == torch.float32:
+        return lag1.clamp_(0.0, float(LAG_SIZE - 1)).add_(_MANTISSA).view(torch.int32).sub_(_MANTISSA_BITS)
+    return lag1.clamp(0.0, float(LAG_SIZE - 1)).int()
 
 
 def _version_plus_one(trainer_version: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -38,19 +38,19 @@ from .pending import Values, _div
 from .reduce import plan
 from .settings import LAG_BINS, SAFETY_BOUND
 
-#: Per-token terms from the valid-set tensors ``t`` (keep: 0/1, r, s, a = |r|, em1 = w - 1; [B, T] each,
-#: 0 off the valid set) and the cap C as ``cap_em1`` = C - 1 and ``cap_w`` = (C - 1) + 1 (0-d, work dtype).
+#: Per-token terms of the valid-set tensors ``t`` (keep 0/1, r, s, a = |r|, em1 = w - 1: [B, T], 0 off the set),
+#: the cap C as ``cap_em1`` = C - 1, ``cap_w`` = (C - 1) + 1 (0-d) and ``out``: None or a dead buffer to fill.
 TERMS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "keep": lambda t: t["keep"],
     "r": lambda t: t["r"],
     "s": lambda t: t["s"],
     "a": lambda t: t["a"],
     "em1": lambda t: t["em1"],
-    "em1_t": lambda t: t["em1"].clamp(max=t["cap_em1"]),            # min(w, C) - 1
-    "k3": lambda t: t["em1"] - t["r"],                 # w - 1 - r
-    "w": lambda t: t["em1"] + t["keep"],
-    "w_t": lambda t: (t["em1"] + t["keep"]).clamp_(max=t["cap_w"]),  # min(w, C): = em1_t + keep (exactly)
-    "rs": lambda t: t["r"] * t["s"],
+    "em1_t": lambda t: torch.clamp(t["em1"], max=t["cap_em1"], out=t.get("out")),            # min(w, C) - 1
+    "k3": lambda t: torch.sub(t["em1"], t["r"], out=t.get("out")),                 # w - 1 - r
+    "w": lambda t: torch.add(t["em1"], t["keep"], out=t.get("out")),
+    "w_t": lambda t: torch.add(t["em1"], t["keep"], out=t.get("out")).clamp_(max=t["cap_w"]),  # min(w, C)
+    "rs": lambda t: torch.mul(t["r"], t["s"], out=t.get("out")),
 }
 
 #: The ``thresholds`` input of the fused function, by name: (C - 1, 1/C - 1, low - 1, high - 1, log C,

@@ -24,7 +24,7 @@ EXACT_QUANTILE_MAX_TOKENS = 8192
 # Eagerly, the fused function runs over chunks of whole sequences of at most this many [B, T]
 # positions, so that a large step holds a chunk's intermediates at a time, never the step's (compiled,
 # inductor writes no per-position matrix and one chunk serves every size).
-FUSED_CHUNK_TOKENS = 131072
+FUSED_CHUNK_TOKENS = 262144
 # CPU chunks of up to this many positions stack the sums of each kind into one [k, B, T] group (fewer
 # operations); larger ones reduce each sum on its own, with 0/1 float arithmetic (no boolean tensors).
 STACK_MAX_TOKENS = 4096
