@@ -77,16 +77,14 @@ def _plan(lag: bool) -> dict[str, Any]:
 
 
 def _threshold_slice(names: list[str]) -> slice:
-    """The positions of consecutive named thresholds in the thresholds input (the band edges, whose
-    number varies, last)."""
+    """Positions of consecutive named thresholds in the thresholds input (the band edges, any number, last)."""
     at = [q.THRESHOLDS.index(n) for n in names]
     assert at == list(range(at[0], at[0] + len(at))), names
     return slice(at[0], None if names == ["edges"] else at[0] + len(at))
 
 
 def _signs(signs: tuple[float, ...], dtype: torch.dtype, device: torch.device, dims: int) -> torch.Tensor:
-    """+1 / -1 per threshold count (above / below) shaped [k, 1 ...]: (x - t) * sign > 0 is x > t or
-    x < t exactly (x - t is 0 only where x == t, and keeps its sign)."""
+    """+1 / -1 per threshold count (above / below) shaped [k, 1 ...]: x * sign - t * sign > 0 is x > t or x < t."""
     return cached(("signs", signs, dtype, device, dims), lambda: torch.tensor(
         signs, dtype=dtype, device=device).view((len(signs),) + (1,) * (dims - 1)))
 
@@ -109,8 +107,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     float64, as :data:`~.quantities.THRESHOLDS` names them. abs_mids: float64 midpoints of the |r|
     histogram bins; bucket_index: int64 lags at the histogram bucket bounds; qs: float64 (0.5, 0.99).
     ``exact_quantiles`` picks a sort for |r| quantiles (small steps) instead of the bit-pattern
-    histogram; ``over_from`` (0-d float64) is the smallest lag above
-    the staleness bound.
+    histogram; ``over_from`` (0-d float64) is the smallest lag above the staleness bound.
     """
     mismatch = trainer_logp is not None and sampler_logp is not None
     B, T = mask.shape
@@ -184,8 +181,7 @@ def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exa
     values, the exact |r| samples concatenated, every other part summed (float64 or int64: exact counts)."""
     m = 4 if lag else 1                                                   # the first mismatch part
     largest = ({3} if lag else set()) | {m + 1, m + 3}
-    # Integer counts (the |r| histogram: 65536 bins) add into the running sum, a chunk's own fresh tensor
-    # (in cache: a fresh 512 KB sum costs several times more).
+    # Integer counts (the |r| histogram: 65536 bins) add in place, into a chunk's own fresh tensor (in cache).
     return [torch.maximum(a, b) if i in largest else torch.cat([a, b]) if exact and i == m + 4 else a.add_(b)
             if a.dtype == b.dtype == torch.int64 else a.double() + b for i, (a, b) in enumerate(zip(whole, part))]
 
@@ -235,23 +231,21 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
         LAG_BUCKET_OF_BIN, device=mask.device))}
     if not chunk:
         index.update({by: table[index[by]] for by, table in tables.items()})
-    plan, hist = _plan(lag_bins is not None), None
+    plan, hist, spare = _plan(lag_bins is not None), None, {}
     if chunk:
-        parts, per_seq, hist = _cpu_sums(cpu_plan, t, thr, index, tables, count_lags)
+        parts, per_seq, hist, spare = _cpu_sums(cpu_plan, t, thr, index, tables, count_lags)
     else:
         terms = {name: fn(t) for name, fn in plan["terms"]}
         parts, per_seq = (_eager_sums(plan, terms, thr, index) if stacked
                           else _direct_sums(plan["sums"], terms, thr, index))
-    return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(t["valid"], t["r"], t["a"], stacked),
-            *_sequence_sums(plan, per_seq, thresholds), _abs_sample(t["a"], t["valid"], exact_quantiles)], hist
+    return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(t, stacked, spare.get("float")),
+            *_sequence_sums(plan, per_seq, thresholds), _abs_sample(t, exact_quantiles, spare.get("int"))], hist
 
 
 def _band_index(t: dict[str, torch.Tensor], edges: torch.Tensor, compiling: bool, stacked: bool,
                 none_slot: bool) -> torch.Tensor:
-    """Each token's sampler-probability band [B, T]: band k holds log mu in [edge k-1, edge k) (not
-    bucketize: several times slower on CPU); off the valid set s = 0 falls in the last band, where no
-    valid token counts, or with ``none_slot`` in one more (the edge comparisons and that of keep with 0
-    as rows of one boolean buffer, summed as uint8)."""
+    """Each token's band [B, T]: k for log mu in [edge k-1, edge k) (bucketize is slower on CPU); s = 0 off
+    the valid set, in the last band (no valid token counts there), or with ``none_slot`` in one more."""
     s = t["s"]
     if compiling:
         return sum(s >= edges[k] for k in range(edges.shape[0]))
@@ -264,13 +258,16 @@ def _band_index(t: dict[str, torch.Tensor], edges: torch.Tensor, compiling: bool
     return rows.view(torch.uint8).sum(0, dtype=torch.uint8)
 
 
-def _extremes(keep: torch.Tensor, r: torch.Tensor, a: torch.Tensor, stacked: bool) -> torch.Tensor:
-    """max r, -min r and max |r| over the valid set [3] (-inf, -big or 0 without one: not read then)."""
+def _extremes(t: dict[str, torch.Tensor], stacked: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """max r, -min r and max |r| over the valid set [3] (-inf, -big or 0 without one: not read then);
+    ``out``: None or a dead buffer of r's shape and dtype to work in."""
+    keep, r, a = t["valid"], t["r"], t["a"]
     if stacked:                                                             # as one group (fewer operations)
         return torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2)) if keep.numel() else r.new_zeros(3)
-    big, off = torch.finfo(r.dtype).max / 4, keep - 1.0                   # r moved by -big / +big off it
-    high = torch.add(r, off, alpha=big).amax()
-    low = off.mul_(-big).add_(r).amin()                       # in place (r + 0 on the valid set: exact)
+    big = torch.finfo(r.dtype).max / 4                                      # r moved by +big / -big off it
+    moved = torch.sub(keep, 1.0, out=out).mul_(-big).add_(r)              # r + 0 on the valid set: exact
+    low = moved.amin()
+    high = moved.neg_().add_(r, alpha=2.0).amax()             # r + big (keep - 1) (and -0.0 to 0.0, as r + 0)
     return torch.stack([high, -low, torch.maximum(high, -low)])
 
 
@@ -355,14 +352,15 @@ def _cpu_plan(lag: bool) -> dict[str, Any]:
 
 def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tensor,
               index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor],
-              count_lags: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+              count_lags: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None, dict]:
     """Eagerly on CPU, chunks too large to stack. Memory-bound: one term at a time (a term made from
     others is written into the buffer of the last one made, read a moment ago: in cache), each sum
     one reduction, each square one dot product, each threshold count a 0/1 row in one reused buffer
     and its sum, the ``by`` sums one bincount per term by :func:`_joint_index` (``keep``'s: the count
     of every token, the band's last slot holding those off the valid set); the per-sequence sums as
     :func:`_eager_sums`; with ``count_lags``, the lag histogram from that count (tokens by lag bin, in
-    every band slot). A chunk of more than 2**24 positions sums in float64 (exact counts)."""
+    every band slot); and the [B, T] buffers dead after it (``spare``: float, int32, or None). A chunk
+    of more than 2**24 positions sums in float64 (exact counts)."""
     shape, wide = t["r"].shape, t["r"].numel() > _EXACT_F32_COUNT
     values: list[torch.Tensor] = [None] * plan["size"]                # type: ignore[list-item]
     splits: list[torch.Tensor] = [None] * len(plan["by"])              # type: ignore[list-item]
@@ -390,11 +388,14 @@ def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tenso
                 splits[j] = _split_of(counts, kinds, plan["by"][j], tables)
         if id(term) not in base:        # made here: the next term made here writes into it (in cache)
             t["out"] = term
+        elif "out" not in t and scratch is not None and scratch.dtype == term.dtype:   # lent: counts take another
+            t["out"], scratch = scratch.view(term.shape), None
         del x, term
-    t.pop("out", None)
     parts = [torch.stack(values)] + ([torch.cat(splits)] if splits else [])
     hist = every.sum([d for d, kind in enumerate(kinds) if kind != "lag"])[1:] if count_lags else None
-    return parts, torch.stack([t["keep"].sum(-1), t["r"].sum(-1)]), hist
+    own = joint is not None and index.get("lag") is not None and joint.data_ptr() == index["lag"].data_ptr()
+    spare = {"float": t.pop("out", None), "int": joint.view(shape) if own and joint.dtype == torch.int32 else None}
+    return parts, torch.stack([t["keep"].sum(-1), t["r"].sum(-1)]), hist, spare
 
 
 def _joint_index(by: list, index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor],
@@ -440,13 +441,15 @@ def _sequence_sums(plan: dict[str, Any], per_seq: torch.Tensor, thresholds: torc
     return [rows.sum(-1), seq_abs.amax(0, keepdim=True) if seq_abs.numel() else seq_abs.new_zeros(1)]
 
 
-def _abs_sample(a: torch.Tensor, keep: torch.Tensor, exact: bool) -> torch.Tensor:
-    """What the |r| quantiles need of a chunk: exact, |r| on the valid set and +inf off it (flat);
-    else the counts of its float32 bit patterns >> ABS_SHIFT (int64 [65536], zeros included)."""
+def _abs_sample(t: dict[str, torch.Tensor], exact: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """What the |r| quantiles need of a chunk: exact, |r| on the valid set and +inf off it (flat); else
+    the counts of its float32 bit patterns >> ABS_SHIFT (int64 [65536], zeros included), shifted into
+    ``out`` (None or a dead int32 buffer of r's shape)."""
+    a, keep = t["a"], t["valid"]
     if exact:
         return torch.where(keep if keep.dtype == torch.bool else keep > 0, a, torch.inf).reshape(-1)
     a32 = a if a.dtype == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).float()
-    return count_into(1 << (31 - ABS_SHIFT), torch.bitwise_right_shift(a32.view(torch.int32), ABS_SHIFT)).long()
+    return count_into(1 << (31 - ABS_SHIFT), torch.bitwise_right_shift(a32.view(torch.int32), ABS_SHIFT, out=out))
 
 
 def _mismatch_finish(sums: torch.Tensor, extremes: torch.Tensor, seq_sums: torch.Tensor, seq_max: torch.Tensor,
