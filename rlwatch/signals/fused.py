@@ -393,8 +393,8 @@ def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tenso
         del x, term
     parts = [torch.stack(values)] + ([torch.cat(splits)] if splits else [])
     hist = every.sum([d for d, kind in enumerate(kinds) if kind != "lag"])[1:] if count_lags else None
-    own = joint is not None and index.get("lag") is not None and joint.data_ptr() == index["lag"].data_ptr()
-    spare = {"float": t.pop("out", None), "int": joint.view(shape) if own and joint.dtype == torch.int32 else None}
+    spare = {"float": t.pop("out", None),             # dead now, both made in this chunk (the int32 joint: lags)
+             "int": joint.view(shape) if joint is not None and joint.dtype == torch.int32 else None}
     return parts, torch.stack([t["keep"].sum(-1), t["r"].sum(-1)]), hist, spare
 
 
