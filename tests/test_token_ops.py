@@ -220,13 +220,16 @@ def test_token_signals_equal_a_plain_per_signal_reference(seed):
     assert not wrong, (fields["trainer_logp"].dtype, fields["mask"].shape, wrong)
 
 
-def _shifted(fields: dict, offset: int) -> dict:
-    """The same step with every version and the trainer version ``offset`` larger (the same lags)."""
-    out = dict(fields, trainer_version=fields["trainer_version"] + offset)
+def _assert_shift_changes_nothing(fields: dict, config: SignalConfig, offset: int) -> None:
+    """The same step with every version and the trainer version ``offset`` larger (the same lags) has
+    the same values, but for the trainer version itself."""
+    shifted = dict(fields, trainer_version=fields["trainer_version"] + offset)
     for key in ("token_version", "seq_version"):
         if key in fields:
-            out[key] = fields[key] + offset
-    return out
+            shifted[key] = fields[key] + offset
+    expected = compute(config, **fields)
+    expected["trainer_version"] = {(): float(fields["trainer_version"] + offset)}
+    assert compute(config, **shifted) == expected
 
 
 # Around 2**24 the engine moves from float32 lags (every version up to trainer_version + 1 a float32
@@ -234,17 +237,10 @@ def _shifted(fields: dict, offset: int) -> dict:
 @pytest.mark.parametrize("offset", [2 ** 24 - 52, 2 ** 24 - 51, 2 ** 24 + 3, 2 ** 40])
 @pytest.mark.parametrize("seed", [0, 1, 2, 5, 13, 22, 40, 61])
 def test_version_signals_do_not_depend_on_where_the_versions_are(seed, offset):
-    fields, config = _random_step(seed)
-    assert compute(config, **_shifted(fields, offset)) == {
-        name: rows for name, rows in compute(config, **fields).items() if name != "trainer_version"} | {
-        "trainer_version": {(): float(fields["trainer_version"] + offset)}}
+    _assert_shift_changes_nothing(*_random_step(seed), offset)
 
 
 @pytest.mark.parametrize("offset", [2 ** 24 + 3, 2 ** 40])
 def test_version_signals_of_a_large_step_do_not_depend_on_where_the_versions_are(offset):
     """A step of several chunks, each too large to stack (:func:`rlwatch.signals.fused._cpu_sums`)."""
-    fields = _bench_like_step(160, 2048, "token")
-    config = SignalConfig()
-    assert compute(config, **_shifted(fields, offset)) == {
-        name: rows for name, rows in compute(config, **fields).items() if name != "trainer_version"} | {
-        "trainer_version": {(): float(fields["trainer_version"] + offset)}}
+    _assert_shift_changes_nothing(_bench_like_step(160, 2048, "token"), SignalConfig(), offset)
