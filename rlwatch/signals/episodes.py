@@ -41,7 +41,7 @@ import math
 import torch
 
 from . import quantities as q
-from .reduce import count_into
+from .reduce import count_into, scalar
 
 
 def bound_values(reward_bounds: tuple[float, float] | None) -> tuple[float, float, float]:
@@ -72,7 +72,7 @@ def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor 
     if rewards is not None:
         # A NaN or infinite reward is counted (all_ok - ok) and its episode left out of every reward signal.
         e["ok"] = ok & torch.isfinite(rewards)
-        e["r"] = torch.where(e["ok"], rewards, 0.0)
+        e["r"] = torch.where(e["ok"], rewards, scalar(0.0, rewards))
         if groups:
             index = torch.searchsorted(group_ids.sort().values, group_ids)      # [B] group slots
             group_rows, reward_range, zero_var = _groups(e["r"], e["ok"], index, bounds, compiled)
@@ -143,10 +143,10 @@ def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor, bounds: to
     ref = r.new_empty(B + 1).scatter_(0, slot, r)
     # Per slot: usable episodes + (B + 1) * those differing from the slot's reward, one integer sum.
     counts = count_into(B + 1, slot, torch.where(r != ref.gather(0, index), B + 2, 1))
-    exists = counts > 0
+    exists = counts > scalar(0, counts)
     zero_var = exists & (counts <= B)
     if B:
-        reward_range = torch.where(ok_r, torch.stack([r, -r]), -torch.inf).amax(1)
+        reward_range = torch.where(ok_r, torch.stack([r, -r]), scalar(-torch.inf, r)).amax(1)
     else:
         reward_range = r.new_full((2,), -torch.inf)
     g = {"exists": exists, "zero_var": zero_var, "size": counts % (B + 1), "B": B, "ref": ref, "neg": -ref}

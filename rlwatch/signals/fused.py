@@ -32,7 +32,7 @@ import torch
 from . import quantities as q
 from . import settings
 from .lag import LAG_BUCKET_OF_BIN, lag_finish, lag_part
-from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT, cached, count_into, interpolate, plan, ranks
+from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT, cached, count_into, interpolate, plan, ranks, scalar
 from .settings import SAFETY_BOUND
 
 
@@ -202,7 +202,8 @@ def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.T
         s = (sampler * keep).nan_to_num_(0.0, 0.0, 0.0)
     else:
         valid = torch.logical_and(torch.isfinite(r), mask)
-        r, s = torch.where(valid, r, 0.0), torch.where(valid, sampler, 0.0)
+        zero = scalar(0.0, r)
+        r, s = torch.where(valid, r, zero), torch.where(valid, sampler, zero)
         keep = valid.to(work)           # the stacks of terms mix no dtypes (several times slower on CPU)
     em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1_()                   # w - 1, 0 off the valid set
     cap = cached(("cap_em1",), lambda: thr[0], on=thr)
@@ -263,7 +264,8 @@ def _extremes(t: dict[str, torch.Tensor], stacked: bool, out: torch.Tensor | Non
     ``out``: None or a dead buffer of r's shape and dtype to work in."""
     keep, r, a = t["valid"], t["r"], t["a"]
     if stacked:                                                             # as one group (fewer operations)
-        return torch.where(keep, torch.stack([r, -r, a]), -torch.inf).amax((1, 2)) if keep.numel() else r.new_zeros(3)
+        return (torch.where(keep, torch.stack([r, -r, a]), scalar(-torch.inf, r)).amax((1, 2)) if keep.numel()
+                else r.new_zeros(3))
     big = torch.finfo(r.dtype).max / 4                                      # r moved by +big / -big off it
     moved = torch.sub(keep, 1.0, out=out).mul_(-big).add_(r)              # r + 0 on the valid set: exact
     low = moved.amin()
@@ -287,7 +289,7 @@ def _eager_sums(plan: dict[str, Any], terms: dict[str, torch.Tensor], thr: torch
         # (x - t) * sign > 0 as x * sign - t * sign > 0 (the same value: the sign is +-1), one operation.
         at = cached(("neg_at", 3, plan["at"], plan["signs"]), lambda: -thr[_threshold_slice(list(plan["at"]))].view(
             -1, 1, 1) * signs, on=thr)
-        groups.append(torch.addcmul(at, x, signs) > 0)
+        groups.append(torch.addcmul(at, x, signs).gt_(scalar(0.0, at)))          # 0/1 in the work dtype
     # Float32 sums of a chunk's rows are exact for counts (at most STACK_MAX_TOKENS < 2**24 positions);
     # summed in the work dtype, the parts concatenate without mixing dtypes.
     sums = [g.sum((1, 2), dtype=y.dtype) for g in groups]
@@ -429,15 +431,15 @@ def _sequence_sums(plan: dict[str, Any], per_seq: torch.Tensor, thresholds: torc
     (log C, log high > 0 > -log C, log low)."""
     valid_count, seq_r = per_seq.double().unbind()
     seq_abs = seq_r.abs()
-    # 0/1 as float64 (valid_count is a whole number >= 0; sign then clamp is "> 0"): one dtype in the cat.
+    # 0/1 as float64 (valid_count is a whole number >= 0; gt_ writes 0/1 in place): one dtype in the cat.
     terms = {"has": valid_count.clamp(max=1.0), "abs": seq_abs,
-             "chi2": torch.expm1(2 * seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))}
+             "chi2": torch.expm1((seq_r + seq_r).clamp_(-2 * SAFETY_BOUND, 2 * SAFETY_BOUND))}
     signs = _signs(plan["seq_signs"], torch.float64, seq_r.device, 2)
     # (s_b - t) * sign as s_b * sign - t * sign (the same value: the sign is +-1).
     at = cached(("neg_at", 2, plan["seq_at"], plan["seq_signs"]), lambda: -thresholds[
         _threshold_slice(list(plan["seq_at"]))].view(-1, 1) * signs, on=thresholds)
     rows = torch.cat([torch.stack([terms[name] for name in plan["seq_plain"]]),
-                      torch.addcmul(at, seq_r, signs).sign_().clamp_(0.0)])
+                      torch.addcmul(at, seq_r, signs).gt_(scalar(0.0, at))])
     return [rows.sum(-1), seq_abs.amax(0, keepdim=True) if seq_abs.numel() else seq_abs.new_zeros(1)]
 
 
@@ -447,7 +449,7 @@ def _abs_sample(t: dict[str, torch.Tensor], exact: bool, out: torch.Tensor | Non
     ``out`` (None or a dead int32 buffer of r's shape)."""
     a, keep = t["a"], t["valid"]
     if exact:
-        return torch.where(keep if keep.dtype == torch.bool else keep > 0, a, torch.inf).reshape(-1)
+        return torch.where(keep if keep.dtype == torch.bool else keep > 0, a, scalar(torch.inf, a)).reshape(-1)
     a32 = a if a.dtype == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).float()
     return count_into(1 << (31 - ABS_SHIFT), torch.bitwise_right_shift(a32.view(torch.int32), ABS_SHIFT, out=out))
 

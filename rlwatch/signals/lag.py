@@ -13,8 +13,8 @@ from bisect import bisect_left
 import torch
 
 from . import quantities as q
-from .reduce import cached, count_into, interpolate, ranks
-from .settings import LAG_BINS
+from .reduce import cached, count_into, interpolate, ranks, scalar
+from .settings import LAG_BINS, STACK_MAX_TOKENS
 
 LAG_SIZE = LAG_BINS + 1                 # bin k holds lag k - 1; bin 0 off-mask and negative lags
 # The lag bucket (index into LAG_BUCKET_LABELS) of each lag bin; bin 0 (no valid lag) in none.
@@ -33,7 +33,6 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
     valid lag; a fresh tensor, which the caller may write into). Without ``histogram`` (the caller counts
     the bins) the histogram is an empty placeholder."""
     B, T = mask.shape
-    has = per_seq > 0
     if version.shape == mask.shape:
         if version.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64):
             version = version.float() if version.dtype.is_floating_point else version.long()
@@ -52,23 +51,27 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
         # A negative version (lag + 1 above trainer_version + 1) is no version: 0, as one newer than the
         # trainer (negative_lag_tokens_total). The record checks every other layout and float versions.
         lag1 = lag1.masked_fill_(lag1 > plus_one, 0.0).mul_(mask)
-        eager = not torch.compiler.is_compiling()
+        # Eagerly on large chunks in place (a fresh [B, T] buffer costs more than the operations it saves).
+        in_place = not torch.compiler.is_compiling() and lag1.numel() > STACK_MAX_TOKENS
         if T:
             top = lag1.amax(-1)                               # 1 + the largest lag of the sequence (>= 0)
             # Its smallest lag + 1 - 2**24 (on the mask below the 0s off it; exact: whole numbers of magnitude
-            # <= 2**24 for lags below 2**24), eagerly in place and undone after (the same bits back for
-            # those; a larger negative lag, newer than the trainer, stays below 0: bin 0 all the same).
-            low = lag1.add_(mask, alpha=-_SHIFT) if eager else torch.add(lag1, mask, alpha=-_SHIFT)
-            spans = top > low.amin(-1) + _SHIFT                      # never without a token (0 + 2**24)
-            lag1 = low.add_(mask, alpha=_SHIFT) if eager else lag1
+            # <= 2**24 for lags below 2**24), in place undone after (the same bits back for those; a
+            # larger negative lag, newer than the trainer, stays below 0: bin 0 all the same).
+            low = lag1.add_(mask, alpha=-_SHIFT) if in_place else torch.add(lag1, mask, alpha=-_SHIFT)
+            # 0/1 in lag1's dtype (one dtype in the stack below); never without a token (0 + 2**24).
+            spans = (low.amin(-1) + scalar(_SHIFT, low)).lt_(top)
+            lag1 = low.add_(mask, alpha=_SHIFT) if in_place else lag1
         else:
-            top, spans = per_seq, has
-        index = _bins(lag1, eager)                          # (not histc: ~1.4 ms on CPU for any input)
+            top, spans = per_seq, per_seq
+        has = per_seq.clamp(max=1.0)                                          # 0/1 (whole numbers)
+        index = _bins(lag1, in_place)                       # (not histc: ~1.4 ms on CPU for any input)
         hist = count_into(LAG_SIZE, index)[1:] if histogram else index.new_zeros(0)
-        seq_max = top - 1.0
+        seq_max = top - scalar(1.0, top)
         # A sequence without tokens (top 0) adds 0 to the sums; to the maximum it adds -1 instead of 0,
         # which changes it only when no token has a lag >= 0 (n_ok = 0: not reported).
     else:
+        has = per_seq > scalar(0.0, per_seq)
         if version.dim() == 2:
             first, last = version.unbind(-1)
             spans = (last != first) & has
@@ -87,11 +90,11 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
     return [hist, seq_sums, lag_max], index
 
 
-def _bins(lag1: torch.Tensor, eager: bool) -> torch.Tensor:
-    """The lag bins of lag + 1 (whole numbers): clamped to [0, LAG_SIZE - 1], int32. Eagerly in float32,
-    in place: a bin b plus 2**23 is a float32 whose low mantissa bits are b, read as an int32 less the
+def _bins(lag1: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """The lag bins of lag + 1 (whole numbers): clamped to [0, LAG_SIZE - 1], int32. ``in_place`` in
+    float32: a bin b plus 2**23 is a float32 whose low mantissa bits are b, read as an int32 less the
     bit pattern of 2**23 (no fresh buffer for the conversion)."""
-    if eager and lag1.dtype == torch.float32:
+    if in_place and lag1.dtype == torch.float32:
         return lag1.clamp_(0.0, float(LAG_SIZE - 1)).add_(_MANTISSA).view(torch.int32).sub_(_MANTISSA_BITS)
     return lag1.clamp(0.0, float(LAG_SIZE - 1)).int()
 
@@ -99,7 +102,7 @@ def _bins(lag1: torch.Tensor, eager: bool) -> torch.Tensor:
 def _version_plus_one(trainer_version: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """trainer_version + 1 (0-d) as the versions' dtype (int64 for integers; 0-d, so that it does
     not promote them)."""
-    plus_one = trainer_version + 1.0
+    plus_one = trainer_version + scalar(1.0, trainer_version)
     dtype = dtype if dtype.is_floating_point else torch.int64
     return plus_one if plus_one.dtype == dtype else plus_one.to(dtype)
 
@@ -109,10 +112,16 @@ def lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tensor
     """The lag block (``LAG_FIELDS``) from the step's lag histogram and sums."""
     cum = hist.cumsum(0, dtype=torch.float64)
     n_ok = cum[-1:]                                                           # tokens of lag >= 0
-    lags = cached(("lags", hist.device), lambda: torch.arange(LAG_BINS, dtype=torch.float64, device=hist.device))
-    # The sum of the lags is LAG_BINS * n_ok - sum(cum) (exact: whole numbers below 2**53).
-    over = cached(("over", hist.device, hist.dtype), lambda: (lags >= over_from).to(hist.dtype), on=over_from)
-    sums = [cum.sum(0, keepdim=True), (hist * over).sum(0, keepdim=True)]
+    # sum(cum) (the sum of the lags is LAG_BINS * n_ok - sum(cum)) and the tokens over the bound, as one
+    # product with cum (exact: whole numbers below 2**53).
+    sums = torch.mv(cached(("lag_sums", cum.device), lambda: _lag_sum_weights(over_from, cum.device), on=over_from), cum)
     lohi, frac = ranks(n_ok, qs)
     quantiles = interpolate(torch.searchsorted(cum, lohi, right=True).double(), frac)   # bin k: lag k
-    return [cum[bucket_index], n_ok, *sums, quantiles, seq_sums, lag_max]
+    return [cum[bucket_index], n_ok, sums, quantiles, seq_sums, lag_max]
+
+
+def _lag_sum_weights(over_from: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[2, LAG_BINS] float64: the weights of the cumulative counts whose products with them are sum(cum) and
+    the count of lags >= ``over_from`` (a count weighted o_k is the cumulative counts weighted o_k - o_k+1)."""
+    over = (torch.arange(LAG_BINS, dtype=torch.float64, device=device) >= over_from.to(device)).double()
+    return torch.stack([torch.ones_like(over), over - torch.cat([over[1:], over.new_zeros(1)])])

@@ -52,6 +52,14 @@ def constant(values: Sequence[float], device: torch.device, dtype: torch.dtype =
     return cached(("constant", device, dtype, values), lambda: torch.tensor(values, dtype=dtype, device=device))
 
 
+def scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a 0-d tensor of ``like``'s dtype and device, made once per process: an operation
+    with a Python number wraps it in a fresh tensor each time (on small CPU tensors about twice the
+    operation's cost). As an operand it promotes as the number would (0-d, same dtype)."""
+    return cached(("scalar", value, like.dtype, like.device),
+                  lambda: torch.tensor(value, dtype=like.dtype, device=like.device))
+
+
 def abs_bin_values(device: torch.device) -> torch.Tensor:
     """The midpoints of the |r| bit-pattern bins in [2^-40, 2^24) (float64)."""
     def make() -> torch.Tensor:
@@ -84,7 +92,7 @@ def ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     between, and its position between them [Q] (linear interpolation, as ``torch.quantile``; the upper
     one equals the lower where the rank is whole, which interpolates to the same value). With n = 0
     the ranks are negative (indices from the end, a value the host ignores)."""
-    rank = qs * (n - 1)
+    rank = qs * (n - scalar(1.0, n))
     low = rank.floor()
     return torch.stack([low, rank.ceil()]), rank - low
 

@@ -83,7 +83,8 @@ def engine_inputs(record: "StepRecord", config: SignalConfig) -> tuple[tuple[Any
     trainer_version = None
     if lag:     # float32 where every version up to trainer_version + 1 is one exactly (see lag.lag_part)
         dtype = torch.float32 if abs(record.trainer_version) < 2 ** 24 else torch.float64
-        trainer_version = torch.tensor(float(record.trainer_version), dtype=dtype).to(device, non_blocking=True)
+        trainer_version = torch.tensor(float(record.trainer_version), dtype=dtype)
+        trainer_version = trainer_version if device.type == "cpu" else trainer_version.to(device, non_blocking=True)
     version = record.version if lag else None
     if version is not None and version.shape != mask.shape:
         version = version.contiguous()          # [B] or [B, 2], often a strided slice: cheap to copy
