@@ -204,7 +204,7 @@ def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.T
         valid = torch.logical_and(torch.isfinite(r), mask)
         zero = scalar(0.0, r)
         r, s = torch.where(valid, r, zero), torch.where(valid, sampler, zero)
-        keep = valid.to(work)           # the stacks of terms mix no dtypes (several times slower on CPU)
+        keep = valid.double() if work == torch.float64 else valid.float()   # one dtype in the stacks of terms
     em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1_()                   # w - 1, 0 off the valid set
     cap = cached(("cap_em1",), lambda: thr[0], on=thr)
     return {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "a": r.abs(), "em1": em1,
@@ -231,7 +231,7 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
         LAG_BUCKET_OF_BIN, device=mask.device))}
     if not chunk:
-        index.update({by: table[index[by]] for by, table in tables.items()})
+        index.update({by: torch.take(table, index[by].long()) for by, table in tables.items()})   # (cheaper than [])
     plan, hist, spare = _plan(lag_bins is not None), None, {}
     if chunk:
         parts, per_seq, hist, spare = _cpu_sums(cpu_plan, t, thr, index, tables, count_lags)
@@ -305,8 +305,8 @@ def _split_sums(plan: dict[str, Any], terms: dict[str, torch.Tensor],
     at = torch.stack([index[s.by] if index[s.by].shape == shape else index[s.by].expand(shape) for s in plan["by"]])
     of = torch.stack([terms[s.term] for s in plan["by"]])
     counts = torch.bincount((at + offsets).reshape(-1), of.reshape(-1), sum(widths) + len(widths))
-    return counts[cached(("by_labels", widths), lambda: torch.cat(
-        [torch.arange(w) + o for w, o in zip(widths, plan["starts"])]))]
+    return counts.index_select(0, cached(("by_labels", widths), lambda: torch.cat(
+        [torch.arange(w) + o for w, o in zip(widths, plan["starts"])])))
 
 
 def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
@@ -429,7 +429,8 @@ def _sequence_sums(plan: dict[str, Any], per_seq: torch.Tensor, thresholds: torc
     """:data:`~.quantities.SEQ_SUMS` [K] float64 and the largest |s_b| [1] from the per-sequence
     valid tokens and sums of r [2, B]. Without a valid token s_b = 0, so every term but the count is 0
     (log C, log high > 0 > -log C, log low)."""
-    valid_count, seq_r = per_seq.double().unbind()
+    per_seq = per_seq.double()
+    valid_count, seq_r = per_seq[0], per_seq[1]
     seq_abs = seq_r.abs()
     # 0/1 as float64 (valid_count is a whole number >= 0; gt_ writes 0/1 in place): one dtype in the cat.
     terms = {"has": valid_count.clamp(max=1.0), "abs": seq_abs,
@@ -468,7 +469,7 @@ def _mismatch_finish(sums: torch.Tensor, extremes: torch.Tensor, seq_sums: torch
             # As non-negative floats (+inf off the valid set) the bit patterns sort as the values (an
             # integer sort is cheaper than a float one), the n valid ones first.
             bits = sample.view(torch.int32 if sample.dtype == torch.float32 else torch.int64)
-            quantiles = interpolate(bits.sort().values.view(sample.dtype)[lohi.long()].double(), frac)
+            quantiles = interpolate(torch.take(bits.sort().values.view(sample.dtype), lohi.long()).double(), frac)
     else:
         every = sample.long() if sample.dtype != torch.int64 else sample
         last = ABS_FIRST + ABS_NBINS - 2

@@ -29,7 +29,7 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
               per_seq: torch.Tensor, histogram: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A chunk's lag histogram [LAG_BINS] (tokens by lag 0 .. LAG_EXACT_MAX, larger lags in the last
     bin), per-sequence sums [3] (sequences with a token, their largest lags, those spanning versions),
-    the largest lag [1]; and each token's lag bin ([B, T] int32 or [B, 1] int64: lag + 1, 0 where no
+    the largest lag [1]; and each token's lag bin ([B, T] int32 or int64, or [B, 1] int64: lag + 1, 0 where no
     valid lag; a fresh tensor, which the caller may write into). Without ``histogram`` (the caller counts
     the bins) the histogram is an empty placeholder."""
     B, T = mask.shape
@@ -91,12 +91,12 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
 
 
 def _bins(lag1: torch.Tensor, in_place: bool) -> torch.Tensor:
-    """The lag bins of lag + 1 (whole numbers): clamped to [0, LAG_SIZE - 1], int32. ``in_place`` in
-    float32: a bin b plus 2**23 is a float32 whose low mantissa bits are b, read as an int32 less the
+    """The lag bins of lag + 1 (whole numbers): clamped to [0, LAG_SIZE - 1], int64; ``in_place``, int32 in
+    float32's buffer: a bin b plus 2**23 is a float32 whose low mantissa bits are b, read as an int32 less the
     bit pattern of 2**23 (no fresh buffer for the conversion)."""
     if in_place and lag1.dtype == torch.float32:
         return lag1.clamp_(0.0, float(LAG_SIZE - 1)).add_(_MANTISSA).view(torch.int32).sub_(_MANTISSA_BITS)
-    return lag1.clamp(0.0, float(LAG_SIZE - 1)).int()
+    return lag1.clamp(0.0, float(LAG_SIZE - 1)).long()
 
 
 def _version_plus_one(trainer_version: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -117,7 +117,7 @@ def lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tensor
     sums = torch.mv(cached(("lag_sums", cum.device), lambda: _lag_sum_weights(over_from, cum.device), on=over_from), cum)
     lohi, frac = ranks(n_ok, qs)
     quantiles = interpolate(torch.searchsorted(cum, lohi, right=True).double(), frac)   # bin k: lag k
-    return [cum[bucket_index], n_ok, sums, quantiles, seq_sums, lag_max]
+    return [cum.index_select(0, bucket_index), n_ok, sums, quantiles, seq_sums, lag_max]
 
 
 def _lag_sum_weights(over_from: torch.Tensor, device: torch.device) -> torch.Tensor:

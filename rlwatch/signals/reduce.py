@@ -99,5 +99,4 @@ def ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def interpolate(pairs: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
     """Values [Q] between the order statistics ``pairs`` [2, Q] (float64), as ``torch.quantile``."""
-    low, high = pairs.unbind()
-    return torch.lerp(low, high, frac)
+    return torch.lerp(pairs[0], pairs[1], frac)
