@@ -41,7 +41,7 @@ import math
 import torch
 
 from . import quantities as q
-from .reduce import count_into, scalar
+from .reduce import cached, count_into, scalar
 
 
 def bound_values(reward_bounds: tuple[float, float] | None) -> tuple[float, float, float]:
@@ -71,7 +71,7 @@ def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor 
     group_rows: list[torch.Tensor] = []
     if rewards is not None:
         # A NaN or infinite reward is counted (all_ok - ok) and its episode left out of every reward signal.
-        e["ok"] = ok & torch.isfinite(rewards)
+        e["ok"] = ok & torch.eq(rewards - rewards, scalar(0.0, rewards))       # finite (isfinite costs more)
         e["r"] = torch.where(e["ok"], rewards, scalar(0.0, rewards))
         if groups:
             index = torch.searchsorted(group_ids.sort().values, group_ids)      # [B] group slots
@@ -109,7 +109,7 @@ def _reduce(main: list[torch.Tensor], hacked: torch.Tensor | None, group_rows: l
     B = m.shape[1]
     out = [m.sum(1), m.amax(1) if B else m.new_full((m.shape[0],), torch.nan)]
     if E:
-        slots = torch.arange(E, device=m.device).view(-1, 1, 1)
+        slots = cached(("env_slots", E, m.device), lambda: torch.arange(E, device=m.device).view(-1, 1, 1))
         block = m[:width] if width < m.shape[0] else m
         out.append(((env_index == slots) * block).sum(-1).reshape(-1))      # [E', width]
     return out

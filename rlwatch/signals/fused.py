@@ -201,7 +201,7 @@ def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.T
         r = r.nan_to_num_(0.0, 0.0, 0.0).mul_(keep)                        # 0 off the valid set
         s = (sampler * keep).nan_to_num_(0.0, 0.0, 0.0)
     else:
-        valid = torch.logical_and(torch.isfinite(r), mask)
+        valid = torch.eq((r - r).add_(mask), scalar(1.0, r))                # masked, finite r (isfinite costs more)
         zero = scalar(0.0, r)
         r, s = torch.where(valid, r, zero), torch.where(valid, sampler, zero)
         keep = valid.double() if work == torch.float64 else valid.float()   # one dtype in the stacks of terms
