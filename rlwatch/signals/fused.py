@@ -32,7 +32,8 @@ import torch
 from . import quantities as q
 from . import settings
 from .lag import LAG_BUCKET_OF_BIN, lag_finish, lag_part
-from .reduce import ABS_FIRST, ABS_NBINS, ABS_SHIFT, cached, count_into, interpolate, plan, ranks, scalar
+from .reduce import (ABS_FIRST, ABS_NBINS, ABS_SHIFT, cached, count_into, interpolate, plan, ranks, scalar,
+                     whole_to_int32_)
 from .settings import SAFETY_BOUND
 
 
@@ -188,9 +189,9 @@ def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exa
 
 def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thr: torch.Tensor,
            arithmetic: bool) -> dict[str, torch.Tensor]:
-    """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype (``thr``'s);
-    ``keep`` 0/1 and ``valid`` the same set, boolean unless ``arithmetic`` (then ``keep`` itself: boolean
-    tensors and torch.where are slow on CPU)."""
+    """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype (``thr``'s), but
+    ``em1`` (see :func:`_mismatch_part`); ``keep`` 0/1 and ``valid`` the same set, boolean unless
+    ``arithmetic`` (then ``keep`` itself: boolean tensors and torch.where are slow on CPU)."""
     work = thr.dtype
     trainer = trainer_logp if trainer_logp.dtype == work else trainer_logp.to(work)
     sampler = sampler_logp if sampler_logp.dtype == work else sampler_logp.to(work)
@@ -205,10 +206,8 @@ def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.T
         zero = scalar(0.0, r)
         r, s = torch.where(valid, r, zero), torch.where(valid, sampler, zero)
         keep = valid.double() if work == torch.float64 else valid.float()   # one dtype in the stacks of terms
-    em1 = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).expm1_()                   # w - 1, 0 off the valid set
     cap = cached(("cap_em1",), lambda: thr[0], on=thr)
-    return {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "a": r.abs(), "em1": em1,
-            "cap_em1": cap, "cap_w": cached(("cap_w",), lambda: cap + 1.0, on=thr)}
+    return {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "a": r.abs(), "cap_em1": cap, "cap_w": cached(("cap_w",), lambda: cap + 1.0, on=thr)}
 
 
 def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
@@ -225,8 +224,9 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     t = _terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not stacked)
     edges = cached(("edges",), lambda: thr[_threshold_slice(["edges"])].view(-1, 1, 1), on=thr)
     cpu_plan = _cpu_plan(lag_bins is not None) if chunk else None
-    index = {"band": _band_index(t, edges, compiling, stacked, none_slot=chunk and cpu_plan["counted"]),
-             "lag": lag_bins}
+    row = torch.empty_like(t["r"]) if chunk else None      # the band comparisons' row, then w - 1 (in cache)
+    index = {"band": _band_index(t, edges, compiling, stacked, chunk and cpu_plan["counted"], row), "lag": lag_bins}
+    t["em1"] = torch.clamp(t["r"], -SAFETY_BOUND, SAFETY_BOUND, out=row).expm1_()    # w - 1, 0 off the valid set
     # The lag bucket of each lag bin: per token, or (eagerly on CPU, large chunks) on the bin sums.
     tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
         LAG_BUCKET_OF_BIN, device=mask.device))}
@@ -244,7 +244,7 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
 
 
 def _band_index(t: dict[str, torch.Tensor], edges: torch.Tensor, compiling: bool, stacked: bool,
-                none_slot: bool) -> torch.Tensor:
+                none_slot: bool, row: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's band [B, T]: k for log mu in [edge k-1, edge k) (bucketize is slower on CPU); s = 0 off
     the valid set, in the last band (no valid token counts there), or with ``none_slot`` in one more."""
     s = t["s"]
@@ -252,11 +252,14 @@ def _band_index(t: dict[str, torch.Tensor], edges: torch.Tensor, compiling: bool
         return sum(s >= edges[k] for k in range(edges.shape[0]))
     if stacked:
         return (s >= edges).sum(0)
-    rows = torch.empty((edges.shape[0] + none_slot, *s.shape), dtype=torch.bool, device=s.device)
-    torch.ge(s, edges, out=rows[:edges.shape[0]])
+    # Each comparison as 0/1 in s's dtype (in ``row``, a buffer of s's shape and dtype, or a fresh one),
+    # added into one buffer (a boolean result is several times slower to write on CPU), then int32.
+    band, row = torch.ge(s, edges[0], out=torch.empty_like(s)), torch.empty_like(s) if row is None else row
+    for k in range(1, edges.shape[0]):
+        band.add_(torch.ge(s, edges[k], out=row))
     if none_slot:
-        torch.eq(t["keep"], 0.0, out=rows[-1])
-    return rows.view(torch.uint8).sum(0, dtype=torch.uint8)
+        band.add_(torch.eq(t["keep"], 0.0, out=row))
+    return whole_to_int32_(band) if band.dtype == torch.float32 else band.int()
 
 
 def _extremes(t: dict[str, torch.Tensor], stacked: bool, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -410,7 +413,7 @@ def _joint_index(by: list, index: dict[str, torch.Tensor | None], tables: dict[s
     for kind, size in zip(kinds[1:], sizes[1:]):      # ((i0 * size1) + i1) * size2 + ...
         at = index[kind]
         # Into the split's own index where it is a fresh int32 [B, T] (the lag bins, not read after):
-        # written while in cache, the band's uint8 index added as it is (an int32 copy of it costs more).
+        # written while in cache.
         joint = at.add_(joint, alpha=size) if at.dtype == torch.int32 and at.shape == shape else torch.add(
             at.int(), joint.int(), alpha=size)
     return joint.expand(shape).reshape(-1), kinds, sizes

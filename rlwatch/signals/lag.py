@@ -13,7 +13,7 @@ from bisect import bisect_left
 import torch
 
 from . import quantities as q
-from .reduce import cached, count_into, interpolate, ranks, scalar
+from .reduce import cached, count_into, interpolate, ranks, scalar, whole_to_int32_
 from .settings import LAG_BINS, STACK_MAX_TOKENS
 
 LAG_SIZE = LAG_BINS + 1                 # bin k holds lag k - 1; bin 0 off-mask and negative lags
@@ -22,7 +22,6 @@ LAG_BUCKET_OF_BIN = (len(q.BY_LABELS["lag"]),) + tuple(
     bisect_left(tuple(int(b) for b in q.BY_LABELS["lag"][:-1]), lag) for lag in range(LAG_BINS))
 # Moves lag + 1 on the mask below 0 (its 0 off it) for the smallest lag: exact below 2**24, as the lags.
 _SHIFT = float(2 ** 24)
-_MANTISSA, _MANTISSA_BITS = float(2 ** 23), 0x4B000000      # 2**23 as a float32 and its bit pattern
 
 
 def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.Tensor,
@@ -92,10 +91,9 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
 
 def _bins(lag1: torch.Tensor, in_place: bool) -> torch.Tensor:
     """The lag bins of lag + 1 (whole numbers): clamped to [0, LAG_SIZE - 1], int64; ``in_place``, int32 in
-    float32's buffer: a bin b plus 2**23 is a float32 whose low mantissa bits are b, read as an int32 less the
-    bit pattern of 2**23 (no fresh buffer for the conversion)."""
+    float32's buffer."""
     if in_place and lag1.dtype == torch.float32:
-        return lag1.clamp_(0.0, float(LAG_SIZE - 1)).add_(_MANTISSA).view(torch.int32).sub_(_MANTISSA_BITS)
+        return whole_to_int32_(lag1.clamp_(0.0, float(LAG_SIZE - 1)))
     return lag1.clamp(0.0, float(LAG_SIZE - 1)).long()
 
 
