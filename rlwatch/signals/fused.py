@@ -207,7 +207,8 @@ def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.T
         r, s = torch.where(valid, r, zero), torch.where(valid, sampler, zero)
         keep = valid.double() if work == torch.float64 else valid.float()   # one dtype in the stacks of terms
     cap = cached(("cap_em1",), lambda: thr[0], on=thr)
-    return {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "a": r.abs(), "cap_em1": cap, "cap_w": cached(("cap_w",), lambda: cap + 1.0, on=thr)}
+    return {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "a": r.abs(), "cap_em1": cap,
+            "cap_w": cached(("cap_w",), lambda: cap + 1.0, on=thr)}
 
 
 def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,

@@ -112,7 +112,8 @@ def lag_finish(hist: torch.Tensor, seq_sums: torch.Tensor, lag_max: torch.Tensor
     n_ok = cum[-1:]                                                           # tokens of lag >= 0
     # sum(cum) (the sum of the lags is LAG_BINS * n_ok - sum(cum)) and the tokens over the bound, as one
     # product with cum (exact: whole numbers below 2**53).
-    sums = torch.mv(cached(("lag_sums", cum.device), lambda: _lag_sum_weights(over_from, cum.device), on=over_from), cum)
+    weights = cached(("lag_sums", cum.device), lambda: _lag_sum_weights(over_from, cum.device), on=over_from)
+    sums = torch.mv(weights, cum)
     lohi, frac = ranks(n_ok, qs)
     quantiles = interpolate(torch.searchsorted(cum, lohi, right=True).double(), frac)   # bin k: lag k
     return [cum.index_select(0, bucket_index), n_ok, sums, quantiles, seq_sums, lag_max]
