@@ -207,8 +207,9 @@ def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.T
         r, s = torch.where(valid, r, zero), torch.where(valid, sampler, zero)
         keep = valid.double() if work == torch.float64 else valid.float()   # one dtype in the stacks of terms
     cap = cached(("cap_em1",), lambda: thr[0], on=thr)
-    return {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "a": r.abs(), "cap_em1": cap,
+    made = {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "cap_em1": cap,
             "cap_w": cached(("cap_w",), lambda: cap + 1.0, on=thr)}
+    return made if arithmetic else {**made, "a": r.abs()}      # |r|: stacked with the others, else a term
 
 
 def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
@@ -266,9 +267,9 @@ def _band_index(t: dict[str, torch.Tensor], edges: torch.Tensor, compiling: bool
 def _extremes(t: dict[str, torch.Tensor], stacked: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """max r, -min r and max |r| over the valid set [3] (-inf, -big or 0 without one: not read then);
     ``out``: None or a dead buffer of r's shape and dtype to work in."""
-    keep, r, a = t["valid"], t["r"], t["a"]
+    keep, r = t["valid"], t["r"]
     if stacked:                                                             # as one group (fewer operations)
-        return (torch.where(keep, torch.stack([r, -r, a]), scalar(-torch.inf, r)).amax((1, 2)) if keep.numel()
+        return (torch.where(keep, torch.stack([r, -r, t["a"]]), scalar(-torch.inf, r)).amax((1, 2)) if keep.numel()
                 else r.new_zeros(3))
     big = torch.finfo(r.dtype).max / 4                                      # r moved by +big / -big off it
     moved = torch.sub(keep, 1.0, out=out).mul_(-big).add_(r)              # r + 0 on the valid set: exact
@@ -452,11 +453,16 @@ def _abs_sample(t: dict[str, torch.Tensor], exact: bool, out: torch.Tensor | Non
     """What the |r| quantiles need of a chunk: exact, |r| on the valid set and +inf off it (flat); else
     the counts of its float32 bit patterns >> ABS_SHIFT (int64 [65536], zeros included), shifted into
     ``out`` (None or a dead int32 buffer of r's shape)."""
-    a, keep = t["a"], t["valid"]
+    r, keep = t["r"], t["valid"]
     if exact:
+        a = t["a"] if "a" in t else r.abs()
         return torch.where(keep if keep.dtype == torch.bool else keep > 0, a, scalar(torch.inf, a)).reshape(-1)
-    a32 = a if a.dtype == torch.float32 else a.clamp(max=float(torch.finfo(torch.float32).max)).float()
-    return count_into(1 << (31 - ABS_SHIFT), torch.bitwise_right_shift(a32.view(torch.int32), ABS_SHIFT, out=out))
+    if r.dtype == torch.float32:            # |r|'s bit pattern: r's without the sign bit
+        bits = torch.bitwise_and(r.view(torch.int32), 0x7FFFFFFF, out=out).bitwise_right_shift_(ABS_SHIFT)
+    else:
+        a32 = r.abs().clamp_(max=float(torch.finfo(torch.float32).max)).float()
+        bits = a32.view(torch.int32).bitwise_right_shift_(ABS_SHIFT)
+    return count_into(1 << (31 - ABS_SHIFT), bits)
 
 
 def _mismatch_finish(sums: torch.Tensor, extremes: torch.Tensor, seq_sums: torch.Tensor, seq_max: torch.Tensor,
