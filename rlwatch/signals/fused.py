@@ -371,9 +371,12 @@ def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tenso
     shape, wide = t["r"].shape, t["r"].numel() > _EXACT_F32_COUNT
     values: list[torch.Tensor] = [None] * plan["size"]                # type: ignore[list-item]
     splits: list[torch.Tensor] = [None] * len(plan["by"])              # type: ignore[list-item]
-    joint, kinds, sizes = _joint_index(plan["by"], index, tables, shape) if plan["by"] else (None, [], [])
+    joint, kinds, sizes, dead = _joint_index(plan["by"], index, tables, shape) if plan["by"] else (None, [], [], None)
     every = torch.bincount(joint, minlength=math.prod(sizes)).view(sizes) if plan["counted"] else None
-    scratch, base = None, {id(v) for v in t.values()}
+    # The counts' buffer: an index added into the joint one (just read: in cache) where its bytes fit.
+    fits = dead is not None and t["r"].dtype == torch.float32 and not wide
+    scratch = dead.view(torch.float32).view(-1) if fits else None
+    base = {id(v) for v in t.values()}
     for fn, reductions, split_at, counted in plan["steps"]:
         term = fn(t)
         x = term.reshape(-1)
@@ -406,19 +409,23 @@ def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tenso
 
 
 def _joint_index(by: list, index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor],
-                 shape: torch.Size) -> tuple[torch.Tensor, list[str], list[int]]:
+                 shape: torch.Size) -> tuple[torch.Tensor, list[str], list[int], torch.Tensor | None]:
     """The joint index of every split of the ``by`` sums (band x lag bin: 5 x 4097 values), flat integers
-    [B * T] for a [B, T] chunk, with the splits' names and sizes (row-major)."""
+    [B * T] for a [B, T] chunk, with the splits' names and sizes (row-major), and an int32 [B, T] index
+    added into another's buffer, dead after (None if none)."""
     kinds = list(dict.fromkeys(s.by for s in by))
     sizes = [tables[k].numel() if k in tables else len(q.BY_LABELS[k]) + 1 for k in kinds]
-    joint = index[kinds[0]]
+    joint, dead = index[kinds[0]], None
     for kind, size in zip(kinds[1:], sizes[1:]):      # ((i0 * size1) + i1) * size2 + ...
         at = index[kind]
         # Into the split's own index where it is a fresh int32 [B, T] (the lag bins, not read after):
         # written while in cache.
-        joint = at.add_(joint, alpha=size) if at.dtype == torch.int32 and at.shape == shape else torch.add(
-            at.int(), joint.int(), alpha=size)
-    return joint.expand(shape).reshape(-1), kinds, sizes
+        if at.dtype == torch.int32 and at.shape == shape:
+            dead = joint if joint.dtype == torch.int32 and joint.shape == shape and dead is None else dead
+            joint = at.add_(joint, alpha=size)
+        else:
+            joint = torch.add(at.int(), joint.int(), alpha=size)
+    return joint.expand(shape).reshape(-1), kinds, sizes, dead
 
 
 def _split_of(counts: torch.Tensor, kinds: list[str], s: Any, tables: dict[str, torch.Tensor]) -> torch.Tensor:
