@@ -112,7 +112,7 @@ class LabelRegistry:
 
 def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        t = value.detach()
+        t = value.detach() if value.requires_grad else value       # (an alias otherwise: an operation less)
     else:
         t = torch.as_tensor(value)
     if device is not None and t.device != device:
