@@ -32,9 +32,9 @@ import torch
 from . import quantities as q
 from . import settings
 from .lag import LAG_BUCKET_OF_BIN, lag_finish, lag_part
-from .reduce import (ABS_FIRST, ABS_NBINS, ABS_SHIFT, cached, count_into, interpolate, plan, ranks, scalar,
-                     whole_to_int32_)
+from .reduce import ABS_FIRST, ABS_NBINS, cached, interpolate, plan, ranks, scalar
 from .settings import SAFETY_BOUND
+from .valid import abs_sample, band_index, extremes, valid_terms
 
 
 # Float32 sums of 0/1 rows are exact up to 2**24 positions; a larger eager chunk sums in float64.
@@ -187,31 +187,6 @@ def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exa
             if a.dtype == b.dtype == torch.int64 else a.double() + b for i, (a, b) in enumerate(zip(whole, part))]
 
 
-def _terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thr: torch.Tensor,
-           arithmetic: bool) -> dict[str, torch.Tensor]:
-    """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype (``thr``'s), but
-    ``em1`` (see :func:`_mismatch_part`); ``keep`` 0/1 and ``valid`` the same set, boolean unless
-    ``arithmetic`` (then ``keep`` itself: boolean tensors and torch.where are slow on CPU)."""
-    work = thr.dtype
-    trainer = trainer_logp if trainer_logp.dtype == work else trainer_logp.to(work)
-    sampler = sampler_logp if sampler_logp.dtype == work else sampler_logp.to(work)
-    r = trainer - sampler
-    if arithmetic:                      # r - r: 0 where r is finite, NaN elsewhere
-        # In place where the buffer was just written (on CPU it is still in cache: several times faster).
-        keep = (r - r).add_(mask).nan_to_num_(0.0)                         # the valid tokens: masked, finite r
-        r = r.nan_to_num_(0.0, 0.0, 0.0).mul_(keep)                        # 0 off the valid set
-        s = (sampler * keep).nan_to_num_(0.0, 0.0, 0.0)
-    else:
-        valid = torch.eq((r - r).add_(mask), scalar(1.0, r))                # masked, finite r (isfinite costs more)
-        zero = scalar(0.0, r)
-        r, s = torch.where(valid, r, zero), torch.where(valid, sampler, zero)
-        keep = valid.double() if work == torch.float64 else valid.float()   # one dtype in the stacks of terms
-    cap = cached(("cap_em1",), lambda: thr[0], on=thr)
-    made = {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "cap_em1": cap,
-            "cap_w": cached(("cap_w",), lambda: cap + 1.0, on=thr)}
-    return made if arithmetic else {**made, "a": r.abs()}      # |r|: stacked with the others, else a term
-
-
 def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
                    thresholds: torch.Tensor, lag_bins: torch.Tensor | None, exact_quantiles: bool,
                    count_lags: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -223,11 +198,11 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     compiling, cpu = torch.compiler.is_compiling(), mask.device.type == "cpu"
     chunk = _cpu_chunk(mask)                        # eagerly on CPU, too large to stack: _cpu_sums
     stacked = not compiling and cpu and not chunk
-    t = _terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not stacked)
+    t = valid_terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not stacked)
     edges = cached(("edges",), lambda: thr[_threshold_slice(["edges"])].view(-1, 1, 1), on=thr)
     cpu_plan = _cpu_plan(lag_bins is not None) if chunk else None
     row = torch.empty_like(t["r"]) if chunk else None      # the band comparisons' row, then w - 1 (in cache)
-    index = {"band": _band_index(t, edges, compiling, stacked, chunk and cpu_plan["counted"], row), "lag": lag_bins}
+    index = {"band": band_index(t, edges, compiling, stacked, chunk and cpu_plan["counted"], row), "lag": lag_bins}
     t["em1"] = torch.clamp(t["r"], -SAFETY_BOUND, SAFETY_BOUND, out=row).expm1_()    # w - 1, 0 off the valid set
     # The lag bucket of each lag bin: per token, or (eagerly on CPU, large chunks) on the bin sums.
     tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
@@ -241,41 +216,8 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
         terms = {name: fn(t) for name, fn in plan["terms"]}
         parts, per_seq = (_eager_sums(plan, terms, thr, index) if stacked
                           else _direct_sums(plan["sums"], terms, thr, index))
-    return [torch.cat(parts) if len(parts) > 1 else parts[0], _extremes(t, stacked, spare.get("float")),
-            *_sequence_sums(plan, per_seq, thresholds), _abs_sample(t, exact_quantiles, spare.get("int"))], hist
-
-
-def _band_index(t: dict[str, torch.Tensor], edges: torch.Tensor, compiling: bool, stacked: bool,
-                none_slot: bool, row: torch.Tensor | None = None) -> torch.Tensor:
-    """Each token's band [B, T]: k for log mu in [edge k-1, edge k) (bucketize is slower on CPU); s = 0 off
-    the valid set, in the last band (no valid token counts there), or with ``none_slot`` in one more."""
-    s = t["s"]
-    if compiling:
-        return sum(s >= edges[k] for k in range(edges.shape[0]))
-    if stacked:
-        return (s >= edges).sum(0)
-    # Each comparison as 0/1 in s's dtype (in ``row``, a buffer of s's shape and dtype, or a fresh one),
-    # added into one buffer (a boolean result is several times slower to write on CPU), then int32.
-    band, row = torch.ge(s, edges[0], out=torch.empty_like(s)), torch.empty_like(s) if row is None else row
-    for k in range(1, edges.shape[0]):
-        band.add_(torch.ge(s, edges[k], out=row))
-    if none_slot:
-        band.add_(torch.eq(t["keep"], 0.0, out=row))
-    return whole_to_int32_(band) if band.dtype == torch.float32 else band.int()
-
-
-def _extremes(t: dict[str, torch.Tensor], stacked: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """max r, -min r and max |r| over the valid set [3] (-inf, -big or 0 without one: not read then);
-    ``out``: None or a dead buffer of r's shape and dtype to work in."""
-    keep, r = t["valid"], t["r"]
-    if stacked:                                                             # as one group (fewer operations)
-        return (torch.where(keep, torch.stack([r, -r, t["a"]]), scalar(-torch.inf, r)).amax((1, 2)) if keep.numel()
-                else r.new_zeros(3))
-    big = torch.finfo(r.dtype).max / 4                                      # r moved by +big / -big off it
-    moved = torch.sub(keep, 1.0, out=out).mul_(-big).add_(r)              # r + 0 on the valid set: exact
-    low = moved.amin()
-    high = moved.neg_().add_(r, alpha=2.0).amax()             # r + big (keep - 1) (and -0.0 to 0.0, as r + 0)
-    return torch.stack([high, -low, torch.maximum(high, -low)])
+    return [torch.cat(parts) if len(parts) > 1 else parts[0], extremes(t, stacked, spare.get("float")),
+            *_sequence_sums(plan, per_seq, thresholds), abs_sample(t, exact_quantiles, spare.get("int"))], hist
 
 
 def _eager_sums(plan: dict[str, Any], terms: dict[str, torch.Tensor], thr: torch.Tensor,
@@ -454,22 +396,6 @@ def _sequence_sums(plan: dict[str, Any], per_seq: torch.Tensor, thresholds: torc
     rows = torch.cat([torch.stack([terms[name] for name in plan["seq_plain"]]),
                       torch.addcmul(at, seq_r, signs).gt_(scalar(0.0, at))])
     return [rows.sum(-1), seq_abs.amax(0, keepdim=True) if seq_abs.numel() else seq_abs.new_zeros(1)]
-
-
-def _abs_sample(t: dict[str, torch.Tensor], exact: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """What the |r| quantiles need of a chunk: exact, |r| on the valid set and +inf off it (flat); else
-    the counts of its float32 bit patterns >> ABS_SHIFT (int64 [65536], zeros included), shifted into
-    ``out`` (None or a dead int32 buffer of r's shape)."""
-    r, keep = t["r"], t["valid"]
-    if exact:
-        a = t["a"] if "a" in t else r.abs()
-        return torch.where(keep if keep.dtype == torch.bool else keep > 0, a, scalar(torch.inf, a)).reshape(-1)
-    if r.dtype == torch.float32:            # |r|'s bit pattern: r's without the sign bit
-        bits = torch.bitwise_and(r.view(torch.int32), 0x7FFFFFFF, out=out).bitwise_right_shift_(ABS_SHIFT)
-    else:
-        a32 = r.abs().clamp_(max=float(torch.finfo(torch.float32).max)).float()
-        bits = a32.view(torch.int32).bitwise_right_shift_(ABS_SHIFT)
-    return count_into(1 << (31 - ABS_SHIFT), bits)
 
 
 def _mismatch_finish(sums: torch.Tensor, extremes: torch.Tensor, seq_sums: torch.Tensor, seq_max: torch.Tensor,

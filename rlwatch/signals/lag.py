@@ -28,9 +28,8 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
               per_seq: torch.Tensor, histogram: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A chunk's lag histogram [LAG_BINS] (tokens by lag 0 .. LAG_EXACT_MAX, larger lags in the last
     bin), per-sequence sums [3] (sequences with a token, their largest lags, those spanning versions),
-    the largest lag [1]; and each token's lag bin ([B, T] int32 or int64, or [B, 1] int64: lag + 1, 0 where no
-    valid lag; a fresh tensor, which the caller may write into). Without ``histogram`` (the caller counts
-    the bins) the histogram is an empty placeholder."""
+    the largest lag [1]; and each token's lag bin ([B, T] int32 or int64, or [B, 1] int64: lag + 1, 0 where
+    no valid lag; fresh: the caller may write into it). Without ``histogram`` it is an empty placeholder."""
     B, T = mask.shape
     if version.shape == mask.shape:
         if version.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64):
@@ -40,13 +39,11 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
         if not version.dtype.is_floating_point and trainer_version.dtype == torch.float32:
             # Integer versions as float32 first (exact up to trainer_version + 1; the conversion keeps the
             # order of larger ones and the sign): half the bytes of an int64 difference, then one step.
-            plus_one = _version_plus_one(trainer_version, torch.float32)
-            lag1 = version.float()
+            plus_one, lag1 = _version_plus_one(trainer_version, torch.float32), version.float()
             lag1 = torch.sub(plus_one, lag1, out=None if torch.compiler.is_compiling() else lag1)
         else:
             plus_one = _version_plus_one(trainer_version, version.dtype)
-            lag1 = plus_one - version
-            lag1 = lag1.float() if not lag1.dtype.is_floating_point else lag1
+            lag1 = (plus_one - version) if version.dtype.is_floating_point else (plus_one - version).float()
         # A negative version (lag + 1 above trainer_version + 1) is no version: 0, as one newer than the
         # trainer (negative_lag_tokens_total). The record checks every other layout and float versions.
         lag1 = lag1.masked_fill_(lag1 > plus_one, 0.0).mul_(mask)

@@ -45,8 +45,7 @@ TERMS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "r": lambda t: t["r"],
     "s": lambda t: t["s"],
     "em1": lambda t: t["em1"],
-    # |r| where the step has not made it (large chunks: after em1, into a buffer still in cache).
-    "a": lambda t: t["a"] if "a" in t else torch.abs(t["r"], out=t.get("out")),
+    "a": lambda t: t["a"] if "a" in t else torch.abs(t["r"], out=t.get("out")),     # (large chunks: after em1)
     "em1_t": lambda t: torch.clamp(t["em1"], max=t["cap_em1"], out=t.get("out")),            # min(w, C) - 1
     "k3": lambda t: torch.sub(t["em1"], t["r"], out=t.get("out")),                 # w - 1 - r
     "w": lambda t: torch.add(t["em1"], t["keep"], out=t.get("out")),
