@@ -9,7 +9,7 @@ created on one node). The target address is the node's IP when the exporter bind
 interfaces, else the bound address.
 
 Without either, a Watch registers with the newest stack ``rlwatch up`` started on this machine
-(:func:`sd_directory`); ``sd_dir=""`` or ``RLWATCH_SD_DIR=""`` opts out. Each registration has its own
+(:func:`rlwatch.stack.sd_directory`); ``sd_dir=""`` or ``RLWATCH_SD_DIR=""`` opts out. Each registration has its own
 file, named after the run and the process (:func:`rlwatch.procinfo.instance_id`), readable as far as
 the directory is. The entry of a process that died without closing stays for :data:`STALE_GRACE_S`
 (long enough for RLWatchExporterDown to page), then the next registration, close or ``rlwatch up``
@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import logging
 import os
 import socket
 import tempfile
@@ -33,7 +32,6 @@ SD_ENV = "RLWATCH_SD_DIR"
 #: Seconds a dead process's entry stays after a cleaner first saw it dead (RLWatchExporterDown: for 1m).
 STALE_GRACE_S = 600.0
 _serial = itertools.count()
-logger = logging.getLogger(__name__)
 
 
 def node_address(bind_addr: str) -> str:
@@ -53,25 +51,6 @@ def node_address(bind_addr: str) -> str:
                 return sock.getsockname()[0]
             except OSError:
                 return socket.gethostbyname(socket.gethostname())
-
-
-def sd_directory(chosen: str | bool | None) -> str | None:
-    """Where a Watch registers: ``chosen`` (its option or $RLWATCH_SD_DIR; False: opted out), else the
-    targets directory of the newest stack ``rlwatch up`` started on this machine, else None."""
-    if chosen is not None:
-        return chosen or None
-    try:
-        from .stack import running_stacks
-
-        stacks = [d for d, processes in running_stacks().items() if "prometheus" in processes]
-    except Exception as exc:  # noqa: BLE001 - looking for a stack never disturbs the Watch
-        logger.debug("rlwatch: no local stack found: %s", exc)
-        return None
-    if not stacks:
-        return None
-    logger.info("rlwatch: registering with the Prometheus `rlwatch up` started in %s (opt out: RLWATCH_SD_DIR= "
-                "or Watch(sd_dir=''))", stacks[0])
-    return str(stacks[0] / "targets")
 
 
 class Registration:

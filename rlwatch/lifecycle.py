@@ -259,7 +259,8 @@ class Services:
         if self.server is None:
             return
         logger.info("rlwatch: serving %s (run %r)", self.server.url, self.run)
-        from .discovery import Registration, node_address, sd_directory
+        from .discovery import Registration, node_address
+        from .stack import sd_directory
 
         sd_dir = sd_directory(cfg.discovery_dir())
         if sd_dir:

@@ -9,7 +9,7 @@ told otherwise, and records their PIDs with each process's executable and start 
 signals a recorded PID only while it still names that same process (a reused or forged PID never, nor
 PID <= 1). Each running stack is also listed under a well-known state directory (:func:`state_dir`),
 so that ``rlwatch down`` run from any other directory finds it, and so does a Watch that registers
-with it by default (:func:`rlwatch.discovery.sd_directory`).
+with it by default (:func:`sd_directory`).
 
 No fixed port list: a port nobody exports on is never a target, so RLWatchExporterDown fires only
 for an exporter that registered, answered, and then stopped answering without closing its run.
@@ -33,7 +33,7 @@ from . import procinfo
 from .config import state_dir  # noqa: F401 - where running stacks are listed (the CLI imports it from here)
 
 # The rules renderer (half a second to import) is imported where configs are written: every Watch
-# imports this module to look for a running stack (rlwatch.discovery.sd_directory).
+# imports this module to look for a running stack (sd_directory).
 
 logger = logging.getLogger(__name__)
 
@@ -352,6 +352,23 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
+
+
+def sd_directory(chosen: str | bool | None) -> str | None:
+    """Where a Watch registers: ``chosen`` (its option or $RLWATCH_SD_DIR; False: opted out), else the
+    targets directory of the newest stack ``rlwatch up`` started on this machine, else None."""
+    if chosen is not None:
+        return chosen or None
+    try:
+        stacks = [d for d, processes in running_stacks().items() if "prometheus" in processes]
+    except Exception as exc:  # noqa: BLE001 - looking for a stack never disturbs the Watch
+        logger.debug("rlwatch: no local stack found: %s", exc)
+        return None
+    if not stacks:
+        return None
+    logger.info("rlwatch: registering with the Prometheus `rlwatch up` started in %s (opt out: RLWATCH_SD_DIR= "
+                "or Watch(sd_dir=''))", stacks[0])
+    return str(stacks[0] / "targets")
 
 
 def running_stacks() -> dict[Path, dict[str, dict]]:

@@ -1,8 +1,9 @@
-"""The acceptance report's Markdown (:mod:`rlwatch.demo.acceptance` computes its figures)."""
+"""The acceptance report's Markdown (:mod:`rlwatch.demo.acceptance` computes its figures, scored by
+:mod:`rlwatch.demo.acceptance_score`)."""
 
 from __future__ import annotations
 
-from .acceptance import STALENESS_BOUND, TUNED_PARAMS, Outcome, bars, score
+from .acceptance_score import STALENESS_BOUND, TUNED_PARAMS, Outcome, bars, score
 from .matrix import FAMILIES
 
 
