@@ -26,7 +26,8 @@ EXACT_QUANTILE_MAX_TOKENS = 8192
 # inductor writes no per-position matrix and one chunk serves every size).
 FUSED_CHUNK_TOKENS = 262144
 # CPU chunks of up to this many positions stack the sums of each kind into one [k, B, T] group (fewer
-# operations); larger ones reduce each sum on its own, with 0/1 float arithmetic (no boolean tensors).
+# operations); larger ones take one term at a time, comparisons written as 0/1 floats (a boolean
+# result is several times slower to write on CPU).
 STACK_MAX_TOKENS = 4096
 
 
