@@ -398,6 +398,18 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
+def served_runbook(sd_dir: str | None) -> str | None:
+    """The runbook URL of the running stack on this host whose targets directory is ``sd_dir`` (where a
+    Watch registered), when that stack serves the runbook; else None."""
+    if not sd_dir:
+        return None
+    try:
+        info = running(Path(sd_dir).parent).get("runbook")
+    except Exception:  # noqa: BLE001 - never disturbs the Watch
+        return None
+    return info.get("url") if isinstance(info, dict) else None
+
+
 def sd_directory(chosen: str | bool | None) -> str | None:
     """Where a Watch registers: ``chosen`` (its option or $RLWATCH_SD_DIR; False: opted out), else the
     targets directory of the newest stack ``rlwatch up`` started on this machine, else None."""

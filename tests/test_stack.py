@@ -97,17 +97,22 @@ def test_registered_exporter_is_scraped_without_a_hand_written_target(stack_dir)
 
 
 def test_runbook_links_work_after_the_run_ended_and_down_stops_their_server(stack_dir):
-    """The rules Prometheus loaded link to the stack's runbook server, not to the run's exporter: after
-    the run closed (its exporter refuses connections) every alert's link still opens its section."""
+    """The rules Prometheus loaded, and the in-process alerts of a Watch registered with the stack, link to
+    the stack's runbook server, not to the run's exporter: after the run closed (its exporter refuses
+    connections) every alert's link still opens its section."""
     import re
     import urllib.error
 
     directory, ports = stack_dir
     prom = f"http://127.0.0.1:{ports['prometheus']}"
     base = f"http://127.0.0.1:{ports['runbook']}/"
-    with Watch(run="paged-at-night", port=0, store=None, sd_dir=str(directory / "targets")) as watch:
-        watch.observe(0, **make_step())
+    with Watch(run="paged-at-night", port=0, store=None, alerts=True, sd_dir=str(directory / "targets")) as watch:
+        for step in range(3):                                          # k3 far above its bound: a page
+            watch.observe(step, **make_step(seed=step, noise=1.0))
         exporter = watch.url
+        paged = [e for e in watch.evaluator.events if e.name == "RLWatchKLSpike"]
+    # the in-process page (console, store, webhook/Slack) links to the stack's runbook server too
+    assert paged and paged[0].runbook_url == base + "#rlwatchklspike", paged
     with pytest.raises(urllib.error.URLError):                          # the run's own runbook copy is gone
         urllib.request.urlopen(exporter.replace("/metrics", "/runbook"), timeout=5)
     rules = json.loads(urllib.request.urlopen(prom + "/api/v1/rules", timeout=5).read())["data"]["groups"]
