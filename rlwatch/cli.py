@@ -16,7 +16,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     cfg = StackConfig(directory=Path(args.dir), addr=args.addr, prometheus_port=args.prometheus_port,
                       alertmanager_port=args.alertmanager_port, grafana_port=args.grafana_port,
-                      webhook=args.webhook, scrape_interval=args.scrape_interval, runbook_url=args.runbook_url)
+                      webhook=args.webhook, scrape_interval=args.scrape_interval, runbook_url=args.runbook_url,
+                      runbook_port=args.runbook_port)
     if args.target:
         cfg.targets = args.target
     try:
@@ -31,9 +32,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
         print(f"grafana       not started: no grafana-server on PATH; import the dashboards by hand "
               f"(Dashboards > New > Import): {root() / 'dashboards'}/*.json")
-    from .alerts.render import RUNBOOK_FILE, runbook_base
+    from .alerts.render import RUNBOOK_FILE
 
-    print(f"runbook       {runbook_base(cfg.runbook_url)} (alerts link there; a copy: {cfg.directory / RUNBOOK_FILE})")
+    served = "served by the stack until `rlwatch down`" if "runbook" in started else "your team's copy"
+    print(f"alerts link to the runbook at {cfg.runbook_base()} ({served}; a copy: {cfg.directory / RUNBOOK_FILE})")
     static = f"{', '.join(cfg.targets)} and " if cfg.targets else ""
     print(f"scraping {static}the exporters registered in {cfg.sd_dir} every {cfg.scrape_interval}: every Watch "
           f"on this machine registers there by default (opt out: RLWATCH_SD_DIR=; on other nodes set RLWATCH_SD_DIR "
@@ -321,6 +323,8 @@ def _add_demo(sub: Any) -> None:
 
 def _add_up(sub: Any) -> None:
     """``rlwatch up`` and its options."""
+    from .stack import RUNBOOK_PORT
+
     p = _command(sub, "up", _cmd_up, "start a local Prometheus + Alertmanager (+ Grafana) with rlwatch's rules",
                  "Start Prometheus and Alertmanager (and Grafana when grafana-server is on PATH) with rlwatch's "
                  "rules and dashboards, bound to --addr, in the background. Stop them with `rlwatch down` (from "
@@ -337,8 +341,11 @@ def _add_up(sub: Any) -> None:
     p.add_argument("--webhook", metavar="URL",
                    help="deliver every alert to this webhook URL (default: none, alerts stay in Alertmanager's UI)")
     p.add_argument("--runbook-url", metavar="URL",
-                   help="base URL of the runbook the alerts link to (default: $RLWATCH_RUNBOOK_URL, else "
-                        "http://127.0.0.1:9400/runbook, served by every rlwatch exporter)")
+                   help="base URL of the runbook the alerts link to, for a copy your team hosts (default: "
+                        "$RLWATCH_RUNBOOK_URL, else the stack's own runbook server on --runbook-port)")
+    p.add_argument("--runbook-port", type=int, default=RUNBOOK_PORT,
+                   help="port of the stack's runbook server (started when no runbook URL is set; it outlives "
+                        "the runs, so the alerts' links work after a run ended)")
 
 
 def _add_down(sub: Any) -> None:

@@ -149,13 +149,14 @@ def markdown_to_html(markdown: str, title: str = "rlwatch runbook") -> str:
     return html_page(title, "\n".join(body))
 
 
-def html_page(title: str, body: str) -> str:
-    """A whole HTML page around ``body`` (already HTML), in the style of the runbook."""
+def html_page(title: str, body: str, head: str = "") -> str:
+    """A whole HTML page around ``body`` (already HTML), in the style of the runbook; ``head`` (HTML) goes
+    into its head."""
     style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto;padding:0 1em;line-height:1.4}"
              "pre{background:#f4f4f4;padding:.6em;overflow-x:auto}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:.2em .5em;text-align:left}")
     return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{style}</style></head><body>\n" + body + "\n</body></html>\n")
+            f"{head}<style>{style}</style></head><body>\n" + body + "\n</body></html>\n")
 
 
 def runbook_html() -> str:

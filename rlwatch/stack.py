@@ -11,6 +11,11 @@ PID <= 1). Each running stack is also listed under a well-known state directory 
 so that ``rlwatch down`` run from any other directory finds it, and so does a Watch that registers
 with it by default (:func:`sd_directory`).
 
+The runbook: unless a runbook URL is configured (``--runbook-url``, $RLWATCH_RUNBOOK_URL), ``up`` also
+starts a static server of the runbook (``python -m http.server`` over ``<dir>/runbook-site``, default
+port :data:`RUNBOOK_PORT`) and the rules it loads link there, so that a page that arrives after the run
+ended still opens its runbook section; ``down`` stops it with the rest.
+
 No fixed port list: a port nobody exports on is never a target, so RLWatchExporterDown fires only
 for an exporter that registered, answered, and then stopped answering without closing its run.
 """
@@ -24,6 +29,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -36,6 +42,10 @@ from .config import state_dir  # noqa: F401 - where running stacks are listed (t
 # imports this module to look for a running stack (sd_directory).
 
 logger = logging.getLogger(__name__)
+
+
+#: The default port of the stack's runbook server (a static server of the runbook that outlives the runs).
+RUNBOOK_PORT = 9097
 
 
 class StackError(RuntimeError):
@@ -62,7 +72,8 @@ class StackConfig:
     webhook: str | None = None
     group_wait: str = "10s"              # Alertmanager's route timing (the demo's is shorter)
     group_interval: str = "1m"
-    runbook_url: str | None = None       # None: $RLWATCH_RUNBOOK_URL, else render.DEFAULT_RUNBOOK_URL
+    runbook_url: str | None = None       # None: $RLWATCH_RUNBOOK_URL, else the stack's own runbook server
+    runbook_port: int = RUNBOOK_PORT     # the runbook server's port (started only when no URL is set)
 
     def __post_init__(self) -> None:
         # Prometheus resolves rule and file_sd paths against its config file's directory, so a
@@ -72,6 +83,28 @@ class StackConfig:
     @property
     def sd_dir(self) -> Path:
         return self.directory / "targets"
+
+    @property
+    def runbook_site(self) -> Path:
+        """The directory the runbook server serves: ``index.html`` (the runbook, one anchor per alert)
+        and ``runbook.md``."""
+        return self.directory / "runbook-site"
+
+    @property
+    def serves_runbook(self) -> bool:
+        """True when no runbook URL is configured (``runbook_url``, $RLWATCH_RUNBOOK_URL): the stack then
+        serves the runbook itself and its rules link there."""
+        from .config import runbook_url
+
+        return not runbook_url(self.runbook_url, "")
+
+    def runbook_base(self) -> str:
+        """Where the rules' ``runbook_url`` points: the configured URL, else the stack's runbook server."""
+        from .config import runbook_url
+
+        host = self.addr if self.addr not in ("0.0.0.0", "::", "") else socket.getfqdn()
+        host = f"[{host}]" if ":" in host else host
+        return runbook_url(self.runbook_url, f"http://{host}:{self.runbook_port}/")
 
 
 def prometheus_config(cfg: StackConfig) -> dict:
@@ -132,8 +165,11 @@ def write_configs(cfg: StackConfig) -> None:
 
     cfg.directory.mkdir(parents=True, exist_ok=True)
     cfg.sd_dir.mkdir(exist_ok=True)
-    (cfg.directory / render.RULES_FILE).write_text(render.rules_yaml(render.runbook_base(cfg.runbook_url)))
+    (cfg.directory / render.RULES_FILE).write_text(render.rules_yaml(cfg.runbook_base()))
     (cfg.directory / render.RUNBOOK_FILE).write_text(resources.runbook_markdown())
+    cfg.runbook_site.mkdir(exist_ok=True)
+    (cfg.runbook_site / "index.html").write_text(resources.runbook_html())
+    (cfg.runbook_site / render.RUNBOOK_FILE).write_text(resources.runbook_markdown())
     (cfg.directory / "prometheus.yml").write_text(render.to_yaml(prometheus_config(cfg)))
     (cfg.directory / "alertmanager.yml").write_text(render.to_yaml(alertmanager_config(cfg)))
 
@@ -222,7 +258,8 @@ def up(cfg: StackConfig) -> dict[str, dict]:
     if (cfg.directory / "pids.json").exists() and running(cfg.directory):
         raise StackError(f"a stack is already running from {cfg.directory}; run `rlwatch down --dir {cfg.directory}`")
     grafana = find_binary("grafana-server", "grafana")
-    for port in (cfg.alertmanager_port, cfg.prometheus_port) + ((cfg.grafana_port,) if grafana else ()):
+    for port in ((cfg.alertmanager_port, cfg.prometheus_port) + ((cfg.grafana_port,) if grafana else ())
+                 + ((cfg.runbook_port,) if cfg.serves_runbook else ())):
         taken = port_owner(cfg.addr, port)
         if taken:
             raise StackError(taken)
@@ -232,6 +269,13 @@ def up(cfg: StackConfig) -> dict[str, dict]:
     clean_stale(str(cfg.sd_dir))
     started: dict[str, dict] = {}
     try:
+        if cfg.serves_runbook:       # a static server of the runbook: the alerts' links work after the run
+            url = cfg.runbook_base()
+            runbook = _start([sys.executable, "-m", "http.server", str(cfg.runbook_port), "--bind", cfg.addr,
+                              "--directory", str(cfg.runbook_site)], cfg.directory / "runbook.log", started,
+                             "runbook", url, cfg.directory)
+            _wait_ready(f"http://{cfg.addr}:{cfg.runbook_port}/index.html", runbook, cfg.directory / "runbook.log",
+                        cfg.addr, cfg.runbook_port)
         url = f"http://{cfg.addr}:{cfg.alertmanager_port}"
         am = _start([alertmanager, f"--config.file={cfg.directory / 'alertmanager.yml'}",
                      f"--storage.path={cfg.directory / 'alertmanager-data'}",
@@ -352,6 +396,18 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
+
+
+def served_runbook(sd_dir: str | None) -> str | None:
+    """The runbook URL of the running stack on this host whose targets directory is ``sd_dir`` (where a
+    Watch registered), when that stack serves the runbook; else None."""
+    if not sd_dir:
+        return None
+    try:
+        info = running(Path(sd_dir).parent).get("runbook")
+    except Exception:  # noqa: BLE001 - never disturbs the Watch
+        return None
+    return info.get("url") if isinstance(info, dict) else None
 
 
 def sd_directory(chosen: str | bool | None) -> str | None:

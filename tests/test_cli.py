@@ -101,7 +101,8 @@ def test_down_finds_the_stack_from_another_directory(tmp_path):
             directory = tmp_path / name / "stack"
             directory.parent.mkdir()
             up = cli("up", "--dir", "stack", "--prometheus-port", str(free_port()), "--alertmanager-port",
-                     str(free_port()), "--target", "127.0.0.1:1", cwd=directory.parent, env=env)
+                     str(free_port()), "--runbook-port", str(free_port()), "--target", "127.0.0.1:1",
+                     cwd=directory.parent, env=env)
             assert up.returncode == 0, up.stdout + up.stderr
             stacks[name] = directory
         elsewhere = tmp_path / "elsewhere"

@@ -146,7 +146,7 @@ def test_installed_wheel_runs_the_stack_and_stops_it_from_elsewhere(venv, tmp_pa
     state = {"RLWATCH_STATE_DIR": str(tmp_path / "state")}
     prom_port, am_port = free_port(), free_port()
     up = in_venv(venv, "rlwatch", "up", "--prometheus-port", str(prom_port), "--alertmanager-port", str(am_port),
-                 "--target", "127.0.0.1:1", cwd=work, env=state, timeout=120)
+                 "--runbook-port", str(free_port()), "--target", "127.0.0.1:1", cwd=work, env=state, timeout=120)
     stack = work / ".rlwatch-stack"
     try:
         assert up.returncode == 0, up.stdout + up.stderr

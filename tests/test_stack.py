@@ -46,9 +46,11 @@ def stack_dir(tmp_path: Path):
     need_binary("prometheus")
     need_binary("prometheus-alertmanager")
     directory = tmp_path / "stack"
-    ports = dict(prometheus=free_port(), alertmanager=free_port())
+    ports = dict(prometheus=free_port(), alertmanager=free_port(), runbook=free_port())
+    env = {k: v for k, v in os.environ.items() if k != "RLWATCH_RUNBOOK_URL"}
     result = rlwatch_cli("up", "--dir", str(directory), "--prometheus-port", str(ports["prometheus"]),
-                         "--alertmanager-port", str(ports["alertmanager"]))
+                         "--alertmanager-port", str(ports["alertmanager"]), "--runbook-port", str(ports["runbook"]),
+                         env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     yield directory, ports
     rlwatch_cli("down", "--dir", str(directory))
@@ -92,6 +94,43 @@ def test_registered_exporter_is_scraped_without_a_hand_written_target(stack_dir)
         up = wait_series(prom, 'up{job="rlwatch-sd",run="discovered"}')
         assert up[0]["value"][1] == "1"
     assert not list((directory / "targets").glob("*.json"))          # unregistered on close
+
+
+def test_runbook_links_work_after_the_run_ended_and_down_stops_their_server(stack_dir):
+    """The rules Prometheus loaded, and the in-process alerts of a Watch registered with the stack, link to
+    the stack's runbook server, not to the run's exporter: after the run closed (its exporter refuses
+    connections) every alert's link still opens its section."""
+    import re
+    import urllib.error
+
+    directory, ports = stack_dir
+    prom = f"http://127.0.0.1:{ports['prometheus']}"
+    base = f"http://127.0.0.1:{ports['runbook']}/"
+    with Watch(run="paged-at-night", port=0, store=None, alerts=True, sd_dir=str(directory / "targets")) as watch:
+        for step in range(3):                                          # k3 far above its bound: a page
+            watch.observe(step, **make_step(seed=step, noise=1.0))
+        exporter = watch.url
+        paged = [e for e in watch.evaluator.events if e.name == "RLWatchKLSpike"]
+    # the in-process page (console, store, webhook/Slack) links to the stack's runbook server too
+    assert paged and paged[0].runbook_url == base + "#rlwatchklspike", paged
+    with pytest.raises(urllib.error.URLError):                          # the run's own runbook copy is gone
+        urllib.request.urlopen(exporter.replace("/metrics", "/runbook"), timeout=5)
+    rules = json.loads(urllib.request.urlopen(prom + "/api/v1/rules", timeout=5).read())["data"]["groups"]
+    links = {r["name"]: r["annotations"]["runbook_url"] for g in rules for r in g["rules"] if r["type"] == "alerting"}
+    from rlwatch.alerts.catalogue import ALERTS
+
+    assert set(links) == {a.name for a in ALERTS} and all(url.startswith(base + "#") for url in links.values())
+    with urllib.request.urlopen(base, timeout=5) as resp:              # what a click on any link opens
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/html")
+        anchors = set(re.findall(r'id="([^"]+)"', resp.read().decode()))
+    assert {url.split("#", 1)[1] for url in links.values()} <= anchors
+    server = running(directory)["runbook"]
+    assert rlwatch_cli("down", "--dir", str(directory)).returncode == 0
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(server["pid"], 0)
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(base, timeout=5)
 
 
 def test_up_names_the_package_when_a_binary_is_missing(tmp_path):
@@ -195,7 +234,8 @@ def test_newcomer_flow_a_run_registers_with_the_stack_up_started(tmp_path):
     port = free_port()
     prom = f"http://127.0.0.1:{port}"
     up = subprocess.run([sys.executable, "-m", "rlwatch.cli", "up", "--prometheus-port", str(port),
-                         "--alertmanager-port", str(free_port())], capture_output=True, text=True, timeout=90,
+                         "--alertmanager-port", str(free_port()), "--runbook-port", str(free_port())],
+                        capture_output=True, text=True, timeout=90,
                         env=clean, cwd=tmp_path)
     assert up.returncode == 0, up.stdout + up.stderr
     runs = []

@@ -180,7 +180,7 @@ def _prometheus_stack(directory: Path) -> tuple[Any, dict[str, dict], WebhookRec
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    cfg.prometheus_port, cfg.alertmanager_port = free(), free()
+    cfg.prometheus_port, cfg.alertmanager_port, cfg.runbook_port = free(), free(), free()
     try:
         return cfg, up(cfg), receiver
     except BaseException:

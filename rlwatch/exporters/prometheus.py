@@ -4,7 +4,7 @@ The collector yields every family of :data:`rlwatch.metrics.CATALOGUE` from one
 :class:`~rlwatch.state.Snapshot`, so a scrape reads one consistent step and computes nothing.
 :class:`CachedExposition` is the WSGI app the endpoint (:mod:`rlwatch.exporters.http`) serves:
 ``/metrics`` in the Prometheus text format or in OpenMetrics, as the scraper's ``Accept`` header
-asks; ``/`` a page for a person (run, step, firing alerts); the runbook shipped with the package
+asks; ``/`` a page for a person (:mod:`rlwatch.exporters.landing`); the runbook shipped with the package
 at ``/runbook`` (HTML, one anchor per alert: where the alerts' ``runbook_url`` points) and
 ``/runbook.md``; 404 elsewhere.
 """
@@ -12,7 +12,6 @@ at ``/runbook`` (HTML, one anchor per alert: where the alerts' ``runbook_url`` p
 from __future__ import annotations
 
 import gzip
-import html
 import logging
 import re
 import threading
@@ -236,11 +235,11 @@ class CachedExposition:
         return self._runbook[path], f"{kind}; charset=utf-8"
 
     def _index_page(self) -> bytes:
+        from .landing import index_html
+
         snap = self.state.snapshot() if self.state is not None else None
         firing = self.firing() if self.firing is not None else None
-        return index_html(snap.run if snap else None, snap.step if snap else None,
-                          (snap.gauges.get("last_step_timestamp_seconds") or {}).get(()) if snap else None,
-                          firing).encode("utf-8")
+        return index_html(snap, firing).encode("utf-8")
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
@@ -267,40 +266,6 @@ class CachedExposition:
             return [b"" if method == "HEAD" else body]
         start_response("200 OK", [("Content-Type", content_type), *headers, ("Content-Length", str(len(body)))])
         return [b"" if method == "HEAD" else body]
-
-
-def index_html(run: str | None, step: int | None, updated: float | None, firing: list | None) -> str:
-    """The page at ``/``: the run, its latest step, the alerts firing in this process, links.
-    Every value from the run is escaped."""
-    from ..resources import html_page
-
-    def esc(value: object) -> str:
-        return html.escape(str(value), quote=True)
-
-    when = ""
-    if updated:
-        when = f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(updated))} ({time.time() - updated:.0f} s ago)"
-    lines = ["<h1>rlwatch</h1>",
-             f"<p>Run <strong>{esc(run) if run is not None else '-'}</strong>: "
-             + (f"step {esc(step)}{esc(when)}" if step is not None else "no step observed yet") + ".</p>",
-             "<h2>Firing alerts</h2>"]
-    if firing is None:
-        lines.append("<p>Not evaluated in this process (alerts off); Prometheus evaluates the shipped rules.</p>")
-    elif not firing:
-        lines.append("<p>None.</p>")
-    else:
-        items = []
-        for event in sorted(firing, key=lambda e: (e.severity != "critical", e.name)):
-            labels = ", ".join(f"{k}={v}" for k, v in sorted(event.labels.items()))
-            value = "" if event.value is None else f" = {event.value:.4g}"
-            items.append(f'<li><a href="{esc(event.runbook_url)}">{esc(event.name)}</a> ({esc(event.severity)})'
-                         f"{' ' + esc(labels) if labels else ''}{esc(value)} at step {esc(event.step)}: "
-                         f"{esc(event.summary)}</li>")
-        lines.append("<ul>" + "".join(items) + "</ul>")
-    lines.append('<p><a href="/metrics">/metrics</a> (Prometheus text or OpenMetrics) · '
-                 '<a href="/runbook">/runbook</a> (what each alert means and what to do) · '
-                 '<a href="/runbook.md">/runbook.md</a></p>')
-    return html_page(f"rlwatch: {run}" if run is not None else "rlwatch", "\n".join(lines))
 
 
 class _OneFamily:
