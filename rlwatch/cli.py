@@ -216,9 +216,10 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
     from .postmortem.report import safe
 
     if args.chapter:
-        from .whatif.chapter import render, reproduce
+        from .whatif.chapter import design_table, render, reproduce
 
-        print(render(reproduce()))
+        print(render(reproduce()) + "\n\nEvery design on the chapter's pipeline (64 slots, 64 episodes per step, "
+              "60 s training, 10 s sync, 20 steps):\n" + design_table())
         return 0
     from .whatif import measured, report
 

@@ -83,17 +83,20 @@ def test_the_duration_model_has_the_chapters_shape_on_another_seed():
 LAG_K3 = {"0": 0.002, "1": 0.012, "2": 0.022, "3": 0.032}
 
 
-def write_run(path, steps: int = 12, batch: int = 16, durations: bool = True, lag: bool = True) -> None:
+def write_run(path, steps: int = 12, batch: int = 16, durations: bool = True, lag: bool = True,
+              bound_in_meta: bool = False) -> None:
     """A store of an asynchronous run (eta 2, partial rollouts), batch of ``batch`` episodes, 2 s
     training, 1 s sync, episodes from the chapter's duration model scaled by 1/10; k3 rising by 0.01
     per version of lag."""
     pool = (DurationModel().sample(steps * batch, seed=11) / 10).tolist()
     store = RunStore(str(path))
-    store.submit_run("async-run", {"framework": "custom"})
+    store.submit_run("async-run", {"framework": "custom", "config": {"staleness_bound": 2}} if bound_in_meta
+                     else {"framework": "custom"})
     for step in range(steps):
         values = {"sequences": {(): float(batch)}, "step_interval_seconds": {(): 25.0},
-                  "phase_seconds": {("training",): 2.0, ("sync",): 1.0, ("generation",): 22.0},
-                  "staleness_bound": {(): 2.0}}
+                  "phase_seconds": {("training",): 2.0, ("sync",): 1.0, ("generation",): 22.0}}
+        if not bound_in_meta:
+            values["staleness_bound"] = {(): 2.0}
         if durations:
             values["episode_duration_sample_seconds"] = {
                 ("trained", "math", str(i)): pool[step * batch + i] for i in range(batch)}
@@ -116,6 +119,11 @@ def test_the_store_loader_reads_the_agreed_keys(tmp_path):
     assert m.lag_cost.slope == pytest.approx(0.01)
     assert m.lag_cost.at(1.5)[0] == pytest.approx(0.017)
     assert m.lag_cost.at(7)[0] == pytest.approx(0.072) and m.lag_cost.at(7)[1]
+
+
+def test_the_staleness_bound_is_read_from_the_runs_metadata_without_its_gauge(tmp_path):
+    write_run(tmp_path / "run.db", bound_in_meta=True)
+    assert build(load(str(tmp_path / "run.db"))).own == asynchronous(2, partial=True)
 
 
 def test_the_recommendation_weighs_throughput_against_k3_per_version(tmp_path):

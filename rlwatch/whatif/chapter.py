@@ -115,3 +115,14 @@ def render(figures: list[Figure]) -> str:
     worst = max(figures, key=lambda f: f.error)
     lines.append(f"{len(figures)} figures; largest error {worst.error:.1%} ({worst.what})")
     return "\n".join(lines)
+
+
+def design_table() -> str:
+    """Every design ``rlwatch whatif`` compares, on the chapter's pool and pipeline, as text."""
+    from .simulate import DESIGNS, compare
+
+    lines = [f"{'design':<22} | episodes/hour | slot util | staleness mean, max | trained episode mean (s)"]
+    for o in compare(chapter_durations().tolist(), Pipeline(), DESIGNS):
+        lines.append(f"{o.design.name:<22} | {o.throughput:13,.0f} | {o.utilisation:9.2f} | "
+                     f"{o.staleness_mean:8.2f}, {o.staleness_max:2d}      | {o.trained_duration:6.1f}")
+    return "\n".join(lines)

@@ -4,7 +4,8 @@ seconds, measured throughput and staleness, and its mismatch by version lag.
 The names are the run store's catalogue keys (docs/rollout-system.md): the per-episode duration
 samples ``episode_duration_sample_seconds{outcome, env, index}``, ``phase_seconds{phase}``,
 ``weight_sync_seconds``, ``sequences``, ``step_interval_seconds``, ``episodes_launched_total``,
-``version_lag_mean`` / ``_max``, ``staleness_bound``, ``partial_rollout_ratio`` and
+``version_lag_mean`` / ``_max``, ``staleness_bound`` (or the run's metadata ``config``),
+``partial_rollout_ratio``, ``alert_threshold{param="kl_k3_max"}`` and
 ``mismatch_kl_k3_by_lag{lag}`` with ``mismatch_tokens_by_lag{lag}``. A run is read with the
 post-mortem's loader, so RUN is anything ``rlwatch postmortem`` reads (a store, a TRL or verl
 output directory) and ``run`` picks the run in a store of several.
@@ -171,7 +172,10 @@ def measure(data: RunData, env: str | None = None) -> Measured:
     sync = _median(data.series("phase_seconds", ("sync",))) or _median(data.series("weight_sync_seconds"))
     lag_max = [v for _, v in data.series("version_lag_max")]
     spans = [v for _, v in data.series("partial_rollout_ratio")]
-    bound = data.series("staleness_bound")
+    bound = [v for _, v in data.series("staleness_bound")]
+    config = data.meta.get("config") if isinstance(data.meta, dict) else None
+    if not bound and isinstance(config, dict) and isinstance(config.get("staleness_bound"), (int, float)):
+        bound = [float(config["staleness_bound"])]          # the Watch's option, in the run's metadata
     threshold = data.series("alert_threshold", ("kl_k3_max",))
     return Measured(
         run=data.run, source=data.source, steps=len(data.steps), launched_durations=launched,
@@ -180,7 +184,7 @@ def measure(data: RunData, env: str | None = None) -> Measured:
         generation_s=_median(data.series("phase_seconds", ("generation",))),
         throughput=throughput, busy_s=busy, wall_s=wall,
         staleness_mean=_median(data.series("version_lag_mean")), staleness_max=max(lag_max) if lag_max else None,
-        staleness_bound=bound[-1][1] if bound else None, partial=any(v > 0 for v in spans) if spans else None,
+        staleness_bound=bound[-1] if bound else None, partial=any(v > 0 for v in spans) if spans else None,
         lag_cost=_lag_cost(data), k3_bound=threshold[-1][1] if threshold else None)
 
 
