@@ -169,7 +169,10 @@ def measure(data: RunData, env: str | None = None) -> Measured:
     launched, trained, step_mean = _durations(data, env)
     throughput, busy, wall = _timed(data, step_mean)
     sizes = _median(data.series("sequences"))
-    sync = _median(data.series("phase_seconds", ("sync",))) or _median(data.series("weight_sync_seconds"))
+    sync = _median(data.series("phase_seconds", ("sync",)))
+    if sync is None:
+        sync = _median(data.series("weight_sync_seconds"))
+    lag_means = [v for _, v in data.series("version_lag_mean")]
     lag_max = [v for _, v in data.series("version_lag_max")]
     spans = [v for _, v in data.series("partial_rollout_ratio")]
     bound = [v for _, v in data.series("staleness_bound")]
@@ -183,7 +186,7 @@ def measure(data: RunData, env: str | None = None) -> Measured:
         train_s=_median(data.series("phase_seconds", ("training",))), sync_s=sync,
         generation_s=_median(data.series("phase_seconds", ("generation",))),
         throughput=throughput, busy_s=busy, wall_s=wall,
-        staleness_mean=_median(data.series("version_lag_mean")), staleness_max=max(lag_max) if lag_max else None,
+        staleness_mean=statistics.fmean(lag_means) if lag_means else None, staleness_max=max(lag_max) if lag_max else None,
         staleness_bound=bound[-1] if bound else None, partial=any(v > 0 for v in spans) if spans else None,
         lag_cost=_lag_cost(data), k3_bound=threshold[-1][1] if threshold else None)
 
