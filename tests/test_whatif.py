@@ -116,6 +116,7 @@ def test_the_store_loader_reads_the_agreed_keys(tmp_path):
     assert (m.batch_size, m.train_s, m.sync_s, m.staleness_bound, m.partial) == (16, 2.0, 1.0, 2.0, True)
     assert len(m.trained_durations) == 12 * 16 and m.staleness_max == 5.0
     assert m.throughput == pytest.approx(16 / 25 * 3600)
+    assert (m.interval_s, m.unphased_s) == (25.0, 0.0)          # 22 s generation + 2 s training + 1 s sync
     assert m.lag_cost.slope == pytest.approx(0.01)
     assert m.lag_cost.at(1.5)[0] == pytest.approx(0.017)
     assert m.lag_cost.at(7)[0] == pytest.approx(0.072) and m.lag_cost.at(7)[1]

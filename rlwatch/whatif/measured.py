@@ -83,6 +83,8 @@ class Measured:
     partial: bool | None                      # some sequence spanned versions
     lag_cost: LagCost
     k3_bound: float | None                    # the run's kl_k3_max threshold, when stored
+    unphased_s: float | None = None           # median seconds of a step outside every recorded phase
+    interval_s: float | None = None           # median wall seconds between steps
 
     def utilisation(self, slots: int) -> float | None:
         """Busy share of ``slots`` over the timed steps (an estimate: the run does not record slots)."""
@@ -154,6 +156,14 @@ def _timed(data: RunData, step_mean: dict[int, float]) -> tuple[float | None, fl
     return throughput, busy, sum(intervals[s] for s in busy_steps)
 
 
+def _unphased(data: RunData) -> float | None:
+    """Median over steps of the wall time between steps minus the step's recorded phases (seconds)."""
+    intervals = dict(data.series("step_interval_seconds"))
+    phased = _summed_by_step(data, "phase_seconds")
+    rest = [(s, intervals[s] - phased[s]) for s in intervals if s in phased]
+    return _median(rest)
+
+
 def _summed_by_step(data: RunData, name: str) -> dict[int, float]:
     """A labelled counter's step increments summed over its label sets."""
     out: dict[int, float] = {}
@@ -186,9 +196,11 @@ def measure(data: RunData, env: str | None = None) -> Measured:
         train_s=_median(data.series("phase_seconds", ("training",))), sync_s=sync,
         generation_s=_median(data.series("phase_seconds", ("generation",))),
         throughput=throughput, busy_s=busy, wall_s=wall,
-        staleness_mean=statistics.fmean(lag_means) if lag_means else None, staleness_max=max(lag_max) if lag_max else None,
+        staleness_mean=statistics.fmean(lag_means) if lag_means else None,
+        staleness_max=max(lag_max) if lag_max else None,
         staleness_bound=bound[-1] if bound else None, partial=any(v > 0 for v in spans) if spans else None,
-        lag_cost=_lag_cost(data), k3_bound=threshold[-1][1] if threshold else None)
+        lag_cost=_lag_cost(data), k3_bound=threshold[-1][1] if threshold else None,
+        unphased_s=_unphased(data), interval_s=_median(data.series("step_interval_seconds")))
 
 
 def load(path: str, run: str | None = None, env: str | None = None) -> Measured:

@@ -174,6 +174,9 @@ def _calibration(result: WhatIf, advice: list[str]) -> None:
     advice.append(f"Check: the run's own design ({own.name}) simulates {sim.throughput:,.0f} episodes/hour "
                   f"against {m.throughput:,.0f} measured ({sim.throughput / m.throughput:.2f}x); far from 1, the "
                   "slots or phases assumed differ from the run's (--slots, --train-s, --sync-s).")
+    if m.unphased_s is not None and m.interval_s and m.unphased_s > 0.1 * m.interval_s:
+        advice.append(f"The run's steps last {m.interval_s:.3g} s (median), {m.unphased_s:.3g} s of it outside "
+                      "every recorded phase (rewards, evaluation, logging): the simulation leaves that time out.")
 
 
 def _cell(value: float | None, fmt: str) -> str:
@@ -185,7 +188,7 @@ def render(result: WhatIf) -> str:
     m, p = result.measured, result.pipeline
     trained = statistics.fmean(m.trained_durations) if m.trained_durations else None
     lines = [f"rlwatch whatif: run {m.run!r} ({m.source}), {len(m.launched_durations):,} episode durations "
-             f"(mean {statistics.fmean(m.launched_durations):.1f} s, max {max(m.launched_durations):.1f} s)",
+             f"(mean {statistics.fmean(m.launched_durations):.3g} s, max {max(m.launched_durations):.3g} s)",
              f"simulated: {p.slots} slots, {p.batch_size} episodes per step, {p.train_s:.3g} s training, "
              f"{p.sync_s:.3g} s sync, {p.steps} steps; the run's own design: "
              f"{result.own.name if result.own else 'unknown (no staleness_bound, lag above 0)'}"]
@@ -196,12 +199,12 @@ def render(result: WhatIf) -> str:
     util = m.utilisation(p.slots)
     lines.append(f"{'the run, measured':<24} | {_cell(m.throughput, '13,.0f')} | {_cell(util, '10.2f')} | "
                  f"{_cell(m.staleness_mean, '8.2f')}, {_cell(m.staleness_max, '2.0f')}      | "
-                 f"{_cell(trained, '24.1f')} | {_cell(m.lag_cost.overall, '.3g')}")
+                 f"{_cell(trained, '24.3g')} | {_cell(m.lag_cost.overall, '.3g')}")
     for o in result.outcomes:
         marker = " <" if o is result.recommended else ""
         k3 = result.k3(o.staleness_mean)
         lines.append(f"{o.design.name:<24} | {o.throughput:13,.0f} | {o.utilisation:10.2f} | "
-                     f"{o.staleness_mean:8.2f}, {o.staleness_max:2d}      | {o.trained_duration:24.1f} | "
+                     f"{o.staleness_mean:8.2f}, {o.staleness_max:2d}      | {o.trained_duration:24.3g} | "
                      f"{_cell(k3[0] if k3 else None, '.3g')}{'*' if k3 and k3[1] else ''}{marker}")
     lines.append("(the run's staleness: per-token version lag; its slots busy: episode-seconds over slots x wall "
                  "time, an estimate; its k3: token-weighted over all lags; * extrapolated; < recommended)")
