@@ -158,6 +158,10 @@ def test_a_store_without_durations_is_refused_in_one_line(tmp_path, capsys):
     assert main(["whatif", str(tmp_path / "run.db")]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "records no episode durations" in err
+    write_run(tmp_path / "with.db")
+    assert main(["whatif", str(tmp_path / "with.db"), "--env", "code"]) == 1
+    assert "environments with durations: math" in capsys.readouterr().err
+    assert main(["whatif", str(tmp_path / "with.db"), "--env", "math"]) == 0
 
 
 def test_without_lag_the_recommendation_keeps_the_chapters_default_bound(tmp_path):

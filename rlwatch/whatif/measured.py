@@ -83,6 +83,8 @@ class Measured:
     partial: bool | None                      # some sequence spanned versions
     lag_cost: LagCost
     k3_bound: float | None                    # the run's kl_k3_max threshold, when stored
+    envs: list[str] = field(default_factory=list)   # environments with durations (all of the run's)
+    env: str | None = None                    # the one whose durations were taken, if chosen
     unphased_s: float | None = None           # median seconds of a step outside every recorded phase
     interval_s: float | None = None           # median wall seconds between steps
 
@@ -97,16 +99,21 @@ def _median(series: list[tuple[int, float]]) -> float | None:
     return statistics.median(v for _, v in series) if series else None
 
 
-def _durations(data: RunData, env: str | None) -> tuple[list[float], list[float], dict[int, float]]:
-    """(launched, trained, step -> mean launched duration) from the per-episode samples."""
+def _durations(data: RunData, env: str | None) -> tuple[list[float], list[float], dict[int, float], set[str]]:
+    """(launched, trained, step -> mean launched duration, every environment with a duration) from
+    the per-episode samples (``env``: that environment's only)."""
     launched: list[float] = []
     trained: list[float] = []
     step_mean: dict[int, float] = {}
+    envs: set[str] = set()
     for step, values in data.steps:
         rows = values.get(DURATION_SAMPLES, {})
         here = []
         for labels, seconds in rows.items():
-            if seconds is None or seconds < 0 or len(labels) < 2 or (env is not None and labels[1] != env):
+            if seconds is None or seconds < 0 or len(labels) < 2:
+                continue
+            envs.add(str(labels[1]))
+            if env is not None and labels[1] != env:
                 continue
             here.append(seconds)
             if labels[0] == TRAINED:
@@ -114,7 +121,7 @@ def _durations(data: RunData, env: str | None) -> tuple[list[float], list[float]
         if here:
             launched += here
             step_mean[step] = statistics.fmean(here)
-    return launched, trained, step_mean
+    return launched, trained, step_mean, envs
 
 
 def _lag_cost(data: RunData) -> LagCost:
@@ -176,7 +183,7 @@ def _summed_by_step(data: RunData, name: str) -> dict[int, float]:
 
 def measure(data: RunData, env: str | None = None) -> Measured:
     """The run's inputs and outcomes (``env``: only that environment's durations)."""
-    launched, trained, step_mean = _durations(data, env)
+    launched, trained, step_mean, envs = _durations(data, env)
     throughput, busy, wall = _timed(data, step_mean)
     sizes = _median(data.series("sequences"))
     sync = _median(data.series("phase_seconds", ("sync",)))
@@ -200,7 +207,8 @@ def measure(data: RunData, env: str | None = None) -> Measured:
         staleness_max=max(lag_max) if lag_max else None,
         staleness_bound=bound[-1] if bound else None, partial=any(v > 0 for v in spans) if spans else None,
         lag_cost=_lag_cost(data), k3_bound=threshold[-1][1] if threshold else None,
-        unphased_s=_unphased(data), interval_s=_median(data.series("step_interval_seconds")))
+        envs=sorted(envs), env=env, unphased_s=_unphased(data),
+        interval_s=_median(data.series("step_interval_seconds")))
 
 
 def load(path: str, run: str | None = None, env: str | None = None) -> Measured:

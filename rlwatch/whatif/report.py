@@ -83,6 +83,9 @@ def build(m: Measured, *, slots: int | None = None, batch_size: int | None = Non
           k3_bound: float | None = None, designs: tuple[Design, ...] = DESIGNS) -> WhatIf:
     """Simulate ``designs`` with episodes drawn (with replacement, torch seed ``seed``) from the run's
     measured durations; explicit arguments replace what the run measured."""
+    if not m.launched_durations and m.env is not None and m.envs:
+        raise NoDurations(f"run {m.run!r} records no episode durations for env {m.env!r}; environments with "
+                          f"durations: {', '.join(m.envs)}")
     if not m.launched_durations:
         raise NoDurations(f"run {m.run!r} records no episode durations (episode_duration_sample_seconds): pass "
                           "durations to Watch.observe (docs/rollout-system.md); `rlwatch whatif --chapter` runs "
