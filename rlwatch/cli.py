@@ -212,6 +212,37 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_whatif(args: argparse.Namespace) -> int:
+    import json
+
+    from .postmortem.report import safe
+
+    if args.chapter:
+        from .whatif.chapter import design_table, render, reproduce
+
+        print(render(reproduce()) + "\n\nEvery design on the chapter's pipeline (64 slots, 64 episodes per step, "
+              "60 s training, 10 s sync, 20 steps):\n" + design_table())
+        return 0
+    from .whatif import measured, report
+
+    if args.path is None:
+        print("rlwatch whatif: give a run store, a TRL output directory or a verl checkpoint directory (or --chapter)",
+              file=sys.stderr)
+        return 2
+    try:
+        run = measured.load(args.path, run=args.run, env=args.env)
+        result = report.build(run, slots=args.slots, batch_size=args.batch_size, train_s=args.train_s,
+                              sync_s=args.sync_s, steps=args.steps, seed=args.seed, k3_bound=args.k3_bound)
+    except FileNotFoundError as exc:
+        print(f"rlwatch whatif: not found: {safe(exc.filename or exc)}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:       # no durations, an unreadable store, bad option values
+        print(f"rlwatch whatif: {safe(exc)}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.as_json(result), indent=2) if args.json else report.render(result))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     import importlib.util
 
@@ -396,6 +427,31 @@ def _add_postmortem(sub: Any) -> None:
                         "rlwatch-probe-rollouts.safetensors the TRL integration keeps in the output directory")
 
 
+def _add_whatif(sub: Any) -> None:
+    """``rlwatch whatif`` and its options."""
+    p = _command(sub, "whatif", _cmd_whatif, "simulate synchronous and asynchronous pipelines on a run's "
+                 "measured episode durations, training and sync times",
+                 "Feed the run's episode durations, training and weight-sync seconds to a discrete-event "
+                 "pipeline simulation of synchronous, one-step-ahead and asynchronous designs (staleness bound "
+                 "eta = 1, 2, 4, 8, partial rollouts or draining): throughput, slot utilisation, staleness and "
+                 "trained episode duration next to the run's measured values, and a recommendation that reads "
+                 "the run's mismatch by version lag. docs/whatif.md")
+    p.add_argument("path", nargs="?", help="run store, TRL output directory or verl checkpoint directory")
+    p.add_argument("--run", help="run name (stores with several runs)")
+    p.add_argument("--env", help="only this environment's episode durations")
+    p.add_argument("--slots", type=int, help="generation slots (default: the run's episodes per step)")
+    p.add_argument("--batch-size", type=int, help="episodes per step (default: the run's)")
+    p.add_argument("--train-s", type=float, help="training seconds per step (default: the run's median)")
+    p.add_argument("--sync-s", type=float, help="weight-sync seconds per step (default: the run's median)")
+    p.add_argument("--steps", type=int, help="steps simulated (default: the run's, within 20..200)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the resampled durations")
+    p.add_argument("--k3-bound", type=float, help="k3 a design may reach at its mean staleness (default: the run's "
+                   "kl_k3_max alert threshold)")
+    p.add_argument("--chapter", action="store_true",
+                   help="instead: the reference chapter's figures, recomputed with its duration model")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
 def _add_files(sub: Any) -> None:
     """``rlwatch files`` and its options."""
     p = _command(sub, "files", _cmd_files, "where the shipped rules, runbook, dashboards and examples are")
@@ -418,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_down(sub)
     _add_run(sub)
     _add_postmortem(sub)
+    _add_whatif(sub)
     _add_files(sub)
     return parser
 
