@@ -27,6 +27,7 @@ import socket
 import ssl
 import sys
 import threading
+import time
 import weakref
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
@@ -40,6 +41,11 @@ logger = logging.getLogger("rlwatch")
 MAX_HEAD = 16384
 #: Seconds that answers still being written get to finish when the server closes.
 CLOSE_GRACE = 1.0
+#: Share of one core (and of the trainer's GIL) the server may spend answering, on average, and the
+#: CPU seconds it may spend at once: beyond, new connections wait in the kernel's backlog a moment.
+CPU_SHARE, CPU_BURST = 0.1, 0.05
+#: Errors of accept() that mean "out of a resource": accepting pauses a second instead of spinning.
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 _SERVERS: weakref.WeakSet[MetricsServer] = weakref.WeakSet()
 
@@ -201,6 +207,7 @@ class _Connection(asyncio.Protocol):
             self.timer.cancel()
         self.transport.write(self.server._respond(self.head, self.transport.get_extra_info("peername")))
         self.head = b""
+        self.server._pace()
         self.transport.close()                     # once the answer is written
         self.timer = self.server._loop.call_later(self.server.timeout, self.transport.abort)
 
@@ -209,7 +216,7 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         self.answered_at = self.server._loop.time()
-        if status:
+        if status and not self.transport.is_closing():
             self.transport.write(_status_only(status))
         self.transport.close()
         self.timer = self.server._loop.call_later(1.0, self.transport.abort)
@@ -266,16 +273,19 @@ class MetricsServer:
                              "REMOTE_HOST": "", "CONTENT_LENGTH": "", "SCRIPT_NAME": ""}
         self._pid = os.getpid()
         self._socket = sock
+        self._ssl = context
+        self._accepted: weakref.WeakSet[socket.socket] = weakref.WeakSet()     # every client socket
         self._connections: collections.OrderedDict[_Connection, None] = collections.OrderedDict()  # oldest first
         self._closed = False
+        self._accepting = False
+        self._budget, self._marks = CPU_BURST, (0.0, 0.0)        # CPU seconds left; (loop time, thread CPU)
+        sock.setblocking(False)
         self._loop = asyncio.new_event_loop()
         self._loop.set_exception_handler(self._loop_error)
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlwatch-metrics", daemon=True)
         try:
-            self._thread.start()       # before serving: a caller inside its own asyncio loop works too
-            self._server = asyncio.run_coroutine_threadsafe(self._loop.create_server(
-                lambda: _Connection(self), sock=sock, ssl=context, backlog=128,
-                **({"ssl_handshake_timeout": header_timeout} if context else {})), self._loop).result(10)
+            self._thread.start()       # the only thread the server starts; a caller in its own asyncio loop works too
+            asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
         except BaseException:
             if self._thread.is_alive():
                 self._loop.call_soon_threadsafe(self._loop.stop)
@@ -312,6 +322,52 @@ class MetricsServer:
                 self.on_error("server", exc)
             return _status_only(b"500 Internal Server Error")
 
+    async def _start(self) -> None:
+        self._marks = (self._loop.time(), time.thread_time())
+        self._resume()
+
+    def _resume(self) -> None:
+        if not self._closed and not self._accepting:
+            self._loop.add_reader(self._socket.fileno(), self._accept)
+            self._accepting = True
+
+    def _pause(self, seconds: float) -> None:
+        """Leave new connections in the kernel's backlog for ``seconds``."""
+        if self._accepting:
+            self._loop.remove_reader(self._socket.fileno())
+            self._accepting = False
+            self._loop.call_later(seconds, self._resume)
+
+    def _pace(self) -> None:
+        """Keep the server's CPU to :data:`CPU_SHARE` on average: when the budget is spent (a flood of
+        clients), pause accepting until it is back."""
+        now, cpu = self._loop.time(), time.thread_time()
+        self._budget = min(CPU_BURST, self._budget + (now - self._marks[0]) * CPU_SHARE - (cpu - self._marks[1]))
+        self._marks = (now, cpu)
+        if self._budget < 0:
+            self._pause(-self._budget / CPU_SHARE)
+
+    def _accept(self) -> None:
+        for _ in range(16):
+            try:
+                conn, _ = self._socket.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                if exc.errno in _OUT_OF_RESOURCES:       # out of descriptors: counted, retried in a second
+                    self._loop_error(self._loop, {"exception": exc})
+                    self._pause(1.0)
+                    return
+                continue                                 # a client that left before its accept
+            conn.setblocking(False)
+            self._accepted.add(conn)
+            connection = _Connection(self)
+            extra = {"ssl_handshake_timeout": self.header_timeout} if self._ssl is not None else {}
+            task = self._loop.create_task(self._loop.connect_accepted_socket(
+                lambda protocol=connection: protocol, conn, ssl=self._ssl, **extra))
+            task.add_done_callback(_retrieve)
+        self._pace()
+
     def _admit(self, conn: _Connection) -> bool:
         """Hold ``conn`` if there is room, dropping the connection that has waited longest for its
         head (else the oldest answer unread for a second) when all ``max_connections`` are held."""
@@ -340,7 +396,10 @@ class MetricsServer:
                 pass
 
     async def _shutdown(self) -> None:
-        self._server.close()                       # stops listening: new clients are refused at once
+        if self._accepting:
+            self._loop.remove_reader(self._socket.fileno())
+            self._accepting = False
+        self._socket.close()                       # stops listening: new clients are refused at once
         for conn in list(self._connections):
             if conn.answered_at is None:
                 conn.drop()
@@ -350,6 +409,8 @@ class MetricsServer:
         for conn in list(self._connections):
             conn.transport.abort()
         await asyncio.sleep(0)
+        for sock in list(self._accepted):          # clients still in their TLS handshake
+            sock.close()
 
     def close(self) -> None:
         """Stop accepting, drop connections still sending their heads, give answers being written
@@ -373,12 +434,13 @@ class MetricsServer:
         """In a forked child: let go of this process's copies of the server's sockets, touching
         nothing the parent uses (no shutdown, no TLS close_notify, no lock, no loop call)."""
         self._closed = True
-        fds = [self._socket.fileno()]
-        for conn in list(self._connections):
-            sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
-            if sock is not None:
-                fds.append(sock.fileno())
-        _release_copies(fds)
+        _release_copies([self._socket.fileno(), *(sock.fileno() for sock in list(self._accepted))])
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A connection's set-up task is done: a failed TLS handshake closed its socket already."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _release_copies(fds: list[int]) -> None:
