@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import socket
 import subprocess
 import sys
@@ -130,7 +129,7 @@ SCRAPERS = textwrap.dedent("""
                 done[0] += 1
             except OSError:
                 pass
-    threads = [threading.Thread(target=scrape, daemon=True) for _ in range(8)]
+    threads = [threading.Thread(target=scrape, daemon=True) for _ in range(int(sys.argv[3]))]
     for t in threads:
         t.start()
     print("ready", flush=True)
@@ -141,10 +140,10 @@ SCRAPERS = textwrap.dedent("""
 
 
 def trainer_under_scrapers(watch: rlwatch.Watch, port: int, accept: str, seconds: float) -> dict:
-    """observe p99 (ms) and steps while 8 scrapers (another process) hammer ``port``."""
+    """observe p99 (ms) and steps while 8 scrapers (another process) hammer ``port`` (none: port 0)."""
     steps = [make_step(B=16, T=64, seed=i) for i in range(8)]
-    clients = subprocess.Popen([sys.executable, "-c", SCRAPERS, str(port), accept], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
+    clients = subprocess.Popen([sys.executable, "-c", SCRAPERS, str(port), accept, str(8 if port else 0)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert clients.stdout.readline().strip() == "ready"
         durations = []
@@ -289,6 +288,9 @@ def main() -> None:
     rows: dict[str, dict[str, dict]] = {kind: {} for kind in SERVERS}
     with rlwatch.Watch(run="bench", port=0, store=None, alerts=False) as watch:
         watch.observe(0, **make_step())
+        idle = trainer_under_scrapers(watch, 0, "", args.seconds)
+        for kind in SERVERS:
+            rows[kind]["idle"] = idle
         for kind in SERVERS:
             port, stop = serve_registry(kind, watch)
             try:
@@ -327,6 +329,8 @@ def report(rows: dict[str, dict[str, dict]]) -> None:
         line(label + ": scrapes ok / failed, p99, max",
              lambda r, k=key: f"{r[k]['ok']} / {r[k]['failed']}, {r[k]['p99']:.3f} s, {r[k]['max']:.3f} s"
                               f"{', %d tracebacks' % r[k]['tracebacks'] if r[k]['tracebacks'] else ''}")
+    line("observe p99, no scraper (steps): the same run for both",
+         lambda r: f"{r['idle']['p99_ms']:.1f} ms ({r['idle']['steps']})")
     line("observe p99, 8 ordinary scrapers (steps; scrapes)",
          lambda r: f"{r['ordinary']['p99_ms']:.1f} ms ({r['ordinary']['steps']}; {r['ordinary']['scrapes']})")
     line("observe p99, 8 scrapers with 15 KB Accept headers (steps; scrapes)",

@@ -1,16 +1,19 @@
 """The exporter's HTTP server: asyncio on one thread, bounded against slow and hostile clients, safe
 across ``fork``.
 
-The transport is :mod:`asyncio`'s (non-blocking accepts, reads and writes, TLS handshakes with a
-timeout, a one-second pause and retry when out of file descriptors); each request head is parsed and
-answered by :mod:`wsgiref`'s request handler (what prometheus_client's own server runs) into memory,
-and the answer is handed to the transport. So no client blocks another: a client that never reads
-costs its own connection only (its answer waits in memory, and the connection is aborted after
-``timeout`` seconds), and the server starts no thread after its own, so a process out of threads
-still serves. Each connection has one deadline for its TLS handshake and its whole request head; at
-most ``max_connections`` are held, and when they are all taken the one that has waited longest for
-its head is dropped for the newcomer. A forked child (DataLoader workers fork the trainer) lets go
-of its copies of the server's sockets at once, so the parent alone owns the port.
+The transport is :mod:`asyncio`'s (non-blocking reads and writes, TLS handshakes with a timeout);
+each request head is parsed and answered by :mod:`wsgiref`'s request handler (what prometheus_client's
+own server runs) into memory, and the answer is handed to the transport. So no client blocks
+another: a client that never reads costs its own connection only (its answer waits in memory, and
+the connection is aborted after ``timeout`` seconds), and the server starts no thread after its own,
+so a process out of threads still serves. The server accepts connections itself: out of file
+descriptors it counts the error and waits a second instead of spinning, and it keeps its CPU (which
+is the trainer's GIL) to :data:`CPU_SHARE` of a core, so a flood of clients waits in the kernel's
+backlog instead of slowing the trainer. Each connection has one deadline for its TLS handshake and
+its whole request head; at most ``max_connections`` are held, and when they are all taken the one
+that has waited longest for its head is dropped for the newcomer. A forked child (DataLoader workers
+fork the trainer) lets go of its copies of the server's sockets at once, so the parent alone owns
+the port.
 """
 
 from __future__ import annotations
