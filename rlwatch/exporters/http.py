@@ -194,7 +194,7 @@ class _Connection(asyncio.Protocol):
         if self.answered_at is not None:           # anything after the head: read and ignored
             return
         self.head += data
-        if head_complete(self.head):
+        if b"\n" in data and head_complete(self.head):        # a head ends with a line
             self.answer()
         elif len(self.head) > MAX_HEAD:
             self.drop(b"431 Request Header Fields Too Large")
@@ -450,7 +450,16 @@ def _release_copies(fds: list[int]) -> None:
     """Point each descriptor at /dev/null: this process's copy of the socket is closed (the peer
     sees nothing while the parent holds it), and the Python objects that still name the descriptor
     close /dev/null later, never an unrelated file."""
-    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+    except OSError:                    # out of descriptors in the child: close the copies instead
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        return
     try:
         for fd in fds:
             if fd >= 0:
