@@ -118,6 +118,57 @@ def test_a_process_out_of_threads_still_serves_quietly_and_closes_promptly(capfd
     assert "Traceback" not in err, err
 
 
+FLOOD = textwrap.dedent("""
+    import socket, sys, threading
+    port, running = int(sys.argv[1]), [True]
+    def scrape():
+        while running[0]:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    sock.sendall(b"GET /metrics HTTP/1.0\\r\\n\\r\\n")
+                    while sock.recv(65536):
+                        pass
+            except OSError:
+                pass
+    for _ in range(8):
+        threading.Thread(target=scrape, daemon=True).start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    running[0] = False
+""")
+
+
+def test_a_flood_of_scrapers_takes_a_bounded_share_of_the_trainers_process():
+    """8 clients scrape back to back (each answer costs 2 ms of Python): the server's CPU in the
+    trainer's process (and so its share of the GIL) stays near its 10 % of a core, and scrapes are
+    served."""
+    from rlwatch.exporters.http import MetricsServer
+
+    def app(environ, start_response):
+        end = time.thread_time() + 0.002
+        while time.thread_time() < end:
+            pass
+        start_response("200 OK", [("Content-Length", "3")])
+        return [b"ok\n"]
+
+    server = MetricsServer(None, "127.0.0.1", 0, app=app)
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(server.port)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(2.0)
+        share = (time.process_time() - cpu) / (time.monotonic() - wall)
+        print(f"server share {share:.3f}")
+        assert share < 0.3, share
+        assert _scrape(server.port, timeout=5) == (200, b"ok\n")
+    finally:
+        flood.kill()
+        flood.wait()
+        server.close()
+
+
 OUT_OF_DESCRIPTORS = textwrap.dedent("""
     import os, resource, sys, time
     import rlwatch
