@@ -43,7 +43,7 @@ def test_kubernetes_manifests():
 
 def test_endpoint_binds_loopback_unless_asked():
     with rlwatch.Watch(run="bind", port=0, store=None) as watch:
-        host, _ = watch.server._reader.socket.getsockname()[:2]
+        host, _ = watch.server._socket.getsockname()[:2]
         assert host == "127.0.0.1"
         assert watch.metadata["torch_version"] and watch.metadata["python_version"]
 

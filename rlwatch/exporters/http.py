@@ -1,16 +1,24 @@
-"""The exporter's HTTP server: bounded against slow and hostile clients, and safe across ``fork``.
+"""The exporter's HTTP server: asyncio on one thread, bounded against slow and hostile clients, safe
+across ``fork``.
 
-One thread accepts connections and reads their request heads without blocking (and runs the TLS
-handshakes), each connection under one deadline for its whole head: a client trickling a byte every
-second gets no more time than one that sends nothing. Complete requests go to a few short-lived
-worker threads that run the WSGI app. At most ``max_connections`` connections are held; when they
-are all taken, the one that has waited longest for its head is dropped for the newcomer, so clients
-that trickle cannot keep a scraper out. A forked child (DataLoader workers fork the trainer) closes
-its copies of the server's sockets at once, so the parent alone owns the port.
+The transport is :mod:`asyncio`'s (non-blocking reads and writes, TLS handshakes with a timeout);
+each request head is parsed and answered by :mod:`wsgiref`'s request handler (what prometheus_client's
+own server runs) into memory, and the answer is handed to the transport. So no client blocks
+another: a client that never reads costs its own connection only (its answer waits in memory, and
+the connection is aborted after ``timeout`` seconds), and the server starts no thread after its own,
+so a process out of threads still serves. The server accepts connections itself: out of file
+descriptors it counts the error and waits a second instead of spinning, and it keeps its CPU (which
+is the trainer's GIL) to :data:`CPU_SHARE` of a core, so a flood of clients waits in the kernel's
+backlog instead of slowing the trainer. Each connection has one deadline for its TLS handshake and
+its whole request head; at most ``max_connections`` are held, and when they are all taken the one
+that has waited longest for its head is dropped for the newcomer. A forked child (DataLoader workers
+fork the trainer) lets go of its copies of the server's sockets at once, so the parent alone owns
+the port.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import collections
 import errno
@@ -18,7 +26,6 @@ import hmac
 import io
 import logging
 import os
-import selectors
 import socket
 import ssl
 import sys
@@ -26,6 +33,7 @@ import threading
 import time
 import weakref
 from typing import Callable, Iterable
+from urllib.parse import urlsplit
 from wsgiref.simple_server import WSGIRequestHandler
 
 from ..errors import PortInUseError
@@ -34,7 +42,13 @@ logger = logging.getLogger("rlwatch")
 
 #: Largest request head accepted (request line and headers), bytes.
 MAX_HEAD = 16384
-_HEAD_END = (b"\r\n\r\n", b"\n\n")
+#: Seconds that answers still being written get to finish when the server closes.
+CLOSE_GRACE = 1.0
+#: Share of one core (and of the trainer's GIL) the server may spend answering, on average, and the
+#: CPU seconds it may spend at once: beyond, new connections wait in the kernel's backlog a moment.
+CPU_SHARE, CPU_BURST = 0.1, 0.05
+#: Errors of accept() that mean "out of a resource": accepting pauses a second instead of spinning.
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 _SERVERS: weakref.WeakSet[MetricsServer] = weakref.WeakSet()
 
@@ -47,28 +61,41 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
-class _Pending:
-    """A connection still sending its request head."""
+def head_complete(head: bytes) -> bool:
+    """Whether a request head is whole: its blank line arrived, or its request line is not of the
+    ``METHOD target HTTP/x.y`` form (an HTTP/0.9 ``GET /metrics`` has no headers; a malformed line
+    is answered 400 at once)."""
+    line, newline, _ = head.partition(b"\n")
+    if not newline:
+        return False
+    if len(line.split()) != 3:
+        return True
+    return b"\r\n\r\n" in head or b"\n\n" in head
 
-    __slots__ = ("conn", "addr", "deadline", "head", "handshaken")
 
-    def __init__(self, conn: socket.socket, addr: tuple, deadline: float) -> None:
-        self.conn, self.addr, self.deadline = conn, addr, deadline
-        self.head = b""
-        self.handshaken = not isinstance(conn, ssl.SSLSocket)
+class _Request(WSGIRequestHandler):
+    """wsgiref's request handling over a head already read, answering into memory (the body of a
+    GET or HEAD is empty): :attr:`answer` holds the bytes to send."""
 
-
-class _Handler(WSGIRequestHandler):
-    """wsgiref's request handling over a head already read (the body of a GET or HEAD is empty)."""
-
-    def __init__(self, conn: socket.socket, addr: tuple, server: MetricsServer, head: bytes) -> None:
+    def __init__(self, head: bytes, addr: tuple, server: MetricsServer) -> None:
         self._head = head
-        super().__init__(conn, addr, server)
+        super().__init__(None, addr, server)
 
     def setup(self) -> None:
-        self.connection = self.request
         self.rfile = io.BytesIO(self._head)
-        self.wfile = self.request.makefile("wb", buffering=0)
+        self.wfile = io.BytesIO()
+
+    def finish(self) -> None:
+        self.answer = self.wfile.getvalue()
+
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        if not self.path.startswith("/"):      # absolute form (``GET http://host/metrics``): its path
+            parts = urlsplit(self.path)
+            if parts.scheme and parts.netloc:
+                self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        return True
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - wsgiref's signature
         pass
@@ -140,135 +167,78 @@ def _bind(addr: str, candidates: list[int]) -> tuple[socket.socket | None, OSErr
     return None, last_error
 
 
-class _HeadReader:
-    """The accepting thread: takes connections, runs their TLS handshakes and reads their request
-    heads without blocking, each under one deadline; hands each complete head to ``dispatch``. At
-    most ``max_connections`` connections are held, counting the ``busy()`` ones being answered:
-    beyond, the connection that has waited longest for its head is dropped for the newcomer."""
+def _status_only(status: bytes) -> bytes:
+    return b"HTTP/1.0 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
-    def __init__(self, sock: socket.socket, header_timeout: float, max_connections: int,
-                 busy: Callable[[], int], dispatch: Callable[[socket.socket, tuple, bytes], None]) -> None:
-        self.socket, self.header_timeout, self.max_connections = sock, header_timeout, max_connections
-        self.busy, self.dispatch = busy, dispatch
-        self.pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()   # oldest first
-        self.closing = False
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(sock, selectors.EVENT_READ)
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._thread = threading.Thread(target=self._loop, name="rlwatch-metrics", daemon=True)
-        self._thread.start()
 
-    def _oldest(self) -> _Pending | None:
-        return next(iter(self.pending.values()), None)
+class _Connection(asyncio.Protocol):
+    """One client: reads its request head under one deadline (from its accept, TLS handshake
+    included), answers it, and gives the answer ``timeout`` seconds to be read before aborting."""
 
-    def _loop(self) -> None:
-        while not self.closing:
-            first = self._oldest()
-            wait = None if first is None else max(0.0, first.deadline - time.monotonic())
-            for key, _ in self._selector.select(wait):
-                if key.fileobj is self.socket:
-                    self._accept()
-                elif key.fileobj is self._wake_r:
-                    self._wake_r.recv(64)
-                else:
-                    self._advance(key.data)
-            now = time.monotonic()
-            while (first := self._oldest()) is not None and first.deadline <= now:
-                self._drop(first, b"408 Request Timeout")
+    def __init__(self, server: MetricsServer) -> None:
+        self.server = server
+        self.deadline = server._loop.time() + server.header_timeout       # accepted now
+        self.head = b""
+        self.answered_at: float | None = None                              # None: still reading its head
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
 
-    def _accept(self) -> None:
-        for _ in range(self.max_connections):
-            try:
-                conn, addr = self.socket.accept()
-            except OSError:          # none waiting (BlockingIOError), or out of descriptors: later
-                return
-            conn.setblocking(False)
-            if len(self.pending) + self.busy() >= self.max_connections:
-                if not self.pending:
-                    conn.close()
-                    continue
-                self._drop(self._oldest(), b"503 Service Unavailable")
-            pending = _Pending(conn, addr, time.monotonic() + self.header_timeout)
-            self.pending[conn.fileno()] = pending
-            self._selector.register(conn, selectors.EVENT_READ, pending)
-            self._advance(pending)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        if not self.server._admit(self):
+            transport.abort()
+            return
+        self.timer = self.server._loop.call_at(self.deadline, self.drop, b"408 Request Timeout")
 
-    def _advance(self, pending: _Pending) -> None:
-        """Read what the client sent (after the TLS handshake); hand a complete head on."""
-        conn = pending.conn
-        try:
-            if not pending.handshaken:
-                conn.do_handshake()
-                pending.handshaken = True
-            while True:
-                chunk = conn.recv(MAX_HEAD + 1 - len(pending.head))
-                if not chunk:
-                    self._drop(pending)
-                    return
-                pending.head += chunk
-                if any(end in pending.head for end in _HEAD_END):
-                    self._unregister(pending)
-                    self.dispatch(conn, pending.addr, pending.head)
-                    return
-                if len(pending.head) > MAX_HEAD:
-                    self._drop(pending, b"431 Request Header Fields Too Large")
-                    return
-        except ssl.SSLWantWriteError:
-            self._selector.modify(conn, selectors.EVENT_WRITE, pending)
-        except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
-            self._selector.modify(conn, selectors.EVENT_READ, pending)
-        except (OSError, ValueError):
-            self._drop(pending)
+    def data_received(self, data: bytes) -> None:
+        if self.answered_at is not None:           # anything after the head: read and ignored
+            return
+        self.head += data
+        if b"\n" in data and head_complete(self.head):        # a head ends with a line
+            self.answer()
+        elif len(self.head) > MAX_HEAD:
+            self.drop(b"431 Request Header Fields Too Large")
 
-    def _unregister(self, pending: _Pending) -> None:
-        self.pending.pop(pending.conn.fileno(), None)
-        try:
-            self._selector.unregister(pending.conn)
-        except (KeyError, ValueError):
-            pass
+    def eof_received(self) -> bool:
+        if self.answered_at is None:               # the client gave up before its head was whole
+            self.drop()
+        return False
 
-    def _drop(self, pending: _Pending, status: bytes = b"") -> None:
-        """Close a connection that has not sent its head, with a one-line answer if it can take one."""
-        self._unregister(pending)
-        if status and pending.handshaken:
-            try:
-                pending.conn.send(b"HTTP/1.0 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            except (OSError, ValueError):
-                pass
-        pending.conn.close()
+    def answer(self) -> None:
+        self.answered_at = self.server._loop.time()
+        if self.timer is not None:
+            self.timer.cancel()
+        self.transport.write(self.server._respond(self.head, self.transport.get_extra_info("peername")))
+        self.head = b""
+        self.server._pace()
+        self.transport.close()                     # once the answer is written
+        self.timer = self.server._loop.call_later(self.server.timeout, self.transport.abort)
 
-    def stop(self) -> None:
-        self.closing = True
-        self._wake_w.send(b"x")
-        self._thread.join(timeout=5)
-        for pending in list(self.pending.values()):
-            self._drop(pending)
-        self._selector.close()
-        for sock in (self.socket, self._wake_r, self._wake_w):
-            sock.close()
+    def drop(self, status: bytes = b"") -> None:
+        """Close a connection that has not sent its head, with a one-line answer."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.answered_at = self.server._loop.time()
+        if status and not self.transport.is_closing():
+            self.transport.write(_status_only(status))
+        self.transport.close()
+        self.timer = self.server._loop.call_later(1.0, self.transport.abort)
 
-    def sockets(self) -> list[socket.socket]:
-        return [self.socket, self._wake_r, self._wake_w, *(p.conn for p in list(self.pending.values()))]
-
-    def forget(self) -> None:
-        """In a forked child: close this process's copies of the sockets (see MetricsServer._forget)."""
-        self.closing = True
-        _close_copies(self.sockets())
-        try:
-            self._selector.close()
-        except (OSError, RuntimeError):
-            pass
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.server._connections.pop(self, None)
 
 
 class MetricsServer:
-    """A WSGI app (``/metrics`` and the pages around it) over HTTP(S) on daemon threads.
+    """A WSGI app (``/metrics`` and the pages around it) over HTTP(S), served by an asyncio loop on
+    one daemon thread.
 
     port=0 picks a free port; with ``port_fallback`` a taken port moves on to the next 32 ports.
     Raises :class:`PortInUseError` when no port could be bound. A client has ``header_timeout``
-    seconds to send its whole request head (TLS handshake included); ``timeout`` bounds each write
-    of the answer; ``workers`` requests are answered at once; ``max_connections`` are held at most.
+    seconds to send its whole request head (TLS handshake included) and ``timeout`` seconds to read
+    the answer; ``max_connections`` are held at most. ``workers`` is accepted for compatibility:
+    requests are answered on the server's thread, one after another.
     """
 
     def __init__(self, registry: object, addr: str = "127.0.0.1", port: int = 9400, *,
@@ -283,7 +253,8 @@ class MetricsServer:
         if basic_auth is not None:
             app = _with_basic_auth(app, *basic_auth)
         self._app = _never_raise(app, on_error)
-        self.timeout, self.workers, self.on_error = timeout, workers, on_error
+        self.header_timeout, self.timeout, self.max_connections = header_timeout, timeout, max_connections
+        self.workers, self.on_error = workers, on_error
         candidates = [port] if (port == 0 or not port_fallback) else list(range(port, port + 33))
         sock, last_error = _bind(addr, candidates)
         if sock is None:
@@ -294,23 +265,38 @@ class MetricsServer:
             reason = last_error.strerror if last_error is not None else "in use"
             logger.warning("rlwatch: cannot serve /metrics on %s:%d (%s: another process listens there); serving on "
                            "port %d instead (port_fallback)", addr, port, reason, sock.getsockname()[1])
+        context = None
         if certfile:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(certfile, keyfile)
-            sock = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        sock.setblocking(False)
         self.addr = addr
         self.port = sock.getsockname()[1]
         self.scheme = "https" if certfile else "http"
         self.base_environ = {"SERVER_NAME": addr, "GATEWAY_INTERFACE": "CGI/1.1", "SERVER_PORT": str(self.port),
                              "REMOTE_HOST": "", "CONTENT_LENGTH": "", "SCRIPT_NAME": ""}
         self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._ready: collections.deque[tuple[socket.socket, tuple, bytes]] = collections.deque()
-        self._serving: set[socket.socket] = set()     # connections a worker answers
-        self._busy_workers = 0
+        self._socket = sock
+        self._ssl = context
+        self._accepted: weakref.WeakSet[socket.socket] = weakref.WeakSet()     # every client socket
+        self._connections: collections.OrderedDict[_Connection, None] = collections.OrderedDict()  # oldest first
         self._closed = False
-        self._reader = _HeadReader(sock, header_timeout, max_connections, self._busy, self._dispatch)
+        self._accepting = False
+        self._budget, self._marks = CPU_BURST, (0.0, 0.0)        # CPU seconds left; (loop time, thread CPU)
+        sock.setblocking(False)
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(self._loop_error)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rlwatch-metrics", daemon=True)
+        try:
+            self._thread.start()       # the only thread the server starts; a caller in its own asyncio loop works too
+            asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        except BaseException:
+            if self._thread.is_alive():
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(2)
+            sock.close()
+            if not self._thread.is_alive():
+                self._loop.close()
+            raise
         _SERVERS.add(self)
 
     @property
@@ -330,72 +316,157 @@ class MetricsServer:
     def get_app(self) -> Callable:
         return self._app
 
-    def _busy(self) -> int:
-        with self._lock:
-            return len(self._ready) + len(self._serving)
+    def _respond(self, head: bytes, addr: tuple | None) -> bytes:
+        """The answer's bytes for a whole request head (parsed and answered by wsgiref, in memory)."""
+        try:
+            return _Request(head, addr or ("", 0), self).answer
+        except Exception as exc:  # noqa: BLE001 - a request costs its own connection only
+            if self.on_error is not None:
+                self.on_error("server", exc)
+            return _status_only(b"500 Internal Server Error")
 
-    def _dispatch(self, conn: socket.socket, addr: tuple, head: bytes) -> None:
-        with self._lock:
-            self._ready.append((conn, addr, head))
-            if self._busy_workers >= self.workers:
-                return
-            self._busy_workers += 1
-        threading.Thread(target=self._work, name="rlwatch-metrics-request", daemon=True).start()
+    async def _start(self) -> None:
+        self._marks = (self._loop.time(), time.thread_time())
+        self._resume()
 
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                if not self._ready or self._closed:
-                    self._busy_workers -= 1
-                    return
-                conn, addr, head = self._ready.popleft()
-                self._serving.add(conn)
+    def _resume(self) -> None:
+        if not self._closed and not self._accepting:
+            self._loop.add_reader(self._socket.fileno(), self._accept)
+            self._accepting = True
+
+    def _pause(self, seconds: float) -> None:
+        """Leave new connections in the kernel's backlog for ``seconds``."""
+        if self._accepting:
+            self._loop.remove_reader(self._socket.fileno())
+            self._accepting = False
+            self._loop.call_later(seconds, self._resume)
+
+    def _pace(self) -> None:
+        """Keep the server's CPU to :data:`CPU_SHARE` on average: when the budget is spent (a flood of
+        clients), pause accepting until it is back."""
+        now, cpu = self._loop.time(), time.thread_time()
+        self._budget = min(CPU_BURST, self._budget + (now - self._marks[0]) * CPU_SHARE - (cpu - self._marks[1]))
+        self._marks = (now, cpu)
+        if self._budget < 0:
+            self._pause(-self._budget / CPU_SHARE)
+
+    def _accept(self) -> None:
+        for _ in range(16):
             try:
-                conn.settimeout(self.timeout)
-                _Handler(conn, addr, self, head)
-            except Exception as exc:  # noqa: BLE001 - a client that resets costs its own connection only
-                if self.on_error is not None and not isinstance(exc, (OSError, ssl.SSLError)):
-                    self.on_error("server", exc)
-            finally:
-                with self._lock:
-                    self._serving.discard(conn)
-                _close(conn)
+                conn, _ = self._socket.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                if exc.errno in _OUT_OF_RESOURCES:       # out of descriptors: counted, retried in a second
+                    self._loop_error(self._loop, {"exception": exc})
+                    self._pause(1.0)
+                    return
+                continue                                 # a client that left before its accept
+            conn.setblocking(False)
+            self._accepted.add(conn)
+            connection = _Connection(self)
+            extra = {"ssl_handshake_timeout": self.header_timeout} if self._ssl is not None else {}
+            task = self._loop.create_task(self._loop.connect_accepted_socket(
+                lambda protocol=connection: protocol, conn, ssl=self._ssl, **extra))
+            task.add_done_callback(_retrieve)
+        self._pace()
+
+    def _admit(self, conn: _Connection) -> bool:
+        """Hold ``conn`` if there is room, dropping the connection that has waited longest for its
+        head (else the oldest answer unread for a second) when all ``max_connections`` are held."""
+        if len(self._connections) >= self.max_connections:
+            now = self._loop.time()
+            victim = next((c for c in self._connections if c.answered_at is None), None)
+            if victim is None:
+                victim = next((c for c in self._connections if now - c.answered_at > 1.0), None)
+            if victim is None:
+                return False
+            self._connections.pop(victim, None)
+            if victim.answered_at is None:
+                victim.drop(b"503 Service Unavailable")
+            else:
+                victim.transport.abort()
+        self._connections[conn] = None
+        return True
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """asyncio's unexpected errors (out of descriptors on accept, ...): counted, never printed."""
+        exc = context.get("exception") or RuntimeError(context.get("message", "asyncio error"))
+        if self.on_error is not None:
+            try:
+                self.on_error("server", exc)
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def _shutdown(self) -> None:
+        if self._accepting:
+            self._loop.remove_reader(self._socket.fileno())
+            self._accepting = False
+        self._socket.close()                       # stops listening: new clients are refused at once
+        for conn in list(self._connections):
+            if conn.answered_at is None:
+                conn.drop()
+        deadline = self._loop.time() + CLOSE_GRACE
+        while self._connections and self._loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for conn in list(self._connections):
+            conn.transport.abort()
+        await asyncio.sleep(0)
+        for sock in list(self._accepted):          # clients still in their TLS handshake
+            sock.close()
 
     def close(self) -> None:
-        """Stop accepting, drop waiting connections, let the requests being answered finish (bounded)."""
+        """Stop accepting, drop connections still sending their heads, give answers being written
+        :data:`CLOSE_GRACE` seconds, stop the thread."""
         if self._closed or self._pid != os.getpid():
             return
         self._closed = True
-        self._reader.stop()
-        with self._lock:
-            ready = list(self._ready)
-            self._ready.clear()
-        for conn, _, _ in ready:
-            _close(conn)
-        deadline = time.monotonic() + self.timeout
-        while self._busy_workers and time.monotonic() < deadline:
-            time.sleep(0.01)
         _SERVERS.discard(self)
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(CLOSE_GRACE + 2)
+        except Exception as exc:  # noqa: BLE001 - closing never raises into the trainer
+            self._loop_error(self._loop, {"exception": exc})
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=2)
+            if not self._thread.is_alive():
+                self._loop.close()
+            self._socket.close()
 
     def _forget(self) -> None:
-        """In a forked child: close this process's copies of every socket, touching nothing the
-        parent uses (no shutdown, no TLS close_notify, no lock that a parent thread may hold)."""
+        """In a forked child: let go of this process's copies of the server's sockets, touching
+        nothing the parent uses (no shutdown, no TLS close_notify, no lock, no loop call)."""
         self._closed = True
-        self._reader.forget()
-        _close_copies([*(c for c, _, _ in list(self._ready)), *list(self._serving)])
+        _release_copies([self._socket.fileno(), *(sock.fileno() for sock in list(self._accepted))])
 
 
-def _close_copies(socks: list[socket.socket]) -> None:
-    for sock in socks:          # close() of a socket another process shares sends nothing to the peer
-        try:
-            sock.close()
-        except OSError:
-            pass
+def _retrieve(task: asyncio.Task) -> None:
+    """A connection's set-up task is done: a failed TLS handshake closed its socket already."""
+    if not task.cancelled():
+        task.exception()
 
 
-def _close(conn: socket.socket) -> None:
+def _release_copies(fds: list[int]) -> None:
+    """Point each descriptor at /dev/null: this process's copy of the socket is closed (the peer
+    sees nothing while the parent holds it), and the Python objects that still name the descriptor
+    close /dev/null later, never an unrelated file."""
     try:
-        conn.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
-    conn.close()
+        null = os.open(os.devnull, os.O_RDWR)
+    except OSError:                    # out of descriptors in the child: close the copies instead
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        return
+    try:
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.dup2(null, fd)
+                except OSError:
+                    pass
+    finally:
+        os.close(null)
+

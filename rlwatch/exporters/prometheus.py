@@ -87,31 +87,30 @@ _OPENMETRICS_VERSIONS = (None, "1.0.0", "0.0.1")
 _TEXT_TYPES = ("text/plain", "text/*", "*/*")
 
 
-def _split_quoted(text: str, sep: str) -> list[str]:
-    """``text`` split at ``sep`` outside double-quoted strings (RFC 9110 quoted-string, ``\\`` escapes)."""
-    parts, current, quoted, escaped = [], [], False, False
-    for char in text:
-        if escaped:
-            escaped = False
-        elif quoted and char == "\\":
-            escaped = True
-        elif char == '"':
-            quoted = not quoted
-        elif char == sep and not quoted:
-            parts.append("".join(current))
-            current = []
-            continue
-        current.append(char)
-    parts.append("".join(current))
-    return parts
+#: An Accept (or Accept-Encoding) header is read up to this many characters and ranges: what a
+#: scraper or a browser sends is a few hundred characters, and a longer header must not cost the
+#: trainer's process more than a normal scrape does.
+MAX_ACCEPT_CHARS, MAX_ACCEPT_RANGES = 2048, 64
+_MEDIA_TYPES = ("application/openmetrics-text", *_TEXT_TYPES, "gzip")
+# one comma- (or semicolon-) separated part, a double-quoted string (RFC 9110, ``\\`` escapes) kept whole
+_ITEM = re.compile(r'(?:"(?:[^"\\]|\\[\s\S]?)*"?|[^,"])+')
+_PARAM = re.compile(r'(?:"(?:[^"\\]|\\[\s\S]?)*"?|[^;"])+')
 
 
 def _media_ranges(accept: str) -> Iterable[tuple[str, dict[str, str], float]]:
-    """(media type, parameters with quotes removed, q) of each range of an Accept header."""
-    for item in _split_quoted(accept, ","):
-        media, *params = _split_quoted(item, ";")
+    """(media type, parameters with quotes removed, q) of each range of an Accept header that names
+    one of the types negotiated here, among its first :data:`MAX_ACCEPT_RANGES` ranges and
+    :data:`MAX_ACCEPT_CHARS` characters (the regular expressions split it, not a loop per character)."""
+    items = _ITEM.findall(accept[:MAX_ACCEPT_CHARS])
+    if len(accept) > MAX_ACCEPT_CHARS:
+        items = items[:-1]                          # the range cut in the middle is not read
+    for item in items[:MAX_ACCEPT_RANGES]:
+        media, _, rest = item.partition(";")
+        media = media.strip().lower()
+        if media not in _MEDIA_TYPES:
+            continue
         values = {}
-        for param in params:
+        for param in _PARAM.findall(rest):
             key, _, value = param.partition("=")
             value = value.strip()
             if len(value) >= 2 and value[0] == value[-1] == '"':
@@ -121,7 +120,7 @@ def _media_ranges(accept: str) -> Iterable[tuple[str, dict[str, str], float]]:
             q = float(values.pop("q", "1"))
         except ValueError:
             q = 0.0
-        yield media.strip().lower(), values, q if 0.0 <= q <= 1.0 else 0.0
+        yield media, values, q if 0.0 <= q <= 1.0 else 0.0
 
 
 def negotiate(accept: str) -> str:

@@ -1,0 +1,252 @@
+"""The /metrics server against the clients and process limits that beat a hand-written server:
+clients that never read their answer, huge Accept headers, a process out of threads, a process out
+of file descriptors, HTTP/0.9 and absolute-form request lines. The side-by-side figures against
+prometheus_client's own server are in bench/bench_server.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+
+import rlwatch
+
+from .conftest import ROOT, make_step
+
+
+def _scrape(port: int, path: str = "/metrics", timeout: float = 3.0) -> tuple[int, bytes]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as resp:
+        return resp.status, resp.read()
+
+
+def _raw(port: int, request: bytes, timeout: float = 3.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_clients_that_never_read_cost_their_own_connection_only():
+    """8 clients ask for a 4 MB answer (more than loopback's send buffers hold) with a tiny receive
+    window and never read: every ordinary scrape meanwhile is answered at once."""
+    from rlwatch.exporters.http import MetricsServer
+
+    big = b"x" * (4 << 20)
+
+    def app(environ, start_response):
+        if environ["PATH_INFO"] == "/big":
+            start_response("200 OK", [("Content-Length", str(len(big)))])
+            return [big]
+        start_response("200 OK", [("Content-Length", "3")])
+        return [b"ok\n"]
+
+    server = MetricsServer(None, "127.0.0.1", 0, app=app)
+    hostile = []
+    try:
+        for _ in range(8):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            hostile.append(sock)
+        time.sleep(0.3)                                  # their answers are stuck in the server
+        slowest = 0.0
+        for _ in range(10):
+            start = time.monotonic()
+            assert _scrape(server.port, "/metrics", timeout=3) == (200, b"ok\n")
+            slowest = max(slowest, time.monotonic() - start)
+        assert slowest < 1.0, slowest
+    finally:
+        for sock in hostile:
+            sock.close()
+        server.close()
+
+
+def test_a_huge_accept_header_costs_no_more_than_prometheus_clients_own_negotiation():
+    """A 15 KB Accept header (read holding the GIL, so the trainer waits meanwhile) is negotiated in
+    less than twice the time prometheus_client's ``choose_encoder`` takes on the same header."""
+    from prometheus_client.exposition import choose_encoder
+
+    from rlwatch.exporters.prometheus import _accepts_gzip, negotiate
+
+    def fastest(func, header: str) -> float:
+        best = float("inf")
+        for _ in range(15):
+            start = time.perf_counter()
+            func(header)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    for header in (("a/b;x=1," * 2000)[:15000], ('text/plain;x="a,b;c\\"d";q=0.3,' * 600)[:15000]):
+        ours = fastest(lambda h: (negotiate(h), _accepts_gzip(h)), header)
+        theirs = fastest(choose_encoder, header)
+        assert ours < 2 * theirs, (ours, theirs)
+    assert negotiate("text/plain;q=0.5," * 1000 + "application/openmetrics-text;version=1.0.0") == "text"
+
+
+def test_a_process_out_of_threads_still_serves_quietly_and_closes_promptly(capfd, monkeypatch):
+    """No thread can be started (a cgroup's PID limit): scrapes are still answered, nothing is
+    printed to the trainer's stderr, close() returns at once; a Watch started in that state runs
+    without its endpoint, the failure counted."""
+    watch = rlwatch.Watch(run="nothreads", port=0, store=None, alerts=False)
+    watch.observe(0, **make_step())
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    try:
+        for _ in range(5):
+            assert _scrape(watch.port, timeout=2)[0] == 200
+        start = time.monotonic()
+        watch.close()
+        assert time.monotonic() - start < 2
+        with rlwatch.Watch(run="nothreads2", port=0, store=None, alerts=False) as starved:
+            starved.observe(0, **make_step())
+            assert starved.server is None and starved.errors.counts[("export", "port")] == 1
+    finally:
+        monkeypatch.undo()
+        watch.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+
+
+FLOOD = textwrap.dedent("""
+    import socket, sys, threading
+    port, running = int(sys.argv[1]), [True]
+    def scrape():
+        while running[0]:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    sock.sendall(b"GET /metrics HTTP/1.0\\r\\n\\r\\n")
+                    while sock.recv(65536):
+                        pass
+            except OSError:
+                pass
+    for _ in range(8):
+        threading.Thread(target=scrape, daemon=True).start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    running[0] = False
+""")
+
+
+def test_a_flood_of_scrapers_takes_a_bounded_share_of_the_trainers_process():
+    """8 clients scrape back to back (each answer costs 2 ms of Python): the server's CPU in the
+    trainer's process (and so its share of the GIL) stays near its 10 % of a core, and scrapes are
+    served."""
+    from rlwatch.exporters.http import MetricsServer
+
+    def app(environ, start_response):
+        end = time.thread_time() + 0.002
+        while time.thread_time() < end:
+            pass
+        start_response("200 OK", [("Content-Length", "3")])
+        return [b"ok\n"]
+
+    server = MetricsServer(None, "127.0.0.1", 0, app=app)
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(server.port)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(2.0)
+        share = (time.process_time() - cpu) / (time.monotonic() - wall)
+        print(f"server share {share:.3f}")
+        assert share < 0.3, share
+        assert _scrape(server.port, timeout=5) == (200, b"ok\n")
+    finally:
+        flood.kill()
+        flood.wait()
+        server.close()
+
+
+OUT_OF_DESCRIPTORS = textwrap.dedent("""
+    import os, resource, sys, time
+    import rlwatch
+    from tests.conftest import make_step
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    watch = rlwatch.Watch(run="nofd", port=0, store=None, alerts=False)
+    watch.observe(0, **make_step())
+    print(watch.port, flush=True)
+    sys.stdin.readline()
+    fillers = []
+    try:
+        while True:
+            fillers.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    print("full", flush=True)
+    sys.stdin.readline()                       # the clients are waiting now
+    start_cpu, start = time.process_time(), time.monotonic()
+    time.sleep(1.5)
+    cpu = time.process_time() - start_cpu
+    for fd in fillers:
+        os.close(fd)
+    print(f"{cpu:.3f} {time.monotonic() - start:.3f} {watch.errors.counts.get(('export', 'server'), 0)}",
+          flush=True)
+    sys.stdin.readline()
+    watch.close()
+""")
+
+
+def test_out_of_file_descriptors_the_server_waits_instead_of_spinning_and_recovers():
+    """The trainer's process has no descriptor left while clients connect: the server burns
+    (nearly) no CPU meanwhile, counts the failure, and serves again once descriptors are free."""
+    child = subprocess.Popen([sys.executable, "-c", OUT_OF_DESCRIPTORS], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    clients = []
+    try:
+        port = int(child.stdout.readline())
+        child.stdin.write("fill\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "full"
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)   # waits in the backlog
+            sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            clients.append(sock)
+        child.stdin.write("measure\n")
+        child.stdin.flush()
+        cpu, seconds, counted = child.stdout.readline().split()
+        assert float(cpu) < 0.25 * float(seconds), (cpu, seconds)
+        assert int(counted) >= 1
+        for sock in clients:                                   # served once descriptors are back
+            sock.settimeout(5)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.0 200") and b"rlwatch_steps_total" in answer
+        assert _scrape(port, timeout=5)[0] == 200
+        child.stdin.write("close\n")
+        child.stdin.flush()
+        assert child.wait(timeout=20) == 0
+    finally:
+        for sock in clients:
+            sock.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_http_0_9_and_absolute_form_requests_are_answered_at_once():
+    """``GET /metrics`` with no version (HTTP/0.9: no headers follow) is answered without waiting
+    for a blank line; ``GET http://host:port/metrics HTTP/1.1`` (absolute form) is the same page."""
+    with rlwatch.Watch(run="forms", port=0, store=None, alerts=False) as watch:
+        watch.observe(0, **make_step())
+        start = time.monotonic()
+        answer = _raw(watch.port, b"GET /metrics\r\n")
+        assert time.monotonic() - start < 1.0
+        assert answer.startswith(b"# HELP") and b"rlwatch_steps_total" in answer     # HTTP/0.9: the body only
+        answer = _raw(watch.port, f"GET http://127.0.0.1:{watch.port}/metrics?x=1 HTTP/1.1\r\nHost: x\r\n\r\n"
+                      .encode())
+        assert answer.startswith(b"HTTP/1.0 200") and b"rlwatch_steps_total" in answer
+        assert _raw(watch.port, b"GET http://127.0.0.1/nothing HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.0 404")
+        assert b"400" in _raw(watch.port, b"BREW /metrics\r\n")               # HTTP/0.9 knows GET only
