@@ -243,7 +243,7 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
     from .. import Watch
     from ..postmortem import run_postmortem
     from . import WATCH_CONFIG
-    from .scenario import SCENARIOS, collapse_step
+    from .scenario import SCENARIOS
 
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
@@ -285,7 +285,7 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
         if stack is not None:
             _stop_stack(stack)
     document = run_postmortem(str(directory / "run.db"), out_dir=str(directory / "report"))
-    collapse = collapse_step(result.heldout)
+    collapse = document["collapse_step"]          # the post-mortem's dating of the stored held-out reward
     _print_summary(document, collapse, directory, result.seconds, prometheus_alerts, delivered)
     document["demo"] = {"directory": str(directory), "collapse_step": collapse, "seconds": result.seconds,
                         "prometheus_alerts": prometheus_alerts,
@@ -329,7 +329,8 @@ def _print_summary(document: dict, collapse: int | None, directory: Path, second
         lead = collapse - first["step"]
         print(f"The critical alert {first['name']} fired at step {first['step']}, "
               + (f"{lead} steps before the collapse" if lead >= 0 else f"{-lead} steps after the collapse")
-              + f" (held-out reward lost at step {collapse}).")
+              + f" (held-out reward lost at step {collapse}"
+              + (f"; {document['recovery']['text']}" if document.get("recovery") else "") + ").")
     elif collapse is not None:
         print(f"The run collapsed at step {collapse} and no critical alert fired.")
     else:

@@ -86,6 +86,8 @@ def headline(report: Report) -> str:
                 f"run {report.run}: no quality signal (held-out score or reward), so no collapse can be dated")
     else:
         text = f"run {report.run}: {report.quality_signal} collapsed at step {report.collapse_step}"
+        recovered = report.collapse.recovery_text() if report.collapse is not None else None
+        text += f" ({recovered})" if recovered else ""
         if critical is not None:
             lead = report.collapse_step - critical["step"]
             text += (f"; {critical['name']} fired {lead} steps before the collapse (step {critical['step']})"
