@@ -162,13 +162,16 @@ def _read_report(path: str) -> list[dict]:
 def _run_summary(events: list[dict], frameworks: str) -> str:
     """What ``rlwatch run`` says after the command: the runs it watched, or why nothing was watched."""
     watched = [e for e in events if e.get("event") == "watching" and e.get("active", True)]
-    if watched:
+    announced = {(e.get("pid"), e.get("run")) for e in watched}
+    own = [e for e in events if e.get("event") == "created" and (e.get("pid"), e.get("run")) not in announced]
+    if watched or own:
         lines = []
-        for e in watched:
+        for e in watched + own:
             store = e.get("store")
-            lines.append(f"rlwatch run: watched {e['framework']} run {e['run']!r} (process {e['pid']}): metrics were "
-                         f"at {e.get('url') or 'no endpoint'}, store {store or 'none'}"
-                         + (f" (rlwatch postmortem {store})" if store else ""))
+            what = (f"watched {e['framework']} run {e['run']!r}" if e in watched
+                    else f"the command's own rlwatch.Watch watched run {e['run']!r}")
+            lines.append(f"rlwatch run: {what} (process {e['pid']}): metrics were at {e.get('url') or 'no endpoint'}, "
+                         f"store {store or 'none'}" + (f" (rlwatch postmortem {store})" if store else ""))
         return "\n".join(lines)
     imported = sorted({f"{e['framework']} {e.get('version') or ''}".strip() for e in events
                        if e.get("event") == "imported"})
