@@ -202,7 +202,8 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
         run_postmortem(args.path, prometheus=args.prometheus, run=args.run, out_dir=args.out,
                        as_json=args.json, probe_file=args.probe, baseline=args.baseline,
                        baseline_run=args.baseline_run, since=args.since, run_instance=args.run_instance,
-                       baseline_run_instance=args.baseline_run_instance, deadline=args.deadline)
+                       baseline_run_instance=args.baseline_run_instance, deadline=args.deadline,
+                       probe_loader=args.probe_loader)
     except FileNotFoundError as exc:
         text = str(exc) if str(exc).startswith(("not found", "--probe")) else f"not found: {exc.filename or exc}"
         print(f"rlwatch postmortem: {safe(text)}", file=sys.stderr)
@@ -389,7 +390,11 @@ def _add_postmortem(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the report")
     p.add_argument("--probe", nargs="?", const="auto", metavar="ROLLOUTS",
                    help="score every checkpoint on stored rollouts (safetensors); alone, the "
-                        "rlwatch-probe-rollouts.safetensors the TRL integration keeps in the output directory")
+                        "rlwatch-probe-rollouts.safetensors next to the run (the TRL integration's output "
+                        "directory, rlwatch demo's run directory)")
+    p.add_argument("--probe-loader", metavar="MODULE:FUNCTION",
+                   help="for --probe: FUNCTION(directory, config) returns logits(input_ids, attention_mask) for "
+                        "checkpoints rlwatch has no loader for (built in: transformers, rlwatch demo)")
 
 
 def _add_files(sub: Any) -> None:

@@ -106,6 +106,14 @@ def test_demo_with_prometheus_and_alertmanager(tmp_path):
     assert "RLWatchVersionLagFarAboveBound" in doc["demo"]["alertmanager_alerts"]
     notified = doc["demo"]["alertmanager_notifications"]        # every notification, in order, per alert
     assert all(notes[0][1] == "firing" and set(fired) >= {name} for name, notes in notified.items()), notified
+    # Resolutions included: every notified alert resolved once the run ended, and KLSpike, which
+    # resolved in the process and fired again (a new incident), was notified twice each way.
+    notified = {name: [tuple(note) for note in notes] for name, notes in notified.items()}     # JSON lists
+    assert all(("pager", "resolved") in notes or ("chat", "resolved") in notes for notes in notified.values()), notified
+    incidents = sum(a["name"] == "RLWatchKLSpike" for a in doc["alerts"])     # the firings (2 in this run)
+    assert notified["RLWatchKLSpike"].count(("pager", "firing")) == incidents, notified["RLWatchKLSpike"]
+    assert notified["RLWatchKLSpike"].count(("pager", "resolved")) == incidents, notified["RLWatchKLSpike"]
+    assert "resolved to pager" in result.stdout.split("Alertmanager notified: ")[1]
     assert "Prometheus fired: " in result.stdout and "Alertmanager notified: " in result.stdout
     assert "Next: " in result.stdout and "`rlwatch up`" in result.stdout
     # Every server the demo started is stopped again.

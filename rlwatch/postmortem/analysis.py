@@ -15,7 +15,8 @@ from .compare import Comparison
 from .sources import QUALITY_KEYS, RunData
 
 __all__ = ["CAUSE_SIGNALS", "COLLAPSE_FRACTION", "COLLAPSE_HOLD", "COLLAPSE_TAIL", "MISMATCH_ALERTS", "NO_CAUSE",
-           "Collapse", "Coverage", "Report", "Resume", "analyse", "collapse_onset", "coverage", "find_collapse",
+           "Collapse", "Coverage", "KL_ALERTS", "LAG_ALERTS", "Report", "Resume", "analyse", "collapse_onset",
+           "correction_held", "correction_in_use", "coverage", "find_collapse",
            "first_changes", "quality_series", "resume_point", "summarize_hacks"]
 
 
@@ -34,6 +35,50 @@ NO_CAUSE = "no cause found"
 MISMATCH_ALERTS = frozenset({"RLWatchESSLow", "RLWatchISTruncationHigh", "RLWatchKLJump", "RLWatchKLSpike",
                              "RLWatchMismatchDrift", "RLWatchNonFiniteLogProbs", "RLWatchOnPolicyRatioNotOne",
                              "RLWatchStalenessBoundExceeded", "RLWatchVersionLagFarAboveBound"})
+
+
+#: Alerts on the lag, and on the KL between sampler and learner: both firing in a run that kept its
+#: quality while a behaviour correction was on is a lag fault the correction held.
+LAG_ALERTS = ("RLWatchVersionLagFarAboveBound", "RLWatchStalenessBoundExceeded")
+KL_ALERTS = ("RLWatchKLSpike", "RLWatchKLJump", "RLWatchMismatchDrift")
+
+
+def correction_in_use(meta: dict[str, Any]) -> str | None:
+    """The behaviour correction the run trained with, from its metadata (at any depth):
+    ``correction`` (``Watch(metadata={"correction": "tis"})``; rlwatch demo sets it), TRL's
+    ``vllm_importance_sampling_correction`` (with its mode), OpenRLHF's ``is_correction``."""
+    found: dict[str, Any] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                found.setdefault(str(key), value)
+                walk(value)
+    walk(meta)
+    named = str(found.get("correction") or "").strip()
+    if named and named.lower() not in ("none", "off", "false", "0"):
+        return named.upper() if named.lower() in ("tis", "mis") else named
+    if found.get("vllm_importance_sampling_correction") is True:
+        return f"TRL's importance sampling ({found.get('vllm_importance_sampling_mode') or 'default mode'})"
+    if found.get("is_correction") is True:
+        return "OpenRLHF's importance-sampling correction"
+    return None
+
+
+def correction_held(data: RunData, alerts: list[dict[str, Any]], collapse: int | None,
+                    quality_key: str | None) -> str | None:
+    """Why a run with lag and KL alerts did not collapse, where a correction was on; else None."""
+    correction = correction_in_use(data.meta)
+    if collapse is not None or quality_key is None or correction is None:
+        return None
+    dated = sorted((a for a in alerts if a.get("step") is not None), key=lambda a: a["step"])
+    lag = next((a for a in dated if a["name"] in LAG_ALERTS), None)
+    kl = next((a for a in dated if a["name"] in KL_ALERTS), None)
+    if lag is None or kl is None:
+        return None
+    return (f"the correction ({correction}) held a lag fault: {lag['name']} fired at step {lag['step']} and "
+            f"{kl['name']} at step {kl['step']}, yet {quality_key} did not collapse; the stale sampler is still "
+            "there (fix the lag before turning the correction off)")
 
 
 @dataclass
@@ -126,6 +171,7 @@ class Report:
     comparison: "Comparison | None" = None
     superseded_alerts: list[dict[str, Any]] = field(default_factory=list)       # see RunData
     superseded_checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    correction_held: str | None = None            # see correction_held()
 
     @property
     def explanation(self) -> str | None:
@@ -180,6 +226,7 @@ class Report:
             "mismatch_diagnosis": self.diagnosis.cause,
             "mismatch_explanation": self.explanation,
             "evidence": self.evidence,
+            "correction_held": self.correction_held,
             "last_healthy_checkpoint": ({"step": self.last_healthy_checkpoint[0],
                                          "path": self.last_healthy_checkpoint[1]}
                                         if self.last_healthy_checkpoint else None),
@@ -350,7 +397,8 @@ def analyse(data: RunData) -> Report:
                   last_healthy_checkpoint=resume.checkpoint, hacks=hacks, events=data.events, resume=resume,
                   coverage=coverage(data, quality_key), cause=cause,
                   superseded_alerts=[a for a in data.superseded_alerts if a.get("state", "firing") == "firing"],
-                  superseded_checkpoints=data.superseded_checkpoints)
+                  superseded_checkpoints=data.superseded_checkpoints,
+                  correction_held=correction_held(data, alerts, collapse, quality_key))
 
 
 def summarize_hacks(data: RunData, changes: list[Change] = ()) -> list[dict[str, Any]]:
@@ -373,7 +421,10 @@ def summarize_hacks(data: RunData, changes: list[Change] = ()) -> list[dict[str,
             else:
                 early, late = change.before, change.after
             env, detector = labels
-            examples = [e for e in data.hack_examples if e.get("env") == env and e.get("detector") == detector][:3]
+            examples = [e for e in data.hack_examples if e.get("env") == env and e.get("detector") == detector]
+            # From the rise on (what the hack looks like, not step 0's noise); undated: the latest ones.
+            rising = [e for e in examples if change is not None and (e.get("step") or 0) >= change.step]
+            examples = rising[:3] or examples[-3:]
             out.append({"env": env, "detector": detector, "early_rate": early, "late_rate": late,
                         "step": change.step if change is not None else None, "examples": examples})
     return out

@@ -178,6 +178,7 @@ def text_report(report: Report) -> str:
         lines.append(f"peak {report.quality_signal} {_fmt(report.peak[1])} at step {report.peak[0]}")
     lines.append(cause_line(report))
     lines += [f"  - {safe(e)}" for e in report.evidence]
+    lines += [f"held: {safe(report.correction_held)}"] if report.correction_held else []
     if report.first_signals:
         lines.append("signals that changed first:")
         lines += ["  " + change_line(c) for c in report.first_signals[:SHOWN_CHANGES]]
@@ -304,6 +305,9 @@ def plots(report: Report, data: RunData, directory: Path, baseline: RunData | No
     """PNG plots: the overview signals, each first mover with its change marked, and (with a
     baseline) both runs' curves of every diverged signal. Returns the written paths."""
     try:
+        import logging
+
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)      # no "generated new fontManager"
         import matplotlib
 
         matplotlib.use("Agg")
@@ -406,7 +410,8 @@ def _md_cause(report: Report) -> list[str]:
                  ""]
     else:
         lines = ["## Cause", "", f"**{md(report.cause_name)}**{_confidence(report)}", ""]
-    return lines + [f"- {md(e)}" for e in report.evidence] + [""]
+    held = [f"**Held by a correction**: {md(report.correction_held)}.", ""] if report.correction_held else []
+    return lines + [f"- {md(e)}" for e in report.evidence] + [""] + held
 
 
 def _md_changes(report: Report) -> list[str]:
