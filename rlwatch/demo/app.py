@@ -295,12 +295,7 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
         watch.on_alert(view.alert)
         result = _train(watch, view, config, scenario, directory, paced=stack is not None)
         if stack is not None:
-            time.sleep(3.0)                       # the last step's scrape and rule evaluation
-            prometheus_alerts = _fired(urls["prometheus"], run)
-            watch.close()                         # the run is over: its alerts resolve in Prometheus
-            print(f"Waiting for Alertmanager's resolutions (each rule keeps firing {RESOLVE_WAIT_NOTE}; at most "
-                  f"{RESOLVE_TIMEOUT_S:.0f} s) ...", flush=True)
-            delivered = _delivered(stack[2], run, timeout=RESOLVE_TIMEOUT_S, until_resolved=True)
+            prometheus_alerts, delivered = _what_the_stack_did(stack, urls["prometheus"], watch, run)
     finally:
         logging.getLogger("rlwatch").removeFilter(quiet)
         if view is not None:
@@ -318,6 +313,17 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
                         "alertmanager_notifications": delivered, "stopped_servers": stack_pids}
     (directory / "demo.json").write_text(json.dumps(document["demo"], indent=2))
     return document
+
+
+def _what_the_stack_did(stack: tuple, prometheus_url: str, watch: Any, run: str) -> tuple[list[str], dict]:
+    """After the run: what Prometheus fired, then (the run's exporter closed, so its alerts resolve)
+    every notification Alertmanager sent, resolutions included."""
+    time.sleep(3.0)                       # the last step's scrape and rule evaluation
+    fired = _fired(prometheus_url, run)
+    watch.close()
+    print(f"Waiting for Alertmanager's resolutions (each rule keeps firing {RESOLVE_WAIT_NOTE}; at most "
+          f"{RESOLVE_TIMEOUT_S:.0f} s) ...", flush=True)
+    return fired, _delivered(stack[2], run, timeout=RESOLVE_TIMEOUT_S, until_resolved=True)
 
 
 def _train(watch: Any, view: LiveView, config: Any, scenario: str, directory: Path, paced: bool) -> Any:
