@@ -164,13 +164,16 @@ def _read_report(path: str) -> list[dict]:
 def _run_summary(events: list[dict], frameworks: str) -> str:
     """What ``rlwatch run`` says after the command: the runs it watched, or why nothing was watched."""
     watched = [e for e in events if e.get("event") == "watching" and e.get("active", True)]
-    if watched:
+    announced = {(e.get("pid"), e.get("run")) for e in watched}
+    own = [e for e in events if e.get("event") == "created" and (e.get("pid"), e.get("run")) not in announced]
+    if watched or own:
         lines = []
-        for e in watched:
+        for e in watched + own:
             store = e.get("store")
-            lines.append(f"rlwatch run: watched {e['framework']} run {e['run']!r} (process {e['pid']}): metrics were "
-                         f"at {e.get('url') or 'no endpoint'}, store {store or 'none'}"
-                         + (f" (rlwatch postmortem {store})" if store else ""))
+            what = (f"watched {e['framework']} run {e['run']!r}" if e in watched
+                    else f"the command's own rlwatch.Watch watched run {e['run']!r}")
+            lines.append(f"rlwatch run: {what} (process {e['pid']}): metrics were at {e.get('url') or 'no endpoint'}, "
+                         f"store {store or 'none'}" + (f" (rlwatch postmortem {store})" if store else ""))
         return "\n".join(lines)
     imported = sorted({f"{e['framework']} {e.get('version') or ''}".strip() for e in events
                        if e.get("event") == "imported"})
@@ -201,7 +204,8 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
         run_postmortem(args.path, prometheus=args.prometheus, run=args.run, out_dir=args.out,
                        as_json=args.json, probe_file=args.probe, baseline=args.baseline,
                        baseline_run=args.baseline_run, since=args.since, run_instance=args.run_instance,
-                       baseline_run_instance=args.baseline_run_instance, deadline=args.deadline)
+                       baseline_run_instance=args.baseline_run_instance, deadline=args.deadline,
+                       probe_loader=args.probe_loader)
     except FileNotFoundError as exc:
         text = str(exc) if str(exc).startswith(("not found", "--probe")) else f"not found: {exc.filename or exc}"
         print(f"rlwatch postmortem: {safe(text)}", file=sys.stderr)
@@ -424,7 +428,11 @@ def _add_postmortem(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the report")
     p.add_argument("--probe", nargs="?", const="auto", metavar="ROLLOUTS",
                    help="score every checkpoint on stored rollouts (safetensors); alone, the "
-                        "rlwatch-probe-rollouts.safetensors the TRL integration keeps in the output directory")
+                        "rlwatch-probe-rollouts.safetensors next to the run (the TRL integration's output "
+                        "directory, rlwatch demo's run directory)")
+    p.add_argument("--probe-loader", metavar="MODULE:FUNCTION",
+                   help="for --probe: FUNCTION(directory, config) returns logits(input_ids, attention_mask) for "
+                        "checkpoints rlwatch has no loader for (built in: transformers, rlwatch demo)")
 
 
 def _add_whatif(sub: Any) -> None:

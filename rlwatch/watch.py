@@ -125,6 +125,9 @@ class Watch:
             return
         self.services.start(cfg, self.metadata, where.port_offset, one_intra_op_thread_here)
         self.services.attach(self.pipeline)
+        from .autoload import report           # under `rlwatch run`: tell it this Watch exists
+
+        report("created", framework=cfg.framework, run=self.run, url=self.url, store=self.store_path)
 
     # --- read-only views of the parts the services and the pipeline own ----------------------------
 

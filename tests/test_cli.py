@@ -67,6 +67,19 @@ def test_rlwatch_run_says_when_nothing_was_instrumented_and_store_none_means_no_
     assert quiet.stdout.strip() == "hi" and "rlwatch run" not in quiet.stderr
 
 
+def test_rlwatch_run_lists_the_watch_a_custom_loop_creates_instead_of_nothing_instrumented(tmp_path):
+    """examples/custom_loop.py builds its own rlwatch.Watch: `rlwatch run` says where it exported,
+    never "nothing was instrumented ... create an rlwatch.Watch"."""
+    store = tmp_path / "loop.db"
+    result = cli("run", "--", sys.executable, str(ROOT / "examples" / "custom_loop.py"), "--steps", "2", "--pace",
+                 "0", "--port", "0", "--store", str(store), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "nothing was instrumented" not in result.stderr and "create an rlwatch.Watch" not in result.stderr
+    assert ("rlwatch run: the command's own rlwatch.Watch watched run 'custom-loop' (process "
+            in result.stderr), result.stderr[-2000:]
+    assert f"store {store} (rlwatch postmortem {store})" in result.stderr and "metrics were at http://" in result.stderr
+
+
 def test_rlwatch_run_names_the_framework_it_saw_imported(tmp_path):
     """A program that imports a supported framework but builds no trainer: the summary says so."""
     pytest.importorskip("trl")

@@ -49,11 +49,18 @@ def test_demo_pages_before_the_collapse_and_explains_it(tmp_path):
     result, doc = demo(tmp_path)
     text = result.stdout
     lead = re.search(r"The critical alert (\w+) fired at step (\d+), (\d+) steps before the collapse "
-                     r"\(held-out reward lost at step (\d+)\)", text)
+                     r"\(held-out reward lost at step (\d+)[;)]", text)
     assert lead, text[-3000:]
     name, fired, steps_before, collapse = lead.group(1), *map(int, lead.groups()[1:])
     assert collapse - fired == steps_before > 0
     assert doc["demo"]["collapse_step"] == collapse and name.startswith("RLWatch")
+    # The headline is the stored held-out reward's first sustained drop, whatever it did afterwards.
+    from rlwatch.postmortem import load
+
+    from .test_collapse_dating import first_sustained_drop
+    stored = load(str(tmp_path / doc["demo"]["directory"] / "run.db")).scalars["heldout_true_reward"]
+    assert abs(collapse - first_sustained_drop(sorted(stored))) <= 3, (collapse, sorted(stored))
+    assert f"collapsed at step {collapse}" in text
     assert "Cause: stale_weights." in text and doc["cause"] == "stale_weights"
     resume = doc["resume"]                                # the lag was there from the first steps:
     assert resume["trouble_step"] <= fired and resume["checkpoint"] is None   # no checkpoint predates it
@@ -99,6 +106,14 @@ def test_demo_with_prometheus_and_alertmanager(tmp_path):
     assert "RLWatchVersionLagFarAboveBound" in doc["demo"]["alertmanager_alerts"]
     notified = doc["demo"]["alertmanager_notifications"]        # every notification, in order, per alert
     assert all(notes[0][1] == "firing" and set(fired) >= {name} for name, notes in notified.items()), notified
+    # Resolutions included: every notified alert resolved once the run ended, and KLSpike, which
+    # resolved in the process and fired again (a new incident), was notified twice each way.
+    notified = {name: [tuple(note) for note in notes] for name, notes in notified.items()}     # JSON lists
+    assert all(("pager", "resolved") in notes or ("chat", "resolved") in notes for notes in notified.values()), notified
+    incidents = sum(a["name"] == "RLWatchKLSpike" for a in doc["alerts"])     # the firings (2 in this run)
+    assert notified["RLWatchKLSpike"].count(("pager", "firing")) == incidents, notified["RLWatchKLSpike"]
+    assert notified["RLWatchKLSpike"].count(("pager", "resolved")) == incidents, notified["RLWatchKLSpike"]
+    assert "resolved to pager" in result.stdout.split("Alertmanager notified: ")[1]
     assert "Prometheus fired: " in result.stdout and "Alertmanager notified: " in result.stdout
     assert "Next: " in result.stdout and "`rlwatch up`" in result.stdout
     # Every server the demo started is stopped again.

@@ -36,6 +36,21 @@ def test_custom_loop_store_none_and_pace(tmp_path):
 
 
 @pytest.mark.slow
+def test_custom_loop_prints_each_resolution_like_its_firing(tmp_path):
+    """With the lag at 8, RLWatchKLSpike fires, resolves and fires again: the console shows the
+    RESOLVED line between the two FIRING lines, as the run store has it (no logging set up by the script)."""
+    result = run_example("custom_loop.py", "--steps", "70", "--lag", "8", "--pace", "0", "--store",
+                         str(tmp_path / "run.db"), "--port", "0", cwd=tmp_path)
+    lines = [x for x in result.stderr.splitlines() if x.startswith("rlwatch alert ")]
+    spike = [x.split()[2] for x in lines if " RLWatchKLSpike " in x]
+    assert spike[:3] == ["FIRING", "RESOLVED", "FIRING"], lines
+    from rlwatch.postmortem import load
+
+    stored = load(str(tmp_path / "run.db")).alerts
+    assert sum(a["state"] == "resolved" for a in stored) == sum(" RESOLVED " in x for x in lines) > 0
+
+
+@pytest.mark.slow
 def test_trl_example_shows_the_headline_signals_on_cpu(tmp_path):
     need_module("trl")
     result = run_example("trl_grpo.py", "--steps", "2", "--pace", "0", "--port", "0", "--output-dir",

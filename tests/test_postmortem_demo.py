@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 def demo_store(directory, scenario: str, seed: int, steps: int | None = None) -> str:
     path = str(directory / f"{scenario}-{seed}-{steps}.db")
     logging.getLogger("rlwatch").setLevel(logging.ERROR)
-    with rlwatch.Watch(run=f"demo-{scenario}", port=None, store=path, **WATCH_CONFIG) as w:
+    with rlwatch.Watch(run=f"demo-{scenario}", port=None, store=path, **WATCH_CONFIG,
+                       metadata={"correction": SCENARIOS[scenario].correction}) as w:     # as rlwatch demo
         def on_step(info):
             w.observe(info.step, **info.fields)
             w.log_scalars(info.step, info.metrics)
@@ -81,6 +82,7 @@ def test_rescued_run_is_diagnosed_staleness(tmp_path):
     report = analyse(load(demo_store(tmp_path, "rescued", 3)))
     assert report.cause == "stale_weights" and report.diagnosis.causes[0] == "stale_weights", report.evidence
     assert not any("zero-mean" in e for e in report.evidence)
+    assert report.collapse_step is None and report.correction_held.startswith("the correction (TIS) held a lag fault")
 
 
 def test_collapse_run_for_12_steps_is_stale_weights_not_a_missing_sync(tmp_path):

@@ -296,8 +296,10 @@ _CONTROL_ALL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 def log_event(event: AlertEvent) -> None:
-    """The console side of an event: one log line."""
-    level = logging.WARNING if event.state == "firing" else logging.INFO
+    """The console side of an event: one log line, a resolution at the level of a firing (WARNING), so
+    that wherever a firing is printed (Python's default handler shows WARNING and above) its
+    resolution is too."""
+    level = logging.WARNING
     labels = ", ".join(f"{k}={_printable(v)}" for k, v in sorted(event.labels.items()))
     value = "" if event.value is None else f" value={event.value:.4g}"
     logger.log(level, "rlwatch alert %s %s [%s] run=%s step=%s%s%s - %s (%s)", event.state.upper(), event.name,

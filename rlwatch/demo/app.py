@@ -29,6 +29,11 @@ HEADLINE = [("heldout_true_reward", "held-out true reward", "{:.2f}"), ("mismatc
             ("entropy_mean", "entropy", "{:.3f}")]
 #: With --with-prometheus, each step waits this long so that the 1 s scrapes see every few steps.
 PROMETHEUS_PACE_S = 0.5
+#: After the run, how long the demo waits for Alertmanager to send every resolution: the shipped
+#: rules keep an alert firing 1 m after its condition clears (keep_firing_for), then Prometheus'
+#: resend delay and Alertmanager's group interval.
+RESOLVE_TIMEOUT_S = 100.0
+RESOLVE_WAIT_NOTE = "1 m after its condition clears"
 
 
 class LiveView:
@@ -133,10 +138,10 @@ class _NoAlertLog:
 
 class WebhookReceiver:
     """Alertmanager's webhook receiver on 127.0.0.1: ``notifications`` holds one (receiver, alert name,
-    run, status) per alert of every notification, in arrival order."""
+    run, status, the alert's labels as JSON) per alert of every notification, in arrival order."""
 
     def __init__(self) -> None:
-        self.notifications: list[tuple[str, str, str, str]] = []
+        self.notifications: list[tuple[str, str, str, str, str]] = []
         received = self.notifications
 
         class Handler(BaseHTTPRequestHandler):
@@ -144,7 +149,8 @@ class WebhookReceiver:
                 try:
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
                     received.extend((body.get("receiver", ""), a["labels"].get("alertname", ""),
-                                     a["labels"].get("run", ""), a.get("status", "")) for a in body["alerts"])
+                                     a["labels"].get("run", ""), a.get("status", ""),
+                                     json.dumps(a["labels"], sort_keys=True)) for a in body["alerts"])
                 except (ValueError, KeyError, TypeError, AttributeError):
                     pass
                 self.send_response(200)
@@ -222,19 +228,33 @@ def _fired(prometheus_url: str, run: str) -> list[str]:
     return sorted({r["metric"]["alertname"] for r in body["data"]["result"]})
 
 
-def _delivered(receiver: WebhookReceiver, run: str, quiet: float = 4.0, timeout: float = 20.0) -> dict[str, list]:
-    """{alert name: [(receiver, status), ...]} of every notification about ``run``, once none has come
-    for ``quiet`` seconds (Alertmanager's last group intervals) or after ``timeout``."""
+def _delivered(receiver: WebhookReceiver, run: str, quiet: float = 4.0, timeout: float = 20.0,
+               until_resolved: bool = False) -> dict[str, list]:
+    """{alert name: [(receiver, status), ...]} of every notification about ``run`` (each incident's
+    firing and resolution once), once none has come for ``quiet`` seconds (Alertmanager's last group
+    intervals) and, with ``until_resolved``, every notified alert was also resolved; or after ``timeout``."""
     deadline, seen, since = time.monotonic() + timeout, -1, time.monotonic()
-    while time.monotonic() < deadline and time.monotonic() - since < quiet:
+    while time.monotonic() < deadline and (time.monotonic() - since < quiet
+                                           or until_resolved and _unresolved(receiver, run)):
         if len(receiver.notifications) != seen:
             seen, since = len(receiver.notifications), time.monotonic()
         time.sleep(0.2)
     delivered: dict[str, list] = {}
-    for name_of_receiver, alertname, alert_run, status in list(receiver.notifications):
-        if alert_run == run and (name_of_receiver, status) not in delivered.get(alertname, []):
+    counted: set[tuple] = set()
+    for name_of_receiver, alertname, alert_run, status, *incident in list(receiver.notifications):
+        if alert_run == run and (name_of_receiver, alertname, status, *incident) not in counted:
+            counted.add((name_of_receiver, alertname, status, *incident))
             delivered.setdefault(alertname, []).append((name_of_receiver, status))
     return dict(sorted(delivered.items()))
+
+
+def _unresolved(receiver: WebhookReceiver, run: str) -> bool:
+    """Whether an alert of ``run`` was notified firing and not yet resolved (by its labels)."""
+    last: dict[tuple, str] = {}
+    for _, alertname, alert_run, status, *incident in list(receiver.notifications):
+        if alert_run == run:
+            last[(alertname, *incident)] = status
+    return any(status == "firing" for status in last.values())
 
 
 def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0, port: int | None = 9400,
@@ -242,8 +262,9 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
     """Run one scenario with rlwatch attached; returns the post-mortem document."""
     from .. import Watch
     from ..postmortem import run_postmortem
+    from ..postmortem.probe import ROLLOUTS_FILE
     from . import WATCH_CONFIG
-    from .scenario import SCENARIOS, collapse_step
+    from .scenario import SCENARIOS, save_probe_rollouts
 
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
@@ -262,7 +283,7 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
         stack_pids = {name: info["pid"] for name, info in stack[1].items()}
         print(f"Prometheus {urls['prometheus']}  Alertmanager {urls['alertmanager']}", flush=True)
     watch = Watch(run=run, port=port, port_fallback=True, store=str(directory / "run.db"), framework="rlwatch-demo",
-                  metadata={"scenario": scenario, "config": config.__dict__},
+                  metadata={"scenario": scenario, "correction": config.correction, "scenario_config": config.__dict__},
                   sd_dir=str(stack[0].sd_dir) if stack is not None else None, **WATCH_CONFIG)
     view = None
     quiet = _NoAlertLog()
@@ -274,9 +295,7 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
         watch.on_alert(view.alert)
         result = _train(watch, view, config, scenario, directory, paced=stack is not None)
         if stack is not None:
-            time.sleep(3.0)                       # the last step's scrape and rule evaluation
-            prometheus_alerts = _fired(urls["prometheus"], run)
-            delivered = _delivered(stack[2], run)
+            prometheus_alerts, delivered = _what_the_stack_did(stack, urls["prometheus"], watch, run)
     finally:
         logging.getLogger("rlwatch").removeFilter(quiet)
         if view is not None:
@@ -284,8 +303,9 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
         watch.close()
         if stack is not None:
             _stop_stack(stack)
+    save_probe_rollouts(str(directory / ROLLOUTS_FILE), config)      # for `rlwatch postmortem RUN --probe`
     document = run_postmortem(str(directory / "run.db"), out_dir=str(directory / "report"))
-    collapse = collapse_step(result.heldout)
+    collapse = document["collapse_step"]          # the post-mortem's dating of the stored held-out reward
     _print_summary(document, collapse, directory, result.seconds, prometheus_alerts, delivered)
     document["demo"] = {"directory": str(directory), "collapse_step": collapse, "seconds": result.seconds,
                         "prometheus_alerts": prometheus_alerts,
@@ -293,6 +313,17 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
                         "alertmanager_notifications": delivered, "stopped_servers": stack_pids}
     (directory / "demo.json").write_text(json.dumps(document["demo"], indent=2))
     return document
+
+
+def _what_the_stack_did(stack: tuple, prometheus_url: str, watch: Any, run: str) -> tuple[list[str], dict]:
+    """After the run: what Prometheus fired, then (the run's exporter closed, so its alerts resolve)
+    every notification Alertmanager sent, resolutions included."""
+    time.sleep(3.0)                       # the last step's scrape and rule evaluation
+    fired = _fired(prometheus_url, run)
+    watch.close()
+    print(f"Waiting for Alertmanager's resolutions (each rule keeps firing {RESOLVE_WAIT_NOTE}; at most "
+          f"{RESOLVE_TIMEOUT_S:.0f} s) ...", flush=True)
+    return fired, _delivered(stack[2], run, timeout=RESOLVE_TIMEOUT_S, until_resolved=True)
 
 
 def _train(watch: Any, view: LiveView, config: Any, scenario: str, directory: Path, paced: bool) -> Any:
@@ -329,7 +360,8 @@ def _print_summary(document: dict, collapse: int | None, directory: Path, second
         lead = collapse - first["step"]
         print(f"The critical alert {first['name']} fired at step {first['step']}, "
               + (f"{lead} steps before the collapse" if lead >= 0 else f"{-lead} steps after the collapse")
-              + f" (held-out reward lost at step {collapse}).")
+              + f" (held-out reward lost at step {collapse}"
+              + (f"; {document['recovery']['text']}" if document.get("recovery") else "") + ").")
     elif collapse is not None:
         print(f"The run collapsed at step {collapse} and no critical alert fired.")
     else:
@@ -339,6 +371,8 @@ def _print_summary(document: dict, collapse: int | None, directory: Path, second
     named = " + ".join(document.get("causes") or []) or document["cause"]
     checkpoint = (resume.get("checkpoint") or {}).get("path", "no checkpoint")
     print(f"Cause: {named}{explained}. Resume from: {checkpoint} ({resume.get('reason', 'no resume point')}).")
+    if document.get("correction_held"):
+        print(f"Held: {document['correction_held']}.")
     if prometheus_alerts is not None:
         sent = [f"{name} ({', '.join(f'{status} to {to}' for to, status in notes)})"
                 for name, notes in (delivered or {}).items()]

@@ -57,7 +57,7 @@ from .tasks import DIGITS, ENV_NAMES, ENV_TOKEN, EOS, PAD, SEP, VOCAB, grade, ma
 __all__ = ["DIGITS", "ENV_NAMES", "ENV_TOKEN", "EOS", "PAD", "SEP", "SCENARIOS", "TASK_SETS", "VOCAB", "Policy",
            "ScenarioConfig", "ScenarioResult", "StepInfo", "TransformerPolicy", "behaviour_weights", "collapse_step",
            "evaluate", "grade", "group_advantages", "make_policy", "make_prompts", "ppo_update", "pretrain",
-           "run_scenario", "sample", "scenario", "token_logp_entropy"]
+           "run_scenario", "sample", "save_probe_rollouts", "scenario", "token_logp_entropy"]
 
 
 SCENARIOS: dict[str, ScenarioConfig] = {
@@ -106,6 +106,23 @@ def collapse_step(heldout: list[tuple[int, float]]) -> int | None:
         elif not below:
             start = None
     return start
+
+
+def save_probe_rollouts(path: str, config: ScenarioConfig) -> str:
+    """Write the fixed rollouts ``rlwatch postmortem --probe`` scores each checkpoint on: the run's
+    held-out prompts answered correctly (the target digits, then EOS), ``input_ids`` [N, P + K + 1]
+    with the prompt left-padded as in training, ``response_mask`` on the answer and its EOS."""
+    from ..postmortem.probe import save_rollouts
+
+    heldout = make_prompts(config.heldout_prompts // 2, config, torch.Generator().manual_seed(12345), heldout=True)
+    prompts, targets, lengths = heldout["prompts"], heldout["targets"], heldout["target_len"]
+    answer = torch.cat([targets, torch.full((len(targets), 1), PAD)], dim=1)
+    answer = answer.scatter(1, lengths[:, None], EOS)                           # EOS after the last digit
+    ids = torch.cat([prompts, answer], dim=1)
+    positions = torch.arange(answer.shape[1])[None, :]
+    response = torch.cat([torch.zeros_like(prompts), (positions <= lengths[:, None]).long()], dim=1)
+    save_rollouts(path, ids, (ids != PAD).long(), response)
+    return path
 
 
 def _save_checkpoint(model: Policy, config: ScenarioConfig, step: int, trainer_version: int, root: str) -> str:

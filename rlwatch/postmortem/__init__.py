@@ -42,14 +42,16 @@ def run_postmortem(path: str | None = None, *, prometheus: str | None = None, ru
                    out_dir: str | None = None, as_json: bool = False, probe_file: str | None = None,
                    quiet: bool = False, baseline: str | None = None, baseline_run: str | None = None,
                    since: float | None = None, run_instance: str | None = None,
-                   baseline_run_instance: str | None = None, deadline: float | None = None) -> dict:
+                   baseline_run_instance: str | None = None, deadline: float | None = None,
+                   probe_loader: str | None = None) -> dict:
     """Load, analyse and report; returns the JSON document (also what ``--json`` prints).
 
     ``baseline``: a good run to compare with (a store, a TRL/verl directory, or a Prometheus URL
     with ``baseline_run``). For ``prometheus`` and a Prometheus baseline: ``since``, the seconds
     searched back for the run; ``run_instance`` / ``baseline_run_instance``, which process of a run
     name that several exported; ``deadline``, seconds for every Prometheus request together (default
-    :data:`~rlwatch.postmortem.prometheus.DEFAULT_DEADLINE_S`)."""
+    :data:`~rlwatch.postmortem.prometheus.DEFAULT_DEADLINE_S`). ``probe_loader``: ``module:function``
+    loading checkpoints of a kind rlwatch has no loader for (:func:`~rlwatch.postmortem.probe.user_loader`)."""
     import json
     from pathlib import Path
 
@@ -65,7 +67,9 @@ def run_postmortem(path: str | None = None, *, prometheus: str | None = None, ru
     if good is not None:
         result.comparison = compare(data, good)
     if probe_file:
-        from .probe import ROLLOUTS_FILE, probe
+        from .probe import ROLLOUTS_FILE, probe, user_loader
+
+        loaders = (user_loader(probe_loader),) if probe_loader else ()
 
         if probe_file == "auto":              # `--probe` alone: the file the integration kept next to the run
             candidates = [Path(path) / ROLLOUTS_FILE] if path and Path(path).is_dir() else []
@@ -76,7 +80,7 @@ def run_postmortem(path: str | None = None, *, prometheus: str | None = None, ru
             probe_file = str(found[0])
         elif not Path(probe_file).exists():
             raise FileNotFoundError(f"--probe: not found: {probe_file}")
-        result.probe = [dict(r.__dict__) for r in probe(data.checkpoints, probe_file)]
+        result.probe = [dict(r.__dict__) for r in probe(data.checkpoints, probe_file, loaders=loaders)]
     document = result.as_json()
     if out_dir:
         directory = Path(out_dir)

@@ -14,8 +14,10 @@ from .changes import Change, detect_change, scanned_series
 from .compare import Comparison
 from .sources import QUALITY_KEYS, RunData
 
-__all__ = ["CAUSE_SIGNALS", "MISMATCH_ALERTS", "NO_CAUSE", "Coverage", "Report", "Resume", "analyse",
-           "collapse_onset", "coverage", "first_changes", "quality_series", "resume_point", "summarize_hacks"]
+__all__ = ["CAUSE_SIGNALS", "COLLAPSE_FRACTION", "COLLAPSE_HOLD", "COLLAPSE_TAIL", "MISMATCH_ALERTS", "NO_CAUSE",
+           "Collapse", "Coverage", "KL_ALERTS", "LAG_ALERTS", "Report", "Resume", "analyse", "collapse_onset",
+           "correction_held", "correction_in_use", "coverage", "find_collapse",
+           "first_changes", "quality_series", "resume_point", "summarize_hacks"]
 
 
 # Which signals a diagnosed cause links to the collapse.
@@ -33,6 +35,50 @@ NO_CAUSE = "no cause found"
 MISMATCH_ALERTS = frozenset({"RLWatchESSLow", "RLWatchISTruncationHigh", "RLWatchKLJump", "RLWatchKLSpike",
                              "RLWatchMismatchDrift", "RLWatchNonFiniteLogProbs", "RLWatchOnPolicyRatioNotOne",
                              "RLWatchStalenessBoundExceeded", "RLWatchVersionLagFarAboveBound"})
+
+
+#: Alerts on the lag, and on the KL between sampler and learner: both firing in a run that kept its
+#: quality while a behaviour correction was on is a lag fault the correction held.
+LAG_ALERTS = ("RLWatchVersionLagFarAboveBound", "RLWatchStalenessBoundExceeded")
+KL_ALERTS = ("RLWatchKLSpike", "RLWatchKLJump", "RLWatchMismatchDrift")
+
+
+def correction_in_use(meta: dict[str, Any]) -> str | None:
+    """The behaviour correction the run trained with, from its metadata (at any depth):
+    ``correction`` (``Watch(metadata={"correction": "tis"})``; rlwatch demo sets it), TRL's
+    ``vllm_importance_sampling_correction`` (with its mode), OpenRLHF's ``is_correction``."""
+    found: dict[str, Any] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                found.setdefault(str(key), value)
+                walk(value)
+    walk(meta)
+    named = str(found.get("correction") or "").strip()
+    if named and named.lower() not in ("none", "off", "false", "0"):
+        return named.upper() if named.lower() in ("tis", "mis") else named
+    if found.get("vllm_importance_sampling_correction") is True:
+        return f"TRL's importance sampling ({found.get('vllm_importance_sampling_mode') or 'default mode'})"
+    if found.get("is_correction") is True:
+        return "OpenRLHF's importance-sampling correction"
+    return None
+
+
+def correction_held(data: RunData, alerts: list[dict[str, Any]], collapse: int | None,
+                    quality_key: str | None) -> str | None:
+    """Why a run with lag and KL alerts did not collapse, where a correction was on; else None."""
+    correction = correction_in_use(data.meta)
+    if collapse is not None or quality_key is None or correction is None:
+        return None
+    dated = sorted((a for a in alerts if a.get("step") is not None), key=lambda a: a["step"])
+    lag = next((a for a in dated if a["name"] in LAG_ALERTS), None)
+    kl = next((a for a in dated if a["name"] in KL_ALERTS), None)
+    if lag is None or kl is None:
+        return None
+    return (f"the correction ({correction}) held a lag fault: {lag['name']} fired at step {lag['step']} and "
+            f"{kl['name']} at step {kl['step']}, yet {quality_key} did not collapse; the stale sampler is still "
+            "there (fix the lag before turning the correction off)")
 
 
 @dataclass
@@ -111,6 +157,7 @@ class Report:
     quality_signal: str | None
     collapse_step: int | None
     peak: tuple[int, float] | None
+    collapse: "Collapse | None"
     first_signals: list[Change]
     alerts: list[dict[str, Any]]
     diagnosis: Diagnosis
@@ -124,6 +171,7 @@ class Report:
     comparison: "Comparison | None" = None
     superseded_alerts: list[dict[str, Any]] = field(default_factory=list)       # see RunData
     superseded_checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    correction_held: str | None = None            # see correction_held()
 
     @property
     def explanation(self) -> str | None:
@@ -163,6 +211,9 @@ class Report:
             "quality_signal": self.quality_signal,
             "collapse_step": self.collapse_step,
             "peak": {"step": self.peak[0], "value": self.peak[1]} if self.peak else None,
+            "recovery": self.collapse.recovery_json() if self.collapse is not None else None,
+            "collapse_rule": {"fraction_of_running_peak": COLLAPSE_FRACTION, "for_evaluations": COLLAPSE_HOLD,
+                              "or_to_the_end_over": COLLAPSE_TAIL},
             "alerts": [{"name": a["name"], "severity": a.get("severity"), "step": a.get("step"),
                         "state": a.get("state", "firing"), "labels": a.get("labels", {})} for a in self.alerts],
             "first_alert_lead": (self.collapse_step - critical["step"]
@@ -175,6 +226,7 @@ class Report:
             "mismatch_diagnosis": self.diagnosis.cause,
             "mismatch_explanation": self.explanation,
             "evidence": self.evidence,
+            "correction_held": self.correction_held,
             "last_healthy_checkpoint": ({"step": self.last_healthy_checkpoint[0],
                                          "path": self.last_healthy_checkpoint[1]}
                                         if self.last_healthy_checkpoint else None),
@@ -199,24 +251,75 @@ def quality_series(data: RunData) -> tuple[str | None, list[tuple[int, float]]]:
     return ("reward_mean", series) if series else (None, [])
 
 
-def collapse_onset(series: list[tuple[int, float]], fraction: float = 0.5, min_peak: float = 1e-9
+#: A collapse is dated at the first evaluation where the quality falls below COLLAPSE_FRACTION of its
+#: running peak and stays below for COLLAPSE_HOLD consecutive evaluations (steps, when it is evaluated
+#: every step), or to the end of the run when the run ends sooner, over at least COLLAPSE_TAIL of them.
+#: A later climb back is reported as a recovery, never moves the date. Chosen on the tuning curves of
+#: ``python -m bench.collapse_tuning`` and reported there on separate test curves.
+COLLAPSE_FRACTION = 0.4
+COLLAPSE_HOLD = 8
+COLLAPSE_TAIL = 3
+
+
+@dataclass
+class Collapse:
+    """A dated collapse: its first step, the running peak it fell from (step, value), the best value
+    after it where that climbed back to at least the fraction of the peak (a recovery), and the last
+    value (step, value)."""
+
+    step: int
+    peak: tuple[int, float]
+    recovery: tuple[int, float] | None
+    last: tuple[int, float]
+
+    def recovery_json(self) -> dict[str, Any] | None:
+        if self.recovery is None:
+            return None
+        return {"step": self.recovery[0], "value": self.recovery[1], "of_peak": self.recovery[1] / self.peak[1],
+                "text": self.recovery_text()}
+
+    @property
+    def recovered_fully(self) -> bool:
+        return self.recovery is not None and self.recovery[1] >= self.peak[1]
+
+    def recovery_text(self) -> str | None:
+        """"recovered to 0.33 at step 88, below its peak of 0.53; 0.08 at step 99", or None."""
+        if self.recovery is None:
+            return None
+        step, value = self.recovery
+        where = "back to its peak" if self.recovered_fully else f"below its peak of {self.peak[1]:.2f}"
+        text = f"recovered to {value:.2f} at step {step}, {where}"
+        return text if self.last[0] == step else text + f"; {self.last[1]:.2f} at step {self.last[0]}"
+
+
+def find_collapse(series: list[tuple[int, float]], fraction: float = COLLAPSE_FRACTION, hold: int = COLLAPSE_HOLD,
+                  tail: int = COLLAPSE_TAIL, min_peak: float = 1e-9) -> Collapse | None:
+    """The first sustained drop of ``series`` ((step, value) by step) below ``fraction`` of its
+    running peak: ``hold`` evaluations in a row, or ``tail`` or more that last to the run's end."""
+    peaks: list[tuple[int, float]] = []
+    best: tuple[int, float] | None = None
+    for step, value in series:
+        if best is None or value > best[1]:
+            best = (step, value)
+        peaks.append(best)
+    below = [peak[1] > min_peak and value < fraction * peak[1] for (_, value), peak in zip(series, peaks)]
+    n = len(series)
+    for i in range(n):
+        stretch = below[i:i + hold]
+        if all(stretch) and (len(stretch) == hold or len(stretch) >= tail):
+            after = [p for p in series[i + 1:] if p[1] >= fraction * peaks[i][1]]
+            recovery = max(after, key=lambda p: p[1]) if after else None
+            return Collapse(series[i][0], peaks[i], recovery, series[-1])
+    return None
+
+
+def collapse_onset(series: list[tuple[int, float]], fraction: float = COLLAPSE_FRACTION, min_peak: float = 1e-9
                    ) -> tuple[int | None, tuple[int, float] | None]:
-    """First step from which the value stays below ``fraction`` of its running peak to the end."""
+    """(the step :func:`find_collapse` dates, or None; the series' best (step, value), or None)."""
     if not series:
         return None, None
-    peaks, running = [], float("-inf")
-    for step, value in series:
-        running = max(running, value)
-        peaks.append(running)
-    best = max(series, key=lambda p: p[1])
-    onset = None
-    for i in range(len(series) - 1, -1, -1):
-        step, value = series[i]
-        if peaks[i] > min_peak and value < fraction * peaks[i]:
-            onset = step
-        else:
-            break
-    return onset, best
+    found = find_collapse(series, fraction, min_peak=min_peak)
+    return (found.step if found else None), max(series, key=lambda p: p[1])
 
 
 def first_changes(data: RunData, collapse: int | None = None) -> list[Change]:
@@ -269,7 +372,8 @@ def resume_point(data: RunData, collapse: int | None, changes: list[Change], cau
 
 def analyse(data: RunData) -> Report:
     quality_key, quality = quality_series(data)
-    collapse, peak = collapse_onset(quality)
+    found = find_collapse(quality)
+    collapse, peak = (found.step if found else None), (max(quality, key=lambda p: p[1]) if quality else None)
     steps = (data.steps[0][0], data.steps[-1][0]) if data.steps else None
     changes = first_changes(data, collapse)
     # Diagnose on the steps up to the collapse (or the whole run when none happened).
@@ -289,11 +393,12 @@ def analyse(data: RunData) -> Report:
         cause = NO_CAUSE
     resume = resume_point(data, collapse, changes, cause, quality_key)
     return Report(run=data.run, source=data.source, steps=steps, quality_signal=quality_key, collapse_step=collapse,
-                  peak=peak, first_signals=changes, alerts=alerts, diagnosis=diagnosis,
+                  peak=peak, collapse=found, first_signals=changes, alerts=alerts, diagnosis=diagnosis,
                   last_healthy_checkpoint=resume.checkpoint, hacks=hacks, events=data.events, resume=resume,
                   coverage=coverage(data, quality_key), cause=cause,
                   superseded_alerts=[a for a in data.superseded_alerts if a.get("state", "firing") == "firing"],
-                  superseded_checkpoints=data.superseded_checkpoints)
+                  superseded_checkpoints=data.superseded_checkpoints,
+                  correction_held=correction_held(data, alerts, collapse, quality_key))
 
 
 def summarize_hacks(data: RunData, changes: list[Change] = ()) -> list[dict[str, Any]]:
@@ -316,7 +421,10 @@ def summarize_hacks(data: RunData, changes: list[Change] = ()) -> list[dict[str,
             else:
                 early, late = change.before, change.after
             env, detector = labels
-            examples = [e for e in data.hack_examples if e.get("env") == env and e.get("detector") == detector][:3]
+            examples = [e for e in data.hack_examples if e.get("env") == env and e.get("detector") == detector]
+            # From the rise on (what the hack looks like, not step 0's noise); undated: the latest ones.
+            rising = [e for e in examples if change is not None and (e.get("step") or 0) >= change.step]
+            examples = rising[:3] or examples[-3:]
             out.append({"env": env, "detector": detector, "early_rate": early, "late_rate": late,
                         "step": change.step if change is not None else None, "examples": examples})
     return out

@@ -7,10 +7,12 @@ Checkpoints are loaded without executing anything they contain: weights come fro
 ``model.safetensors`` (safetensors cannot carry code), or, when a directory has only a pickled
 ``pytorch_model.bin``, through ``torch.load(weights_only=True)``, which refuses any object that
 is not a tensor; the model class comes from ``config.json`` through transformers' own registry
-(never ``trust_remote_code``), and the weights are checked against that config on the meta
-device (no memory) before the model is built, so a few-byte checkpoint whose config claims a
-large model is refused without allocating it. A checkpoint that cannot be loaded that way is
-refused and reported, never unpickled.
+(never ``trust_remote_code``), or for ``rlwatch demo``'s checkpoints from its ``architecture``,
+and the weights are checked against that config on the meta device (no memory) before the model
+is built, so a few-byte checkpoint whose config claims a large model is refused without
+allocating it. A checkpoint that cannot be loaded that way is refused and reported, never
+unpickled. Any other kind of checkpoint needs a loader of your own: ``--probe-loader
+module:function`` (:func:`user_loader`).
 """
 
 from __future__ import annotations
@@ -134,10 +136,61 @@ def _hf_loader(directory: Path, config: dict) -> LogitsFn | None:
     return logits
 
 
+def _demo_loader(directory: Path, config: dict) -> LogitsFn | None:
+    """rlwatch's demo checkpoints (``rlwatch demo``): config.json names the ``architecture`` (gru or
+    transformer) and sizes of :mod:`rlwatch.demo.policy`'s models; weights in model.safetensors."""
+    if config.get("architecture") not in ("gru", "transformer") or "scenario" not in config:
+        return None
+    from ..demo.policy import Policy, TransformerPolicy
+
+    def build() -> torch.nn.Module:
+        if config["architecture"] == "transformer":
+            return TransformerPolicy(int(config["embed_dim"]))
+        return Policy(int(config["embed_dim"]), int(config["hidden_dim"]))
+
+    state = read_state_dict(directory)
+    with torch.device("meta"):
+        skeleton = build()
+    check_weights(skeleton, state, directory)
+    del skeleton
+    model = build()
+    model.load_state_dict(state)
+    model.eval()
+
+    def logits(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        return model.head(model.encode(ids)[0]).float()        # [N, L, V]; left padding is the demo's own
+    return logits
+
+
 LOADERS.append(_hf_loader)
+LOADERS.append(_demo_loader)
+Loader = Callable[[Path, dict], "LogitsFn | None"]
 
 
-def load_policy(directory: str | Path) -> LogitsFn:
+def user_loader(spec: str) -> Loader:
+    """``module:function`` (``--probe-loader``): ``function(directory: Path, config: dict)`` returns
+    ``logits(input_ids [N, L], attention_mask [N, L]) -> [N, L, V]`` for a checkpoint directory it
+    knows, else None (the built-in loaders are tried next). The module is imported from the current
+    directory or ``PYTHONPATH``: it runs as your code."""
+    import importlib
+    import sys
+
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"--probe-loader {spec!r}: expected module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        loader = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--probe-loader {spec!r}: {type(exc).__name__}: {exc}") from None
+    if not callable(loader):
+        raise ValueError(f"--probe-loader {spec!r}: {name} is not callable")
+    return loader
+
+
+def load_policy(directory: str | Path, loaders: "tuple[Loader, ...]" = ()) -> LogitsFn:
+    """The logits function of a checkpoint directory: ``loaders`` first, then the built-in ones."""
     directory = Path(directory)
     config_path = directory / "config.json"
     try:
@@ -146,11 +199,12 @@ def load_policy(directory: str | Path) -> LogitsFn:
         raise ValueError(f"{config_path}: not readable JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{config_path}: not a JSON object")
-    for loader in LOADERS:
+    for loader in (*loaders, *LOADERS):
         fn = loader(directory, config)
         if fn is not None:
             return fn
-    raise ValueError(f"{directory}: no loader for this checkpoint (config model_type {config.get('model_type')!r})")
+    raise ValueError(f"{directory}: no loader for this checkpoint (config model_type {config.get('model_type')!r}); "
+                     "pass one with --probe-loader module:function")
 
 
 @torch.no_grad()
@@ -179,8 +233,10 @@ def distinct(checkpoints: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return sorted((step, path) for (step, _), path in by_place.items())
 
 
-def probe(checkpoints: list[tuple[int, str]], rollouts_path: str | Path, chunk: int = 8) -> list[ProbeResult]:
-    """Score each distinct checkpoint on the stored rollouts, and the KL from each to the next."""
+def probe(checkpoints: list[tuple[int, str]], rollouts_path: str | Path, chunk: int = 8,
+          loaders: "tuple[Loader, ...]" = ()) -> list[ProbeResult]:
+    """Score each distinct checkpoint on the stored rollouts, and the KL from each to the next
+    (``loaders``: tried before the built-in ones, see :func:`user_loader`)."""
     rollouts = load_rollouts(rollouts_path)
     results: list[ProbeResult] = []
     previous: list[torch.Tensor] | None = None
@@ -188,7 +244,7 @@ def probe(checkpoints: list[tuple[int, str]], rollouts_path: str | Path, chunk: 
     for step, path in distinct(checkpoints):
         result = ProbeResult(step, path)
         try:
-            token_logp, dists = _token_stats(load_policy(path), rollouts, chunk)
+            token_logp, dists = _token_stats(load_policy(path, loaders), rollouts, chunk)
             result.mean_logp = float(token_logp.mean()) if token_logp.numel() else None
             if previous is not None and previous_result is not None:
                 kl_sum, count = 0.0, 0

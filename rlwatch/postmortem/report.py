@@ -86,6 +86,8 @@ def headline(report: Report) -> str:
                 f"run {report.run}: no quality signal (held-out score or reward), so no collapse can be dated")
     else:
         text = f"run {report.run}: {report.quality_signal} collapsed at step {report.collapse_step}"
+        recovered = report.collapse.recovery_text() if report.collapse is not None else None
+        text += f" ({recovered})" if recovered else ""
         if critical is not None:
             lead = report.collapse_step - critical["step"]
             text += (f"; {critical['name']} fired {lead} steps before the collapse (step {critical['step']})"
@@ -176,6 +178,7 @@ def text_report(report: Report) -> str:
         lines.append(f"peak {report.quality_signal} {_fmt(report.peak[1])} at step {report.peak[0]}")
     lines.append(cause_line(report))
     lines += [f"  - {safe(e)}" for e in report.evidence]
+    lines += [f"held: {safe(report.correction_held)}"] if report.correction_held else []
     if report.first_signals:
         lines.append("signals that changed first:")
         lines += ["  " + change_line(c) for c in report.first_signals[:SHOWN_CHANGES]]
@@ -302,6 +305,9 @@ def plots(report: Report, data: RunData, directory: Path, baseline: RunData | No
     """PNG plots: the overview signals, each first mover with its change marked, and (with a
     baseline) both runs' curves of every diverged signal. Returns the written paths."""
     try:
+        import logging
+
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)      # no "generated new fontManager"
         import matplotlib
 
         matplotlib.use("Agg")
@@ -404,7 +410,8 @@ def _md_cause(report: Report) -> list[str]:
                  ""]
     else:
         lines = ["## Cause", "", f"**{md(report.cause_name)}**{_confidence(report)}", ""]
-    return lines + [f"- {md(e)}" for e in report.evidence] + [""]
+    held = [f"**Held by a correction**: {md(report.correction_held)}.", ""] if report.correction_held else []
+    return lines + [f"- {md(e)}" for e in report.evidence] + [""] + held
 
 
 def _md_changes(report: Report) -> list[str]:
