@@ -12,21 +12,40 @@ __all__ = ["Comparison", "PostmortemInputError", "Report", "RunData", "analyse",
            "load_source", "run_postmortem"]
 
 
+def read_signals() -> tuple[str, ...]:
+    """The signals the post-mortem reads from a step: the scanned signals, the coverage families, the
+    plotted ones and the diagnosis' inputs (a long run keeps only these: :mod:`.downsample`)."""
+    from ..diagnosis import INPUTS
+    from .analysis import COVERAGE_FAMILIES
+    from .changes import LEADING_SIGNALS
+    from .report import PLOTTED
+
+    names = [*LEADING_SIGNALS, *(n for _, family, _ in COVERAGE_FAMILIES for n in family),
+             *(key for key, _ in PLOTTED if key != "quality"), *INPUTS]
+    return tuple(dict.fromkeys(names))
+
+
 def load(path: str | None = None, prometheus: str | None = None, run: str | None = None,
          lookback_seconds: float | None = None, run_instance: str | None = None, deadline: Any = None) -> RunData:
     """Load ``path`` (:func:`~rlwatch.postmortem.sources.load_path`), or read ``run`` from ``prometheus``
-    (a URL: the last ``lookback_seconds``, the process ``run_instance`` names, within ``deadline``, a
-    :class:`~rlwatch.postmortem.prometheus.Deadline`)."""
+    (a URL: the last ``lookback_seconds``, the process ``run_instance`` names), within ``deadline`` (a
+    :class:`~rlwatch.postmortem.prometheus.Deadline`); a run longer than
+    :data:`~rlwatch.postmortem.downsample.MAX_POINTS` steps comes downsampled."""
+    from .downsample import downsample_run
+
     if prometheus:
         from .prometheus import from_prometheus
 
         if not run:
             raise PostmortemInputError("--prometheus needs --run")
-        return from_prometheus(prometheus, run, run_instance=run_instance, deadline=deadline,
+        data = from_prometheus(prometheus, run, run_instance=run_instance, deadline=deadline,
                                **({"lookback_seconds": lookback_seconds} if lookback_seconds else {}))
-    if run_instance is not None:
+    elif run_instance is not None:
         raise PostmortemInputError("--run-instance picks a process in Prometheus; a store names its run with --run")
-    return load_path(path, run)
+    else:
+        data = load_path(path, run, read_signals(), deadline)
+    downsample_run(data, read_signals())
+    return data
 
 
 def load_source(source: str | None, run: str | None = None, prometheus: str | None = None,

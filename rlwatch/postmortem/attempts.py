@@ -51,6 +51,11 @@ def lineage(store: Any, run: str) -> Lineage:
     """The attempts of ``run`` in ``store`` (a :class:`~rlwatch.store_reader.StoreReader`), ordered by
     start time, with the range of steps each observed (kept in ``steps`` or ``step_history``)."""
     started = {a["id"]: a["started"] for a in store.attempts(run)}
+    if len(started) == 1 and has_column(store, "steps", "attempt"):
+        # one process wrote the run: nothing to tell apart, and no scan of a long run's rows (their
+        # attempt column lies past the data)
+        ((only, at),) = started.items()
+        return Lineage([Attempt(str(only), _float(at), None, None)])
     sources = [f"SELECT attempt, step, time FROM {table} WHERE run = ?" for table in ("steps", "step_history")
                if has_column(store, table, "attempt")]
     ranges = {r["attempt"]: r for r in store._rows(
