@@ -381,7 +381,8 @@ def _add_postmortem(sub: Any) -> None:
                    "the run name (its run_instance label, or instance where that is absent; listed when needed)")
     p.add_argument("--baseline-run-instance", metavar="ID", help="the same for a Prometheus --baseline")
     p.add_argument("--deadline", type=float, metavar="SECONDS",
-                   help="Prometheus: seconds for all its answers together (default 120)")
+                   help="seconds for the whole command: reading the run (every Prometheus answer, parsed, or a "
+                        "store) and the analysis (default 120); past it, one line and exit 1")
     p.add_argument("--out", help="write postmortem.md, postmortem.json and PNG plots here")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the report")
     p.add_argument("--probe", nargs="?", const="auto", metavar="ROLLOUTS",

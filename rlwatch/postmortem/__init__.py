@@ -67,8 +67,9 @@ def run_postmortem(path: str | None = None, *, prometheus: str | None = None, ru
     ``baseline``: a good run to compare with (a store, a TRL/verl directory, or a Prometheus URL
     with ``baseline_run``). For ``prometheus`` and a Prometheus baseline: ``since``, the seconds
     searched back for the run; ``run_instance`` / ``baseline_run_instance``, which process of a run
-    name that several exported; ``deadline``, seconds for every Prometheus request together (default
-    :data:`~rlwatch.postmortem.prometheus.DEFAULT_DEADLINE_S`)."""
+    name that several exported. ``deadline``: seconds for reading the runs (every Prometheus request,
+    the parsing of its answers, a store's rows) and the analysis (default
+    :data:`~rlwatch.postmortem.prometheus.DEFAULT_DEADLINE_S`); past it, one line."""
     import json
     from pathlib import Path
 
@@ -76,10 +77,13 @@ def run_postmortem(path: str | None = None, *, prometheus: str | None = None, ru
     from .prometheus import DEFAULT_DEADLINE_S, Deadline
 
     limit = Deadline(DEFAULT_DEADLINE_S if deadline is None else deadline)
+    where = f"Prometheus at {prometheus}" if prometheus else str(path)
     data = load(path, prometheus=prometheus, run=run, lookback_seconds=since, run_instance=run_instance,
                 deadline=limit)
+    limit.check(where)
     good = load_source(baseline, run=baseline_run, lookback_seconds=since, run_instance=baseline_run_instance,
                        deadline=limit) if baseline else None
+    limit.check(f"{where} and the baseline {baseline}" if baseline else where)
     result = analyse(data)
     if good is not None:
         result.comparison = compare(data, good)
@@ -96,6 +100,7 @@ def run_postmortem(path: str | None = None, *, prometheus: str | None = None, ru
         elif not Path(probe_file).exists():
             raise FileNotFoundError(f"--probe: not found: {probe_file}")
         result.probe = [dict(r.__dict__) for r in probe(data.checkpoints, probe_file)]
+    limit.check(where)
     document = result.as_json()
     if out_dir:
         directory = Path(out_dir)
