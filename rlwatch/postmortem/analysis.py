@@ -124,6 +124,7 @@ class Report:
     comparison: "Comparison | None" = None
     superseded_alerts: list[dict[str, Any]] = field(default_factory=list)       # see RunData
     superseded_checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    concurrent_writers: list[list[dict[str, Any]]] = field(default_factory=list)      # see RunData
 
     @property
     def explanation(self) -> str | None:
@@ -164,7 +165,8 @@ class Report:
             "collapse_step": self.collapse_step,
             "peak": {"step": self.peak[0], "value": self.peak[1]} if self.peak else None,
             "alerts": [{"name": a["name"], "severity": a.get("severity"), "step": a.get("step"),
-                        "state": a.get("state", "firing"), "labels": a.get("labels", {})} for a in self.alerts],
+                        "state": a.get("state", "firing"), "labels": a.get("labels", {}),
+                        **({"attempt": a.get("attempt")} if self.concurrent_writers else {})} for a in self.alerts],
             "first_alert_lead": (self.collapse_step - critical["step"]
                                  if critical is not None and self.collapse_step is not None else None),
             "first_signals": [c.as_json() for c in self.first_signals],
@@ -187,6 +189,7 @@ class Report:
             **({"comparison": self.comparison.as_json()} if self.comparison else {}),
             **({"superseded": {"alerts": self.superseded_alerts, "checkpoints": self.superseded_checkpoints}}
                if self.superseded_alerts or self.superseded_checkpoints else {}),
+            **({"concurrent_writers": self.concurrent_writers} if self.concurrent_writers else {}),
         }
 
 
@@ -293,7 +296,7 @@ def analyse(data: RunData) -> Report:
                   last_healthy_checkpoint=resume.checkpoint, hacks=hacks, events=data.events, resume=resume,
                   coverage=coverage(data, quality_key), cause=cause,
                   superseded_alerts=[a for a in data.superseded_alerts if a.get("state", "firing") == "firing"],
-                  superseded_checkpoints=data.superseded_checkpoints)
+                  superseded_checkpoints=data.superseded_checkpoints, concurrent_writers=data.concurrent_writers)
 
 
 def summarize_hacks(data: RunData, changes: list[Change] = ()) -> list[dict[str, Any]]:

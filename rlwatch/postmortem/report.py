@@ -170,6 +170,7 @@ def coverage_lines(report: Report) -> list[str]:
 def text_report(report: Report) -> str:
     """The whole report as plain text (what the terminal shows, without colour)."""
     lines = [headline(report), f"source: {safe(report.source)}"]
+    lines += concurrent_lines(report)
     if report.steps:
         lines.append(f"steps {report.steps[0]}..{report.steps[1]}")
     if report.peak:
@@ -190,8 +191,9 @@ def text_report(report: Report) -> str:
         lines.append("alerts:")
         for a in report.alerts[:20]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(a.get("labels", {}).items()))
+            by = f"  (attempt {safe(a.get('attempt'))})" if report.concurrent_writers and a.get("attempt") else ""
             lines.append(f"  step {_fmt(a.get('step')):>5}  {safe(a.get('severity', '')):<8} {safe(a['name'])} "
-                         f"{safe(labels, 200)}")
+                         f"{safe(labels, 200)}{by}")
         if len(report.alerts) > 20:
             lines.append(f"  ... and {len(report.alerts) - 20} more")
     else:
@@ -212,6 +214,18 @@ def text_report(report: Report) -> str:
     if report.comparison is not None:
         lines += comparison_lines(report.comparison)
     return "\n".join(lines)
+
+
+def concurrent_lines(report: Report, bullet: str = "  ") -> list[str]:
+    """Processes that wrote the run at the same time: not a resume, and their steps are interleaved."""
+    lines = []
+    for group in report.concurrent_writers:
+        lines.append(f"concurrent writers: {len(group)} processes wrote this run at the same time (one run name, "
+                     "one store); this is not a resume: every process's alerts are listed, and each step holds "
+                     "the row written last, so the signals mix the processes (give each process its own run name)")
+        lines += [f"{bullet}attempt {safe(a['id'])}: pid {a.get('pid')}, host {safe(a.get('host'))}, steps "
+                  f"{a.get('first_step')}..{a.get('last_step')}" for a in group]
+    return lines
 
 
 def superseded_lines(report: Report, bullet: str = "  ") -> list[str]:
@@ -386,6 +400,8 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
     lines = [f"# Post-mortem: {md(report.run)}", "", f"**{md(headline(report))}.**", "",
              f"Source: {md(report.source)}.", ""]
     lines += _md_cause(report) + _md_changes(report) + _md_alerts(report) + _md_hacks(report) + _md_probe(report)
+    if concurrent := concurrent_lines(report, bullet=""):
+        lines += ["", "## Concurrent writers", "", md(concurrent[0]), ""] + [f"- {md(x)}" for x in concurrent[1:]]
     if superseded := superseded_lines(report, bullet=""):
         lines += ["", "## Superseded attempts", "", md(superseded[0]), ""] + [f"- {md(x)}" for x in superseded[1:]]
     lines += _md_resume_and_coverage(report)

@@ -40,6 +40,9 @@ class RunData:
     #: each with ``attempt``, ``superseded_by`` and ``resumed_at`` (the step the later attempt resumed at).
     superseded_alerts: list[dict[str, Any]] = field(default_factory=list)
     superseded_checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    #: Groups of processes that wrote the run at the same time (store only; not attempts of each other),
+    #: each a list of ``{id, pid, host, first_step, last_step, started, last_time}``, oldest first.
+    concurrent_writers: list[list[dict[str, Any]]] = field(default_factory=list)
 
     def series(self, name: str, labels: tuple[str, ...] = ()) -> list[tuple[int, float]]:
         out = [(s, v) for s, values in self.steps if (v := values.get(name, {}).get(labels)) is not None]
@@ -181,6 +184,9 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str],
     except _READ_ERRORS:
         note("malformed attempts table (every row read as the final attempt's)")
         lines = Lineage([])
+    data.concurrent_writers = [[dict(id=a.id, pid=a.pid, host=a.host, first_step=a.first_step, last_step=a.last_step,
+                                     started=a.started, last_time=a.last_time) for a in group]
+                               for group in lines.concurrent]
     first, last, count = store._rows("SELECT MIN(step), MAX(step), COUNT(*) FROM steps WHERE run = ?", (run,))[0]
     width = bucket_width(first, last) if isinstance(first, int) and isinstance(last, int) and count > MAX_POINTS \
         else 1
