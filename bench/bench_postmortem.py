@@ -116,12 +116,14 @@ def store_steps(path: Path) -> int:
 
 
 def measure(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float, int, str]:
-    """Run ``command``: (wall seconds, peak RSS in MiB, exit status, output tail)."""
+    """Run ``command``: (wall seconds, peak RSS in MiB, exit status, output); its CPU seconds in
+    ``measure.cpu``."""
     started = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
+    measure.cpu = usage.ru_utime + usage.ru_stime
     return time.monotonic() - started, usage.ru_maxrss / 1024, proc.returncode, output.decode(errors="replace")
 
 
@@ -144,7 +146,8 @@ def main() -> int:
         plots = len(list(Path(out).glob("*.png")))
     print(output[-3000:])
     print(f"rlwatch postmortem {store} --out DIR: {args.steps:,} steps "
-          f"({store.stat().st_size / 2**20:,.0f} MiB), wall {wall:.1f} s, peak RSS {rss:,.0f} MiB, "
+          f"({store.stat().st_size / 2**20:,.0f} MiB), wall {wall:.1f} s (CPU {measure.cpu:.1f} s), "
+          f"peak RSS {rss:,.0f} MiB, "
           f"exit {rc}, {plots} plots")
     return rc
 

@@ -21,7 +21,7 @@ from ..values import Values
 #: Points per series the analysis and the plots get at most.
 MAX_POINTS = 20_000
 #: Step rows of a store decoded at most: a longer run's buckets average every ``stride``-th step.
-MAX_ROWS = 200_000
+MAX_ROWS = 100_000
 
 
 def row_stride(rows: int, budget: int = MAX_ROWS) -> int:
