@@ -36,3 +36,22 @@ def test_a_ten_times_longer_run_costs_bounded_memory_and_is_still_dated(tmp_path
     assert [(a["name"], a["step"]) for a in doc["alerts"]] == [("RLWatchKLSpike", 60_020)]
     assert doc["resume"]["checkpoint"]["step"] == 59_999
     assert any(e["kind"] == "downsampled" and "buckets of 5 steps" in e["detail"] for e in doc["events"])
+
+
+def test_a_long_runs_signals_hold_everything_the_diagnosis_reads(tmp_path):
+    """A bucketed run keeps only :func:`read_signals`: the diagnosis on those alone is the diagnosis on
+    every signal (so ``rlwatch.diagnosis.INPUTS`` lists all it reads)."""
+    import rlwatch
+    from rlwatch.diagnosis import diagnose
+    from rlwatch.postmortem import load, read_signals
+
+    from .conftest import make_step
+
+    path = str(tmp_path / "run.db")
+    with rlwatch.Watch(run="r", port=None, store=path) as watch:
+        for step in range(30):
+            watch.observe(step, **make_step(B=8, T=16, seed=step, lag_max=3, noise=0.3 if step >= 15 else 0.05))
+    steps = [values for _, values in load(path).steps]
+    kept = set(read_signals())
+    assert diagnose(steps).as_dict() == diagnose([{k: v for k, v in s.items() if k in kept} for s in steps]).as_dict()
+    assert diagnose(steps).cause != "none"
