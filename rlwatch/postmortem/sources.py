@@ -356,12 +356,12 @@ TRL_KEYS = {   # TRL log key -> rlwatch signal (where the meaning coincides)
 }
 
 
-def from_trl(directory: str | Path) -> RunData:
+def from_trl(directory: str | Path, signals: tuple[str, ...] | None = None) -> RunData:
     directory = Path(directory)
     checkpoints = sorted(((int(m.group(1)), p) for p in directory.glob("checkpoint-*")
                           if p.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", p.name))))
     stores = sorted(directory.glob("*.db")) + sorted(directory.glob("rlwatch*/*.db"))
-    data = from_store(stores[0]) if stores else RunData(run=directory.name, source=f"TRL {directory}")
+    data = from_store(stores[0], signals=signals) if stores else RunData(run=directory.name, source=f"TRL {directory}")
     data.source = f"TRL {directory}" + (f" + store {stores[0]}" if stores else "")
     history: list[dict] = []
     if checkpoints:
@@ -408,11 +408,11 @@ VERL_KEYS = {
 }
 
 
-def from_verl(directory: str | Path) -> RunData:
+def from_verl(directory: str | Path, signals: tuple[str, ...] | None = None) -> RunData:
     directory = Path(directory)
     logs = sorted(directory.rglob("*.jsonl"))
     stores = sorted(directory.rglob("*.db"))
-    data = from_store(stores[0]) if stores else RunData(run=directory.name, source=f"verl {directory}")
+    data = from_store(stores[0], signals=signals) if stores else RunData(run=directory.name, source=f"verl {directory}")
     data.source = f"verl {directory}" + (f" + store {stores[0]}" if stores else "")
     by_step: dict[int, Values] = {}
     for log in logs:
@@ -457,9 +457,9 @@ def load_path(path: str | None, run: str | None = None, signals: tuple[str, ...]
     if not p.is_dir():
         raise FileNotFoundError(f"not found: {path}")
     if any(p.glob("checkpoint-*/trainer_state.json")):
-        return from_trl(p)
+        return from_trl(p, signals)
     if any(p.glob("global_step_*")) or any(p.rglob("*.jsonl")):
-        return from_verl(p)
+        return from_verl(p, signals)
     stores = sorted(p.glob("*.db"))
     if stores:
         return from_store(stores[0], run, signals, deadline)
