@@ -217,34 +217,9 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
 
 
 def _cmd_whatif(args: argparse.Namespace) -> int:
-    import json
+    from .whatif.command import run_command
 
-    from .postmortem.report import safe
-
-    if args.chapter:
-        from .whatif.chapter import design_table, render, reproduce
-
-        print(render(reproduce()) + "\n\nEvery design on the chapter's pipeline (64 slots, 64 episodes per step, "
-              "60 s training, 10 s sync, 20 steps):\n" + design_table())
-        return 0
-    from .whatif import measured, report
-
-    if args.path is None:
-        print("rlwatch whatif: give a run store, a TRL output directory or a verl checkpoint directory (or --chapter)",
-              file=sys.stderr)
-        return 2
-    try:
-        run = measured.load(args.path, run=args.run, env=args.env)
-        result = report.build(run, slots=args.slots, batch_size=args.batch_size, train_s=args.train_s,
-                              sync_s=args.sync_s, steps=args.steps, seed=args.seed, k3_bound=args.k3_bound)
-    except FileNotFoundError as exc:
-        print(f"rlwatch whatif: not found: {safe(exc.filename or exc)}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as exc:       # no durations, an unreadable store, bad option values
-        print(f"rlwatch whatif: {safe(exc)}", file=sys.stderr)
-        return 1
-    print(json.dumps(report.as_json(result), indent=2) if args.json else report.render(result))
-    return 0
+    return run_command(args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -423,7 +398,8 @@ def _add_postmortem(sub: Any) -> None:
                    "the run name (its run_instance label, or instance where that is absent; listed when needed)")
     p.add_argument("--baseline-run-instance", metavar="ID", help="the same for a Prometheus --baseline")
     p.add_argument("--deadline", type=float, metavar="SECONDS",
-                   help="Prometheus: seconds for all its answers together (default 120)")
+                   help="seconds for the whole command: reading the run (every Prometheus answer, parsed, or a "
+                        "store) and the analysis (default 120); past it, one line and exit 1")
     p.add_argument("--out", help="write postmortem.md, postmortem.json and PNG plots here")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the report")
     p.add_argument("--probe", nargs="?", const="auto", metavar="ROLLOUTS",
@@ -444,20 +420,9 @@ def _add_whatif(sub: Any) -> None:
                  "eta = 1, 2, 4, 8, partial rollouts or draining): throughput, slot utilisation, staleness and "
                  "trained episode duration next to the run's measured values, and a recommendation that reads "
                  "the run's mismatch by version lag. docs/whatif.md")
-    p.add_argument("path", nargs="?", help="run store, TRL output directory or verl checkpoint directory")
-    p.add_argument("--run", help="run name (stores with several runs)")
-    p.add_argument("--env", help="only this environment's episode durations")
-    p.add_argument("--slots", type=int, help="generation slots (default: the run's episodes per step)")
-    p.add_argument("--batch-size", type=int, help="episodes per step (default: the run's)")
-    p.add_argument("--train-s", type=float, help="training seconds per step (default: the run's median)")
-    p.add_argument("--sync-s", type=float, help="weight-sync seconds per step (default: the run's median)")
-    p.add_argument("--steps", type=int, help="steps simulated (default: the run's, within 20..200)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the resampled durations")
-    p.add_argument("--k3-bound", type=float, help="k3 a design may reach at its mean staleness (default: the run's "
-                   "kl_k3_max alert threshold)")
-    p.add_argument("--chapter", action="store_true",
-                   help="instead: the reference chapter's figures, recomputed with its duration model")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    from .whatif.command import add_arguments
+
+    add_arguments(p)
 
 
 def _add_files(sub: Any) -> None:

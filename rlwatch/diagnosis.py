@@ -84,6 +84,13 @@ def _slope(xs: list[float], ys: list[float]) -> float | None:
     return None if sxx == 0 else sxy / sxx
 
 
+#: Every signal :func:`diagnose` reads from a step (a long run's post-mortem keeps only what it reads).
+INPUTS = ("mismatch_tokens_by_lag", "mismatch_abs_log_ratio_mean_by_lag", "mismatch_abs_log_ratio_mean",
+          "mismatch_log_ratio_mean", "mismatch_log_ratio_slope", "tokens", "nonfinite_tokens",
+          "mismatch_abs_log_ratio_by_prob", "trainer_version", "version_lag_max", "version_lag_mean",
+          "staleness_bound")
+
+
 def _lag_of(label: str) -> float:
     """A lag bucket's label as its upper bound in updates (``+Inf`` past the last bound)."""
     return math.inf if label == "+Inf" else float(label)

@@ -172,6 +172,7 @@ class Report:
     superseded_alerts: list[dict[str, Any]] = field(default_factory=list)       # see RunData
     superseded_checkpoints: list[dict[str, Any]] = field(default_factory=list)
     correction_held: str | None = None            # see correction_held()
+    concurrent_writers: list[list[dict[str, Any]]] = field(default_factory=list)      # see RunData
 
     @property
     def explanation(self) -> str | None:
@@ -215,7 +216,8 @@ class Report:
             "collapse_rule": {"fraction_of_running_peak": COLLAPSE_FRACTION, "for_evaluations": COLLAPSE_HOLD,
                               "or_to_the_end_over": COLLAPSE_TAIL},
             "alerts": [{"name": a["name"], "severity": a.get("severity"), "step": a.get("step"),
-                        "state": a.get("state", "firing"), "labels": a.get("labels", {})} for a in self.alerts],
+                        "state": a.get("state", "firing"), "labels": a.get("labels", {}),
+                        **({"attempt": a.get("attempt")} if self.concurrent_writers else {})} for a in self.alerts],
             "first_alert_lead": (self.collapse_step - critical["step"]
                                  if critical is not None and self.collapse_step is not None else None),
             "first_signals": [c.as_json() for c in self.first_signals],
@@ -239,6 +241,7 @@ class Report:
             **({"comparison": self.comparison.as_json()} if self.comparison else {}),
             **({"superseded": {"alerts": self.superseded_alerts, "checkpoints": self.superseded_checkpoints}}
                if self.superseded_alerts or self.superseded_checkpoints else {}),
+            **({"concurrent_writers": self.concurrent_writers} if self.concurrent_writers else {}),
         }
 
 
@@ -397,7 +400,7 @@ def analyse(data: RunData) -> Report:
                   last_healthy_checkpoint=resume.checkpoint, hacks=hacks, events=data.events, resume=resume,
                   coverage=coverage(data, quality_key), cause=cause,
                   superseded_alerts=[a for a in data.superseded_alerts if a.get("state", "firing") == "firing"],
-                  superseded_checkpoints=data.superseded_checkpoints,
+                  superseded_checkpoints=data.superseded_checkpoints, concurrent_writers=data.concurrent_writers,
                   correction_held=correction_held(data, alerts, collapse, quality_key))
 
 

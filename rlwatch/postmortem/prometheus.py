@@ -1,8 +1,12 @@
 """One run read from a live Prometheus, for the post-mortem.
 
-- **One deadline** for every request of a command (:class:`Deadline`): each request waits at most
-  what is left, and a watchdog shuts its connection at the deadline (a body trickled one byte at a
-  time would otherwise restart the per-read timeout with every byte).
+- **One deadline** for the whole command (:class:`Deadline`): each request waits at most what is
+  left, a watchdog shuts its connection at the deadline (a body trickled one byte at a time would
+  otherwise restart the per-read timeout with every byte), and reading an answer's samples stops
+  when it passes.
+- **A size cap**: an answer larger than :data:`MAX_BODY_BYTES` (32 MiB) is refused with one line,
+  from its ``Content-Length`` before reading it, else as soon as that much has come; so parsing one
+  answer is bounded too (a second or so).
 - **Every answer validated**: an error status, a non-JSON or too deeply nested body, a missing key or
   a wrong type ends in one :class:`PostmortemInputError` line, never a traceback.
 - **One run instance**: series are told apart by ``run_instance`` (one per Watch process), or by
@@ -36,7 +40,12 @@ from .sources import PostmortemInputError, RunData
 DEFAULT_DEADLINE_S = 120.0
 DEFAULT_LOOKBACK_S = 7 * 86400.0
 REQUEST_TIMEOUT_S = 30.0                # one read waits at most this long (and never past the deadline)
-MAX_BODY_BYTES = 256 * 2 ** 20
+#: The size cap on one answer (a raw read of 10,000 scrapes is ~0.35 MB per series).
+MAX_BODY_BYTES = 32 * 2 ** 20
+CHECK_EVERY = 20_000                    # samples validated between deadline checks
+#: An answer is parsed only where the time left allows it at this rate (a JSON parse cannot be stopped
+#: midway: a 32 MiB matrix takes ~1-4 s), so the deadline holds through parsing.
+PARSE_BYTES_PER_S = 10 * 2 ** 20
 WINDOWS = 1000                          # windows of the lookback searched for the run's samples
 CHUNK_SCRAPES = 10_000                  # scrapes per raw read
 ALERT_TAIL_MS = 10 * 60_000             # alerts read this long after the run's last scrape
@@ -54,6 +63,12 @@ class Deadline:
 
     def left(self) -> float:
         return self.at - time.monotonic()
+
+    def check(self, what: str) -> None:
+        """Stop with one line when the deadline has passed (``what``: where, e.g. the Prometheus' URL)."""
+        if self.left() <= 0:
+            raise PostmortemInputError(f"{what}: not done within the {self.seconds:g} s deadline; stopped "
+                                       "(raise --deadline)")
 
 
 class _Watched:
@@ -112,12 +127,15 @@ class Prometheus:
     def get(self, path: str, **params: Any) -> Any:
         """The ``data`` of a successful answer."""
         body = self._fetch(f"{self.url}{path}?{urllib.parse.urlencode(params)}")
+        if len(body) / PARSE_BYTES_PER_S > self.deadline.left():
+            raise self._late()
         try:
             answer = json.loads(body)
         except RecursionError:
             raise self.fail(f"answered {path} with JSON nested too deeply to read") from None
         except ValueError as exc:
             raise self.fail(f"answered {path} with something that is not JSON ({str(exc)[:100]})") from None
+        self.deadline.check(f"Prometheus at {self.url}")          # parsing counts against the deadline too
         if not isinstance(answer, dict) or answer.get("status") != "success":
             reason = answer.get("error") if isinstance(answer, dict) else None
             raise self.fail(f"answered {path} without success: {str(reason or answer)[:200]}")
@@ -134,9 +152,12 @@ class Prometheus:
         watchdog.daemon = True
         watchdog.start()
         opener = urllib.request.build_opener(_Handler(sockets))
+        announced = 0                      # the Content-Length, where it is over the cap: not read
         try:
             with opener.open(url, timeout=min(REQUEST_TIMEOUT_S, left)) as resp:
-                body = resp.read(MAX_BODY_BYTES + 1)
+                length = (resp.headers.get("Content-Length") or "").strip()
+                announced = int(length) if length.isdigit() and int(length) > MAX_BODY_BYTES else 0
+                body = b"" if announced else resp.read(MAX_BODY_BYTES + 1)
         except urllib.error.HTTPError as exc:
             raise self._http_error(exc) from None
         except _ERRORS as exc:
@@ -146,11 +167,17 @@ class Prometheus:
                                        f"{getattr(exc, 'reason', None) or exc or type(exc).__name__}") from None
         finally:
             watchdog.cancel()
+        if announced:
+            raise self._too_large(f"{announced / 2 ** 20:,.0f} MiB")
         if self.deadline.left() <= 0:
             raise self._late()             # the watchdog cut the body short
         if len(body) > MAX_BODY_BYTES:
-            raise self.fail(f"answer larger than {MAX_BODY_BYTES >> 20} MiB; stopped")
+            raise self._too_large("more")
         return body
+
+    def _too_large(self, size: str) -> PostmortemInputError:
+        return self.fail(f"answer of {size} over the {MAX_BODY_BYTES >> 20} MiB size cap; stopped (a shorter "
+                         "--since, or a run with fewer label sets per metric)")
 
     def _http_error(self, exc: urllib.error.HTTPError) -> PostmortemInputError:
         try:
@@ -172,12 +199,18 @@ class Prometheus:
             raise self.fail(f"answered {path} without a matrix result: {str(data)[:200]}")
         out = []
         for series in data["result"]:
+            self.deadline.check(f"Prometheus at {self.url}")
             labels = series.get("metric") if isinstance(series, dict) else None
             points = series.get("values") if isinstance(series, dict) else None
             if not isinstance(labels, dict) or not isinstance(points, list) or \
                     not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
                 raise self.fail(f"answered {path} with a malformed series: {str(series)[:200]}")
-            out.append((labels, [self._point(path, p) for p in points]))
+            samples = []
+            for start in range(0, len(points), CHECK_EVERY):
+                if start:
+                    self.deadline.check(f"Prometheus at {self.url}")
+                samples += [self._point(path, p) for p in points[start:start + CHECK_EVERY]]
+            out.append((labels, samples))
         return out
 
     def _point(self, path: str, point: Any) -> tuple[int, float]:

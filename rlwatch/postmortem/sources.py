@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from ..values import Values
 from .attempts import Lineage, lineage
+from .downsample import MAX_POINTS, Buckets, bucket_width, downsample_scalars, row_stride
 
 # Framework scalars that measure the policy's real quality, best first.
 QUALITY_KEYS = ("heldout_true_reward", "eval/true_reward", "eval_reward", "eval/reward", "val/test_score",
@@ -39,6 +40,9 @@ class RunData:
     #: each with ``attempt``, ``superseded_by`` and ``resumed_at`` (the step the later attempt resumed at).
     superseded_alerts: list[dict[str, Any]] = field(default_factory=list)
     superseded_checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    #: Groups of processes that wrote the run at the same time (store only; not attempts of each other),
+    #: each a list of ``{id, pid, host, first_step, last_step, started, last_time}``, oldest first.
+    concurrent_writers: list[list[dict[str, Any]]] = field(default_factory=list)
 
     def series(self, name: str, labels: tuple[str, ...] = ()) -> list[tuple[int, float]]:
         out = [(s, v) for s, values in self.steps if (v := values.get(name, {}).get(labels)) is not None]
@@ -109,9 +113,13 @@ def check_store_file(path: Path) -> None:
         raise PostmortemInputError(f"{path}: not an rlwatch run store (not an SQLite database)")
 
 
-def from_store(path: str | Path, run: str | None = None) -> RunData:
+def from_store(path: str | Path, run: str | None = None, signals: tuple[str, ...] | None = None,
+               deadline: Any = None) -> RunData:
     """Read one run of a store; a damaged or crafted store ends in :class:`PostmortemInputError`,
-    a malformed row costs that row (counted in the run's events), never the report."""
+    a malformed row costs that row (counted in the run's events), never the report. The rows are
+    read as a stream; a run longer than :data:`~rlwatch.postmortem.downsample.MAX_POINTS` steps keeps
+    ``signals`` only (all when None), in buckets (:mod:`.downsample`). ``deadline`` (an object with
+    ``left()``, seconds) stops the read with one line when it passes."""
     import time
 
     from ..store import StoreReader
@@ -124,10 +132,12 @@ def from_store(path: str | Path, run: str | None = None) -> RunData:
         store = StoreReader(str(path))
     except sqlite3.DatabaseError as exc:
         raise PostmortemInputError(f"{path}: not a readable rlwatch run store ({exc})") from None
-    deadline = time.monotonic() + READ_DEADLINE_S
+    read_by = time.monotonic() + READ_DEADLINE_S
     conn = store._conn
     conn.text_factory = _text          # invalid UTF-8 in a text column: kept (escaped on output), not fatal
-    conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, PROGRESS_EVERY)
+    late = (lambda: time.monotonic() > read_by) if deadline is None else \
+        (lambda: time.monotonic() > read_by or deadline.left() <= 0)
+    conn.set_progress_handler(lambda: 1 if late() else 0, PROGRESS_EVERY)
     try:
         kinds = {r[0]: r[1] for r in conn.execute("SELECT name, type FROM sqlite_master")}
         if kinds.get("steps") != "table":
@@ -137,8 +147,11 @@ def from_store(path: str | Path, run: str | None = None) -> RunData:
         foreign = [t for t in STORE_TABLES if t in kinds and kinds[t] != "table"]
         if foreign:
             raise PostmortemInputError(f"{path}: not an rlwatch run store ({', '.join(foreign)} not tables)")
-        return _read_store(store, path, run, kinds)
+        return _read_store(store, path, run, kinds, signals)
     except sqlite3.OperationalError as exc:
+        if "interrupt" in str(exc) and deadline is not None and deadline.left() <= 0:
+            raise PostmortemInputError(f"{path}: no complete read within the {deadline.seconds:g} s deadline; "
+                                       "stopped (raise --deadline)") from None
         if "interrupt" in str(exc):
             raise PostmortemInputError(f"{path}: reading the store took over {READ_DEADLINE_S:.0f} s; "
                                        "stopped (a damaged or crafted store)") from None
@@ -149,7 +162,8 @@ def from_store(path: str | Path, run: str | None = None) -> RunData:
         store.close()
 
 
-def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) -> RunData:
+def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str],
+                signals: tuple[str, ...] | None = None) -> RunData:
     """Read ``run`` (default: the store's last) from the tables ``kinds`` names; a malformed row is
     skipped and counted in an ``unreadable`` event per kind of row."""
     runs = [str(r) for r in store.runs() if r is not None]
@@ -170,12 +184,24 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str]) 
     except _READ_ERRORS:
         note("malformed attempts table (every row read as the final attempt's)")
         lines = Lineage([])
-    data.steps, superseded = _read_steps(store, run, note, lines)
+    data.concurrent_writers = [[dict(id=a.id, pid=a.pid, host=a.host, first_step=a.first_step, last_step=a.last_step,
+                                     started=a.started, last_time=a.last_time) for a in group]
+                               for group in lines.concurrent]
+    first, last, count = store._rows("SELECT MIN(step), MAX(step), COUNT(*) FROM steps WHERE run = ?", (run,))[0]
+    width = bucket_width(first, last) if isinstance(first, int) and isinstance(last, int) and count > MAX_POINTS \
+        else 1
+    stride = row_stride(count) if width > 1 else 1
+    data.steps, superseded = _read_steps(store, run, note, lines, width, signals if width > 1 else None, stride)
+    if width > 1:
+        data.events.append({"time": None, "kind": "downsampled", "detail": (
+            f"{count} steps analysed in buckets of {width} steps (at most {MAX_POINTS} points per series: means, "
+            "maxima for *_max signals" + (f", over every {stride}th step" if stride > 1 else "")
+            + "); changes are dated to their bucket's first step")})
     if superseded:
         data.events.append({"time": None, "kind": "superseded", "detail": (
             f"{superseded} steps of attempts that a later attempt resumed before are left out of the timeline")})
     if "scalars" in kinds:
-        data.scalars = _read_scalars(store, run, note)
+        data.scalars = _read_scalars(store, run, note, width)
     if "alerts" in kinds:
         for alert in _read_alerts(store, run, note, lines):
             (data.superseded_alerts if "superseded_by" in alert else data.alerts).append(alert)
@@ -207,35 +233,72 @@ def _superseded(row: Any, lines: Lineage, step: int | None) -> dict[str, Any]:
     return {"attempt": str(attempt)} | ({"superseded_by": later.id, "resumed_at": later.first_step} if later else {})
 
 
-def _read_steps(store: Any, run: str, note: Callable[[str], None], lines: Lineage
-                ) -> tuple[list[tuple[int, Values]], int]:
-    """(step, values) of every readable step row of the final timeline, in step order, and the number
-    of rows left out because a later attempt resumed before their step."""
-    by_step: dict[int, Values] = {}
+def _read_steps(store: Any, run: str, note: Callable[[str], None], lines: Lineage, width: int = 1,
+                signals: tuple[str, ...] | None = None, stride: int = 1) -> tuple[list[tuple[int, Values]], int]:
+    """(step, values) of every readable step row of the final timeline (of every ``stride``-th step),
+    in step order, read as a stream and folded into buckets of ``width`` steps; only ``signals`` are
+    decoded where given (by SQLite's JSON functions). Also the number of rows left out because a later
+    attempt resumed before their step."""
+    if signals:
+        paths = ", ".join("'$." + name + "'" for name in signals if re.fullmatch(r"[a-z0-9_]+", name))
+        column = (f"CASE WHEN json_valid(data) AND substr(ltrim(data), 1, 1) = '{{' "
+                  f"THEN json_array(json_extract(data, {paths})) END")
+    else:
+        column = "data"
+    buckets = Buckets(width)
     superseded = 0
-    for row in store._rows("SELECT * FROM steps WHERE run = ? ORDER BY step", (run,)):
+    resumed = len(lines.attempts) > 1
+    rows = store._conn.execute(f"SELECT step, time, attempt, {column} FROM steps WHERE run = ?"
+                               + (f" AND step % {int(stride)} = 0" if stride > 1 else "") + " ORDER BY step", (run,))
+    for row in rows:
         try:
-            step = int(row["step"])
-            if "superseded_by" in _superseded(row, lines, step):
+            step = int(row[0])
+            if resumed and "superseded_by" in _superseded(row, lines, step):
                 superseded += 1
                 continue
-            by_step[step] = _values(json.loads(row["data"]))
+            buckets.add(step, _values(json.loads(row[3])) if not signals else _picked(signals, row[3]))
         except _READ_ERRORS:
             note("malformed step rows")
-    return sorted(by_step.items()), superseded
+    return buckets.finish(), superseded
 
 
-def _read_scalars(store: Any, run: str, note: Callable[[str], None]) -> dict[str, list[tuple[int, float]]]:
-    """``{name: [(step, value)]}`` of the framework scalars with a finite value."""
-    scalars: dict[str, list[tuple[int, float | None]]] = {}
-    for row in store._rows("SELECT step, name, value FROM scalars WHERE run = ? ORDER BY step", (run,)):
-        value = _number(row["value"])
+def _picked(signals: tuple[str, ...], text: str | None) -> Values:
+    """The values of ``signals`` from ``[[rows of signal 1], ...]`` (a JSON array in their order)."""
+    if text is None:
+        raise ValueError("not a JSON object")
+    picked = json.loads(text)[0]
+    if len(signals) == 1:
+        picked = [picked]
+    return _values({name: rows for name, rows in zip(signals, picked) if rows is not None})
+
+
+def _read_scalars(store: Any, run: str, note: Callable[[str], None], width: int = 1
+                  ) -> dict[str, list[tuple[int, float]]]:
+    """``{name: [(step, value)]}`` of the framework scalars with a finite value, read as a stream and
+    folded into bucket means of ``width`` steps as it goes."""
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    pending: dict[str, list[tuple[int, float]]] = {}         # the rows of each name's open bucket
+    for row in store._conn.execute("SELECT step, name, value FROM scalars WHERE run = ? ORDER BY step", (run,)):
+        value = _number(row[2])
         try:
-            scalars.setdefault(str(row["name"]), []).append((int(row["step"]), value))
+            step, name = int(row[0]), str(row[1])
         except _READ_ERRORS:
             note("malformed scalar rows")
-    finite = {k: [(s, v) for s, v in pts if v is not None] for k, pts in scalars.items()}
-    return {k: pts for k, pts in finite.items() if pts}
+            continue
+        points = scalars.setdefault(name, [])
+        if value is None:
+            continue
+        if width == 1:
+            points.append((step, value))
+            continue
+        rows = pending.setdefault(name, [])
+        if rows and step - step % width != rows[0][0] - rows[0][0] % width:
+            points += downsample_scalars(rows, width)
+            rows.clear()
+        rows.append((step, value))
+    for name, rows in pending.items():
+        scalars[name] += downsample_scalars(rows, width)
+    return {k: pts for k, pts in scalars.items() if pts}
 
 
 def _read_alerts(store: Any, run: str, note: Callable[[str], None], lines: Lineage) -> list[dict[str, Any]]:
@@ -293,12 +356,12 @@ TRL_KEYS = {   # TRL log key -> rlwatch signal (where the meaning coincides)
 }
 
 
-def from_trl(directory: str | Path) -> RunData:
+def from_trl(directory: str | Path, signals: tuple[str, ...] | None = None) -> RunData:
     directory = Path(directory)
     checkpoints = sorted(((int(m.group(1)), p) for p in directory.glob("checkpoint-*")
                           if p.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", p.name))))
     stores = sorted(directory.glob("*.db")) + sorted(directory.glob("rlwatch*/*.db"))
-    data = from_store(stores[0]) if stores else RunData(run=directory.name, source=f"TRL {directory}")
+    data = from_store(stores[0], signals=signals) if stores else RunData(run=directory.name, source=f"TRL {directory}")
     data.source = f"TRL {directory}" + (f" + store {stores[0]}" if stores else "")
     history: list[dict] = []
     if checkpoints:
@@ -345,11 +408,11 @@ VERL_KEYS = {
 }
 
 
-def from_verl(directory: str | Path) -> RunData:
+def from_verl(directory: str | Path, signals: tuple[str, ...] | None = None) -> RunData:
     directory = Path(directory)
     logs = sorted(directory.rglob("*.jsonl"))
     stores = sorted(directory.rglob("*.db"))
-    data = from_store(stores[0]) if stores else RunData(run=directory.name, source=f"verl {directory}")
+    data = from_store(stores[0], signals=signals) if stores else RunData(run=directory.name, source=f"verl {directory}")
     data.source = f"verl {directory}" + (f" + store {stores[0]}" if stores else "")
     by_step: dict[int, Values] = {}
     for log in logs:
@@ -380,22 +443,24 @@ def from_verl(directory: str | Path) -> RunData:
     return data
 
 
-def load_path(path: str | None, run: str | None = None) -> RunData:
+def load_path(path: str | None, run: str | None = None, signals: tuple[str, ...] | None = None,
+              deadline: Any = None) -> RunData:
     """Detect the kind of ``path`` (a run store, a TRL output directory, a verl checkpoint directory,
-    a directory of stores) and load it; ``run`` picks the run in a store."""
+    a directory of stores) and load it; ``run`` picks the run in a store; ``signals`` and ``deadline``
+    as :func:`from_store` takes them."""
     if path is None:
         raise PostmortemInputError("give a run store, a TRL output directory, a verl checkpoint directory, "
                                    "or --prometheus")
     p = Path(path)
     if p.is_file():
-        return from_store(p, run)
+        return from_store(p, run, signals, deadline)
     if not p.is_dir():
         raise FileNotFoundError(f"not found: {path}")
     if any(p.glob("checkpoint-*/trainer_state.json")):
-        return from_trl(p)
+        return from_trl(p, signals)
     if any(p.glob("global_step_*")) or any(p.rglob("*.jsonl")):
-        return from_verl(p)
+        return from_verl(p, signals)
     stores = sorted(p.glob("*.db"))
     if stores:
-        return from_store(stores[0], run)
+        return from_store(stores[0], run, signals, deadline)
     raise PostmortemInputError(f"{path}: not a run store, TRL output directory or verl checkpoint directory")
