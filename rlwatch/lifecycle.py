@@ -118,6 +118,28 @@ def _static_settings(cfg: WatchConfig) -> dict[str, dict]:
     return {"staleness_bound": {(): cfg.staleness_bound}, "is_cap": {(): cfg.is_cap}}
 
 
+def unique_run_instance(services: "Services") -> None:
+    """When a live process registered earlier exports this run with this ``run_instance`` (one
+    $RLWATCH_RUN_INSTANCE given to two processes), export ``<run_instance>@<host>-<pid>-<start>``
+    instead, warn and count (``stage="export", kind="duplicate_run_instance"``): two processes
+    behind one identity would merge in the post-mortem and in every rule that joins on it."""
+    from .procinfo import instance_id
+
+    twins = services.registration.earlier_twins()
+    if not twins:
+        return
+    taken = services.state.run_instance
+    unique = services.state.run_instance = f"{taken}@{instance_id()}"
+    services.registration.relabel(run_instance=unique)
+    services.metadata["run_instance"] = unique
+    if services.store is not None:
+        services.store.submit_run(services.run, dict(services.metadata))
+    services.errors.report("export", "duplicate_run_instance", f"run {services.run!r}: run_instance {taken!r} is "
+                           f"already exported by a live process ({os.path.basename(twins[0])}); this process "
+                           f"exports run_instance {unique!r} instead (give each process its own "
+                           f"RLWATCH_RUN_INSTANCE)", raise_in_strict=False)
+
+
 class StepScheduler:
     """Where observed steps and deferred jobs run: inline, or in order on rlwatch's background worker
     thread (``background=True``); once :attr:`closing`, observed steps are refused and counted."""
@@ -190,13 +212,15 @@ class Services:
         self.windows: Any = None                       # the alert step windows (a step listener)
         self.alert_overrides: dict[str, float] = {}    # the run's valid overrides (the alert windows read them)
         self.scalar_names = LabelRegistry(256)         # the framework scalars' names (capped)
+        self.metadata: dict[str, Any] = {}             # the run's metadata (the store's run row)
 
-    def start(self, cfg: WatchConfig, metadata: Mapping[str, Any], port_offset: int,
+    def start(self, cfg: WatchConfig, metadata: dict[str, Any], port_offset: int,
               initializer: Callable[[], None] | None = None) -> None:
         """Export the run's metadata and settings, then start what ``cfg`` asks for, in dependency
         order (the evaluator writes to the store)."""
         from .alerts.windows import AlertWindows
 
+        self.metadata = metadata
         self.state.set_info("run_info", (metadata["framework"], metadata["framework_version"],
                                          metadata["rlwatch_version"]))
         for name, value in (("staleness_bound", cfg.staleness_bound), ("is_cap", cfg.is_cap),
@@ -267,6 +291,8 @@ class Services:
             self.registration = guard(self.errors, "export", "discovery", lambda: Registration(
                 sd_dir, self.run, node_address(cfg.addr), self.server.port,
                 {"framework": cfg.framework, "run_instance": self.state.run_instance}))
+        if self.registration is not None:
+            guard(self.errors, "export", "discovery", lambda: unique_run_instance(self))
 
     def firing_alerts(self) -> list | None:
         """The in-process evaluator's firing alerts; None when alerts are not evaluated here."""

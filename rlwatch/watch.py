@@ -110,9 +110,8 @@ class Watch:
         self.rank, self.active, self.run = where.rank, where.active, where.run
         self.signal_config = cfg.signal_config()
         self.state = MetricState(self.run, env.run_instance())
-        self.run_instance = self.state.run_instance    # the `run_instance` label of every series
         self.metadata = {**run_metadata(cfg, self.signal_config, self.rank, where.world),
-                         "run_instance": self.run_instance}
+                         "run_instance": self.state.run_instance}
         self._lock = threading.Lock()
         self._closed = False
         self.background = background and not strict      # steps computed on rlwatch's thread
@@ -128,6 +127,10 @@ class Watch:
 
     # --- read-only views of the parts the services and the pipeline own ----------------------------
 
+    #: The ``run_instance`` label of every series: $RLWATCH_RUN_INSTANCE, else ``<host>-<pid>-<start>``;
+    #: made unique (``<given>@<host>-<pid>-<start>``, warned, counted) when a live process registered in
+    #: the same file_sd directory already exports the run under the one given.
+    run_instance = property(lambda self: self.state.run_instance)
     store = property(lambda self: self.services.store)
     server = property(lambda self: self.services.server)
     push = property(lambda self: self.services.push)
