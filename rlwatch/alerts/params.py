@@ -93,9 +93,13 @@ PARAMS: dict[str, Param] = {
 def threshold(param: str) -> str:
     """PromQL for the value of ``param`` per process (run, run_instance): a Prometheus-side override
     of the run (``source="overrides"``, ``alerts/overrides.example.yaml``; it applies to every process
-    of that run name), else the value the process exports, else the default."""
+    of that run name), else the value the process exports, else the default. One series per (run,
+    run_instance) whatever Prometheus scrapes (``max by``): two targets behind one identity (one
+    $RLWATCH_RUN_INSTANCE given to two processes, a target scraped by two jobs) would otherwise make
+    the rule's ``on(run, run_instance)`` join fail ("found duplicate series") for every run."""
     series = f'rlwatch_alert_threshold{{param="{param}"'
-    return (f'(max by(run) ({series}, source="overrides"}}) * on(run) group_right() (0 * rlwatch_step + 1) '
+    return (f'max by(run, run_instance) ('
+            f'max by(run) ({series}, source="overrides"}}) * on(run) group_right() (0 * rlwatch_step + 1) '
             f'or on(run, run_instance) {series}, source!="overrides"}} '
             f'or on(run, run_instance) (0 * rlwatch_step + {PARAMS[param].default:g}))')
 

@@ -50,6 +50,9 @@ The catalogue enforces it; `tests/test_alert_rules.py` and the acceptance report
 - **Run identity.** Every series carries `run` and `run_instance` (one per process:
   `<host>-<pid>-<start>`, or `$RLWATCH_RUN_INSTANCE`), every rule joins `on(run, run_instance)` and a
   Pushgateway groups by both: two processes that share a run name page, chart and push separately.
+  The side of a join that must be one series per process is aggregated `by (run, run_instance)`, so
+  two targets behind one identity (one `$RLWATCH_RUN_INSTANCE` given to two processes, a target
+  scraped by two jobs) page separately by `instance` and never stop another run's alerts.
 - **Plumbing.** Exporters register through file_sd (`Watch(sd_dir=...)`, `rlwatch up` sets it) and
   remove their file when their run closes cleanly: a finished run never pages, and RLWatchExporterDown
   fires only for a target that answered in the last hour. The Alertmanager inhibitions only act
