@@ -83,7 +83,8 @@ PARAMS: dict[str, Param] = {
                                "third step, e.g. one replica of several).", low=1.0),
     "intermittent_steps": Param(4.0, "Steps of the window in which `intermittent_hits` raise steps open an "
                                 "intermittent critical alert (2 of 4: the most sensitive window with no healthy "
-                                "page on the matrix's tuning split, alerts/acceptance.md).", low=1.0),
+                                "page on the matrix's tuning split, alerts/acceptance.md). At most 1000: the "
+                                "window is kept per alert and label set.", low=1.0, high=1000.0),
     "clear_steps": Param(15.0, "Steps without the hold condition before an open alert resolves: a fault that "
                          "comes back within them is the same incident (10 left re-pages on the tuning split).",
                          low=1.0),
