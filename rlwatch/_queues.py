@@ -50,6 +50,7 @@ class OrderedWorker:
         self.queued_bytes = 0
         self.peak_bytes = 0
         self.refused = 0
+        self.dropped = 0                  # jobs dropped because the worker stayed full for max_wait
         self._closed = False
         self._inflight = 0
         self._cond = threading.Condition()
@@ -72,6 +73,7 @@ class OrderedWorker:
                 while self.queued_bytes and self.queued_bytes + nbytes > self.max_bytes and not self._closed:
                     left = deadline - time.monotonic()
                     if left <= 0:
+                        self.dropped += 1
                         self._on_error(TimeoutError(f"worker {self.max_wait:g} s behind ({self.queued_bytes} "
                                                     "bytes queued); a job was dropped"))
                         return False
@@ -87,6 +89,7 @@ class OrderedWorker:
             return True
         except queue.Full:
             self._release(nbytes)
+            self.dropped += 1
             self._on_error(TimeoutError(f"worker {self.max_wait:g} s behind; a job was dropped"))
             return False
         finally:

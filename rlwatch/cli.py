@@ -103,10 +103,10 @@ RUN_OPTIONS: dict[str, tuple[type, str]] = {
 
 def _cmd_run(args: argparse.Namespace) -> int:
     import os
-    import subprocess
     import tempfile
 
     from .autoload import BOOTSTRAP_DIR, FRAMEWORK_SETUP
+    from .child import run_command
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -133,7 +133,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(f"rlwatch run: watching supported trainers ({frameworks}) in every Python process of: "
                   f"{' '.join(command)}", file=sys.stderr, flush=True)
         try:
-            code = subprocess.call(command, env=env)
+            code = run_command(command, env, lambda line: print(line, file=sys.stderr, flush=True))
         except FileNotFoundError:
             print(f"rlwatch run: command not found: {command[0]}", file=sys.stderr)
             return 127
@@ -372,7 +372,9 @@ def _add_run(sub: Any) -> None:
     p = _command(sub, "run", _cmd_run, "run a training command with rlwatch attached (no code change)",
                  "Run COMMAND with rlwatch installed in every Python process it starts (and in its Ray workers): "
                  "supported trainers (TRL GRPOTrainer, verl, OpenRLHF) get a Watch automatically, which says "
-                 "where its metrics and store are. Afterwards: what was watched, or why nothing was.")
+                 "where its metrics and store are. Afterwards: what was watched, or why nothing was. Ctrl-C and "
+                 "other signals reach COMMAND once and rlwatch run waits for it (Ctrl-C twice: stopped at once); "
+                 "the exit status is COMMAND's (128+N when signal N ended it).")
     for option, (kind, text) in RUN_OPTIONS.items():
         p.add_argument("--" + option.replace("_", "-"), dest=option, type=kind,
                        help=text.format(variable=OPTION_VARIABLES[option]))

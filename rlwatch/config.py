@@ -187,7 +187,9 @@ _last_instance_millis = 0
 
 def run_instance() -> str:
     """This process's ``run_instance`` label: $RLWATCH_RUN_INSTANCE, else ``<host>-<pid>-<start>`` (the
-    start in milliseconds, base 36), which tells apart two processes that export one run name."""
+    start in milliseconds, base 36), which tells apart two processes that export one run name. A Watch
+    that finds a live process of its run registered under the same one in its file_sd directory
+    exports ``<given>@<host>-<pid>-<start>`` instead (:func:`rlwatch.lifecycle.unique_run_instance`)."""
     explicit = _get("RLWATCH_RUN_INSTANCE")
     if explicit:
         return explicit

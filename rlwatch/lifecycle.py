@@ -31,6 +31,8 @@ from .record import LabelRegistry, clean_text
 from .state import MetricState
 
 logger = logging.getLogger("rlwatch")
+#: Seconds ``close()`` waits at most for one more scrape of an alert incident no scrape has shown.
+FINAL_SCRAPE_WAIT_S = 2.0
 
 
 class Health:
@@ -118,6 +120,28 @@ def _static_settings(cfg: WatchConfig) -> dict[str, dict]:
     return {"staleness_bound": {(): cfg.staleness_bound}, "is_cap": {(): cfg.is_cap}}
 
 
+def unique_run_instance(services: "Services") -> None:
+    """When a live process registered earlier exports this run with this ``run_instance`` (one
+    $RLWATCH_RUN_INSTANCE given to two processes), export ``<run_instance>@<host>-<pid>-<start>``
+    instead, warn and count (``stage="export", kind="duplicate_run_instance"``): two processes
+    behind one identity would merge in the post-mortem and in every rule that joins on it."""
+    from .procinfo import instance_id
+
+    twins = services.registration.earlier_twins()
+    if not twins:
+        return
+    taken = services.state.run_instance
+    unique = services.state.run_instance = f"{taken}@{instance_id()}"
+    services.registration.relabel(run_instance=unique)
+    services.metadata["run_instance"] = unique
+    if services.store is not None:
+        services.store.submit_run(services.run, dict(services.metadata))
+    services.errors.report("export", "duplicate_run_instance", f"run {services.run!r}: run_instance {taken!r} is "
+                           f"already exported by a live process ({os.path.basename(twins[0])}); this process "
+                           f"exports run_instance {unique!r} instead (give each process its own "
+                           f"RLWATCH_RUN_INSTANCE)", raise_in_strict=False)
+
+
 class StepScheduler:
     """Where observed steps and deferred jobs run: inline, or in order on rlwatch's background worker
     thread (``background=True``); once :attr:`closing`, observed steps are refused and counted."""
@@ -164,6 +188,11 @@ class StepScheduler:
         worker = self.worker
         return worker.drain(timeout) if worker is not None and not worker.is_current() else True
 
+    @property
+    def dropped(self) -> int:
+        """Observed steps the background worker dropped (it stayed full for its ``max_wait``)."""
+        return self.worker.dropped if self.worker is not None else 0
+
     def close(self) -> None:
         """Compute and export the steps still queued (at most 30 s)."""
         if self.worker is not None and not self.worker.close(timeout=30.0):
@@ -190,13 +219,17 @@ class Services:
         self.windows: Any = None                       # the alert step windows (a step listener)
         self.alert_overrides: dict[str, float] = {}    # the run's valid overrides (the alert windows read them)
         self.scalar_names = LabelRegistry(256)         # the framework scalars' names (capped)
+        self.metadata: dict[str, Any] = {}             # the run's metadata (the store's run row)
+        self.store_failed = False                      # a store was asked for and could not be opened
+        self.lost_at_flush = 0                         # steps and rows lost before the last flush
 
-    def start(self, cfg: WatchConfig, metadata: Mapping[str, Any], port_offset: int,
+    def start(self, cfg: WatchConfig, metadata: dict[str, Any], port_offset: int,
               initializer: Callable[[], None] | None = None) -> None:
         """Export the run's metadata and settings, then start what ``cfg`` asks for, in dependency
         order (the evaluator writes to the store)."""
         from .alerts.windows import AlertWindows
 
+        self.metadata = metadata
         self.state.set_info("run_info", (metadata["framework"], metadata["framework_version"],
                                          metadata["rlwatch_version"]))
         for name, value in (("staleness_bound", cfg.staleness_bound), ("is_cap", cfg.is_cap),
@@ -231,6 +264,7 @@ class Services:
 
         self.store = guard(self.errors, "store", "open", lambda: RunStore(path, on_error=_counted(self.errors,
                                                                                                     "store")))
+        self.store_failed = self.store is None
         if self.store is not None:
             self.health.store = self.store
             self.store.submit_run(self.run, dict(metadata))
@@ -267,6 +301,8 @@ class Services:
             self.registration = guard(self.errors, "export", "discovery", lambda: Registration(
                 sd_dir, self.run, node_address(cfg.addr), self.server.port,
                 {"framework": cfg.framework, "run_instance": self.state.run_instance}))
+        if self.registration is not None:
+            guard(self.errors, "export", "discovery", lambda: unique_run_instance(self))
 
     def firing_alerts(self) -> list | None:
         """The in-process evaluator's firing alerts; None when alerts are not evaluated here."""
@@ -328,7 +364,8 @@ class Services:
             self.run, step, checkpoint_location(path)))
         if not self.flush(timeout=flush_timeout):
             self.errors.report("store", "checkpoint_flush", f"steps before checkpoint {step} were not all "
-                               f"stored within {flush_timeout:g} s (still queued)", raise_in_strict=False)
+                               f"stored within {flush_timeout:g} s (still queued, or lost: "
+                               f"rlwatch_store_dropped_steps_total)", raise_in_strict=False)
 
     def note(self, kind: str, detail: str) -> None:
         if self.store is not None:
@@ -336,23 +373,26 @@ class Services:
 
     def flush(self, timeout: float) -> bool:
         """Wait for the queued steps to be computed (unless called from the worker's own thread, where
-        the steps before the caller already ran), then for the store to commit them; False when
-        ``timeout`` seconds passed first."""
+        the steps before the caller already ran), then for the store to commit them. False when
+        ``timeout`` seconds passed first, when the store asked for could not be opened, or when a
+        step or row was lost (dropped, counted) since the previous flush."""
         deadline = time.monotonic() + timeout
         drained = self.steps.drain(timeout)
-        if self.store is None:
-            return drained
-        return self.store.flush(max(0.0, deadline - time.monotonic())) and drained
+        stored = self.store.flush(max(0.0, deadline - time.monotonic())) if self.store is not None else True
+        lost = self.steps.dropped + (self.store.dropped + self.store.dropped_rows if self.store is not None else 0)
+        intact, self.lost_at_flush = lost == self.lost_at_flush, lost
+        return drained and stored and intact and not self.store_failed
 
-    def close(self) -> None:
+    def close(self, scrape_wait: float = FINAL_SCRAPE_WAIT_S) -> None:
         """Stop the exporters (a last push), remove the file_sd entry, then flush and close the store.
         An alert incident that opened or resolved since the last scrape is served to one more scrape
-        first (bounded, :meth:`CachedExposition.await_scrape`), so a run that ends right after it still pages."""
+        first (at most 1.5 measured scrape intervals + 1 s, and ``scrape_wait`` seconds;
+        :meth:`CachedExposition.await_scrape`), so a run that ends right after it still pages."""
         if self.push is not None:           # the gateway serves the last push after the run: nothing stays open
             self.state.resolve_open_incidents()
         if self.server is not None and self.state.delivery_version > self.exposition.served_version:
             guard(self.errors, "export", "final_scrape", lambda: self.exposition.await_scrape(
-                self.state.delivery_version))
+                self.state.delivery_version, limit=scrape_wait))
         stops = (("push", self.push and self.push.close), ("otel", self.otel and self.otel.close),
                  ("discovery", self.registration and self.registration.remove),
                  ("server", self.server and self.server.close))

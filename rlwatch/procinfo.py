@@ -63,12 +63,39 @@ def instance_id(pid: int | None = None) -> str:
     return f"{socket.gethostname()}-{pid}-{_start_token(start_time(pid))}"
 
 
-def is_stale(instance: str) -> bool:
-    """True when :func:`instance_id` ``instance`` names a process of this host that no longer runs."""
+def namespaces() -> str | None:
+    """This process's PID and network namespaces as ``<pid ns>.<net ns>`` (Linux: the inode numbers of
+    ``/proc/self/ns/pid`` and ``/proc/self/ns/net``), or None where there are none. Two containers that
+    share a hostname see each other's PIDs only with the same PID namespace, and each other's
+    loopback only with the same network namespace."""
+    inodes = []
+    for kind in ("pid", "net"):
+        try:
+            link = os.readlink(f"/proc/self/ns/{kind}")        # "pid:[4026531836]"
+        except OSError:
+            return None
+        digits = link.rpartition("[")[2].rstrip("]")
+        if not digits.isdigit():
+            return None
+        inodes.append(digits)
+    return ".".join(inodes)
+
+
+def is_stale(instance: str, namespaces_token: str | None = None) -> bool | None:
+    """Whether :func:`instance_id` ``instance``, written by a process with :func:`namespaces`
+    ``namespaces_token``, names a process that no longer runs: True or False for a process of this host
+    and this PID namespace; None (not ours to judge) for another host's, or another PID namespace's
+    (a container sharing the hostname: its PID names nothing here)."""
     parts = instance.rsplit("-", 2)
     if len(parts) != 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
-        return False                       # another host's process: not ours to judge
+        return None
+    if _pid_part(namespaces_token) != _pid_part(namespaces()):
+        return None
     return _start_token(start_time(int(parts[1]))) != parts[2]
+
+
+def _pid_part(token: str | None) -> str | None:
+    return None if token is None else token.partition(".")[0]
 
 
 def _start_token(start: str | None) -> str:

@@ -21,7 +21,7 @@ from .alerts.params import validate_overrides
 from .config import DEFAULT_PORT, WatchConfig
 from .errors import HookErrors, guard
 from .fields import StepFields
-from .lifecycle import Services, run_metadata
+from .lifecycle import FINAL_SCRAPE_WAIT_S, Services, run_metadata
 from .pipeline import StepListener, StepListeners, StepPipeline, standard_listeners
 from .record import RecordBuilder
 from .state import MetricState
@@ -110,9 +110,8 @@ class Watch:
         self.rank, self.active, self.run = where.rank, where.active, where.run
         self.signal_config = cfg.signal_config()
         self.state = MetricState(self.run, env.run_instance())
-        self.run_instance = self.state.run_instance    # the `run_instance` label of every series
         self.metadata = {**run_metadata(cfg, self.signal_config, self.rank, where.world),
-                         "run_instance": self.run_instance}
+                         "run_instance": self.state.run_instance}
         self._lock = threading.Lock()
         self._closed = False
         self.background = background and not strict      # steps computed on rlwatch's thread
@@ -131,6 +130,7 @@ class Watch:
 
     # --- read-only views of the parts the services and the pipeline own ----------------------------
 
+    run_instance = property(lambda self: self.state.run_instance)   # see rlwatch.config.run_instance
     store = property(lambda self: self.services.store)
     server = property(lambda self: self.services.server)
     push = property(lambda self: self.services.push)
@@ -218,15 +218,19 @@ class Watch:
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every step observed before the call is computed and committed to the store.
 
-        True: those steps survive the process being killed (the store's WAL is synced). False:
-        ``timeout`` seconds passed first (say a database locked by another process); the steps are
-        still queued, not lost."""
+        True: those steps survive the process being killed (the store's WAL is synced); without a
+        store (``store=None``), they are computed and exported. False: ``timeout`` seconds passed
+        first (say a database locked by another process; the steps are still queued, not lost), or
+        the store could not be opened (nothing survives a kill), or a step or store row observed
+        since the previous ``flush()`` was lost (dropped and counted: a full queue, a failed write)."""
         return self.services.flush(timeout)
 
-    def close(self) -> None:
+    def close(self, scrape_wait: float = FINAL_SCRAPE_WAIT_S) -> None:
         """Stop the endpoint, push a last time, and flush the store. Idempotent. Steps observed
         by other threads once close() started are refused and counted
-        (``rlwatch_hook_errors_total{stage="observe",kind="after_close"}``), never lost silently."""
+        (``rlwatch_hook_errors_total{stage="observe",kind="after_close"}``), never lost silently.
+        An incident no scrape has shown keeps /metrics up for one more scrape: at most 1.5 scrape
+        intervals + 1 s and ``scrape_wait`` s (raise it when the last incident must page)."""
         if self.services.steps.closing:
             return
         self.services.steps.closing = True  # observe() refuses from here on
@@ -234,7 +238,7 @@ class Watch:
         with self._lock:                  # an observe() computing on another thread finishes first
             self._closed = True
         self.pipeline.close()             # listeners, evaluator, hack monitor
-        self.services.close()
+        self.services.close(scrape_wait)
 
     def __enter__(self) -> "Watch":
         return self

@@ -421,3 +421,38 @@ def test_prometheus_side_override_file_takes_effect(tmp_path):
     path.write_text(yaml.safe_dump(tests))
     result = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_one_runs_duplicate_series_never_stop_another_runs_stall_alert(tmp_path):
+    """Two live processes export run "dup" under one run_instance (two targets, one identity): the
+    shipped rule still pages for the stalled run "victim" at 16 min, and for the stalled one of the
+    two duplicates (told apart by their `instance`), not for the one still stepping."""
+    import yaml
+
+    promtool = need_binary("promtool")
+    idle, stepping = "0x19", "0+60x19"            # last step at t=0 / a step every minute
+    processes = (("victim", "v", "127.0.0.1:1", idle), ("dup", "same", "127.0.0.1:2", idle),
+                 ("dup", "same", "127.0.0.1:3", stepping))
+    series = []
+    for run, run_instance, target, values in processes:
+        labels = f'job="rlwatch",instance="{target}",run="{run}",run_instance="{run_instance}"'
+        series += [{"series": f"rlwatch_last_step_timestamp_seconds{{{labels}}}", "values": values},
+                   {"series": f"rlwatch_step{{{labels}}}", "values": "0x19"},
+                   {"series": f'rlwatch_alert_threshold{{{labels},param="stall_seconds"}}', "values": "900x19"}]
+
+    def firing(*which):
+        return [{"exp_labels": {"severity": "critical", "job": "rlwatch", "instance": target, "run": run,
+                                "run_instance": run_instance},
+                 "exp_annotations": {"summary": "The trainer has not finished a step for too long.",
+                                     "description": f"Run {run}: no step for 16m 0s.",
+                                     "runbook_url": "http://127.0.0.1:9400/runbook#rlwatchtrainerstalled"}}
+                for run, run_instance, target, _ in which]
+    tests = {"rule_files": [str(ALERTS_DIR / render.RULES_FILE), str(ALERTS_DIR / render.OVERRIDES_FILE)],
+             "evaluation_interval": "1m", "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": [
+                 {"eval_time": "15m", "alertname": "RLWatchTrainerStalled", "exp_alerts": []},
+                 {"eval_time": "16m", "alertname": "RLWatchTrainerStalled",
+                  "exp_alerts": firing(processes[0], processes[1])}]}]}
+    path = tmp_path / "duplicates.test.yaml"
+    path.write_text(yaml.safe_dump(tests))
+    result = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

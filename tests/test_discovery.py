@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rlwatch import Watch
 from rlwatch.discovery import STALE_GRACE_S, Registration, clean_stale
 
@@ -79,3 +81,80 @@ def test_a_killed_process_entry_stays_long_enough_to_page_then_goes(tmp_path):
     assert set(entries(tmp_path)) == {Path(live.path).name} and not marker.exists()
     live.remove()
     assert not list(tmp_path.iterdir())
+
+
+FORKED = """
+import json, os, sys
+from rlwatch import Watch
+with Watch(run="forked", port=0, store=None, alerts=False, sd_dir=sys.argv[1]) as watch:
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)                           # the child leaves the with block: close() runs in it
+    os.waitpid(pid, 0)
+    print(json.dumps(sorted(n for n in os.listdir(sys.argv[1]) if n.endswith(".json"))), flush=True)
+"""
+
+
+def test_a_forked_child_closing_the_watch_leaves_the_parents_entry(tmp_path):
+    out = subprocess.run([sys.executable, "-c", FORKED, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(json.loads(out.stdout)) == 1, out.stdout             # Prometheus still scrapes the parent
+    assert not list(tmp_path.glob("*.json"))                          # which removed it when it closed
+
+
+CONTAINED = """
+import sys, time
+from rlwatch import Watch
+watch = Watch(run="contained", port=0, store=None, alerts=False, sd_dir=sys.argv[1])
+print("registered", flush=True)
+time.sleep(300)
+"""
+
+
+def test_an_entry_of_another_pid_namespace_is_judged_by_its_endpoint(tmp_path):
+    """A container that shares this host's name (and the file_sd directory) but not its PIDs: its
+    live exporter's entry stays however long the grace; once its endpoint refuses, it goes."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    namespaced = [unshare, "--user", "--map-root-user", "--pid", "--mount-proc", "--kill-child"] if unshare else []
+    if not unshare or subprocess.run([*namespaced, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no unshare, or new PID namespaces are not allowed here")
+    proc = subprocess.Popen([*namespaced, sys.executable, "-c", CONTAINED, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "registered"
+        (entry,) = entries(tmp_path)
+        assert clean_stale(str(tmp_path), grace=0) == []               # its PID means nothing here: alive
+        assert list(entries(tmp_path)) == [entry]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)                            # unshare takes its child along
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while clean_stale(str(tmp_path), grace=0) != [str(tmp_path / entry)] and time.monotonic() < deadline:
+        time.sleep(0.1)                                              # refused once the child is gone
+    assert not entries(tmp_path)
+
+
+def test_one_run_instance_given_to_two_live_processes_is_made_unique_warned_and_counted(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLWATCH_RUN_INSTANCE", "trainer-0")
+    with Watch(run="dup", port=0, store=str(tmp_path / "first.db"), alerts=False, sd_dir=str(tmp_path)) as first, \
+            Watch(run="other", port=0, store=None, alerts=False, sd_dir=str(tmp_path)) as other, \
+            Watch(run="dup", port=0, store=str(tmp_path / "second.db"), alerts=False, sd_dir=str(tmp_path)) as second:
+        assert first.run_instance == other.run_instance == "trainer-0"   # another run may use the same one
+        assert second.run_instance.startswith("trainer-0@") and second.run_instance != first.run_instance
+        labels = {json.loads(p.read_text())[0]["targets"][0]: json.loads(p.read_text())[0]["labels"]["run_instance"]
+                  for p in tmp_path.glob("*.json")}
+        assert labels[f"127.0.0.1:{second.port}"] == second.run_instance
+        assert labels[f"127.0.0.1:{first.port}"] == "trainer-0"
+        assert second.errors.snapshot() == {("export", "duplicate_run_instance"): 1}
+        assert not first.errors.snapshot() and not other.errors.snapshot()
+        import urllib.request
+
+        body = urllib.request.urlopen(second.url, timeout=5).read().decode()
+        assert f'run_instance="{second.run_instance}"' in body and 'run_instance="trainer-0"' not in body
+    from rlwatch.store_reader import StoreReader
+
+    with StoreReader(str(tmp_path / "second.db")) as reader:
+        assert reader.meta("dup")["run_instance"] == second.run_instance

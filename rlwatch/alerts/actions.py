@@ -4,10 +4,13 @@ The evaluator decides its events under its lock and hands the callbacks (``Watch
 subscribers, ``guard`` actions) to :class:`ActionRunner`, which runs them in order on the
 ``rlwatch-alert-actions`` thread. A callback may therefore call any public method of the Watch or
 the evaluator (``watch.evaluator.firing()``, ``watch.note``, even ``watch.close``). The step that
-raised an event waits at most ``wait_seconds`` (100 ms) for its callbacks, so a quick guard (a stop
+raised an event waits at most ``wait_seconds`` (100 ms) for its own callbacks, and only when no
+earlier callback is still running (they would wait behind it anyway), so a quick guard (a stop
 request to the trainer) has run when ``observe`` returns while a slow one (a checkpoint upload)
-never holds the trainer longer; it finishes on the actions thread, delaying only later callbacks.
-A callback that raises is counted as ``rlwatch_hook_errors_total{stage="alerts", kind=...}``.
+never holds the trainer longer; it finishes on the actions thread, delaying only later callbacks,
+never later steps. At most :data:`MAX_QUEUED` callbacks wait; one more is dropped and counted
+(``kind="actions_queue_full"``). A callback that raises is counted as
+``rlwatch_hook_errors_total{stage="alerts", kind=...}``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any, Callable
 
 #: How long the step that raised an event waits for its callbacks, in seconds.
 WAIT_SECONDS = 0.1
+#: Callbacks that may wait behind a running one; more are dropped and counted.
+MAX_QUEUED = 256
 
 
 class ActionRunner:
@@ -39,12 +44,29 @@ class ActionRunner:
         with self._cond:
             if self._closing:
                 return
+            if len(self._queue) >= MAX_QUEUED:
+                self._on_error("actions_queue_full", f"alert {kind} dropped: {MAX_QUEUED} alert callbacks "
+                                                     "already wait behind a slow one")
+                return
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="rlwatch-alert-actions", daemon=True)
                 self._thread.start()
             self._queue.append((kind, action, event))
             self._submitted += 1
             self._cond.notify_all()
+
+    def mark(self) -> tuple[int, int]:
+        """Where the runner stands (submitted, done): give it to :meth:`wait_own` after submitting."""
+        with self._cond:
+            return self._submitted, self._done
+
+    def wait_own(self, mark: tuple[int, int]) -> bool:
+        """Wait (at most ``wait_seconds``) for the actions submitted since ``mark``, only when every
+        action before them had run at ``mark`` (else they queue behind a running one: no wait)."""
+        submitted, done = mark
+        if self._submitted == submitted or done < submitted:
+            return self._done >= self._submitted
+        return self.wait()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the actions submitted so far have run (at most ``timeout`` s, default
@@ -80,4 +102,4 @@ class ActionRunner:
                 self._cond.notify_all()
 
 
-__all__ = ["ActionRunner", "WAIT_SECONDS"]
+__all__ = ["ActionRunner", "MAX_QUEUED", "WAIT_SECONDS"]

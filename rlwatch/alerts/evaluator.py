@@ -36,7 +36,8 @@ class AlertEvaluator:
 
     overrides: threshold values for this run ({param: value}); ValueError on an invalid one.
     guard: callables ``guard(event)`` run when a critical alert fires, on the alert-actions thread; the
-        step that fired waits for them at most 100 ms (:data:`rlwatch.alerts.actions.WAIT_SECONDS`).
+        step that fired waits for them at most 100 ms (:data:`rlwatch.alerts.actions.WAIT_SECONDS`), and
+        not at all while an earlier callback still runs.
     static: values every step carries implicitly (the run's settings, e.g. ``staleness_bound``), as
         Prometheus sees them as gauges next to each step's signals.
     runbook_base: where the events' ``runbook_url`` points (``<base>#<alert>``); default
@@ -84,8 +85,9 @@ class AlertEvaluator:
     # --- per step ---------------------------------------------------------------------------
 
     def on_step(self, step: int, values: Mapping) -> None:
+        mark = self.actions.mark()
         self._on_step(step, values)
-        self.actions.wait()          # this step's callbacks, at most WAIT_SECONDS, outside the lock
+        self.actions.wait_own(mark)  # this step's own callbacks, at most WAIT_SECONDS, outside the lock
 
     def _on_step(self, step: int, values: Mapping) -> None:
         with self._lock:

@@ -83,7 +83,8 @@ PARAMS: dict[str, Param] = {
                                "third step, e.g. one replica of several).", low=1.0),
     "intermittent_steps": Param(4.0, "Steps of the window in which `intermittent_hits` raise steps open an "
                                 "intermittent critical alert (2 of 4: the most sensitive window with no healthy "
-                                "page on the matrix's tuning split, alerts/acceptance.md).", low=1.0),
+                                "page on the matrix's tuning split, alerts/acceptance.md). At most 1000: the "
+                                "window is kept per alert and label set.", low=1.0, high=1000.0),
     "clear_steps": Param(15.0, "Steps without the hold condition before an open alert resolves: a fault that "
                          "comes back within them is the same incident (10 left re-pages on the tuning split).",
                          low=1.0),
@@ -93,9 +94,13 @@ PARAMS: dict[str, Param] = {
 def threshold(param: str) -> str:
     """PromQL for the value of ``param`` per process (run, run_instance): a Prometheus-side override
     of the run (``source="overrides"``, ``alerts/overrides.example.yaml``; it applies to every process
-    of that run name), else the value the process exports, else the default."""
+    of that run name), else the value the process exports, else the default. One series per (run,
+    run_instance) whatever Prometheus scrapes (``max by``): two targets behind one identity (one
+    $RLWATCH_RUN_INSTANCE given to two processes, a target scraped by two jobs) would otherwise make
+    the rule's ``on(run, run_instance)`` join fail ("found duplicate series") for every run."""
     series = f'rlwatch_alert_threshold{{param="{param}"'
-    return (f'(max by(run) ({series}, source="overrides"}}) * on(run) group_right() (0 * rlwatch_step + 1) '
+    return (f'max by(run, run_instance) ('
+            f'max by(run) ({series}, source="overrides"}}) * on(run) group_right() (0 * rlwatch_step + 1) '
             f'or on(run, run_instance) {series}, source!="overrides"}} '
             f'or on(run, run_instance) (0 * rlwatch_step + {PARAMS[param].default:g}))')
 

@@ -42,14 +42,18 @@ The catalogue enforces it; `tests/test_alert_rules.py` and the acceptance report
   once; one seen open resolves at the scrape that shows it resolved. `keep_firing_for: 1m` outlasts
   Alertmanager's group wait, so an incident only the run's last scrape saw still arrives; a run that
   closes with an incident no scrape has seen serves one more scrape (at most 1.5 measured scrape
-  intervals, 60 s), a Pushgateway run pushes it at close with every incident still open marked resolved
-  (the gateway serves that push after the run: an open one would page forever, a resolved one pages
-  once if no scrape saw it open). Each incident is its own alert (two between
-  two scrapes page twice, as in the process), identical on both replicas of an HA pair, which the
-  Alertmanager cluster deduplicates (`examples/deploy/ha/`).
+  intervals + 1 s and 2 s, `Watch.close(scrape_wait=...)` to wait longer), a Pushgateway run
+  pushes it at close with every incident still open marked resolved (the gateway serves that push
+  after the run: an open one would page forever, a resolved one pages once if no scrape saw it
+  open). Each incident is its own alert (two between two scrapes page twice, as in the process),
+  identical on both replicas of an HA pair, which the Alertmanager cluster deduplicates
+  (`examples/deploy/ha/`).
 - **Run identity.** Every series carries `run` and `run_instance` (one per process:
   `<host>-<pid>-<start>`, or `$RLWATCH_RUN_INSTANCE`), every rule joins `on(run, run_instance)` and a
   Pushgateway groups by both: two processes that share a run name page, chart and push separately.
+  The side of a join that must be one series per process is aggregated `by (run, run_instance)`, so
+  two targets behind one identity (one `$RLWATCH_RUN_INSTANCE` given to two processes, a target
+  scraped by two jobs) page separately by `instance` and never stop another run's alerts.
 - **Plumbing.** Exporters register through file_sd (`Watch(sd_dir=...)`, `rlwatch up` sets it) and
   remove their file when their run closes cleanly: a finished run never pages, and RLWatchExporterDown
   fires only for a target that answered in the last hour. The Alertmanager inhibitions only act

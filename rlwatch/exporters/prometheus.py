@@ -213,10 +213,11 @@ class CachedExposition:
             self._served.notify_all()
         return cached[1], cached[2], content_type
 
-    def await_scrape(self, version: int, limit: float = 60.0) -> bool:
+    def await_scrape(self, version: int, limit: float = 2.0) -> bool:
         """Wait until a /metrics answer has shown state ``version``: at most 1.5 measured scrape
-        intervals plus 1 s (``limit`` when fewer than two scrapes were seen; never more). False
-        at once when nothing ever scraped, or when the time ran out."""
+        intervals plus 1 s, and never more than ``limit`` seconds (``limit`` when fewer than two
+        scrapes were seen: a person or a health probe that fetched once). False at once when nothing
+        ever scraped, or when the time ran out."""
         with self._served:
             if not self.scrape_times:
                 return False

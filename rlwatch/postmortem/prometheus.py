@@ -10,8 +10,10 @@
 - **Every answer validated**: an error status, a non-JSON or too deeply nested body, a missing key or
   a wrong type ends in one :class:`PostmortemInputError` line, never a traceback.
 - **One run instance**: series are told apart by ``run_instance`` (one per Watch process), or by
-  Prometheus' ``instance`` where that label is absent; several candidates and none named stop with
-  one line listing them (first and last step, first and last scrape).
+  Prometheus' ``instance`` where that label is absent, or where two targets exported one
+  ``run_instance`` at the same time (one $RLWATCH_RUN_INSTANCE given to two processes); several
+  candidates and none named stop with one line listing them (first and last step, first and last
+  scrape).
 - **The range from the run's own series**: ``count_over_time(rlwatch_step)`` over the lookback in
   ~1,000 windows finds when the run wrote; then every scrape in that range is read as raw samples
   (range selectors, at most 10,000 scrapes per request), so no resolution has to be chosen and a
@@ -234,15 +236,19 @@ class Instance:
     windows: dict[int, float] = field(default_factory=dict)       # window end (ms) -> samples in it
     window: int = 0                                               # the windows' length (ms)
     step_at: dict[int, int] = field(default_factory=dict)         # scrape time (ms) -> step
+    shared: bool = False          # another target exported this run_instance at the same time
 
     @property
     def name(self) -> str:
+        if self.shared:
+            return f"{self.run_instance} at {self.instance}"
         return self.run_instance or self.instance or "(unlabelled)"
 
     def selector(self, run: str) -> str:
         """PromQL label matchers (without braces) for this instance's series of ``run``."""
-        pick = [f"run_instance={_q(self.run_instance)}"] if self.run_instance else \
-            ['run_instance=""', f"instance={_q(self.instance)}"]
+        pick = [f"run_instance={_q(self.run_instance)}"] if self.run_instance else ['run_instance=""']
+        if self.shared or not self.run_instance:
+            pick.append(f"instance={_q(self.instance)}")
         return ", ".join([f"run={_q(run)}", *pick])
 
     def owns(self, labels: dict[str, str], only: bool) -> bool:
@@ -279,14 +285,35 @@ def instances(prom: Prometheus, run: str, start_ms: int, end_ms: int) -> list[In
     for labels, points in prom.matrix("/api/v1/query_range", query=f"count_over_time(rlwatch_step{{run="
                                       f"{_q(run)}}}[{window}ms])", start=(end_ms - (count - 1) * window) / 1000,
                                       end=end_ms / 1000, step=f"{window / 1000:g}"):
-        key = (labels.get("run_instance", ""), "" if labels.get("run_instance") else labels.get("instance", ""))
-        inst = found.setdefault(key, Instance(labels.get("run_instance", ""), labels.get("instance", "")))
+        key = (labels.get("run_instance", ""), labels.get("instance", ""))
+        inst = found.setdefault(key, Instance(*key, window=window))
         for t, n in points:
             if n > 0:
                 inst.windows[t] = max(inst.windows.get(t, 0.0), n)
-    for inst in found.values():
-        inst.window = window
-    return sorted(found.values(), key=lambda i: (min(i.windows), i.name))
+    kept = [i for i in found.values() if i.windows]
+    groups: dict[str, list[Instance]] = {}
+    for inst in kept:
+        groups.setdefault(inst.run_instance, []).append(inst)
+    merged = [i for name, group in groups.items() for i in (group if not name else _one_identity(prom, run, group))]
+    return sorted(merged, key=lambda i: (min(i.windows), i.name))
+
+
+def _one_identity(prom: Prometheus, run: str, group: list[Instance]) -> list[Instance]:
+    """The targets that exported one ``run_instance``: kept apart (``shared``) when two of them
+    wrote at the same time (two processes given one $RLWATCH_RUN_INSTANCE), else one process (seen
+    at another address after a restart, say)."""
+    if len(group) > 1:
+        for inst in group:
+            inst.shared = True
+            read_steps(prom, run, inst)
+        spans = sorted((min(i.step_at), max(i.step_at)) for i in group if i.step_at)
+        if any(later[0] <= earlier[1] for earlier, later in zip(spans, spans[1:])):
+            return group
+    one = Instance(group[0].run_instance, group[0].instance if len(group) == 1 else "", window=group[0].window)
+    for inst in group:
+        for t, n in inst.windows.items():
+            one.windows[t] = max(one.windows.get(t, 0.0), n)
+    return [one]
 
 
 def read_steps(prom: Prometheus, run: str, inst: Instance) -> Instance:
@@ -316,7 +343,8 @@ def _raw(prom: Prometheus, selector: str, after_ms: int, until_ms: int
 def choose(prom: Prometheus, run: str, found: list[Instance], run_instance: str | None) -> Instance:
     """The instance the user named (``run_instance`` or ``instance`` label), or the only one, with
     its steps read; otherwise one line listing them all."""
-    named = [i for i in found if run_instance in (i.run_instance, i.instance)] if run_instance is not None else found
+    named = [i for i in found if run_instance in (i.run_instance, i.instance, i.name)] \
+        if run_instance is not None else found
     if len(named) == 1:
         return read_steps(prom, run, named[0])
     listed = "; ".join(read_steps(prom, run, i).describe() for i in found)
@@ -341,6 +369,7 @@ def from_prometheus(url: str, run: str, lookback_seconds: float = DEFAULT_LOOKBA
     if not inst.step_at:
         raise prom.fail(f"run {run!r} ({inst.name}) has no finite rlwatch_step sample")
     which = "run_instance" if inst.run_instance else "instance" if inst.instance else ""
+    which = "run_instance and instance" if inst.shared else which
     data = RunData(run=run, source=f"Prometheus {prom.url}" + (f" ({which} {inst.name})" if which else ""))
     times = sorted(inst.step_at)
     chunks = [(times[i] - 1, times[min(i + CHUNK_SCRAPES, len(times)) - 1])

@@ -19,7 +19,7 @@ def stalled(h: History, now: float) -> list[tuple[LabelSet, float]]:
 TRAINER_STALLED = Alert(
     name="RLWatchTrainerStalled", severity="critical", for_minutes=0,
     prom_expr=("time() - rlwatch_last_step_timestamp_seconds > on(run, run_instance) group_left() "
-               f"{threshold('stall_seconds')}"),
+               f"({threshold('stall_seconds')})"),
     params=("stall_seconds",),
     summary="The trainer has not finished a step for too long.",
     description="Run {{ $labels.run }}: no step for {{ $value | humanizeDuration }}.",
