@@ -199,6 +199,15 @@ class StepScheduler:
             self.errors.report("background", "close", "steps still queued after 30 s were not computed")
 
 
+def _stack_runbook(registration: Any) -> str | None:
+    """The runbook server's URL of the `rlwatch up` stack a Watch registered with, if any."""
+    if registration is None:
+        return None
+    from .stack import served_runbook
+
+    return served_runbook(os.path.dirname(registration.path))
+
+
 class Services:
     """The optional parts of one Watch, started from its :class:`~rlwatch.config.WatchConfig`."""
 
@@ -325,14 +334,6 @@ class Services:
         self.otel = guard(self.errors, "export", "otel", lambda: OTelExporter(self.state, provider,
                                                                               self.health.fold))
 
-    def _stack_runbook(self) -> str | None:
-        """The runbook server's URL of the `rlwatch up` stack this Watch registered with, if any."""
-        if self.registration is None:
-            return None
-        from .stack import served_runbook
-
-        return served_runbook(os.path.dirname(self.registration.path))
-
     def start_alerts(self, cfg: WatchConfig, overrides: Mapping[str, float]) -> None:
         from .alerts.catalogue import runbook_base
         from .alerts.evaluator import AlertEvaluator
@@ -340,8 +341,8 @@ class Services:
 
         # the configured runbook ($RLWATCH_RUNBOOK_URL), else the runbook server of the stack this Watch
         # registered with (it outlives the run), else the one this process serves
-        base = runbook_url(None, self._stack_runbook() or self.server.runbook_url) if self.server is not None \
-            else runbook_base()
+        served = _stack_runbook(self.registration) or self.server.runbook_url if self.server is not None else None
+        base = runbook_url(None, served) if served is not None else runbook_base()
         self.evaluator = guard(self.errors, "alerts", "init", lambda: AlertEvaluator(
             self.run, store=self.store, notifiers=cfg.notifiers, overrides=overrides, errors=self.errors,
             guard=cfg.guard, static=_static_settings(cfg), runbook_base=base))

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 
 from . import config as env
 from .alerts.params import validate_overrides
+from .autoload import report as report_to_run        # under `rlwatch run`: tells it this Watch exists
 from .config import DEFAULT_PORT, WatchConfig
 from .errors import HookErrors, guard
 from .fields import StepFields
@@ -124,9 +125,7 @@ class Watch:
             return
         self.services.start(cfg, self.metadata, where.port_offset, one_intra_op_thread_here)
         self.services.attach(self.pipeline)
-        from .autoload import report           # under `rlwatch run`: tell it this Watch exists
-
-        report("created", framework=cfg.framework, run=self.run, url=self.url, store=self.store_path)
+        report_to_run("created", framework=cfg.framework, run=self.run, url=self.url, store=self.store_path)
 
     # --- read-only views of the parts the services and the pipeline own ----------------------------
 
