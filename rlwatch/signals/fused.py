@@ -44,6 +44,40 @@ _EXACT_F32_COUNT = 1 << 24
 _ONE_THREAD = 4096
 
 
+#: The engine's own terms: they may write into a dead buffer (``t["out"]``) and read only the valid-set
+#: tensors. Any other term of :data:`~.quantities.TERMS` (one a user declared) gets every one of these as well,
+#: made for it (:func:`_every_term`): its ``t["a"]`` or ``t["k3"]`` exists on every path.
+_ENGINE_TERMS = frozenset(("keep", "r", "s", "em1", "a", "em1_t", "k3", "w", "w_t", "rs"))
+
+
+class _TermsOnDemand(dict):
+    """The valid-set tensors, and an engine term made (fresh, no buffer lent) the first time it is read."""
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if name not in _ENGINE_TERMS:
+            raise KeyError(name)
+        made = self[name] = q.TERMS[name](self)       # self has no "out": a fresh tensor
+        return made
+
+
+def _every_term(fn: Any) -> Any:
+    """A declared term ``fn`` reading the engine's terms by name as well as the valid-set tensors: eagerly
+    each is made when first read; compiled all are traced and inductor keeps those the term reads. Its
+    result in the work dtype."""
+    def term(t: dict[str, torch.Tensor]) -> torch.Tensor:
+        given = {k: v for k, v in t.items() if k != "out"}
+        if not torch.compiler.is_compiling():
+            made = fn(_TermsOnDemand(given))
+        else:
+            for name in q.TERMS:            # in declaration order: a term reads only those before it
+                if name in _ENGINE_TERMS and name not in given:
+                    given[name] = q.TERMS[name](given)
+            made = fn(given)
+        work = t["r"].dtype                 # one dtype in the stacks and the lent buffers (a bool term too)
+        return made if made.dtype == work else made.to(work)
+    return term
+
+
 @plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS))
 def layout(mismatch: bool, lag: bool) -> dict[str, int | slice]:
     """Positions in :func:`token_core`'s output: ``tokens``, the fields of
@@ -69,7 +103,8 @@ def _plan(lag: bool) -> dict[str, Any]:
     rows = [plain.index(term) if term in plain else -1 for term in squares]
     if rows and rows[0] >= 0 and rows == list(range(rows[0], rows[0] + len(rows))):   # plain rows: a slice, no stack
         squares = slice(rows[0], rows[0] + len(rows))
-    return dict(sums=sums, terms=[(name, fn) for name, fn in q.TERMS.items() if name in needed],
+    return dict(sums=sums, terms=[(name, fn if name in _ENGINE_TERMS else _every_term(fn))
+                                  for name, fn in q.TERMS.items() if name in needed],
                 plain=plain, squares=squares, against=[s.term for s in against],
                 at=tuple(s.against for s in against), signs=tuple(1.0 if s.above else -1.0 for s in against),
                 by=by, widths=widths, starts=[sum(widths[:i]) + i for i in range(len(widths))],
