@@ -125,7 +125,8 @@ KL_JUMP = Alert(
     params=("kl_jump_factor", "kl_jump_floor", "baseline_steps", "evidence_z", "clear_steps"),
     summary="Sampler-learner KL jumped above its own baseline.",
     description=("Run {{ $labels.run }}: k3 = {{ $value | printf \"%.4g\" }} is several times its trailing "
-                 "baseline and outside the baseline's step-to-step spread, but below the absolute bound" + K3_CONTEXT + "."),
+                 "baseline and outside the baseline's step-to-step spread, but below the absolute bound"
+                 + K3_CONTEXT + "."),
     windows="Baseline: the mean and standard deviation of k3 over the 30 steps ending 5 steps ago, at "
             "least `baseline_steps` of them. Opens when k3 exceeds the floor, `kl_jump_factor` x the "
             "baseline mean and the mean plus `evidence_z` prediction standard deviations, 2 steps running.",
