@@ -184,6 +184,9 @@ def per_alert(outcomes: list[Outcome]) -> dict[str, dict[str, object]]:
             row[kind] = sum(1 for o in ok if o.kind == kind for e in o.firings() if e.name == alert.name)
         flaps = sum(1 for o in ok for e in refirings(o) if e.name == alert.name)
         row["flaps per run"] = round(flaps / len(ok), 3) if ok else 0
+        faulty = sum(row[kind] for kind in kinds)
+        row["precision (faulty / all firings)"] = round(faulty / (faulty + row["healthy"]), 3) if faulty + row[
+            "healthy"] else "-"
         table[alert.name] = row
     return table
 

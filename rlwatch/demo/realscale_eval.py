@@ -18,11 +18,9 @@ import argparse
 import json
 import statistics
 
-from .acceptance_score import Event, Outcome
+from .acceptance_score import MISMATCH_WARNINGS, Event, Outcome
 from .realscale import HEALTHY_STEPS, collect_all, runs
 
-#: The mismatch warnings the bars count.
-MISMATCH_WARNINGS = ("RLWatchMismatchDrift", "RLWatchKLJump")
 #: A collapse with at least this many steps from departure to collapse is slow.
 SLOW_STEPS = 400
 
@@ -110,9 +108,8 @@ def precision(outcomes: list[Outcome]) -> dict[str, dict[str, object]]:
     for alert in ALERTS:
         healthy = sum(1 for o in outcomes if o.kind == "healthy" for e in o.firings() if e.name == alert.name)
         faulty = sum(1 for o in outcomes if o.kind != "healthy" for e in o.firings() if e.name == alert.name)
-        if healthy or faulty or alert.condition is not None:
-            table[alert.name] = {"severity": alert.severity, "healthy": healthy, "faulty": faulty,
-                                 "precision": round(faulty / (healthy + faulty), 3) if healthy + faulty else "-"}
+        table[alert.name] = {"severity": alert.severity, "healthy": healthy, "faulty": faulty,
+                             "precision": round(faulty / (healthy + faulty), 3) if healthy + faulty else "-"}
     return table
 
 

@@ -76,9 +76,9 @@ def markdown(result: dict) -> str:
               "", "### Per-alert precision (real-scale test split, shipped defaults)", "",
               "| alert | severity | firings on healthy runs | on collapse runs | precision |", "|---|---|---|---|---|"]
     for name, row in result["precision"].items():
-        if row["healthy"] or row["faulty"] or name.startswith(("RLWatchKL", "RLWatchMismatch")):
-            lines.append(f"| {name} | {row['severity']} | {row['healthy']} | {row['faulty']} | {row['precision']} |")
-    lines += ["", "Alerts with no firing on either kind are left out of this table.", "",
+        lines.append(f"| {name} | {row['severity']} | {row['healthy']} | {row['faulty']} | {row['precision']} |")
+    lines += ["", "Precision: the share of an alert's firings that came on faulty (collapse) runs; - when it never "
+              "fired.", "",
               "### Collapse runs", "", "| run | departure | collapse | first critical | lead fraction | first "
               "mismatch warning (fraction) |", "|---|---|---|---|---|---|"]
     for row in result["runs"]:
