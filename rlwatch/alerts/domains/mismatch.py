@@ -50,7 +50,8 @@ def _kl_departure(h: History) -> Verdicts:
     if k3 is None or reading is None:
         return {}
     smooth, bound = reading
-    return one(k3, smooth > bound, smooth > h.p("hold_fraction") * bound)
+    # Above kl_k3_max the fault is RLWatchKLSpike's page: a burst straight past the bound pages once.
+    return one(k3, bound < smooth <= h.p("kl_k3_max"), smooth > h.p("hold_fraction") * bound)
 
 
 def _mismatch_drift(h: History) -> Verdicts:
@@ -146,14 +147,15 @@ KL_JUMP = Alert(
 
 KL_DEPARTURE = Alert(
     name="RLWatchKLDeparture", severity="critical", for_steps=3,
-    params=("kl_departure_factor", "kl_departure_floor", "baseline_steps", "hold_fraction", "clear_steps"),
+    params=("kl_departure_factor", "kl_departure_floor", "kl_k3_max", "baseline_steps", "hold_fraction",
+            "clear_steps"),
     summary="Sampler-learner KL has left this run's own baseline.",
     description=("Run {{ $labels.run }}: k3 {{ $value | printf \"%.2g\" }}" + K3_CONTEXT + "; it left this run's "
                  "baseline, the climb that comes before a collapse."),
     windows="Run baseline: the lowest 20-step median of k3 so far (from `baseline_steps` steps on; it never "
             "follows k3 up). Opens when the 5-step median of k3 exceeds the larger of `kl_departure_factor` x "
-            "the run baseline and `kl_departure_floor`, 3 steps running; holds while it stays above "
-            "`hold_fraction` x that bound.",
+            "the run baseline and `kl_departure_floor`, but not `kl_k3_max` (above it RLWatchKLSpike pages), 3 "
+            "steps running; holds while it stays above `hold_fraction` x that bound.",
     condition=_kl_departure,
     runbook=Runbook(
         meaning="On language-model runs k3 sits flat near its numerics floor (bf16 ~1e-3, fp16 ~1e-5) for "
