@@ -57,3 +57,17 @@ def test_a_real_scale_sample_meets_the_paging_bars_at_the_shipped_defaults():
         else:
             assert (lead_fraction(outcome, trace["depart_step"]) or 0) >= 0.5, outcome.events
             assert first_warning_fraction(outcome, trace["depart_step"]) is not None
+
+
+def test_prometheus_decides_as_the_process_on_a_real_scale_run_at_10s_steps():
+    """promtool replays a weight-sync collapse's exported window values with a step every 10 s (5 s
+    scrapes) and fires exactly the alerts the embedded evaluator fires, at every step."""
+    from rlwatch.demo.acceptance import prometheus_agrees
+
+    from .conftest import need_binary
+
+    need_binary("promtool")
+    trace = collect(RealRun({s.name: s for s in TEST}["fp8_syncbug"], 11))
+    agreement = prometheus_agrees([trace], {}, step_seconds=10, scrape=5)
+    assert agreement["ok"], agreement["promtool_tail"]
+    assert agreement["steps"] == len(trace["steps"])
