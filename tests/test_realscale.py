@@ -71,3 +71,20 @@ def test_prometheus_decides_as_the_process_on_a_real_scale_run_at_10s_steps():
     agreement = prometheus_agrees([trace], {}, step_seconds=10, scrape=5)
     assert agreement["ok"], agreement["promtool_tail"]
     assert agreement["steps"] == len(trace["steps"])
+
+
+def test_the_console_firing_line_carries_the_forecast(caplog):
+    """The evaluator's FIRING line for a k3 climbing log-linearly from a flat 1e-3 says how far k3 is
+    above its baseline and how many steps remain to kl_k3_max."""
+    from rlwatch.alerts.evaluator import AlertEvaluator
+
+    rng = random.Random(3)
+    k3 = [1e-3 * rng.lognormvariate(0, 0.05) for _ in range(40)]
+    k3 += [1e-3 * math.exp(0.05 * t) * rng.lognormvariate(0, 0.05) for t in range(1, 60)]
+    evaluator = AlertEvaluator("r1", watchdog_interval=0)
+    with caplog.at_level("WARNING", logger="rlwatch"):
+        for step, value in enumerate(k3):
+            evaluator.on_step(step, {"mismatch_kl_k3": {(): value}, "step": {(): float(step)}})
+    evaluator.close()
+    lines = [r.getMessage() for r in caplog.records if "FIRING RLWatchKLDeparture" in r.getMessage()]
+    assert len(lines) == 1 and "x its baseline; at this rate kl_k3_max in ~" in lines[0], lines
