@@ -189,6 +189,18 @@ def overview() -> dict:
     lay.add(threshold_panel("KL(mu || pi_old), k3", f"rlwatch_mismatch_kl_k3{{{RUN}}}", "{{run}} k3", "kl_k3_max",
                             "mismatch_kl_k3", "a spike above the bound or a steady climb; numeric bf16 mismatch "
                             "alone is ~1e-3.", "RLWatchKLSpike", log=True))
+    k3_window = f'{{{RUN}, signal="mismatch_kl_k3"}}'
+    lay.add(timeseries("k3 against the run's own baseline", [
+        target(f"rlwatch_mismatch_kl_k3{{{RUN}}}", "{{run}} k3"),
+        target(f"rlwatch_window_run_baseline{k3_window}", "{{run}} run baseline", "B"),
+        target(f"rlwatch_window_run_baseline{k3_window} * on(run, run_instance) "
+               f'rlwatch_alert_threshold{{{RUN}, param="kl_departure_factor"}}', "{{run}} departure bound", "C")],
+        describe("window_run_baseline", "k3 leaving its baseline by kl_departure_factor (and above "
+                 "kl_departure_floor): the climb that comes before a collapse.", "RLWatchKLDeparture"), log=True))
+    lay.add(timeseries("Steps to kl_k3_max at this trend", [
+        target(f"rlwatch_window_forecast_steps{k3_window}", "{{run}} steps left")],
+        describe("window_forecast_steps", "a forecast that shrinks step after step: k3 is on its way to the "
+                 "bound; no line: no upward trend.", "RLWatchKLDeparture")))
     lay.add(threshold_panel("Effective sample size", f"rlwatch_is_ess_ratio{{{RUN}}}", "{{run}} ESS", "ess_min",
                             "is_ess_ratio", "below 0.3: a few tokens carry the correction.", "RLWatchESSLow",
                             unit="percentunit"))

@@ -163,6 +163,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("window_stderr", "Standard error or step-to-step standard deviation a step-window alert used for a "
        "signal (mean log-ratio: per-step standard error from k2 and the token count; k3: the baseline's "
        "standard deviation).", "alerts", ("signal",)),
+    _g("window_run_baseline", "The run's own baseline of a signal (k3: its lowest 20-step median so far; it never "
+       "follows a climb), which RLWatchKLDeparture compares with.", "alerts", ("signal",)),
+    _g("window_baseline_ratio", "A signal's 5-step median over its run baseline (k3: RLWatchKLDeparture pages at "
+       "kl_departure_factor).", "alerts", ("signal",)),
+    _g("window_forecast_steps", "Steps until a signal reaches its critical bound at its log-linear trend over the "
+       "last 40 steps (k3: kl_k3_max); absent without a significant upward trend.", "alerts", ("signal",)),
     MetricSpec("diagnosis_info", "info", "Most likely cause of the sampler-learner mismatch at the latest "
                "diagnosis, with its confidence label.", ("cause", "confidence"), "diagnosis"),
     _g("sampler_temperature", "Sampling temperature the sampler reported.", "sampler"),

@@ -50,7 +50,8 @@ from .model import ALERT_LABELS, RUNBOOK_BASE, Alert, Example, Runbook, StepExam
 from .params import PARAMS, Param, defaults, threshold, thresholds, validate_overrides
 
 ALERTS: tuple[Alert, ...] = (
-    mismatch.KL_SPIKE, mismatch.KL_JUMP, mismatch.MISMATCH_DRIFT, mismatch.ON_POLICY_RATIO_NOT_ONE,
+    mismatch.KL_SPIKE, mismatch.KL_DEPARTURE, mismatch.KL_JUMP, mismatch.MISMATCH_DRIFT,
+    mismatch.ON_POLICY_RATIO_NOT_ONE,
     staleness.STALENESS_BOUND_EXCEEDED, staleness.VERSION_LAG_FAR_ABOVE_BOUND,
     importance.IS_TRUNCATION_HIGH, importance.ESS_LOW,
     data.ZERO_VARIANCE_GROUPS_HIGH, data.TRUNCATION_RATE_HIGH,

@@ -22,13 +22,18 @@ from ..errors import HookErrors
 from .actions import ActionRunner
 from .catalogue import ALERT_LABELS, ALERTS, BY_NAME, Alert, History, stalled, thresholds
 from .notify import AlertEvent, Dispatcher, log_event
-from .template import render
+from .template import K3_FRAGMENTS, render
 from .windows import HISTORY_STEPS, AlertWindows, firing_keys
 
 LabelKey = tuple[tuple[str, str], ...]
 
 #: Alert events an evaluator keeps in memory.
 EVENTS_KEPT = 1000
+
+
+def k3_context(values: Mapping) -> dict[str, float | None]:
+    """The values of the descriptions' k3 fragments in a step's exported window values."""
+    return {kind: values.get(f"window_{kind}", {}).get(("mismatch_kl_k3",)) for kind in K3_FRAGMENTS}
 
 
 class AlertEvaluator:
@@ -104,7 +109,7 @@ class AlertEvaluator:
                 if key in before:
                     self._firing[key] = self._with_value(self._firing[key], value, step)
                 else:
-                    self._emit(alert, "firing", step, named, value)
+                    self._emit(alert, "firing", step, named, value, k3_context(values))
             current = values.get("alert_value", {})
             now_keys = {(labels[0], tuple(sorted((k, v) for k, v in zip(ALERT_LABELS[1:], labels[1:]) if v != "")))
                         for labels in now}
@@ -136,11 +141,12 @@ class AlertEvaluator:
         return AlertEvent(event.name, event.severity, event.state, event.run, step, event.labels, value,
                           event.summary, event.description, event.runbook_url, event.time)
 
-    def _emit(self, alert: Alert, state: str, step: int | None, labels: dict, value: float | None) -> None:
+    def _emit(self, alert: Alert, state: str, step: int | None, labels: dict, value: float | None,
+              context: Mapping[str, float | None] | None = None) -> None:
         full = {"run": self.run, **labels}
         event = AlertEvent(name=alert.name, severity=alert.severity, state=state, run=self.run, step=step,
                            labels=dict(labels), value=value, summary=alert.summary,
-                           description=render(alert.description, full, value),
+                           description=render(alert.description, full, value, context),
                            runbook_url=f"{self.runbook_base}#{alert.name.lower()}" if self.runbook_base
                            else alert.runbook_url, time=self.clock())
         key = (alert.name, tuple(sorted(labels.items())))

@@ -18,9 +18,10 @@ Verdicts = dict[tuple[str, ...], tuple[float, bool, bool]]
 class History:
     """The last steps' values ({metric name: {label values: value}}) and the thresholds in force."""
 
-    def __init__(self, steps: list[tuple[int, dict]], params: dict[str, float]) -> None:
+    def __init__(self, steps: list[tuple[int, dict]], params: dict[str, float], memory: dict | None = None) -> None:
         self.steps = steps
         self.params = params
+        self.memory: dict = {} if memory is None else memory    # state a condition keeps across steps
         self.stats: dict[tuple[str, str], float] = {}     # (kind, signal) -> window statistic, exported
 
     def p(self, name: str) -> float:

@@ -295,6 +295,9 @@ def _printable(text: Any) -> str:
 _CONTROL_ALL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
+_K3_CONTEXT = re.compile(r", \d+x its baseline|; at this rate kl_k3_max in ~\d+ steps")
+
+
 def log_event(event: AlertEvent) -> None:
     """The console side of an event: one log line, a resolution at the level of a firing (WARNING), so
     that wherever a firing is printed (Python's default handler shows WARNING and above) its
@@ -302,6 +305,8 @@ def log_event(event: AlertEvent) -> None:
     level = logging.WARNING
     labels = ", ".join(f"{k}={_printable(v)}" for k, v in sorted(event.labels.items()))
     value = "" if event.value is None else f" value={event.value:.4g}"
-    logger.log(level, "rlwatch alert %s %s [%s] run=%s step=%s%s%s - %s (%s)", event.state.upper(), event.name,
-               event.severity, event.run, event.step, f" {labels}" if labels else "", value, event.summary,
+    # The k3 context of a mismatch alert (x its baseline; steps left to kl_k3_max at this trend), when known.
+    trend = "".join(_K3_CONTEXT.findall(event.description))
+    logger.log(level, "rlwatch alert %s %s [%s] run=%s step=%s%s%s%s - %s (%s)", event.state.upper(), event.name,
+               event.severity, event.run, event.step, f" {labels}" if labels else "", value, trend, event.summary,
                event.runbook_url)

@@ -41,6 +41,14 @@ PARAMS: dict[str, Param] = {
                        "guidance treats |KL| > 0.1 as unhealthy; bf16 numeric mismatch alone gives ~1e-3.", above=0.0),
     "kl_jump_factor": Param(5.0, "k3 this many times its trailing baseline mean is a jump (a warning).", low=1.0),
     "kl_jump_floor": Param(0.01, "No jump while k3 stays below this (a jump from 1e-5 to 1e-4 is noise)."),
+    "kl_departure_factor": Param(8.0, "k3 (its 5-step median) this many times the run's own baseline (its lowest "
+                                 "20-step median) pages (RLWatchKLDeparture): language-model runs sit flat near "
+                                 "their numerics floor and pass 10x it 150-500 steps before a collapse.", low=1.0),
+    "kl_departure_floor": Param(1.5e-3, "No departure page, and no drift warning, while k3's 5-step median stays "
+                                "below this (an fp16 run's 1e-5 -> 1e-4 is 10x but harmless).", above=0.0),
+    "kl_drift_factor": Param(5.0, "RLWatchMismatchDrift warns only while k3's 5-step median is this many times "
+                             "the run baseline (and above kl_departure_floor): the drift score alone fires on "
+                             "noise.", low=1.0),
     "drift_score_max": Param(8.0, "CUSUM drift score (in robust standard deviations) above which a signal "
                              "is drifting (a warning).", above=0.0),
     "onpolicy_log_ratio_max": Param(0.02, "|mean signed log-ratio| allowed in the first steps of an on-policy "

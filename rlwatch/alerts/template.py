@@ -113,7 +113,29 @@ def _value_text(pipeline: str, value: float | None) -> str:
     return go_float(value)
 
 
-def render(template: str, labels: Mapping[str, str], value: float | None) -> str:
-    """Fill an annotation template ({{ $labels.x }}, {{ $value | ... }}) as Prometheus does."""
+def _query(family: str) -> str:
+    """A Go template that reads the run's ``rlwatch_<family>{signal="mismatch_kl_k3"}`` by a query."""
+    return ('{{ with query (printf "max(rlwatch_' + family + '{run=\'%s\',signal=\'mismatch_kl_k3\'})" '
+            '$labels.run) }}')
+
+
+#: The k3 context of the mismatch alerts' descriptions: k3 over the run baseline and the steps left to
+#: kl_k3_max at the current trend (each absent when rlwatch exports none). {kind: (template, text)}.
+K3_FRAGMENTS: dict[str, tuple[str, str]] = {
+    "baseline_ratio": (_query("window_baseline_ratio") + ', {{ . | first | value | printf "%.0f" }}x its baseline'
+                       '{{ end }}', ", {:.0f}x its baseline"),
+    "forecast_steps": (_query("window_forecast_steps") + '; at this rate kl_k3_max in ~{{ . | first | value | '
+                       'printf "%.0f" }} steps{{ end }}', "; at this rate kl_k3_max in ~{:.0f} steps"),
+}
+K3_CONTEXT = "".join(template for template, _ in K3_FRAGMENTS.values())
+
+
+def render(template: str, labels: Mapping[str, str], value: float | None,
+           context: Mapping[str, float | None] | None = None) -> str:
+    """Fill an annotation template ({{ $labels.x }}, {{ $value | ... }}) as Prometheus does;
+    ``context`` gives the values of :data:`K3_FRAGMENTS`' queries (a missing one renders nothing)."""
+    for kind, (fragment, text) in K3_FRAGMENTS.items():
+        found = (context or {}).get(kind)
+        template = template.replace(fragment, "" if found is None else text.format(found))
     out = _LABEL.sub(lambda m: str(labels.get(m.group(1), "")), template)
     return _VALUE.sub(lambda m: _value_text(m.group(1), value), out)

@@ -87,6 +87,7 @@ class AlertWindows:
         self.clock = clock
         self._opened: dict[tuple[str, ...], int] = {}             # incidents so far per family key
         self._resolved: dict[tuple[str, ...], deque[_Incident]] = {}
+        self._memory: dict = {}                                   # the conditions' run-long state
 
     @property
     def clear_steps(self) -> float:
@@ -94,7 +95,7 @@ class AlertWindows:
 
     def on_step(self, step: int, values: Mapping) -> dict:
         self._steps.append((step, {**self.static, **values} if self.static else dict(values)))
-        history = History(list(self._steps), self.params)
+        history = History(list(self._steps), self.params, self._memory)
         out: dict[str, dict] = {name: {} for name in EXPORTED}
         for alert in self.alerts:
             verdicts = evaluate(alert, history)

@@ -16,6 +16,8 @@ SEMANTIC_STEPS = 10
 #: An intermittent fault must page within this many steps of its first faulty step.
 INTERMITTENT_STEPS = 10
 HACK_HOLD = 0.2
+#: The sampler-learner mismatch warnings whose rate on healthy runs is a bar.
+MISMATCH_WARNINGS = ("RLWatchMismatchDrift", "RLWatchKLJump")
 
 
 @dataclass
@@ -73,6 +75,7 @@ def score(outcomes: list[Outcome]) -> dict[str, object]:
     intermittent = [o for o in ok if o.kind == "intermittent"]
     lag_fault = [o for o in ok if o.kind == "lag_fault"]
     leads = [o.lead for o in collapsing if o.lead is not None]
+    mismatch_warnings = sum(1 for o in healthy for e in o.firings("warning") if e.name in MISMATCH_WARNINGS)
     fractions = [o.lead / o.collapse_step for o in collapsing if o.lead is not None]
 
     def intermittent_ok(o: Outcome) -> bool:
@@ -96,6 +99,8 @@ def score(outcomes: list[Outcome]) -> dict[str, object]:
         "healthy_critical_pages": sum(len(o.firings("critical")) for o in healthy),
         "healthy_runs_paged": sum(bool(o.firings("critical")) for o in healthy),
         "healthy_warnings": sum(len(o.firings("warning")) for o in healthy),
+        "healthy_mismatch_warnings": mismatch_warnings,
+        "mismatch_warnings_per_healthy_run": round(mismatch_warnings / max(1, len(healthy)), 3),
         "collapse_runs": sum(o.kind == "collapse" for o in ok),
         "collapsed": len(collapsing),
         "collapsed_paged_before": sum(o.lead is not None for o in collapsing),
@@ -140,6 +145,7 @@ def bars(s: dict) -> dict[str, bool]:
         "median lead >= half the steps to the collapse": (s["collapsed"] == 0
                                                           or (s["lead_fraction_median"] or 0) >= 0.5),
         "0 flaps": s["flaps"] == 0,
+        "mismatch warnings (drift, jump) <= 0.5 per healthy run": s["mismatch_warnings_per_healthy_run"] <= 0.5,
         "semantic faults critical within 10 steps and firing at the end": s["semantic_ok"] == s["semantic_runs"],
         "intermittent faults critical within 10 steps of the first faulty step": (s["intermittent_ok"]
                                                                                   == s["intermittent_runs"]),

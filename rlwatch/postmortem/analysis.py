@@ -32,7 +32,8 @@ CAUSE_SIGNALS: dict[str, tuple[str, ...]] = {
 NO_CAUSE = "no cause found"
 #: Alerts on the sampler-learner mismatch and the lag: one of them firing makes a diagnosed cause
 #: the run's cause even where the run did not degrade.
-MISMATCH_ALERTS = frozenset({"RLWatchESSLow", "RLWatchISTruncationHigh", "RLWatchKLJump", "RLWatchKLSpike",
+MISMATCH_ALERTS = frozenset({"RLWatchESSLow", "RLWatchISTruncationHigh", "RLWatchKLDeparture", "RLWatchKLJump",
+                             "RLWatchKLSpike",
                              "RLWatchMismatchDrift", "RLWatchNonFiniteLogProbs", "RLWatchOnPolicyRatioNotOne",
                              "RLWatchStalenessBoundExceeded", "RLWatchVersionLagFarAboveBound"})
 

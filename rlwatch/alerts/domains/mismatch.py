@@ -7,6 +7,8 @@ import math
 from ..conditions import one
 from ..history import History, Verdicts
 from ..model import Alert, Runbook, StepExample, const, with_step
+from ..template import K3_CONTEXT
+from ..trend import k3_trend, run_baseline, smoothed
 
 
 DRIFT_SIGNALS = ("mismatch_kl_k3", "mismatch_abs_log_ratio_p99")
@@ -34,12 +36,34 @@ def _kl_jump(h: History) -> Verdicts:
     return one(k3, raise_, k3 > floor and k3 > mean + band)
 
 
+def _departure_bound(h: History, factor: float) -> tuple[float, float] | None:
+    """(k3's 5-step median, the bound: the larger of ``factor`` x the run baseline and the floor)."""
+    baseline, smooth = run_baseline(h), smoothed(h)
+    if baseline is None or smooth is None:
+        return None
+    return smooth, max(h.p("kl_departure_floor"), factor * baseline)
+
+
+def _kl_departure(h: History) -> Verdicts:
+    k3_trend(h)
+    k3, reading = h.latest("mismatch_kl_k3"), _departure_bound(h, h.p("kl_departure_factor"))
+    if k3 is None or reading is None:
+        return {}
+    smooth, bound = reading
+    # Above kl_k3_max the fault is RLWatchKLSpike's page: a burst straight past the bound pages once.
+    return one(k3, bound < smooth <= h.p("kl_k3_max"), smooth > h.p("hold_fraction") * bound)
+
+
 def _mismatch_drift(h: History) -> Verdicts:
     out: Verdicts = {}
     bound = h.p("drift_score_max")
+    reading = _departure_bound(h, h.p("kl_drift_factor"))
+    # A drift score means something only once k3 itself has left its run baseline by kl_drift_factor
+    # and the floor: on language-model runs the score alone fires on noise a few times per run.
+    elevated = reading is not None and reading[0] > reading[1]
     for (signal, _env, _detector), score in h.family("drift_score").items():
         if signal in DRIFT_SIGNALS:
-            out[(signal,)] = (score, score > bound, score > h.p("hold_fraction") * bound)
+            out[(signal,)] = (score, score > bound and elevated, score > h.p("hold_fraction") * bound)
     return out
 
 
@@ -64,7 +88,7 @@ KL_SPIKE = Alert(
     params=("kl_k3_max", "intermittent_hits", "intermittent_steps", "hold_fraction", "clear_steps"),
     summary="Sampler-learner KL is above the absolute bound.",
     description=("Run {{ $labels.run }}: k3 = KL(mu||pi_old) is {{ $value | printf \"%.4g\" }}, above the "
-                 "absolute bound on consecutive steps or on several of the last steps."),
+                 "absolute bound on consecutive steps or on several of the last steps" + K3_CONTEXT + "."),
     windows="k3 above `kl_k3_max` for 2 consecutive steps, or on `intermittent_hits` of the last "
             "`intermittent_steps` steps (a fault on every second or third step), opens it; it holds while k3 "
             "stays above `hold_fraction` x the bound. A relative jump without that magnitude is RLWatchKLJump, "
@@ -102,7 +126,8 @@ KL_JUMP = Alert(
     params=("kl_jump_factor", "kl_jump_floor", "baseline_steps", "evidence_z", "clear_steps"),
     summary="Sampler-learner KL jumped above its own baseline.",
     description=("Run {{ $labels.run }}: k3 = {{ $value | printf \"%.4g\" }} is several times its trailing "
-                 "baseline and outside the baseline's step-to-step spread, but below the absolute bound."),
+                 "baseline and outside the baseline's step-to-step spread, but below the absolute bound"
+                 + K3_CONTEXT + "."),
     windows="Baseline: the mean and standard deviation of k3 over the 30 steps ending 5 steps ago, at "
             "least `baseline_steps` of them. Opens when k3 exceeds the floor, `kl_jump_factor` x the "
             "baseline mean and the mean plus `evidence_z` prediction standard deviations, 2 steps running.",
@@ -120,15 +145,49 @@ KL_JUMP = Alert(
 )
 
 
+KL_DEPARTURE = Alert(
+    name="RLWatchKLDeparture", severity="critical", for_steps=3,
+    params=("kl_departure_factor", "kl_departure_floor", "kl_k3_max", "baseline_steps", "hold_fraction",
+            "clear_steps"),
+    summary="Sampler-learner KL has left this run's own baseline.",
+    description=("Run {{ $labels.run }}: k3 {{ $value | printf \"%.2g\" }}" + K3_CONTEXT + "; it left this run's "
+                 "baseline, the climb that comes before a collapse."),
+    windows="Run baseline: the lowest 20-step median of k3 so far (from `baseline_steps` steps on; it never "
+            "follows k3 up). Opens when the 5-step median of k3 exceeds the larger of `kl_departure_factor` x "
+            "the run baseline and `kl_departure_floor`, but not `kl_k3_max` (above it RLWatchKLSpike pages), 3 "
+            "steps running; holds while it stays above `hold_fraction` x that bound.",
+    condition=_kl_departure,
+    runbook=Runbook(
+        meaning="On language-model runs k3 sits flat near its numerics floor (bf16 ~1e-3, fp16 ~1e-5) for "
+                "thousands of steps; before a collapse it passes 10x that floor 150-500 steps before the "
+                "reward falls, long before the absolute bound (kl_k3_max). This pages on that departure.",
+        causes=["A weight-update or weight-sync bug: the sampler's weights drift from the trainer's.",
+                "A sampler engine or kernel regression (a new vLLM/SGLang version, a changed attention kernel).",
+                "Staleness growing in an asynchronous pipeline; the policy sharpening under a high learning "
+                "rate so that each update moves it further."],
+        look=["rlwatch_mismatch_kl_k3 against rlwatch_window_run_baseline on the overview dashboard, and "
+              "rlwatch_window_forecast_steps: the steps left to kl_k3_max at this trend.",
+              "rlwatch_version_lag_max and rlwatch_mismatch_log_ratio_mean at the same steps.",
+              "rlwatch_is_ess_raw_ratio: an ESS falling with it confirms the weights degenerate."],
+        do=["Checkpoint now; the reward has not fallen yet.",
+            "Compare sampler and trainer versions, weights and kernels; roll back an engine upgrade.",
+            "Enable a behaviour correction (TIS/MIS) or lower the learning rate while you investigate."]),
+    example=StepExample(series=with_step(40, mismatch_kl_k3={(): [0.001, 0.0012] * 15 + const(0.02, 10)}),
+                        fires_at=34, labels={}, value=0.02),
+)
+
+
 MISMATCH_DRIFT = Alert(
     name="RLWatchMismatchDrift", severity="warning", for_steps=1,
-    params=("drift_score_max", "hold_fraction", "clear_steps"),
+    params=("drift_score_max", "kl_drift_factor", "kl_departure_floor", "hold_fraction", "clear_steps"),
     labels=("run", "signal"),
     summary="Sampler-learner mismatch is drifting up.",
     description=("Run {{ $labels.run }}: {{ $labels.signal }} has drifted above its own baseline (drift score "
-                 "{{ $value | printf \"%.4g\" }})."),
+                 "{{ $value | printf \"%.4g\" }})" + K3_CONTEXT + "."),
     windows="The drift score rlwatch computes per step (a CUSUM of robust z-scores against a trailing "
-            "baseline, no score before 15 steps) above `drift_score_max`.",
+            "baseline, no score before 15 steps) above `drift_score_max`, while the 5-step median of k3 is "
+            "above the larger of `kl_drift_factor` x the run baseline (see RLWatchKLDeparture) and "
+            "`kl_departure_floor`; holds while the score stays above `hold_fraction` x its bound.",
     condition=_mismatch_drift,
     runbook=Runbook(
         meaning="k3 or the 99th percentile of |log pi_old - log mu| has risen steadily relative to this "
@@ -143,9 +202,10 @@ MISMATCH_DRIFT = Alert(
               "vLLM's preemption counter next to the mismatch (rollout-engine row)."],
         do=["Watch for a KL spike; consider lowering the learning rate or tightening the staleness bound.",
             "Make sure a behaviour correction (TIS/MIS) is on before the drift turns into a spike."]),
-    example=StepExample(series=with_step(12, drift_score={("mismatch_abs_log_ratio_p99", "", ""):
-                                                            const(0.0, 10) + [3.0, 9.5]}),
-                        fires_at=11, labels={"signal": "mismatch_abs_log_ratio_p99"}, value=9.5),
+    example=StepExample(series=with_step(30, drift_score={("mismatch_abs_log_ratio_p99", "", ""):
+                                                            const(0.0, 28) + [3.0, 9.5]},
+                                         mismatch_kl_k3={(): [0.001, 0.0012] * 12 + const(0.01, 6)}),
+                        fires_at=29, labels={"signal": "mismatch_abs_log_ratio_p99"}, value=9.5),
 )
 
 
@@ -183,4 +243,4 @@ ON_POLICY_RATIO_NOT_ONE = Alert(
 )
 
 
-__all__ = ["KL_SPIKE", "KL_JUMP", "MISMATCH_DRIFT", "ON_POLICY_RATIO_NOT_ONE"]
+__all__ = ["KL_DEPARTURE", "KL_SPIKE", "KL_JUMP", "MISMATCH_DRIFT", "ON_POLICY_RATIO_NOT_ONE"]

@@ -1,0 +1,90 @@
+"""k3 against the run's own baseline, and the steps left to the critical bound at its current trend.
+
+The run baseline is the lowest 20-step median of k3 the run has shown (after ``baseline_steps``
+steps): it follows a run whose mismatch settles lower, never one that climbs, so a slow climb is
+measured against where the run started. It persists across steps in :class:`History`'s memory (the
+step windows keep only the last 130 steps).
+
+The forecast fits ln k3 = a + b t over the last :data:`TREND_STEPS` steps by least squares; when the
+slope is positive by ``evidence_z`` standard errors and the fitted level is below ``kl_k3_max``, the
+steps left are (ln kl_k3_max - fitted level now) / b, kept when at most :data:`FORECAST_MAX_STEPS`.
+No trend (flat, falling, or not distinguishable from noise): no forecast.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from .history import History
+
+K3 = "mismatch_kl_k3"
+#: Steps of the rolling median whose lowest value is the run baseline.
+MEDIAN_STEPS = 20
+#: Steps of the median the baseline conditions compare (isolated spikes do not count).
+SMOOTH_STEPS = 5
+#: Steps of the log-linear fit behind the forecast.
+TREND_STEPS = 40
+#: Longer forecasts are left out (a healthy drift that would reach the bound in years).
+FORECAST_MAX_STEPS = 2000.0
+
+
+def run_baseline(h: History) -> float | None:
+    """The run's k3 baseline (nats), updated once per step; None before ``baseline_steps`` steps."""
+    memory = h.memory.setdefault(K3, {"step": None, "baseline": None, "seen": 0})
+    if memory["step"] != h.step:
+        memory["step"] = h.step
+        if h.latest(K3) is not None:
+            memory["seen"] += 1
+        recent = h.window(K3, (), last=MEDIAN_STEPS)
+        if memory["seen"] >= max(MEDIAN_STEPS, h.p("baseline_steps")) and len(recent) >= MEDIAN_STEPS // 2:
+            level = statistics.median(recent)
+            if level > 0 and (memory["baseline"] is None or level < memory["baseline"]):
+                memory["baseline"] = level
+    baseline = memory["baseline"]
+    if baseline is not None:
+        h.stats[("run_baseline", K3)] = baseline
+        smooth = smoothed(h)
+        if smooth is not None:
+            h.stats[("baseline_ratio", K3)] = smooth / baseline
+    return baseline
+
+
+def smoothed(h: History) -> float | None:
+    """Median of k3 over the last :data:`SMOOTH_STEPS` steps."""
+    recent = h.window(K3, (), last=SMOOTH_STEPS)
+    return statistics.median(recent) if recent else None
+
+
+def forecast_steps(h: History, bound: float) -> float | None:
+    """Steps until k3 reaches ``bound`` at its log-linear trend over the last :data:`TREND_STEPS`
+    steps; None without a significant upward trend, above the bound, or beyond FORECAST_MAX_STEPS."""
+    points = [(t, math.log(v)) for t, values in h.steps[-TREND_STEPS:]
+              if (v := values.get(K3, {}).get(())) is not None and v == v and v > 0]
+    if len(points) < TREND_STEPS // 2:
+        return None
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((t - mean_t) ** 2 for t, _ in points)
+    if sxx <= 0:
+        return None
+    slope = sum((t - mean_t) * (y - mean_y) for t, y in points) / sxx
+    residual = sum((y - mean_y - slope * (t - mean_t)) ** 2 for t, y in points) / max(1, n - 2)
+    stderr = math.sqrt(residual / sxx)
+    now = mean_y + slope * (points[-1][0] - mean_t)
+    if slope <= 0 or slope - h.p("evidence_z") * stderr <= 0 or now >= math.log(bound):
+        return None
+    steps = (math.log(bound) - now) / slope
+    return steps if steps <= FORECAST_MAX_STEPS else None
+
+
+def k3_trend(h: History) -> None:
+    """Export the run baseline, k3's ratio to it and the forecast to ``kl_k3_max`` (window stats)."""
+    run_baseline(h)
+    steps = forecast_steps(h, h.p("kl_k3_max"))
+    if steps is not None:
+        h.stats[("forecast_steps", K3)] = steps
+
+
+__all__ = ["FORECAST_MAX_STEPS", "K3", "forecast_steps", "k3_trend", "run_baseline", "smoothed"]
