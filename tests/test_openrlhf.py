@@ -241,6 +241,25 @@ def test_lag_counts_weight_broadcasts_between_generation_and_training(ray_sessio
     assert watch.errors.total() == 0
 
 
+def test_phases_are_openrlhfs_own_step_timers(ray_session, watch, tmp_path):
+    """The step is observed when train_step returns, with OpenRLHF's timing/make_experience,
+    timing/ppo_train and timing/broadcast (to the engine) and the generate_samples block it times as
+    timing/generation; a train_step that raises is still observed, without phases."""
+    run = build(tmp_path)
+    status, _ = mini.run_step(run)
+    values = ro.INSTRUMENTOR.last_values
+    assert values["phase_seconds"][("training",)] == status["timing/ppo_train"]
+    assert values["phase_seconds"][("make_experience",)] == status["timing/make_experience"]
+    assert values["weight_sync_seconds"][()] == status["timing/broadcast"] == values["phase_seconds"][("sync",)]
+    assert values["phase_seconds"][("generation",)] > 0
+    samples, _, _, _ = run.generator.generate_samples(**run.generate_kwargs)
+    run.trainer.ppo_train = lambda global_step: 1 / 0                       # fails after make_experience
+    with pytest.raises(ZeroDivisionError):
+        run.trainer.train_step(samples, run.global_step)
+    assert steps(watch) == [1, 2] and "phase_seconds" not in ro.INSTRUMENTOR.last_values
+    assert watch.errors.total() == 0
+
+
 @versions
 def test_partial_rollout_stamps_dispatch_and_collection_versions(ray_session, watch, tmp_path):
     """A broadcast lands while samples are in flight (async + partial rollouts): each sample carries

@@ -45,7 +45,10 @@ What is wrapped (``PATCHES``; every patch is ``_instrumentor.Instrumentor.wrap``
       marks a training step (step number ``global_step + 1``, the number OpenRLHF logs and names
       its checkpoints with) and reads the trainer's policy version before the step's own update.
     * ``openrlhf.trainer.ppo_utils.experience_maker.RemoteExperienceMaker.make_experience_batch``:
-      its list of ``Experience`` batches is turned into one ``Watch.observe`` per training step.
+      its list of ``Experience`` batches is turned into one ``Watch.observe`` per training step,
+      made when ``train_step`` returns, with the phases OpenRLHF timed in it (``timing/make_experience``,
+      ``timing/ppo_train``, ``timing/broadcast`` -> make_experience, training, sync) and the
+      generation phase (``SamplesGenerator.generate_samples``, timed here as ``fit`` times it).
     * ``BasePPOTrainer.broadcast_to_vllm``: OpenRLHF has no policy version anywhere, so rlwatch
       keeps its own: the number of weight broadcasts to the vLLM engines so far (``TrainingActor``
       overrides the method and calls this one, so async mode counts the same way).
@@ -88,6 +91,7 @@ Configuration
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
 import logging
 import os
@@ -98,6 +102,7 @@ from typing import Any, Callable, Mapping
 
 from ...config import rlwatch_variables, variables_or_defaults
 from ...fields import StepFields
+from ...rollout import PhaseClock
 from .._instrumentor import Call, Hook, Patch, context_value
 from .._ray_actors import RayActorInstrumentor, config_get, framework_watch_options
 from .._trainer_logs import mirror_call
@@ -121,12 +126,13 @@ PATCHES: dict[str, list[Patch]] = {
     EXPERIENCE_MAKER: [Patch("RemoteExperienceMaker", "make_experience_batch", Hook(
         "openrlhf_make_experience_batch", before="_read_stamps", after="_observe", watch=True))],
     PPO_TRAINER: [
-        Patch("BasePPOTrainer", "train_step",
-              Hook("openrlhf_train_step", before="_begin_step", around="_step_scope", watch=True)),
+        Patch("BasePPOTrainer", "train_step", Hook("openrlhf_train_step", before="_begin_step", around="_step_scope",
+                                                   after="_end_step", watch=True)),
         Patch("BasePPOTrainer", "broadcast_to_vllm", Hook("openrlhf_broadcast", after="_bump")),
         Patch("BasePPOTrainer", "save_logs_and_checkpoints",
               Hook("openrlhf_save_logs", before="_mirror_save_logs", after="_logs_and_checkpoint", watch=True))],
     SAMPLES_GENERATOR: [
+        Patch("SamplesGenerator", "generate_samples", Hook("openrlhf_generate", around="_generation_scope")),
         Patch("SamplesGenerator", "_dispatch_prompts_to_vllm", Hook("openrlhf_dispatch", before="_note_dispatch")),
         Patch("SamplesGenerator", "_process_response_into_experience", Hook("openrlhf_stamp", after="_stamp"))],
     PROMPTS_DATASET: [Patch("PromptDataset", "__init__", Hook("openrlhf_dataset", after="_remember_dataset"))],
@@ -182,6 +188,24 @@ class _StepContext:
     step: int
     trainer_version: int | None
     clock_id: str | None
+    #: The step's (fields, episodes, extra scalars), observed when train_step returns, with its phases.
+    pending: tuple | None = None
+
+
+#: OpenRLHF's own per-phase timers in ``train_step``'s status -> rlwatch phases.
+OPENRLHF_PHASES = {"timing/make_experience": "make_experience", "timing/ppo_train": "training",
+                   "timing/broadcast": "sync"}
+
+
+def phases_from_status(status: Any, vllm: bool) -> dict[str, float]:
+    """The phases OpenRLHF timed in ``train_step`` (``status["timing/..."]``); ``sync`` only when
+    weights were broadcast to vLLM engines (``vllm``)."""
+    phases: dict[str, float] = {}
+    for key, phase in OPENRLHF_PHASES.items():
+        value = status.get(key) if isinstance(status, Mapping) else None
+        if isinstance(value, (int, float)) and (phase != "sync" or vllm):
+            phases[phase] = float(value)
+    return phases
 
 
 _STEP: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar("rlwatch_openrlhf_step", default=None)
@@ -222,6 +246,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
         self._pending: dict[str, collections.deque] = {}
         self._pending_lock = threading.Lock()
         self.datasources = _DataSources()
+        self.phases = PhaseClock()           # generate_samples' seconds, until the step that trains on them
 
     def _uninstrument(self) -> None:
         super()._uninstrument()
@@ -275,8 +300,42 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
         version before the step's own update."""
         call.state = self._step_context(call.args[0].args, int(call.arg(2, "global_step")) + 1)
 
+    @contextlib.contextmanager
     def _step_scope(self, call: Call) -> Any:
-        return context_value(_STEP, call.state)
+        with context_value(_STEP, call.state):
+            try:
+                yield
+            except BaseException:
+                self._observe_pending(call.state, None)      # train_step failed: the step is still observed
+                raise
+
+    def _generation_scope(self, call: Call) -> Any:
+        """``SamplesGenerator.generate_samples``: the block OpenRLHF's ``fit`` times as
+        ``timing/generation`` (in this process in sync mode), the next step's generation phase."""
+        return self.phases.phase("generation")
+
+    def _end_step(self, call: Call) -> None:
+        """``train_step`` returned ``(status, global_step)``: observe the step with its phases."""
+        result = call.result
+        status = result[0] if isinstance(result, tuple) and result else None
+        phases = phases_from_status(status, getattr(call.args[0], "vllm_engines", None) is not None)
+        generation = self.phases.take()
+        if generation:
+            phases.update(generation)
+        elif call.caller is not None and isinstance(call.caller.f_locals.get("generation_time"), (int, float)):
+            phases["generation"] = float(call.caller.f_locals["generation_time"])   # async fit: the generator's
+        self._observe_pending(call.state, phases)
+
+    def _observe_pending(self, context: Any, phases: dict[str, float] | None) -> None:
+        pending = getattr(context, "pending", None)
+        if pending is None:
+            return
+        context.pending = None
+        fields, episodes, extra = pending
+        fields.phases = phases or None
+        self.observe(context.step, fields, episodes)
+        if extra:
+            self.watch.log_scalars(context.step, extra)
 
     def _read_stamps(self, call: Call) -> None:
         samples = call.arg(1, "rollout_samples")
@@ -285,17 +344,20 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
     def _observe(self, call: Call) -> None:
         """``make_experience_batch(self, rollout_samples)``: one ``observe`` of its Experiences."""
         args = call.context
-        # Outside train_step (a user's own loop): this process's own step count.
-        context = _STEP.get() or self._step_context(args, self.step_or_count(None))
+        # Outside train_step (a user's own loop): this process's own step count, observed now; inside,
+        # when train_step returns (with the phases OpenRLHF timed).
+        inside = _STEP.get()
+        context = inside or self._step_context(args, self.step_or_count(None))
         experiences = list(call.result)
         fields, extra = fields_from_experiences(experiences, call.state, args, context.trainer_version,
                                                 context.clock_id)
         if fields is None:
             return
         self.last_fields = fields
-        self.observe(context.step, fields, lambda fields: episodes_from_experiences(experiences, fields, call.state))
-        if extra:
-            self.watch.log_scalars(context.step, extra)
+        stamps = call.state
+        context.pending = (fields, lambda fields: episodes_from_experiences(experiences, fields, stamps), extra)
+        if inside is None:
+            self._observe_pending(context, None)
 
     def _bump(self, call: Call) -> None:
         clock = self.clock(getattr(call.args[0], "args", None))
