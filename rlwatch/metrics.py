@@ -83,6 +83,8 @@ RENAMED: dict[str, str] = {
     "nonfinite_rewards": "step_nonfinite_rewards",
     "nonfinite_tokens": "step_nonfinite_tokens",
     "hook_compute_seconds": "step_hook_compute_seconds",
+    "phase_seconds": "step_phase_seconds",
+    "weight_sync_seconds": "step_weight_sync_seconds",
 }
 
 

@@ -136,6 +136,9 @@ class RolloutParser:
             self._bad("dropped_env", "shape", f"{len(env_items)} labels for {D} dropped episodes")
             env_items = ["default"] * D
         dropped = Dropped(reasons, self._env_label(env_items))
+        if D == 0:                              # nothing dropped: the launched means are the trained ones
+            dropped.durations = dropped.lengths = torch.zeros(0, dtype=torch.float64, device=device)
+            return dropped
         if fields.dropped_durations is not None:
             dropped.durations = self._tensor("dropped_durations", fields.dropped_durations, D, device)
         if fields.dropped_lengths is not None:

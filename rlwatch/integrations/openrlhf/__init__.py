@@ -226,6 +226,21 @@ def checkpoint_dir(args: Any, global_step: int) -> str | None:
     return os.path.abspath(os.path.join(str(root), "_actor", tag))
 
 
+def step_phases(call: Call, generation: PhaseClock) -> dict[str, float]:
+    """A returned ``train_step`` call's phases: OpenRLHF's timers in its status, and the generation
+    seconds timed in this process (sync mode), else the calling ``fit``'s ``generation_time`` (async
+    mode: the generator actor's, passed with the samples)."""
+    result = call.result
+    status = result[0] if isinstance(result, tuple) and result else None
+    phases = phases_from_status(status, getattr(call.args[0], "vllm_engines", None) is not None)
+    timed = generation.take()
+    if timed:
+        phases.update(timed)
+    elif call.caller is not None and isinstance(call.caller.f_locals.get("generation_time"), (int, float)):
+        phases["generation"] = float(call.caller.f_locals["generation_time"])
+    return phases
+
+
 # --- the instrumentor ----------------------------------------------------------------------------
 
 class OpenRLHFInstrumentor(RayActorInstrumentor):
@@ -310,32 +325,20 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
                 raise
 
     def _generation_scope(self, call: Call) -> Any:
-        """``SamplesGenerator.generate_samples``: the block OpenRLHF's ``fit`` times as
-        ``timing/generation`` (in this process in sync mode), the next step's generation phase."""
+        """``generate_samples``: what ``fit`` times as ``timing/generation``, the next step's generation."""
         return self.phases.phase("generation")
 
     def _end_step(self, call: Call) -> None:
         """``train_step`` returned ``(status, global_step)``: observe the step with its phases."""
-        result = call.result
-        status = result[0] if isinstance(result, tuple) and result else None
-        phases = phases_from_status(status, getattr(call.args[0], "vllm_engines", None) is not None)
-        generation = self.phases.take()
-        if generation:
-            phases.update(generation)
-        elif call.caller is not None and isinstance(call.caller.f_locals.get("generation_time"), (int, float)):
-            phases["generation"] = float(call.caller.f_locals["generation_time"])   # async fit: the generator's
-        self._observe_pending(call.state, phases)
+        self._observe_pending(call.state, step_phases(call, self.phases))
 
     def _observe_pending(self, context: Any, phases: dict[str, float] | None) -> None:
-        pending = getattr(context, "pending", None)
-        if pending is None:
-            return
-        context.pending = None
-        fields, episodes, extra = pending
-        fields.phases = phases or None
-        self.observe(context.step, fields, episodes)
-        if extra:
-            self.watch.log_scalars(context.step, extra)
+        pending, context.pending = getattr(context, "pending", None), None
+        if pending is not None:
+            pending[0].phases = phases or None
+            self.observe(context.step, pending[0], pending[1])
+            if pending[2]:
+                self.watch.log_scalars(context.step, pending[2])
 
     def _read_stamps(self, call: Call) -> None:
         samples = call.arg(1, "rollout_samples")
