@@ -169,3 +169,36 @@ def test_phases_stored_and_the_histogram_exported_per_environment(tmp_path):
     assert buckets[("b", "5.0")] == 1 and buckets[("b", "60.0")] == 2 and buckets[("b", "+Inf")] == 3
     assert "rlwatch_episode_duration_sample_seconds" not in text           # stored, never exported
     assert "rlwatch_phase_seconds_total" in text
+
+
+def test_postmortem_names_a_duration_tail_and_a_sync_change_among_first_movers(tmp_path):
+    """Steady run; at step 30 the duration tail grows (a slow environment joins) and at step 35 the weight
+    sync slows down; quality collapses at 45. Both changes are first movers, dated where they happened;
+    the lag and mismatch never move. Wall-clock signals are not compared between runs."""
+    from rlwatch.postmortem import analyse, load
+    from rlwatch.postmortem.compare import compare
+
+    from .conftest import make_step
+
+    path = str(tmp_path / "pm.db")
+    g = torch.Generator().manual_seed(0)
+    with rlwatch.Watch(run="tail", port=None, store=path) as w:
+        for step in range(60):
+            rec = make_step(B=32, T=16, seed=step, noise=0.02)
+            d = torch.exp(torch.randn(32, generator=g, dtype=torch.float64) * 0.3) * 60
+            if step >= 30:
+                d[:4] *= 8                                           # the new tail
+            quality = 0.8 if step < 45 else 0.05
+            rec.update(rewards=torch.full((32,), quality), durations=d,
+                       phases={"sync": (12.0 if step >= 35 else 2.0) + 0.1 * float(torch.rand(1, generator=g))})
+            w.observe(step, **rec)
+            w.log_scalars(step, {"heldout_true_reward": quality})
+    report = analyse(load(path))
+    first = {c.signal: c for c in report.first_signals}
+    assert 29 <= first["episode_duration_p95_seconds"].step <= 31 and first["episode_duration_p95_seconds"].lead > 0
+    assert 34 <= first["weight_sync_seconds"].step <= 36
+    assert "straggler_wait_seconds" in first
+    assert "version_lag_max" not in first
+    same = compare(load(path), load(path))
+    assert "episode_duration_p95_seconds" not in same.compared and "weight_sync_seconds" not in same.compared
+    assert "reward_mean" in same.compared
