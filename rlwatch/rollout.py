@@ -14,11 +14,12 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from .metrics import DROP_REASONS
+
+if TYPE_CHECKING:       # torch is imported where tensors are made: the Ray-actor integrations import PhaseClock
+    import torch
 
 #: A drop reason outside :data:`~rlwatch.metrics.DROP_REASONS` counts as this one.
 OTHER_REASON = DROP_REASONS[-1]
@@ -50,6 +51,8 @@ class RolloutInputs:
 def _seconds_tensor(value: Any, n: int, device: torch.device) -> torch.Tensor:
     """[n] float64 from a tensor, array or list (None entries: NaN); negative and infinite values NaN.
     Raises ValueError on a wrong length or TypeError on an unconvertible value."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         t = value.detach().reshape(-1)
     else:
@@ -137,6 +140,8 @@ class RolloutParser:
             env_items = ["default"] * D
         dropped = Dropped(reasons, self._env_label(env_items))
         if D == 0:                              # nothing dropped: the launched means are the trained ones
+            import torch
+
             dropped.durations = dropped.lengths = torch.zeros(0, dtype=torch.float64, device=device)
             return dropped
         if fields.dropped_durations is not None:

@@ -87,8 +87,8 @@ def simulate_step(scenario: str, B: int, draw: Callable, g: torch.Generator, p90
         launched = draw(B + B // 4, g)
         order = launched.argsort()
         return Step(launched[order[:B]], launched[order[B:]], ["filtered"] * (B // 4))
-    trained, dropped, reasons = [], [], []
-    while sum(t.numel() for t in trained) < B:
+    durations, drops = [], []
+    while sum(int((~x).sum()) for x in drops) < B:          # launch in order until B episodes are kept
         d = draw(B, g)
         if scenario == "none":
             drop = torch.zeros(B, dtype=torch.bool)
@@ -100,13 +100,14 @@ def simulate_step(scenario: str, B: int, draw: Callable, g: torch.Generator, p90
         else:                                           # timeout_p90: cut at the cap, dropped
             drop = d > p90
             d = torch.where(drop, torch.full_like(d, p90), d)
-        reason = {"random_filter": "filtered", "random_stale": "stale", "timeout_p90": "timeout"}.get(
-            scenario, "failure" if scenario.startswith("failure") else "other")
-        trained.append(d[~drop])
-        dropped.append(d[drop])
-        reasons += [reason] * int(drop.sum())
-    kept = torch.cat(trained)
-    return Step(kept[:B], torch.cat(dropped), reasons)
+        durations.append(d)
+        drops.append(drop)
+    d, drop = torch.cat(durations), torch.cat(drops)
+    launched = int(torch.nonzero(~drop)[B - 1]) + 1           # up to the B-th kept episode: the rest never ran
+    d, drop = d[:launched], drop[:launched]
+    reason = {"random_filter": "filtered", "random_stale": "stale", "timeout_p90": "timeout"}.get(
+        scenario, "failure" if scenario.startswith("failure") else "other")
+    return Step(d[~drop], d[drop], [reason] * int(drop.sum()))
 
 
 def run_openings(scenario: str, gen: str, seed: int, B: int, bounds: tuple[float, ...]) -> dict[float, int | None]:
