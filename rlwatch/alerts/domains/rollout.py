@@ -46,7 +46,7 @@ ROLLOUT_LENGTH_BIAS = Alert(
         do=["Keep failed episodes' tasks in the next batch (no gradient) rather than dropping them.",
             "Raise the timeout to the tail, or use partial rollouts instead of over-sampling."]),
     example=StepExample(series=with_step(20, length_bias_duration_ratio={(): const(1.0, 10) + const(0.8, 10)}),
-                        fires_at=17, labels={}, value=0.88),
+                        fires_at=15, labels={}, value=0.88),
 )
 
 
