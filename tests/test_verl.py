@@ -441,7 +441,8 @@ def test_v1_compute_metrics_reads_transfer_queue(config, instrumented, transfer_
     trainer.resource_pool_manager = SimpleNamespace(get_n_gpus=lambda: 1)
     metrics = {}
     try:
-        trainer._compute_metrics(meta, metrics, {"step": 2.0, "gen": 1.0}, global_steps=5, epoch=0)
+        trainer._compute_metrics(meta, metrics, {"step": 2.0, "gen": 1.0, "update_actor": 0.5}, global_steps=5,
+                                 epoch=0)
         # TransferQueue versions that raise on a field nobody stored (verl expects that for
         # routed_experts): rlwatch then fetches field by field and gets the same record.
         lenient = rv.fields_from_transfer_queue(tq, meta, config, trainer_version=4)
@@ -464,6 +465,7 @@ def test_v1_compute_metrics_reads_transfer_queue(config, instrumented, transfer_
     assert_values_match(instr.last_values, expected)
     assert instr.last_values["sequences"][()] == 16
     assert instr.last_values["truncated_ratio"][()] == 0
+    assert instr.last_values["phase_seconds"] == {("generation",): 1.0, ("training",): 0.5}    # its timing_raw
     assert instr.last_values["version_lag_max"][()] == 1          # first versions 3 against trainer 4
     assert watch.errors.total() == 0
 
