@@ -202,3 +202,27 @@ def test_postmortem_names_a_duration_tail_and_a_sync_change_among_first_movers(t
     same = compare(load(path), load(path))
     assert "episode_duration_p95_seconds" not in same.compared and "weight_sync_seconds" not in same.compared
     assert "reward_mean" in same.compared
+
+
+def test_opentelemetry_exports_the_duration_histogram_as_prometheus_does():
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from prometheus_client import CollectorRegistry
+
+    from rlwatch.exporters.prometheus import RLWatchCollector
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    with rlwatch.Watch(run="otel", port=None, store=None, otel=provider, alerts=False) as watch:
+        watch.observe(0, mask=torch.ones(3, 2), durations=[0.5, 90.0, 5000.0], env=["a", "b", "b"])
+        otel = {(point.attributes["env"], point.attributes["le"]): point.value
+                for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+                for metric in sm.metrics if metric.name == "rlwatch_episode_duration_seconds_episodes"
+                for point in metric.data.data_points}
+        registry = CollectorRegistry()
+        registry.register(RLWatchCollector(watch.state))
+        prom = {(s.labels["env"], s.labels["le"]): s.value for family in registry.collect() for s in family.samples
+                if s.name == "rlwatch_episode_duration_seconds_bucket"}
+    provider.shutdown()
+    assert otel == prom and prom[("a", "1.0")] == 1 and prom[("b", "120.0")] == 1 and prom[("b", "+Inf")] == 2
