@@ -107,7 +107,8 @@ from .._instrumentor import Call, Hook, Patch, context_value
 from .._ray_actors import RayActorInstrumentor, config_get, framework_watch_options
 from .._trainer_logs import mirror_call
 from .experiences import episodes_from_experiences, fields_from_experiences
-from .samples import CLOCK_ACTOR, META, LocalClock, RayClock, _DataSources, _Dispatch, sample_meta  # noqa: F401
+from .samples import (CLOCK_ACTOR, META, Filtered, LocalClock, RayClock, _DataSources, _Dispatch,  # noqa: F401
+                      sample_meta)
 
 logger = logging.getLogger("rlwatch")
 
@@ -133,6 +134,8 @@ PATCHES: dict[str, list[Patch]] = {
               Hook("openrlhf_save_logs", before="_mirror_save_logs", after="_logs_and_checkpoint", watch=True))],
     SAMPLES_GENERATOR: [
         Patch("SamplesGenerator", "generate_samples", Hook("openrlhf_generate", around="_generation_scope")),
+        Patch("SamplesGenerator", "_generate_vllm",
+              Hook("openrlhf_generate_vllm", around="_filter_scope", after="_count_filtered")),
         Patch("SamplesGenerator", "_dispatch_prompts_to_vllm", Hook("openrlhf_dispatch", before="_note_dispatch")),
         Patch("SamplesGenerator", "_process_response_into_experience", Hook("openrlhf_stamp", after="_stamp"))],
     PROMPTS_DATASET: [Patch("PromptDataset", "__init__", Hook("openrlhf_dataset", after="_remember_dataset"))],
@@ -241,6 +244,19 @@ def step_phases(call: Call, generation: PhaseClock) -> dict[str, float]:
     return phases
 
 
+def observe_pending(instrumentor: Any, context: Any, phases: dict[str, float] | None) -> None:
+    """Observe the step ``train_step`` held back (``context.pending``) with its phases and the samples
+    dynamic filtering dropped since the last step."""
+    pending, context.pending = getattr(context, "pending", None), None
+    if pending is not None:
+        pending[0].phases = phases or None
+        for name, value in (instrumentor.filtered.take() or {}).items():
+            setattr(pending[0], name, value)
+        instrumentor.observe(context.step, pending[0], pending[1])
+        if pending[2]:
+            instrumentor.watch.log_scalars(context.step, pending[2])
+
+
 # --- the instrumentor ----------------------------------------------------------------------------
 
 class OpenRLHFInstrumentor(RayActorInstrumentor):
@@ -262,6 +278,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
         self._pending_lock = threading.Lock()
         self.datasources = _DataSources()
         self.phases = PhaseClock()           # generate_samples' seconds, until the step that trains on them
+        self.filtered = Filtered()           # samples dynamic filtering dropped, until the next step
 
     def _uninstrument(self) -> None:
         super()._uninstrument()
@@ -311,8 +328,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
     # hooks (see PATCHES)
 
     def _begin_step(self, call: Call) -> None:
-        """``train_step(self, rollout_samples, global_step)``: step ``global_step + 1``, the policy
-        version before the step's own update."""
+        """``train_step(self, rollout_samples, global_step)``: step ``global_step + 1``, version before its update."""
         call.state = self._step_context(call.args[0].args, int(call.arg(2, "global_step")) + 1)
 
     @contextlib.contextmanager
@@ -321,7 +337,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
             try:
                 yield
             except BaseException:
-                self._observe_pending(call.state, None)      # train_step failed: the step is still observed
+                observe_pending(self, call.state, None)      # train_step failed: the step is still observed
                 raise
 
     def _generation_scope(self, call: Call) -> Any:
@@ -330,15 +346,10 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
 
     def _end_step(self, call: Call) -> None:
         """``train_step`` returned ``(status, global_step)``: observe the step with its phases."""
-        self._observe_pending(call.state, step_phases(call, self.phases))
+        observe_pending(self, call.state, step_phases(call, self.phases))
 
-    def _observe_pending(self, context: Any, phases: dict[str, float] | None) -> None:
-        pending, context.pending = getattr(context, "pending", None), None
-        if pending is not None:
-            pending[0].phases = phases or None
-            self.observe(context.step, pending[0], pending[1])
-            if pending[2]:
-                self.watch.log_scalars(context.step, pending[2])
+    _filter_scope = property(lambda self: self.filtered.scope)      # _generate_vllm: the samples it keeps
+    _count_filtered = property(lambda self: self.filtered.count)
 
     def _read_stamps(self, call: Call) -> None:
         samples = call.arg(1, "rollout_samples")
@@ -360,7 +371,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
         stamps = call.state
         context.pending = (fields, lambda fields: episodes_from_experiences(experiences, fields, stamps), extra)
         if inside is None:
-            self._observe_pending(context, None)
+            observe_pending(self, context, None)
 
     def _bump(self, call: Call) -> None:
         clock = self.clock(getattr(call.args[0], "args", None))
@@ -368,8 +379,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
             clock.bump()
 
     def _mirror_save_logs(self, call: Call) -> None:
-        """``save_logs_and_checkpoints(self, global_step, logs_dict, ...)``: the headline signals join
-        the logs OpenRLHF sends to W&B / TensorBoard (``rlwatch/`` prefix)."""
+        """``save_logs_and_checkpoints(self, global_step, logs_dict, ...)``: the headline signals join its logs."""
         mirror_call(call, 2, "logs_dict", self.watch, "openrlhf_trainer_logs")
 
     def _logs_and_checkpoint(self, call: Call) -> None:
@@ -446,6 +456,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
         if isinstance(extra, Mapping) and extra:
             meta["extra_logs"] = tuple(str(k) for k in extra)
         vars(experience)[META] = meta
+        self.filtered.saw(experience)
 
     def _remember_dataset(self, call: Call) -> None:
         self.datasources.add(call.args[0])
