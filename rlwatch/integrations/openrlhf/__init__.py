@@ -60,6 +60,8 @@ What is wrapped (``PATCHES``; every patch is ``_instrumentor.Instrumentor.wrap``
       scalar OpenRLHF logs is mirrored with ``watch.log_scalars`` (``rlwatch_framework_metric``),
       the headline signals join ``logs_dict`` (``rlwatch/`` keys, see ``_trainer_logs``), and the
       checkpoint written at ``ckpt.save_steps`` is recorded with ``watch.record_checkpoint``.
+    * ``SamplesGenerator._generate_vllm``: the samples it processed but did not return (dynamic
+      filtering) are the next step's dropped episodes (``samples.Filtered``).
     * ``openrlhf.datasets.prompts_dataset.PromptDataset.__init__``: remembers the dataset so that a
       prompt's ``datasource`` column can be found again (OpenRLHF drops it from training samples).
 
