@@ -203,8 +203,7 @@ OPENRLHF_PHASES = {"timing/make_experience": "make_experience", "timing/ppo_trai
 
 
 def phases_from_status(status: Any, vllm: bool) -> dict[str, float]:
-    """The phases OpenRLHF timed in ``train_step`` (``status["timing/..."]``); ``sync`` only when
-    weights were broadcast to vLLM engines (``vllm``)."""
+    """The phases OpenRLHF timed in ``train_step`` (``status["timing/..."]``; ``sync`` only with ``vllm`` engines)."""
     phases: dict[str, float] = {}
     for key, phase in OPENRLHF_PHASES.items():
         value = status.get(key) if isinstance(status, Mapping) else None
@@ -247,8 +246,7 @@ def step_phases(call: Call, generation: PhaseClock) -> dict[str, float]:
 
 
 def observe_pending(instrumentor: Any, context: Any, phases: dict[str, float] | None) -> None:
-    """Observe the step ``train_step`` held back (``context.pending``) with its phases and the samples
-    dynamic filtering dropped since the last step."""
+    """Observe the step held back (``context.pending``) with its phases and the samples filtered since the last."""
     pending, context.pending = getattr(context, "pending", None), None
     if pending is not None:
         pending[0].phases = phases or None
