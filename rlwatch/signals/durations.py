@@ -65,7 +65,8 @@ def duration_core(d: torch.Tensor, env_index: torch.Tensor | None, E: int, dropp
         size = count_into(E, env_index)
         start = torch.cumsum(size, 0) - size
         n = count_into(E, env_index, known.long()).long()
-        total = torch.zeros(E, dtype=torch.float64, device=device).index_add_(0, env_index, value)
+        slots = torch.arange(E, device=device).view(-1, 1)
+        total = ((env_index == slots) * value).sum(1)               # a reduction, not float atomics: exact order
         parts.append(_segment_stats(s_env, start, n, total).reshape(-1))
         bounds = constant(DURATION_BUCKETS, device)
         nb = len(DURATION_BUCKET_LABELS)
