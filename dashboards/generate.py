@@ -375,6 +375,42 @@ def details() -> dict:
              "fieldConfig": {"defaults": {"unit": "short"}, "overrides": []}, "options": {"showHeader": True}},
             w=24)
 
+    lay.row("Rollout system: episode durations, phases, launched vs trained (docs/rollout-system.md)")
+    p95 = f"sum by (run, env, le) (rate(rlwatch_episode_duration_seconds_bucket{{{ENV}}}[$__rate_interval]))"
+    lay.add(timeseries("Episode duration tail", [
+        target(f"rlwatch_episode_duration_p50_seconds{{{RUN}}}", "{{run}} p50"),
+        target(f"rlwatch_episode_duration_p95_seconds{{{RUN}}}", "{{run}} p95", "B"),
+        target(f"rlwatch_episode_duration_max_seconds{{{RUN}}}", "{{run}} slowest", "C"),
+        target(f"histogram_quantile(0.95, {p95})", "{{run}} {{env}} p95 (histogram)", "D")],
+        describe("episode_duration_p95_seconds", "a tail that moves with the task mix; a synchronous step "
+                 "waits for the slowest."), unit="s", log=True))
+    lay.add(timeseries("Straggler wait and max / mean", [
+        target(f"rlwatch_straggler_wait_seconds{{{RUN}}}", "{{run}} straggler wait (s)"),
+        target(f"rlwatch_env_episode_duration_max_over_mean{{{ENV}}}", "{{run}} {{env}} max/mean", "B")],
+        describe("straggler_wait_seconds", "a wait that dominates the step: asynchrony or a timeout pays.")))
+    lay.add(timeseries("Step phases", [
+        target(f"rlwatch_step_phase_seconds{{{RUN}}}", "{{run}} {{phase}}"),
+        target(f"rlwatch_step_weight_sync_seconds{{{RUN}}}", "{{run}} weight sync", "B")],
+        describe("phase_seconds", "weight sync a fixed floor on every step; generation growing."), unit="s"))
+    lay.add(timeseries("Launched vs trained (dropped share by reason)", [
+        target(f"sum by (run, run_instance, reason) (rate(rlwatch_episodes_dropped_total{{{ENV}}}[$__rate_interval]))"
+               f" / on(run, run_instance) group_left() sum by (run, run_instance) "
+               f"(rate(rlwatch_episodes_launched_total{{{ENV}}}[$__rate_interval]))", "{{run}} {{reason}}"),
+        target(f"sum by (run, run_instance) (rate(rlwatch_episodes_trained_total{{{ENV}}}[$__rate_interval])) * 3600",
+               "{{run}} trained/h", "B")],
+        describe("episodes_dropped_total", "failures, timeouts or filters dropping a growing share."),
+        unit="percentunit"))
+    lay.add(threshold_panel("Length bias: trained shorter than launched",
+                            f"1 - rlwatch_length_bias_duration_ratio{{{RUN}}}", "{{run}} duration shortening",
+                            "length_bias_max", "length_bias_duration_ratio",
+                            "dropping long episodes shortens the trained data.", "RLWatchRolloutLengthBias",
+                            unit="percentunit"))
+    lay.add(timeseries("Trained vs launched means", [
+        target(f"rlwatch_trained_episode_duration_mean_seconds{{{RUN}}}", "{{run}} trained (s)"),
+        target(f"rlwatch_launched_episode_duration_mean_seconds{{{RUN}}}", "{{run}} launched (s)", "B"),
+        target(f"rlwatch_length_bias_length_ratio{{{RUN}}}", "{{run}} length ratio (trained/launched)", "C")],
+        describe("trained_episode_duration_mean_seconds", "trained episodes shorter than launched ones.")))
+
     lay.row("Throughput and the hook itself")
     lay.add(timeseries("Steps per hour and tokens per step", [
         target(f"rate(rlwatch_steps_total{{{RUN}}}[$__rate_interval]) * 3600", "{{run}} steps/h"),

@@ -38,6 +38,12 @@ class StepFields(Mapping):
     top_p: Any = None
     top_k: Any = None
     logprobs_mode: Any = None
+    durations: Any = None
+    phases: Any = None
+    dropped_reasons: Any = None
+    dropped_durations: Any = None
+    dropped_lengths: Any = None
+    dropped_env: Any = None
     episodes: Any = None
     unknown: tuple[str, ...] = ()
 

@@ -9,6 +9,8 @@ Kinds:
 - ``counter``: a running total across steps; per step, the signals produce the increment.
 - ``histogram``: classic Prometheus buckets, filled from vectorised counts.
 - ``info``: a constant 1 with descriptive labels.
+- ``sample``: per-episode values kept in the run store only (never exported): the last label numbers
+  the episode.
 """
 
 from __future__ import annotations
@@ -57,6 +59,17 @@ PROB_BIN_LABELS: tuple[str, ...] = bucket_labels(PROB_BIN_EDGES, "range")
 
 ZERO_VARIANCE_KINDS: tuple[str, ...] = ("all_pass", "all_fail", "constant")
 
+#: Upper bounds (inclusive) of the episode-duration histogram buckets, in seconds; +Inf follows.
+DURATION_BUCKETS: tuple[int, ...] = (1, 2, 5, 10, 20, 30, 60, 120, 180, 300, 600, 1200, 1800, 3600)
+DURATION_BUCKET_LABELS: tuple[str, ...] = bucket_labels(DURATION_BUCKETS)
+DURATION_LE_LABELS: tuple[str, ...] = bucket_labels(DURATION_BUCKETS, "le")
+#: Per-episode durations a step keeps in the run store (``episode_duration_sample_seconds``), per outcome.
+DURATION_SAMPLE_MAX = 512
+#: Why a launched episode was not trained (``episodes_dropped_total{reason}``); any other reason is ``other``.
+DROP_REASONS: tuple[str, ...] = ("filtered", "timeout", "failure", "stale", "other")
+#: The phases a step's wall time splits into (``phase_seconds{phase}``); other names are kept as given.
+PHASES: tuple[str, ...] = ("generation", "training", "sync")
+
 
 #: Exported names that differ from the in-process key (store column, StepValues, OpenTelemetry callback):
 #: per-step gauges whose family name clashed with a counter's (``rlwatch_tokens`` beside
@@ -70,6 +83,8 @@ RENAMED: dict[str, str] = {
     "nonfinite_rewards": "step_nonfinite_rewards",
     "nonfinite_tokens": "step_nonfinite_tokens",
     "hook_compute_seconds": "step_hook_compute_seconds",
+    "phase_seconds": "step_phase_seconds",
+    "weight_sync_seconds": "step_weight_sync_seconds",
 }
 
 
@@ -283,12 +298,65 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "latest step (batch-level reward/length hack signal).", "env", ("env",)),
     _c("episodes_failed_total", "Episodes with an infrastructure failure, per environment and kind.", "env",
        ("env", "kind")),
+    # --- rollout system: durations, phases, launched vs trained (docs/rollout-system.md) ------
+    MetricSpec("episode_duration_seconds", "histogram", "Wall time of each trained episode, launch to finish, "
+               "per environment.", ("env",), "rollout", "seconds"),
+    _g("episode_duration_mean_seconds", "Mean duration of the step's trained episodes.", "rollout", unit="seconds"),
+    _g("episode_duration_p50_seconds", "Median duration of the step's trained episodes.", "rollout",
+       unit="seconds"),
+    _g("episode_duration_p95_seconds", "95th percentile of the step's trained episode durations.", "rollout",
+       unit="seconds"),
+    _g("episode_duration_max_seconds", "Longest trained episode of the step.", "rollout", unit="seconds"),
+    _g("episode_duration_max_over_mean", "Longest over mean trained episode duration (the straggler factor).",
+       "rollout"),
+    _g("straggler_wait_seconds", "Slowest minus median trained episode of the step: what a synchronous step "
+       "waited for its straggler.", "rollout", unit="seconds"),
+    _g("env_episode_duration_mean_seconds", "Mean trained episode duration per environment.", "rollout",
+       ("env",), "seconds"),
+    _g("env_episode_duration_p50_seconds", "Median trained episode duration per environment.", "rollout",
+       ("env",), "seconds"),
+    _g("env_episode_duration_p95_seconds", "95th percentile of trained episode durations per environment.",
+       "rollout", ("env",), "seconds"),
+    _g("env_episode_duration_max_seconds", "Longest trained episode per environment.", "rollout", ("env",),
+       "seconds"),
+    _g("env_episode_duration_max_over_mean", "Longest over mean trained episode duration per environment.",
+       "rollout", ("env",)),
+    MetricSpec("episode_duration_sample_seconds", "sample", "Per-episode durations of the step (up to "
+               "DURATION_SAMPLE_MAX per outcome, evenly spaced), stored for rlwatch whatif; not exported.",
+               ("outcome", "env", "index"), "rollout", "seconds"),
+    _g("phase_seconds", "Seconds the step spent in each phase (generation, training, sync, ...).", "rollout",
+       ("phase",), "seconds"),
+    _c("phase_seconds_total", "Seconds spent in each phase, summed over steps.", "rollout", ("phase",), "seconds"),
+    _g("weight_sync_seconds", "The step's weight-synchronisation pause (phase sync).", "rollout", unit="seconds"),
+    _c("weight_sync_seconds_total", "Weight-synchronisation seconds, summed over steps.", "rollout",
+       unit="seconds"),
+    _c("episodes_launched_total", "Episodes launched per environment: trained plus dropped.", "rollout", ("env",)),
+    _c("episodes_trained_total", "Episodes trained per environment (the observed batches).", "rollout", ("env",)),
+    _c("episodes_dropped_total", "Launched episodes not trained, per environment and reason (filtered, timeout, "
+       "failure, stale, other).", "rollout", ("env", "reason")),
+    _g("launched_episode_duration_mean_seconds", "Mean duration of the step's launched episodes (trained and "
+       "dropped).", "rollout", unit="seconds"),
+    _g("trained_episode_duration_mean_seconds", "Mean duration of the step's trained episodes, beside the "
+       "launched mean.", "rollout", unit="seconds"),
+    _g("launched_response_length_mean", "Mean response length of the step's launched episodes (tokens).",
+       "rollout"),
+    _g("trained_response_length_mean", "Mean response length of the step's trained episodes (tokens).", "rollout"),
+    _g("length_bias_duration_ratio", "Trained over launched mean episode duration: below 1, dropping episodes "
+       "shortened the trained data.", "rollout"),
+    _g("length_bias_length_ratio", "Trained over launched mean response length.", "rollout"),
 )
 
 #: The level of each section's families (:attr:`MetricSpec.level`), and of those that differ from their section's.
 _GROUP_LEVELS = {"lag": "token", "mismatch": "token", "is": "token", "groups": "episode", "length": "episode",
-                 "env": "episode"}
+                 "env": "episode", "rollout": "episode"}
+#: Each histogram's bucket labels: (the in-process and stored upper bounds, the exported ``le``).
+HISTOGRAM_BUCKETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "token_version_lag": (LAG_BUCKET_LABELS, LAG_LE_LABELS),
+    "episode_duration_seconds": (DURATION_BUCKET_LABELS, DURATION_LE_LABELS),
+}
 _LEVELS = {
+    **dict.fromkeys(("phase_seconds", "phase_seconds_total", "weight_sync_seconds", "weight_sync_seconds_total"),
+                    "step"),
     **dict.fromkeys(("tokens", "tokens_total", "entropy_mean"), "token"),
     **dict.fromkeys(("reward_mean", "reward_std", "nonfinite_rewards", "nonfinite_rewards_total"), "episode"),
     **dict.fromkeys(("mismatch_seq_log_ratio_abs_mean", "mismatch_seq_log_ratio_abs_max", "mismatch_chi2_sequence",

@@ -18,6 +18,7 @@ import torch
 
 from .errors import HookErrors
 from .fields import FIELDS, StepFields
+from .rollout import RolloutInputs, RolloutParser
 
 
 class BufferPool(Protocol):
@@ -74,6 +75,7 @@ class StepRecord:
     failed: list[str | None] | None = None
     entropy: torch.Tensor | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    rollout: RolloutInputs = field(default_factory=RolloutInputs)   # durations, phases, dropped episodes
 
     @property
     def batch_size(self) -> int:
@@ -213,6 +215,7 @@ class RecordBuilder:
         self.labels = LabelFields(errors, env_cap, failure_kind_cap)
         self.envs = self.labels.envs                 # the TRL integration reads its cap
         self.detectors = LabelRegistry(detector_cap)
+        self.rollout = RolloutParser(self._bad, lambda items: map_labels(items, self.envs)[0])
 
     def _bad(self, field_name: str, kind: str, message: str) -> None:
         self.errors.report("validate", kind, message, field=field_name)
@@ -250,6 +253,7 @@ class RecordBuilder:
         self._hacked(rec, fields.hacked, B, device)
         rec.failed = self.labels.failed(fields.failed, B)
         self._sampling(rec, fields)
+        rec.rollout = self.rollout.parse(fields, B, device)
         return rec
 
     def _sampling(self, rec: StepRecord, fields: StepFields) -> None:

@@ -12,11 +12,23 @@ import threading
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .metrics import BY_NAME, LAG_BUCKET_LABELS
+from .metrics import BY_NAME, HISTOGRAM_BUCKETS
 from .values import value_of
+
+
+def _histogram_update(name: str, family: Mapping[LabelValues, float | None],
+                      sums: Mapping[LabelValues, float | None]) -> Histogram:
+    """One step's histogram values (``{(*labels, bucket): count}`` and ``{labels: sum}``) as
+    {labels: (counts in bucket order, sum)}."""
+    buckets = HISTOGRAM_BUCKETS[name][0]
+    keys = {labels[:-1] for labels in family} | set(sums)
+    return {key: ([float(family.get((*key, b)) or 0.0) for b in buckets], float(sums.get(key) or 0.0))
+            for key in keys}
 
 LabelValues = tuple[str, ...]
 Family = dict[LabelValues, float]
+#: One histogram family: its label values (without the bucket) -> (per-bucket counts in bucket order, sum).
+Histogram = dict[LabelValues, tuple[list[float], float]]
 
 #: Gauge groups whose values persist until overwritten (settings, framework scalars); every other
 #: gauge family is replaced by each step, so a signal that was not computed goes stale at once.
@@ -28,13 +40,14 @@ DELIVERED = ("alert_incident",)
 @dataclass(frozen=True)
 class Snapshot:
     """A consistent copy of the state. ``gauges``/``counters``: name -> {label values: value};
-    ``histograms``: name -> (per-bucket counts in bucket order, sum); ``step`` is the latest step."""
+    ``histograms``: name -> {label values: (per-bucket counts in bucket order, sum)} (the lag histogram
+    has no labels: its one key is ``()``); ``step`` is the latest step."""
 
     run: str
     step: int | None
     gauges: dict[str, Family]
     counters: dict[str, Family]
-    histograms: dict[str, tuple[list[float], float]]
+    histograms: dict[str, Histogram]
     info: dict[str, Family] = field(default_factory=dict)
     run_instance: str = ""
 
@@ -49,7 +62,7 @@ class MetricState:
         self._step: int | None = None
         self._gauges: dict[str, Family] = {}
         self._counters: dict[str, Family] = {}
-        self._histograms: dict[str, tuple[list[float], float]] = {}
+        self._histograms: dict[str, Histogram] = {}
         self._info: dict[str, Family] = {}
         self.version = 0          # bumped on every change: lets exporters reuse a rendering
         self.delivery_version = 0  # the version at which a DELIVERED family last changed
@@ -60,7 +73,7 @@ class MetricState:
         names ignored)."""
         gauges: dict[str, Family] = {}
         increments: list[tuple[str, LabelValues, float]] = []
-        hist_updates: dict[str, tuple[list[float], float]] = {}
+        hist_updates: dict[str, Histogram] = {}
         info: dict[str, Family] = {}
         for name, family in values.items():
             spec = BY_NAME.get(name)
@@ -71,9 +84,7 @@ class MetricState:
             elif spec.kind == "counter":
                 increments.extend((name, k, v) for k, v in family.items() if v is not None)
             elif spec.kind == "histogram":
-                counts = [float(family.get((label,)) or 0.0) for label in LAG_BUCKET_LABELS]
-                total = value_of(values, name + "_sum") or 0.0
-                hist_updates[name] = (counts, float(total))
+                hist_updates[name] = _histogram_update(name, family, values.get(name + "_sum") or {})
             elif spec.kind == "info":
                 info[name] = {k: 1.0 for k in family}
         with self._lock:
@@ -88,9 +99,11 @@ class MetricState:
             for name, labels, inc in increments:
                 fam = self._counters.setdefault(name, {})
                 fam[labels] = fam.get(labels, 0.0) + inc
-            for name, (counts, total) in hist_updates.items():
-                old_counts, old_total = self._histograms.get(name, ([0.0] * len(counts), 0.0))
-                self._histograms[name] = ([a + b for a, b in zip(old_counts, counts)], old_total + total)
+            for name, update in hist_updates.items():
+                held = self._histograms.setdefault(name, {})
+                for labels, (counts, total) in update.items():
+                    old_counts, old_total = held.get(labels, ([0.0] * len(counts), 0.0))
+                    held[labels] = ([a + b for a, b in zip(old_counts, counts)], old_total + total)
             self._info.update(info)
             self.version += 1
             if any(gauges.get(name, {}) != previous.get(name, {}) for name in DELIVERED):
@@ -136,7 +149,8 @@ class MetricState:
                 step=self._step,
                 gauges={k: dict(v) for k, v in self._gauges.items()},
                 counters={k: dict(v) for k, v in self._counters.items()},
-                histograms={k: (list(c), s) for k, (c, s) in self._histograms.items()},
+                histograms={k: {labels: (list(c), s) for labels, (c, s) in h.items()}
+                            for k, h in self._histograms.items()},
                 info={k: dict(v) for k, v in self._info.items()},
                 run_instance=self.run_instance,
             )

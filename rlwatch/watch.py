@@ -25,6 +25,7 @@ from .fields import StepFields
 from .lifecycle import FINAL_SCRAPE_WAIT_S, Services, run_metadata
 from .pipeline import StepListener, StepListeners, StepPipeline, standard_listeners
 from .record import RecordBuilder
+from .rollout import PhaseClock
 from .state import MetricState
 from .threads import one_intra_op_thread_here
 from .values import StepValues
@@ -116,6 +117,7 @@ class Watch:
         self._lock = threading.Lock()
         self._closed = False
         self.background = background and not strict      # steps computed on rlwatch's thread
+        self.phases = PhaseClock()                         # watch.phase(...) seconds until the next step
         self.listeners: StepListeners = standard_listeners(staleness_bound, listeners)
         self.pipeline = StepPipeline(self.run, self.signal_config, self.state, self.errors,
                                      RecordBuilder(self.errors, env_cap=env_cap), self.listeners, hack_detectors)
@@ -152,8 +154,12 @@ class Watch:
         """:meth:`observe` with the fields already typed (the integrations' entry point)."""
         if not self.active:
             return None
+        fields.phases = self.phases.take(fields.phases)
         steps = self.services.steps         # inline, or queued on rlwatch's thread with background=True
         return steps.run_step(lambda inline: self._observe(step, fields, on_training_thread=inline), fields)
+
+    #: ``with watch.phase("sync"):`` times a custom loop's phase until the next observe (:meth:`PhaseClock.phase`).
+    phase = property(lambda self: self.phases.phase)
 
     def defer(self, job: Callable[[], Any]) -> None:
         """Run ``job`` after the steps observed so far: on rlwatch's thread with ``background=True``,

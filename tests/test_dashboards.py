@@ -103,6 +103,10 @@ def drive_full_run(watch: Watch, steps: int = 34) -> None:
         B, T = record["mask"].shape
         version = record["token_version"].clone()
         version[:, T // 2:] = (version[:, T // 2:] + 1).clamp(max=10)       # partial rollouts
+        durations = torch.exp(torch.randn(B, generator=torch.Generator().manual_seed(step))) * 60
+        record.update(durations=durations, phases={"generation": 3.0, "training": 1.0, "sync": 0.2},
+                      dropped_reasons=["timeout", "filtered"], dropped_durations=[900.0, 20.0],
+                      dropped_lengths=[24, 3], dropped_env=["math", "code"])
         record.update(token_version=version, trainer_version=10,
                       entropy=torch.rand(B, T) + 0.5, temperature=1.0, top_p=1.0, top_k=-1,
                       logprobs_mode="processed_logprobs",

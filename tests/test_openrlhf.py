@@ -241,6 +241,43 @@ def test_lag_counts_weight_broadcasts_between_generation_and_training(ray_sessio
     assert watch.errors.total() == 0
 
 
+def test_phases_are_openrlhfs_own_step_timers(ray_session, watch, tmp_path):
+    """The step is observed when train_step returns, with OpenRLHF's timing/make_experience,
+    timing/ppo_train and timing/broadcast (to the engine) and the generate_samples block it times as
+    timing/generation; a train_step that raises is still observed, without phases."""
+    run = build(tmp_path)
+    status, _ = mini.run_step(run)
+    values = ro.INSTRUMENTOR.last_values
+    assert values["phase_seconds"][("training",)] == status["timing/ppo_train"]
+    assert values["phase_seconds"][("make_experience",)] == status["timing/make_experience"]
+    assert values["weight_sync_seconds"][()] == status["timing/broadcast"] == values["phase_seconds"][("sync",)]
+    assert values["phase_seconds"][("generation",)] > 0
+    samples, _, _, _ = run.generator.generate_samples(**run.generate_kwargs)
+    run.trainer.ppo_train = lambda global_step: 1 / 0                       # fails after make_experience
+    with pytest.raises(ZeroDivisionError):
+        run.trainer.train_step(samples, run.global_step)
+    assert steps(watch) == [1, 2] and "phase_seconds" not in ro.INSTRUMENTOR.last_values
+    assert watch.errors.total() == 0
+
+
+def test_dynamic_filtering_drops_are_launched_but_not_trained(ray_session, watch, tmp_path):
+    """With --algo.dynamic_filtering_enable, the groups OpenRLHF filters out (mean score outside the
+    range; replaced by new prompts) are the step's dropped episodes, reason ``filtered``: their number
+    is what OpenRLHF's prompts_consumed and kept samples imply."""
+    run = build(tmp_path, ["--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.1", "1.5"])
+    samples, _, consumed, _ = run.generator.generate_samples(**run.generate_kwargs)
+    run.trainer.train_step(samples, run.global_step)
+    values = ro.INSTRUMENTOR.last_values
+    dropped = sum((values.get("episodes_dropped_total") or {}).values())
+    assert dropped == consumed * N - len(samples) > 0                     # all-miss groups filtered out
+    assert {reason for _, reason in values["episodes_dropped_total"]} == {"filtered"}
+    assert sum(values["episodes_launched_total"].values()) == len(samples) + dropped
+    assert sum(values["episodes_trained_total"].values()) == len(samples)
+    if dropped:
+        assert values["length_bias_length_ratio"][()] > 0
+    assert watch.errors.total() == 0
+
+
 @versions
 def test_partial_rollout_stamps_dispatch_and_collection_versions(ray_session, watch, tmp_path):
     """A broadcast lands while samples are in flight (async + partial rollouts): each sample carries

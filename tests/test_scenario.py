@@ -15,7 +15,7 @@ from rlwatch.demo.scenario import (
 
 SMALL = dict(steps=3, prompts_per_step=4, group_size=4, pretrain_steps=20, heldout_prompts=16, threads=1)
 FIELD_KEYS = {"mask", "sampler_logp", "trainer_logp", "token_version", "trainer_version", "rewards", "group_ids",
-              "truncated", "env", "entropy", "temperature", "top_p"}
+              "truncated", "env", "entropy", "temperature", "top_p", "durations", "dropped_reasons", "phases"}
 
 
 def small(name: str = "healthy", **overrides) -> ScenarioConfig:
@@ -48,6 +48,12 @@ def test_fields_follow_the_contract():
         for key, dtype in expected.items():
             assert f[key].shape == (b, t) and f[key].dtype == dtype and f[key].device.type == "cpu", key
             assert torch.isfinite(f[key].float()).all(), key
+        # The demo's own timings: each episode ends at a decode step, the longer responses later.
+        assert f["durations"].shape == (b,) and (f["durations"] > 0).all() and f["dropped_reasons"] == []
+        longest, shortest = f["mask"].sum(1).argmax(), f["mask"].sum(1).argmin()
+        assert f["durations"][longest] >= f["durations"][shortest]
+        assert set(f["phases"]) == {"generation", "old_logp", "training", "sync"}
+        assert all(s > 0 for s in f["phases"].values())
         assert f["rewards"].shape == (b,) and f["rewards"].dtype == torch.float32
         assert f["group_ids"].shape == (b,) and f["group_ids"].dtype == torch.int64
         assert f["truncated"].shape == (b,) and f["truncated"].dtype == torch.bool

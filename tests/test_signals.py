@@ -431,8 +431,11 @@ def test_catalogue_levels_are_the_levels_the_engine_computes():
     g = torch.Generator().manual_seed(0)
     full = dict(token_fields, rewards=torch.randint(0, 2, (8,), generator=g).float(), group_ids=torch.arange(8) // 2,
                 env=["math", "code"] * 4, truncated=torch.rand(8, generator=g) < 0.5,
-                hacked={"d": torch.rand(8, generator=g) < 0.5}, failed=[None] * 7 + ["crash"])
-    everything = {n for n in compute(**full) if not n.startswith("_")} - {"token_version_lag_sum"}
+                hacked={"d": torch.rand(8, generator=g) < 0.5}, failed=[None] * 7 + ["crash"],
+                durations=torch.rand(8, generator=g) * 100, dropped_reasons=["timeout", "stale"],
+                dropped_durations=[300.0, 20.0], dropped_lengths=[16, 3])
+    everything = {n for n in compute(**full) if not n.startswith("_")} - {"token_version_lag_sum",
+                                                                          "episode_duration_seconds_sum"}
     episode_only = everything - set(compute(**token_fields))
     assert episode_only and {BY_NAME[n].level for n in episode_only} == {"episode"}
     episode_level = {s.name for s in CATALOGUE if s.level == "episode"}

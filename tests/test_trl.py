@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import urllib.request
 from collections import defaultdict
 
@@ -586,6 +587,44 @@ def test_split_generation_batch_through_the_callback(model_path, tmp_path):
     assert callback in trainer.callback_handler.callbacks                   # the user's callback stays
     assert not watch._closed                                                # and so does the user's Watch
     watch.close()
+
+
+@pytest.mark.slow
+def test_phases_come_from_trls_own_timing_points(model_path, tmp_path):
+    """The training phase is TRL's ``training_step`` time (the sum TRL logs as ``step_time``), the
+    generation phase its ``profiling_context`` generate block, on the step that generated (TRL 1.16
+    generates once per generation batch); stored and exported per step, and restored on unwatch."""
+    import trl.trainer.grpo_trainer as grpo_module
+
+    original = grpo_module.profiling_context
+    store = str(tmp_path / "run.db")
+    trainer = make_trainer(model_path, tmp_path / "out", steps_per_generation=2, max_steps=2)
+    watch = rltrl.watch(trainer, run="trl-phases", port=None, store=store)
+    assert grpo_module.profiling_context is not original
+    trainer.train()
+    watch.flush()
+    with StoreReader(store) as reader:
+        rows = {row.step: row for row in reader.steps("trl-phases")}
+    logs = {h["step"]: h for h in trainer.state.log_history if "step_time" in h}
+    for step in (1, 2):
+        assert rows[step].get("phase_seconds", ("training",)) == pytest.approx(logs[step]["step_time"], abs=0.05)
+        assert rows[step].get("phase_seconds_total", ("training",)) == rows[step].get("phase_seconds", ("training",))
+    assert rows[1].get("phase_seconds", ("generation",)) > 0                  # generated at step 1 only
+    assert rows[2].get("phase_seconds", ("generation",)) is None
+    assert rows[1].get("weight_sync_seconds") is None                        # no vLLM: nothing to sync
+    rltrl.unwatch(trainer)
+    assert grpo_module.profiling_context is original
+
+    # The vLLM path (rollout_func, TRL's sync_weights block around a stand-in engine's sync).
+    trainer = make_trainer(model_path, tmp_path / "out-vllm", rollout=True, max_steps=1)
+    slow_sync = trainer.vllm_generation.sync_weights = lambda: time.sleep(0.05)
+    watch = rltrl.watch(trainer, run="trl-sync", port=None, store=store)
+    trainer.train()
+    watch.flush()
+    with StoreReader(store) as reader:
+        row = reader.steps("trl-sync")[0]
+    assert slow_sync and 0.05 <= row.get("weight_sync_seconds") == row.get("phase_seconds", ("sync",)) < 1.0
+    rltrl.unwatch(trainer)
 
 
 def test_guard_stops_training_and_saves(model_path, tmp_path):

@@ -230,6 +230,48 @@ def test_compute_data_metrics_unchanged_and_values_equal_compute(config, instrum
     assert watch.errors.total() == 0
 
 
+def test_episode_durations_and_phases_from_verls_own_timers(config, instrumented):
+    """The real AgentLoopManager._performance_metrics (verl's per-sample generate/tool/score timers)
+    leaves each sample's seconds on its output batch, which follows the samples through union into the
+    trained batch; the phases are the step's timing_raw (gen, update_actor, update_weights)."""
+    import numpy as np
+
+    from verl import DataProto
+    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+
+    instr, watch = instrumented
+    batch = make_batch(seed=2)
+    B = len(batch)
+    g = torch.Generator().manual_seed(3)
+    gen, tool, score = (torch.rand(B, generator=g) * 60).tolist(), (torch.rand(B, generator=g) * 30).tolist(), [0.5] * B
+    per_worker = [[{"generate_sequences": gen[i], "tool_calls": tool[i], "compute_score": score[i], "num_preempted": 0}
+                   for i in range(start, start + B // 2)] for start in (0, B // 2)]
+    output = DataProto.from_single_dict({"prompts": batch.batch["prompts"],
+                                         "attention_mask": batch.batch["attention_mask"]})
+    manager = object.__new__(AgentLoopManager)
+    timing = manager._performance_metrics(per_worker, output)
+    assert timing["agent_loop/generate_sequences/max"] == max(gen)            # verl's own output unchanged
+    seconds = output.non_tensor_batch.pop("rlwatch_episode_seconds")
+    batch.non_tensor_batch["rlwatch_episode_seconds"] = seconds             # as union carries it
+    trainer = separation_trainer(config, global_steps=5)
+    trainer.timing_raw = {"step": 9.0, "gen": 4.0, "update_actor": 2.5, "update_weights": 1.25, "testing": 7.0,
+                          "agent_loop/slowest/tool_calls": 3.0}
+    trainer._fit_collect_metrics(batch)
+
+    values = instr.last_values
+    durations = torch.tensor(gen) + torch.tensor(tool) + 0.5
+    assert values["episode_duration_max_seconds"][()] == pytest.approx(durations.max().item())
+    assert values["episode_duration_p50_seconds"][()] == pytest.approx(durations.quantile(0.5).item())
+    assert values["straggler_wait_seconds"][()] == pytest.approx((durations.max() - durations.quantile(0.5)).item())
+    sources = np.asarray(batch.non_tensor_batch["data_source"])
+    for env in ("gsm8k", "math"):
+        assert values["env_episode_duration_mean_seconds"][(env,)] == pytest.approx(
+            durations[torch.tensor(sources == env)].mean().item())
+    assert values["phase_seconds"] == {("generation",): 4.0, ("training",): 2.5, ("sync",): 1.25}
+    assert values["weight_sync_seconds"][()] == 1.25
+    assert watch.errors.total() == 0
+
+
 def test_mismatch_agrees_with_verl_rollout_correction(config, instrumented):
     import verl.trainer.ppo.ray_trainer as ray_trainer
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
@@ -399,7 +441,8 @@ def test_v1_compute_metrics_reads_transfer_queue(config, instrumented, transfer_
     trainer.resource_pool_manager = SimpleNamespace(get_n_gpus=lambda: 1)
     metrics = {}
     try:
-        trainer._compute_metrics(meta, metrics, {"step": 2.0, "gen": 1.0}, global_steps=5, epoch=0)
+        trainer._compute_metrics(meta, metrics, {"step": 2.0, "gen": 1.0, "update_actor": 0.5}, global_steps=5,
+                                 epoch=0)
         # TransferQueue versions that raise on a field nobody stored (verl expects that for
         # routed_experts): rlwatch then fetches field by field and gets the same record.
         lenient = rv.fields_from_transfer_queue(tq, meta, config, trainer_version=4)
@@ -422,6 +465,7 @@ def test_v1_compute_metrics_reads_transfer_queue(config, instrumented, transfer_
     assert_values_match(instr.last_values, expected)
     assert instr.last_values["sequences"][()] == 16
     assert instr.last_values["truncated_ratio"][()] == 0
+    assert instr.last_values["phase_seconds"] == {("generation",): 1.0, ("training",): 0.5}    # its timing_raw
     assert instr.last_values["version_lag_max"][()] == 1          # first versions 3 against trainer 4
     assert watch.errors.total() == 0
 

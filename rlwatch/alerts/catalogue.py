@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 
 from .conditions import wilson_lower
-from .domains import data, hacks, importance, liveness, mismatch, staleness
+from .domains import data, hacks, importance, liveness, mismatch, rollout, staleness
 from .domains.liveness import stalled
 from .history import History, LabelSet, Verdicts
 from .model import ALERT_LABELS, RUNBOOK_BASE, Alert, Example, Runbook, StepExample, runbook_base
@@ -56,7 +56,7 @@ ALERTS: tuple[Alert, ...] = (
     importance.IS_TRUNCATION_HIGH, importance.ESS_LOW,
     data.ZERO_VARIANCE_GROUPS_HIGH, data.TRUNCATION_RATE_HIGH,
     hacks.REWARD_HACK_RATE_RISING, hacks.INFRA_FAILURE_RATE_HIGH,
-    data.ENTROPY_COLLAPSE, data.NON_FINITE_LOG_PROBS,
+    data.ENTROPY_COLLAPSE, data.NON_FINITE_LOG_PROBS, rollout.ROLLOUT_LENGTH_BIAS,
     liveness.TRAINER_STALLED, liveness.EXPORTER_DOWN, liveness.HOOK_ERRORS, liveness.WATCHDOG,
 )
 

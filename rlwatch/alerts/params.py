@@ -79,6 +79,9 @@ PARAMS: dict[str, Param] = {
     "stall_seconds": Param(900.0, "Seconds without a new step before the trainer counts as stalled.", above=0.0),
     "nonfinite_ratio_max": Param(0.001, "Fraction of response tokens with a NaN or infinite log-prob (lower "
                                  "confidence bound).", high=1.0),
+    "length_bias_max": Param(0.07, "How much shorter the trained episodes may be than the launched ones, as 1 - "
+                             "the mean trained/launched duration ratio over 10 steps (chosen on the tuning split "
+                             "of rlwatch.demo.rollout_bias, alerts/length-bias-acceptance.md).", high=1.0),
     "baseline_steps": Param(20.0, "Steps a trailing baseline needs before any jump or collapse-relative "
                             "condition can hold.", low=2.0),
     "evidence_z": Param(2.33, "Standard normal quantile of the evidence bars: Wilson lower bounds of rates and "

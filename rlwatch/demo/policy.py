@@ -6,6 +6,8 @@ Shapes as in :mod:`rlwatch.demo.scenario`: ``B`` episodes, ``P`` prompt length, 
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -111,7 +113,8 @@ def sample(new: Policy, prompts: torch.Tensor, max_len: int, gen: torch.Generato
 
     prompts [B, P] -> ``responses`` [B, T] (PAD after EOS), ``logp`` [B, T] float32 (the sampler's
     log-prob of each sampled token under the distribution it sampled from), ``mask`` [B, T] bool
-    (the EOS token included), ``truncated`` [B] bool, ``from_old`` [B, T] bool. When ``old`` is
+    (the EOS token included), ``truncated`` [B] bool, ``from_old`` [B, T] bool, ``seconds`` [B] float64
+    (wall time from the start of sampling to the decode step that ended the row). When ``old`` is
     given, rows use ``old`` for positions ``t < switch[row]`` and ``new`` after (a partial rollout:
     both models read the same tokens, so ``new`` continues from a re-encoded prefix). ``precision``:
     the sampler's numerics (see :func:`_head`).
@@ -126,6 +129,8 @@ def sample(new: Policy, prompts: torch.Tensor, max_len: int, gen: torch.Generato
     mask = torch.zeros(b, max_len, dtype=torch.bool)
     from_old = torch.zeros(b, max_len, dtype=torch.bool)
     alive = torch.ones(b, dtype=torch.bool)
+    start = time.perf_counter()
+    seconds = torch.zeros(b, dtype=torch.float64)
     for t in range(max_len):
         logits = _head(new, last[0], precision)
         if old is not None:
@@ -141,10 +146,13 @@ def sample(new: Policy, prompts: torch.Tensor, max_len: int, gen: torch.Generato
         logps[:, t] = torch.where(alive, logp.gather(1, tok[:, None]).squeeze(1), 0.0)
         tok = torch.where(alive, tok, PAD)
         responses[:, t] = tok
-        alive = alive & (tok != EOS)
+        ended = alive & (tok == EOS)
+        alive = alive & ~ended
+        seconds = torch.where(ended | (alive & (t == max_len - 1)), time.perf_counter() - start, seconds)
         if not alive.any():
             break
         for i, m in enumerate(models):
             o, states[i] = m.encode(tok[:, None], states[i])
             last[i] = o[:, -1]
-    return {"responses": responses, "logp": logps, "mask": mask, "truncated": alive, "from_old": from_old}
+    return {"responses": responses, "logp": logps, "mask": mask, "truncated": alive, "from_old": from_old,
+            "seconds": seconds}

@@ -212,7 +212,9 @@ def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, che
         trainer_version = step
         for group in optimizer.param_groups:
             group["lr"] = config.lr * min(1.0, (step + 1) / max(1, config.warmup_steps))
+        started = time.perf_counter()
         rollout = _rollout(config, step, versions, behaviour, older, gen)
+        generated = time.perf_counter()
         with torch.no_grad():
             trainer_logp, entropy = token_logp_entropy(model, rollout.task["prompts"], rollout.out["responses"],
                                                        config.trainer_temperature)
@@ -223,8 +225,14 @@ def _run(config: ScenarioConfig, on_step: Callable[[StepInfo], None] | None, che
         fields = _observed_fields(config, step, rollout, trainer_logp, entropy, token_version, names)
         advantages = group_advantages(rollout.rewards, config.group_size)
         weights = behaviour_weights(trainer_logp, rollout.out["logp"], mask, config)
+        scored = time.perf_counter()
         stats = ppo_update(model, optimizer, rollout.batch, advantages, weights, trainer_logp, config, gen)
+        trained = time.perf_counter()
         versions[trainer_version + 1] = _snapshot(model)
+        # The demo's own timings: its weight sync is the snapshot of the new weights and the sampler's load.
+        fields["phases"] = {"generation": generated - started - rollout.sync_seconds, "old_logp": scored - generated,
+                            "training": trained - scored,
+                            "sync": time.perf_counter() - trained + rollout.sync_seconds}
         for v in [v for v in versions if v < trainer_version + 1 - config.lag - 1 and v != config.sync_stops_at]:
             del versions[v]
 
@@ -263,6 +271,7 @@ class _Rollout:
     v_new: int
     v_old: int
     sampler_temp: float
+    sync_seconds: float = 0.0          # loading the sampler's weights (part of the weight sync)
 
 
 def _rollout(config: ScenarioConfig, step: int, versions: dict[int, dict[str, torch.Tensor]], behaviour: Policy,
@@ -278,14 +287,18 @@ def _rollout(config: ScenarioConfig, step: int, versions: dict[int, dict[str, to
     v_new = max(0, trainer_version - lag)
     if config.sync_stops_at is not None:
         v_new = min(v_new, config.sync_stops_at)
+    loading = time.perf_counter()
     behaviour.load_state_dict(versions[v_new])
+    sync_seconds = time.perf_counter() - loading
     task = make_prompts(config.prompts_per_step // 2, config, gen)
     task = {k: v.repeat_interleave(g, dim=0) for k, v in task.items()}
     b = task["prompts"].shape[0]
     old, switch, v_old = None, None, v_new
     if config.partial_rollouts:
         v_old = max(0, v_new - 1)
+        loading = time.perf_counter()
         older.load_state_dict(versions[v_old])
+        sync_seconds += time.perf_counter() - loading
         old = older
         is_partial = torch.rand(b, generator=gen) < config.partial_fraction
         cut = torch.randint(1, config.max_digits + 1, (b,), generator=gen)
@@ -299,7 +312,7 @@ def _rollout(config: ScenarioConfig, step: int, versions: dict[int, dict[str, to
         failed = torch.rand(b, generator=gen) < config.failure_rate
         rewards = rewards.masked_fill(failed, 0.0)
         true_pass = true_pass & ~failed
-    return _Rollout(task, out, {**task, **out}, rewards, true_pass, failed, v_new, v_old, sampler_temp)
+    return _Rollout(task, out, {**task, **out}, rewards, true_pass, failed, v_new, v_old, sampler_temp, sync_seconds)
 
 
 def _observed_fields(config: ScenarioConfig, step: int, rollout: _Rollout, trainer_logp: torch.Tensor,
@@ -313,6 +326,7 @@ def _observed_fields(config: ScenarioConfig, step: int, rollout: _Rollout, train
         "truncated": out["truncated"].clone(), "env": [names[e] for e in rollout.task["env"].tolist()],
         "entropy": entropy, "temperature": float(rollout.sampler_temp),
         "top_p": float(config.sampler_top_p if config.sampler_top_p is not None else 1.0),
+        "durations": out["seconds"], "dropped_reasons": [],      # real decode times; nothing launched is dropped
     }
     if rollout.failed is not None:
         fields["failed"] = ["timeout" if f else None for f in rollout.failed.tolist()]

@@ -5,7 +5,8 @@ OpenTelemetry's Prometheus translation appends it again), all carrying a ``run``
 OpenTelemetry has no way to record a pre-aggregated histogram, and recording the lag of every
 token one by one is exactly what rlwatch avoids, so the version-lag histogram is exported as the
 cumulative counter ``rlwatch_token_version_lag_tokens{le=...}`` (tokens with lag <= le), which
-carries the same information as Prometheus' ``_bucket`` series.
+carries the same information as Prometheus' ``_bucket`` series; the episode-duration histogram likewise
+as ``rlwatch_episode_duration_seconds_episodes{env, le}``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from ..metrics import CATALOGUE, LAG_LE_LABELS, MetricSpec
+from ..metrics import CATALOGUE, HISTOGRAM_BUCKETS, MetricSpec
 from ..state import MetricState, Snapshot
 
 
@@ -52,9 +53,10 @@ class OTelExporter:
                     spec.full_name[: -len("_total")], callbacks=[self._family_callback(spec, "counters")],
                     unit=spec.unit, description=spec.help))
             elif spec.kind == "histogram":
+                unit = "tokens" if spec.name == "token_version_lag" else "episodes"
                 self.instruments.append(meter.create_observable_counter(
-                    spec.full_name + "_tokens", callbacks=[self._histogram_callback(spec)],
-                    description=spec.help + " Cumulative token counts by upper bound le."))
+                    f"{spec.full_name}_{unit}", callbacks=[self._histogram_callback(spec)],
+                    description=spec.help + f" Cumulative {unit} counts by upper bound le."))
 
     def _snapshot(self) -> Snapshot:
         with self._lock:
@@ -81,14 +83,12 @@ class OTelExporter:
     def _histogram_callback(self, spec: MetricSpec) -> Callable:
         def callback(options: Any) -> Iterable:
             snap = self._snapshot()
-            hist = snap.histograms.get(spec.name)
-            if hist is None:
-                return
-            running = 0.0
-            for bound, count in zip(LAG_LE_LABELS, hist[0]):
-                running += count
-                yield self._Observation(running, {**self._attributes(spec, snap.run, (), snap.run_instance),
-                                                  "le": bound})
+            for labels, (counts, _) in (snap.histograms.get(spec.name) or {}).items():
+                running = 0.0
+                for bound, count in zip(HISTOGRAM_BUCKETS[spec.name][1], counts):
+                    running += count
+                    yield self._Observation(running, {**self._attributes(spec, snap.run, labels, snap.run_instance),
+                                                      "le": bound})
         return callback
 
     def close(self) -> None:

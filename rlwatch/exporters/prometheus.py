@@ -24,7 +24,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from ..metrics import CATALOGUE, LAG_LE_LABELS
+from ..metrics import CATALOGUE, HISTOGRAM_BUCKETS
 from ..state import MetricState
 
 logger = logging.getLogger("rlwatch")
@@ -66,15 +66,15 @@ class RLWatchCollector:
                 yield metric
             elif spec.kind == "histogram":
                 hist = snap.histograms.get(spec.name)
-                if hist is None:
+                if not hist:
                     continue
-                counts, total = hist
-                cumulative, running = [], 0.0
-                for bound, count in zip(LAG_LE_LABELS, counts):
-                    running += count
-                    cumulative.append((bound, running))
                 metric = HistogramMetricFamily(spec.full_name, spec.help, labels=labels)
-                metric.add_metric(list(run), cumulative, sum_value=total)
+                for label_values, (counts, total) in sorted(hist.items()):
+                    cumulative, running = [], 0.0
+                    for bound, count in zip(HISTOGRAM_BUCKETS[spec.name][1], counts):
+                        running += count
+                        cumulative.append((bound, running))
+                    metric.add_metric([*run, *label_values], cumulative, sum_value=total)
                 yield metric
 
 

@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable, Mapping
 class Episode:
     """One episode as a detector sees it. ``extra`` carries whatever the trainer has: tool calls,
     files touched, a diff, commands, test results, reward components, an independent checker's
-    verdict (``true_pass``)."""
+    verdict (``true_pass``). ``duration`` (seconds) fills the step's ``durations`` when that field is not
+    passed and every episode has one."""
 
     env: str = "default"
     reward: float = 0.0
@@ -34,6 +35,7 @@ class Episode:
     extra: dict[str, Any] = field(default_factory=dict)
     step: int | None = None
     index: int | None = None
+    duration: float | None = None     # wall seconds from launch to finish (the rollout-system signals)
 
     @classmethod
     def coerce(cls, value: "Episode | Mapping[str, Any]", step: int | None = None, index: int | None = None,

@@ -44,6 +44,7 @@ class SignalSpec:
     min_shift: float      # in the signal's unit; the noise floor of the change test
     unit: str = ""
     relative: float = 0.0  # and at least this fraction of the series' largest |value| (signals of no fixed scale)
+    compared: bool = True  # compared between runs (wall-clock timings differ between any two runs: not)
 
     def floor(self, values: list[float]) -> float:
         """The smallest meaningful shift for this series."""
@@ -68,6 +69,11 @@ LEADING_SIGNALS: dict[str, SignalSpec] = {
     "env_hack_ratio": SignalSpec("up", 0.05),
     "reward_mean": SignalSpec("down", 0.05, relative=0.1),
     "response_length_mean": SignalSpec("either", 0.5, "tokens", relative=0.1),
+    # The rollout system (docs/rollout-system.md): the duration tail, the straggler wait, the sync pause.
+    "episode_duration_p95_seconds": SignalSpec("up", 0.0, "s", relative=0.2, compared=False),
+    "straggler_wait_seconds": SignalSpec("up", 0.0, "s", relative=0.2, compared=False),
+    "weight_sync_seconds": SignalSpec("up", 0.0, "s", relative=0.2, compared=False),
+    "length_bias_duration_ratio": SignalSpec("down", 0.05),
 }
 QUALITY_SPEC = SignalSpec("down", 0.05, relative=0.1)
 

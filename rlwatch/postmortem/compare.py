@@ -59,7 +59,7 @@ class Comparison:
 
 
 def _compared_series(data: RunData) -> dict[tuple[str, tuple[str, ...]], tuple[SignalSpec, list[tuple[int, float]]]]:
-    out = {(name, labels): (spec, series) for name, labels, spec, series in scanned_series(data)}
+    out = {(name, labels): (spec, series) for name, labels, spec, series in scanned_series(data) if spec.compared}
     for key in QUALITY_KEYS:
         if data.scalars.get(key):
             out[(key, ())] = (QUALITY_SPEC, sorted(data.scalars[key]))

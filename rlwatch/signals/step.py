@@ -16,6 +16,7 @@ import torch
 
 from . import engine, fused, settings
 from ..metrics import LAG_BUCKETS, PROB_BIN_EDGES
+from .durations import duration_core, finish_durations, rollout_values
 from .episodes import bound_values
 from .pending import Pending, Values
 from .quantities import episode_layout, finish_episodes, finish_tokens
@@ -122,6 +123,26 @@ def entropy_signal(out: Pending, entropy: torch.Tensor, mask: torch.Tensor) -> N
     out.ratio("entropy_mean", (e.nan_to_num(0.0, 0.0, 0.0) * good).sum(), good.sum())
 
 
+def duration_signals(out: Pending, record: "StepRecord") -> None:
+    """The episode-duration signals (:mod:`.durations`) when the record has durations or dropped
+    episodes: one vector into the step's transfer."""
+    rollout = record.rollout
+    dropped = rollout.dropped
+    B = record.batch_size
+    if B == 0 or (rollout.durations is None and dropped is None):
+        return
+    d = rollout.durations
+    if d is None:
+        d = torch.full((B,), math.nan, dtype=torch.float64, device=record.mask.device)
+    envs = list(record.env_names) if record.env_index is not None else []
+    dd = dropped.durations if dropped is not None else None
+    dl = dropped.lengths if dropped is not None else None
+    vector = duration_core(d, record.env_index if envs else None, len(envs), dd, dl)
+    out.host(lambda v: finish_durations(v, B, envs, record.env, dd is not None, dl is not None,
+                                        dropped.reasons if dropped is not None else [],
+                                        dropped.env if dropped is not None else []), out.vector(vector))
+
+
 def compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | None = None) -> Values:
     """Every signal of one validated step, with exactly one host synchronisation.
 
@@ -139,8 +160,10 @@ def _compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | No
     token_signals(out, record, config, ws, EpisodeInputs(record, config))
     if record.entropy is not None:
         entropy_signal(out, record.entropy, record.mask)
+    duration_signals(out, record)
     values = out.resolve()
     _put_record_values(values, record)
+    rollout_values(values, record.batch_size, record.env, record.rollout.phases, record.rollout.dropped)
     return values
 
 

@@ -45,7 +45,10 @@ What is wrapped (``PATCHES``; every patch is ``_instrumentor.Instrumentor.wrap``
       marks a training step (step number ``global_step + 1``, the number OpenRLHF logs and names
       its checkpoints with) and reads the trainer's policy version before the step's own update.
     * ``openrlhf.trainer.ppo_utils.experience_maker.RemoteExperienceMaker.make_experience_batch``:
-      its list of ``Experience`` batches is turned into one ``Watch.observe`` per training step.
+      its list of ``Experience`` batches is turned into one ``Watch.observe`` per training step,
+      made when ``train_step`` returns, with the phases OpenRLHF timed in it (``timing/make_experience``,
+      ``timing/ppo_train``, ``timing/broadcast`` -> make_experience, training, sync) and the
+      generation phase (``SamplesGenerator.generate_samples``, timed here as ``fit`` times it).
     * ``BasePPOTrainer.broadcast_to_vllm``: OpenRLHF has no policy version anywhere, so rlwatch
       keeps its own: the number of weight broadcasts to the vLLM engines so far (``TrainingActor``
       overrides the method and calls this one, so async mode counts the same way).
@@ -57,6 +60,8 @@ What is wrapped (``PATCHES``; every patch is ``_instrumentor.Instrumentor.wrap``
       scalar OpenRLHF logs is mirrored with ``watch.log_scalars`` (``rlwatch_framework_metric``),
       the headline signals join ``logs_dict`` (``rlwatch/`` keys, see ``_trainer_logs``), and the
       checkpoint written at ``ckpt.save_steps`` is recorded with ``watch.record_checkpoint``.
+    * ``SamplesGenerator._generate_vllm``: the samples it processed but did not return (dynamic
+      filtering) are the next step's dropped episodes (``samples.Filtered``).
     * ``openrlhf.datasets.prompts_dataset.PromptDataset.__init__``: remembers the dataset so that a
       prompt's ``datasource`` column can be found again (OpenRLHF drops it from training samples).
 
@@ -88,6 +93,7 @@ Configuration
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
 import logging
 import os
@@ -98,11 +104,13 @@ from typing import Any, Callable, Mapping
 
 from ...config import rlwatch_variables, variables_or_defaults
 from ...fields import StepFields
+from ...rollout import PhaseClock
 from .._instrumentor import Call, Hook, Patch, context_value
 from .._ray_actors import RayActorInstrumentor, config_get, framework_watch_options
 from .._trainer_logs import mirror_call
 from .experiences import episodes_from_experiences, fields_from_experiences
-from .samples import CLOCK_ACTOR, META, LocalClock, RayClock, _DataSources, _Dispatch, sample_meta  # noqa: F401
+from .samples import (CLOCK_ACTOR, META, Filtered, LocalClock, RayClock, _DataSources, _Dispatch,  # noqa: F401
+                      sample_meta)
 
 logger = logging.getLogger("rlwatch")
 
@@ -121,12 +129,15 @@ PATCHES: dict[str, list[Patch]] = {
     EXPERIENCE_MAKER: [Patch("RemoteExperienceMaker", "make_experience_batch", Hook(
         "openrlhf_make_experience_batch", before="_read_stamps", after="_observe", watch=True))],
     PPO_TRAINER: [
-        Patch("BasePPOTrainer", "train_step",
-              Hook("openrlhf_train_step", before="_begin_step", around="_step_scope", watch=True)),
+        Patch("BasePPOTrainer", "train_step", Hook("openrlhf_train_step", before="_begin_step", around="_step_scope",
+                                                   after="_end_step", watch=True)),
         Patch("BasePPOTrainer", "broadcast_to_vllm", Hook("openrlhf_broadcast", after="_bump")),
         Patch("BasePPOTrainer", "save_logs_and_checkpoints",
               Hook("openrlhf_save_logs", before="_mirror_save_logs", after="_logs_and_checkpoint", watch=True))],
     SAMPLES_GENERATOR: [
+        Patch("SamplesGenerator", "generate_samples", Hook("openrlhf_generate", around="_generation_scope")),
+        Patch("SamplesGenerator", "_generate_vllm",
+              Hook("openrlhf_generate_vllm", around="_filter_scope", after="_count_filtered")),
         Patch("SamplesGenerator", "_dispatch_prompts_to_vllm", Hook("openrlhf_dispatch", before="_note_dispatch")),
         Patch("SamplesGenerator", "_process_response_into_experience", Hook("openrlhf_stamp", after="_stamp"))],
     PROMPTS_DATASET: [Patch("PromptDataset", "__init__", Hook("openrlhf_dataset", after="_remember_dataset"))],
@@ -182,6 +193,23 @@ class _StepContext:
     step: int
     trainer_version: int | None
     clock_id: str | None
+    #: The step's (fields, episodes, extra scalars), observed when train_step returns, with its phases.
+    pending: tuple | None = None
+
+
+#: OpenRLHF's own per-phase timers in ``train_step``'s status -> rlwatch phases.
+OPENRLHF_PHASES = {"timing/make_experience": "make_experience", "timing/ppo_train": "training",
+                   "timing/broadcast": "sync"}
+
+
+def phases_from_status(status: Any, vllm: bool) -> dict[str, float]:
+    """The phases OpenRLHF timed in ``train_step`` (``status["timing/..."]``; ``sync`` only with ``vllm`` engines)."""
+    phases: dict[str, float] = {}
+    for key, phase in OPENRLHF_PHASES.items():
+        value = status.get(key) if isinstance(status, Mapping) else None
+        if isinstance(value, (int, float)) and (phase != "sync" or vllm):
+            phases[phase] = float(value)
+    return phases
 
 
 _STEP: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar("rlwatch_openrlhf_step", default=None)
@@ -200,6 +228,33 @@ def checkpoint_dir(args: Any, global_step: int) -> str | None:
     if config_get(args, "ckpt.disable_ds", False):
         return None
     return os.path.abspath(os.path.join(str(root), "_actor", tag))
+
+
+def step_phases(call: Call, generation: PhaseClock) -> dict[str, float]:
+    """A returned ``train_step`` call's phases: OpenRLHF's timers in its status, and the generation
+    seconds timed in this process (sync mode), else the calling ``fit``'s ``generation_time`` (async
+    mode: the generator actor's, passed with the samples)."""
+    result = call.result
+    status = result[0] if isinstance(result, tuple) and result else None
+    phases = phases_from_status(status, getattr(call.args[0], "vllm_engines", None) is not None)
+    timed = generation.take()
+    if timed:
+        phases.update(timed)
+    elif call.caller is not None and isinstance(call.caller.f_locals.get("generation_time"), (int, float)):
+        phases["generation"] = float(call.caller.f_locals["generation_time"])
+    return phases
+
+
+def observe_pending(instrumentor: Any, context: Any, phases: dict[str, float] | None) -> None:
+    """Observe the step held back (``context.pending``) with its phases and the samples filtered since the last."""
+    pending, context.pending = getattr(context, "pending", None), None
+    if pending is not None:
+        pending[0].phases = phases or None
+        for name, value in (instrumentor.filtered.take() or {}).items():
+            setattr(pending[0], name, value)
+        instrumentor.observe(context.step, pending[0], pending[1])
+        if pending[2]:
+            instrumentor.watch.log_scalars(context.step, pending[2])
 
 
 # --- the instrumentor ----------------------------------------------------------------------------
@@ -222,6 +277,8 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
         self._pending: dict[str, collections.deque] = {}
         self._pending_lock = threading.Lock()
         self.datasources = _DataSources()
+        self.phases = PhaseClock()           # generate_samples' seconds, until the step that trains on them
+        self.filtered = Filtered()           # samples dynamic filtering dropped, until the next step
 
     def _uninstrument(self) -> None:
         super()._uninstrument()
@@ -271,12 +328,28 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
     # hooks (see PATCHES)
 
     def _begin_step(self, call: Call) -> None:
-        """``train_step(self, rollout_samples, global_step)``: step ``global_step + 1``, the policy
-        version before the step's own update."""
+        """``train_step(self, rollout_samples, global_step)``: step ``global_step + 1``, version before its update."""
         call.state = self._step_context(call.args[0].args, int(call.arg(2, "global_step")) + 1)
 
+    @contextlib.contextmanager
     def _step_scope(self, call: Call) -> Any:
-        return context_value(_STEP, call.state)
+        with context_value(_STEP, call.state):
+            try:
+                yield
+            except BaseException:
+                observe_pending(self, call.state, None)      # train_step failed: the step is still observed
+                raise
+
+    def _generation_scope(self, call: Call) -> Any:
+        """``generate_samples``: what ``fit`` times as ``timing/generation``, the next step's generation."""
+        return self.phases.phase("generation")
+
+    def _end_step(self, call: Call) -> None:
+        """``train_step`` returned ``(status, global_step)``: observe the step with its phases."""
+        observe_pending(self, call.state, step_phases(call, self.phases))
+
+    _filter_scope = property(lambda self: self.filtered.scope)      # _generate_vllm: the samples it keeps
+    _count_filtered = property(lambda self: self.filtered.count)
 
     def _read_stamps(self, call: Call) -> None:
         samples = call.arg(1, "rollout_samples")
@@ -285,17 +358,20 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
     def _observe(self, call: Call) -> None:
         """``make_experience_batch(self, rollout_samples)``: one ``observe`` of its Experiences."""
         args = call.context
-        # Outside train_step (a user's own loop): this process's own step count.
-        context = _STEP.get() or self._step_context(args, self.step_or_count(None))
+        # Outside train_step (a user's own loop): this process's own step count, observed now; inside,
+        # when train_step returns (with the phases OpenRLHF timed).
+        inside = _STEP.get()
+        context = inside or self._step_context(args, self.step_or_count(None))
         experiences = list(call.result)
         fields, extra = fields_from_experiences(experiences, call.state, args, context.trainer_version,
                                                 context.clock_id)
         if fields is None:
             return
         self.last_fields = fields
-        self.observe(context.step, fields, lambda fields: episodes_from_experiences(experiences, fields, call.state))
-        if extra:
-            self.watch.log_scalars(context.step, extra)
+        stamps = call.state
+        context.pending = (fields, lambda fields: episodes_from_experiences(experiences, fields, stamps), extra)
+        if inside is None:
+            observe_pending(self, context, None)
 
     def _bump(self, call: Call) -> None:
         clock = self.clock(getattr(call.args[0], "args", None))
@@ -303,8 +379,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
             clock.bump()
 
     def _mirror_save_logs(self, call: Call) -> None:
-        """``save_logs_and_checkpoints(self, global_step, logs_dict, ...)``: the headline signals join
-        the logs OpenRLHF sends to W&B / TensorBoard (``rlwatch/`` prefix)."""
+        """``save_logs_and_checkpoints(self, global_step, logs_dict, ...)``: the headline signals join its logs."""
         mirror_call(call, 2, "logs_dict", self.watch, "openrlhf_trainer_logs")
 
     def _logs_and_checkpoint(self, call: Call) -> None:
@@ -381,6 +456,7 @@ class OpenRLHFInstrumentor(RayActorInstrumentor):
         if isinstance(extra, Mapping) and extra:
             meta["extra_logs"] = tuple(str(k) for k in extra)
         vars(experience)[META] = meta
+        self.filtered.saw(experience)
 
     def _remember_dataset(self, call: Call) -> None:
         self.datasources.add(call.args[0])

@@ -4,12 +4,14 @@ and the ``datasource`` of each prompt."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 #: Name of the attribute rlwatch sets on each generated ``Experience`` (OpenRLHF reads dataclass
 #: fields only, so it never sees it; it survives pickling through Ray queues).
@@ -123,3 +125,53 @@ class _DataSources:
             self._datasets = live
             return self._index.get(prompt)
 
+
+
+class Filtered:
+    """The samples OpenRLHF generated but did not keep (``--algo.dynamic_filtering_enable`` drops a
+    prompt's group whose mean score is outside ``dynamic_filtering_range``), counted per call of
+    ``SamplesGenerator._generate_vllm`` in this process and handed to the next observed step as its
+    dropped episodes (reason ``filtered``, with their response lengths and data sources)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: contextvars.ContextVar[list | None] = contextvars.ContextVar("rlwatch_openrlhf_gen", default=None)
+        self._dropped: list[tuple[str, float]] | None = None      # None: nothing generated here since the last step
+
+    def scope(self, call: Any) -> Any:
+        """Around ``_generate_vllm``: the Experiences processed during the call are collected."""
+        call.state = []
+        return _set(self._seen, call.state)
+
+    def saw(self, experience: Any) -> None:
+        seen = self._seen.get()
+        if seen is not None:
+            seen.append(experience)
+
+    def count(self, call: Any) -> None:
+        """After ``_generate_vllm`` returned ``(accepted, prompts_consumed, exhausted)``."""
+        result = call.result
+        accepted = {id(e) for e in (result[0] if isinstance(result, tuple) and result else [])}
+        dropped = [((sample_meta(e) or {}).get("env", "default"), float(e.action_mask.sum()))
+                   for e in call.state or [] if id(e) not in accepted]
+        with self._lock:
+            self._dropped = (self._dropped or []) + dropped
+
+    def take(self) -> dict[str, Any] | None:
+        """The dropped-episode fields since the last call (``dropped_reasons`` etc.), or None when no
+        generation ran in this process (async mode: the generator actor's filter is not seen)."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, None
+        if dropped is None:
+            return None
+        return {"dropped_reasons": ["filtered"] * len(dropped), "dropped_env": [env for env, _ in dropped],
+                "dropped_lengths": [length for _, length in dropped]}
+
+
+@contextlib.contextmanager
+def _set(variable: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    token = variable.set(value)
+    try:
+        yield
+    finally:
+        variable.reset(token)

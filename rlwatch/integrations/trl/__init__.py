@@ -22,6 +22,11 @@ table's two granularities:
 - ``callback``: :func:`watch`, :func:`attach`, :func:`unwatch`, :class:`RLWatchCallback` (steps,
   logs, checkpoints) and the guard actions :func:`stop_on_critical` / :func:`save_on_critical`.
 
+**Phases** (docs/rollout-system.md): TRL's own timing points, ``profiling_context(trainer, name)``
+for generation (``vLLM.generate``, ``transformers.generate``, ``transformers.generate_batch``) and
+weight sync (``sync_weights``), and ``training_step`` (what TRL sums into ``step_time``) for
+training, per optimizer step. TRL keeps no per-episode duration (a batch is generated in one call).
+
 **Steps and versions.** ``step`` is ``state.global_step`` after the update (the step TRL logs and
 names checkpoints by); ``trainer_version`` is ``state.global_step`` when the loss was computed and
 each sample is stamped with ``state.global_step`` at generation (``VERSION_KEY``), so ``lag``

@@ -30,10 +30,12 @@ MAX_ENV_SCALARS = 64
 #: Sequences of the first generation batch kept for ``rlwatch postmortem --probe``.
 PROBE_ROWS = 32
 #: Families computed once per generation batch (whole groups): the episode-level ones of the catalogue
-#: but the reward-hack detectors' (judged on the step); gauges among them are repeated on steps that
-#: score no batch, counters count each batch once.
+#: but the reward-hack detectors' (judged on the step) and the rollout system's (TRL's batches carry no
+#: per-episode durations or dropped episodes); gauges among them are repeated on steps that score no
+#: batch, counters count each batch once.
 GENERATION_FAMILIES = frozenset(spec.name for spec in CATALOGUE
-                                if spec.level == "episode" and "detector" not in spec.labels)
+                                if spec.level == "episode" and "detector" not in spec.labels
+                                and spec.group != "rollout")
 #: What the token-level step record says about its own episodes; replaced by the generation's values.
 STEP_EPISODE_FAMILIES = frozenset({"response_length_mean", "response_length_p99", "response_length_max",
                                    "env_episodes", "episodes_total"})

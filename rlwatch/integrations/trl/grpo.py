@@ -11,6 +11,7 @@ import torch
 
 from ...fields import StepFields
 from ...record import RecordBuilder
+from ...rollout import PhaseClock
 from .._instrumentor import Call, Hook, Instrumentor, Patch, guarded
 from .._tensors import pad_cat
 from .generation import (PROBE_ROWS, VERSION_KEY, Generation, GenerationPath, GenerationSignals, audit_verdicts,
@@ -25,7 +26,11 @@ PATCHES = (
           Hook("trl_generation", before="_forget_rewards", after="_after_generation")),
     Patch(None, "_compute_loss", Hook("trl_loss", around="_loss_scope", after="_after_loss")),
     Patch(None, "_get_per_token_logps_and_entropies", Hook("trl_logps", after="_keep_policy")),
+    Patch(None, "training_step", Hook("trl_training_step", around="_training_scope")),
 )
+#: TRL's own timing points (``profiling_context(trainer, name)`` in ``trl.trainer.grpo_trainer``) -> phase.
+TRL_PHASES = {"sync_weights": "sync", "vLLM.generate": "generation", "transformers.generate": "generation",
+              "transformers.generate_batch": "generation"}
 #: A process whose Watch exports nothing still takes part in the episode gather of a multi-process run.
 GATHER_ONLY = (PATCHES[0], Patch(None, "_generate_and_score_completions",
                                  Hook("trl_gather", before="_forget_rewards", after="_gather_only")))
@@ -76,6 +81,8 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
         #: Where to keep a fixed sample of the first generation batch for ``rlwatch postmortem --probe``.
         self.probe_path: str | None = None
         self.probe_rows = PROBE_ROWS
+        #: Seconds per phase since the last observed step, from TRL's timing points.
+        self.phases = PhaseClock()
 
     # -- patches --
 
@@ -89,6 +96,28 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
         if listeners is not None and self.listener not in listeners:
             listeners.add(self.listener, "integration")      # before drift, diagnosis and the alerts
         self.apply(self.trainer, PATCHES)
+        self._time_trl_phases()
+
+    def _time_trl_phases(self) -> None:
+        """Wrap ``profiling_context`` where GRPOTrainer reads it: this trainer's generation and
+        weight-sync blocks (``TRL_PHASES``) also add their seconds to :attr:`phases`."""
+        import importlib
+
+        module = importlib.import_module(type(self.trainer).__module__)
+        module = module if hasattr(module, "profiling_context") else importlib.import_module("trl.trainer.grpo_trainer")
+        original = getattr(module, "profiling_context", None)
+        if original is None:
+            return
+        instrumentor = self
+
+        def profiling_context(trainer: Any, name: str) -> Any:
+            context = original(trainer, name)
+            phase = TRL_PHASES.get(name)
+            if trainer is not instrumentor.trainer or phase is None or not instrumentor._instrumented:
+                return context
+            return _Timed(context, instrumentor.phases, phase)
+        profiling_context.__rlwatch_original__ = original
+        self.replace(module, "profiling_context", profiling_context)
 
     def _uninstrument(self) -> None:
         self.capture.micro.clear()
@@ -130,6 +159,13 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
             yield
         finally:
             capture.in_loss = False
+
+    @contextlib.contextmanager
+    def _training_scope(self, call: Call) -> Iterator[None]:
+        """``training_step(model, inputs, num_items_in_batch)``: its seconds (TRL's own ``step_time``
+        block) are the training phase."""
+        with self.phases.phase("training"):
+            yield
 
     def _after_loss(self, call: Call) -> None:
         try:
@@ -214,17 +250,44 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
         thread with ``background=True``, else done right here on the training thread)."""
         micro, self.capture.micro = self.capture.micro, []
         generations, self.capture.generations = self.capture.generations, []
+        phases = self.phases.take() if micro else None       # the step's phases, taken on the training thread
         if micro or generations:
-            self.watch.defer(lambda: guarded(self.watch, "trl_observe")(self.observe_step)(step, micro, generations))
+            self.watch.defer(lambda: guarded(self.watch, "trl_observe")(self.observe_step)(
+                step, micro, generations, phases))
 
-    def observe_step(self, step: int, micro: list[MicroBatch], generations: list[Generation] | None = None) -> None:
+    def observe_step(self, step: int, micro: list[MicroBatch], generations: list[Generation] | None = None,
+                     phases: dict[str, float] | None = None) -> None:
         if generations:
             values = guarded(self.watch, "trl_generation_signals")(self.generation_values)(step, generations)
             if values:
                 self.listener.submit(values)
             self.watch.log_scalars(step, self.reward_scalars(generations))
         if micro:
-            self.watch.observe_fields(step, self.step_fields(micro))
+            fields = self.step_fields(micro)
+            fields.phases = phases
+            self.watch.observe_fields(step, fields)
+
+
+class _Timed:
+    """A TRL profiling context that also adds its seconds to a :class:`PhaseClock` phase."""
+
+    def __init__(self, context: Any, clock: PhaseClock, phase: str) -> None:
+        self.context, self.clock, self.phase = context, clock, phase
+        self.start = 0.0
+
+    def __enter__(self) -> Any:
+        import time
+
+        self.start = time.perf_counter()
+        return self.context.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        import time
+
+        try:
+            return self.context.__exit__(*exc)
+        finally:
+            self.clock.add(self.phase, time.perf_counter() - self.start)
 
 
 def sampling_fields(trainer: Any) -> dict[str, Any]:

@@ -33,6 +33,10 @@ What is wrapped (``PATCHES``; every patch is ``_instrumentor.Instrumentor.wrap``
       ``watch.log_scalars`` (``rlwatch_framework_metric{name}``), then the headline signals join
       ``data`` (``rlwatch/`` keys, see ``_trainer_logs``). verl asserts on unknown backend
       names, so rlwatch wraps the method instead of registering a backend.
+    * ``verl.experimental.agent_loop.agent_loop.AgentLoopManager._performance_metrics(metrics,
+      output)``: verl's per-sample agent-loop timers (generate_sequences + tool_calls +
+      compute_score seconds) join the output batch as ``non_tensor_batch["rlwatch_episode_seconds"]``
+      (the episode durations); the phases come from the step's ``timing_raw`` (``batch.VERL_PHASES``).
     * ``_save_checkpoint`` of ``RayPPOTrainer`` and the v1 ``PPOTrainer``: after it returns,
       ``default_local_dir/global_step_N`` is recorded with ``watch.record_checkpoint``. A trainer
       class that overrides it (``FullyAsyncTrainer``) is hooked on the instance the first time a
@@ -70,8 +74,8 @@ from typing import Any, Mapping
 from .._instrumentor import Call, Hook, Patch, caller_self, context_value
 from .._ray_actors import RayActorInstrumentor, config_get, framework_watch_options
 from .._trainer_logs import mirror_call, without_headline
-from .batch import (episodes_from_dataproto, fields_from_dataproto, fields_from_transfer_queue,  # noqa: F401
-                    truncation_flags)
+from .batch import (DURATION_KEY, episode_seconds, episodes_from_dataproto, fields_from_dataproto,  # noqa: F401
+                    fields_from_transfer_queue, phases_from_timing, truncation_flags)
 
 logger = logging.getLogger("rlwatch")
 
@@ -81,6 +85,7 @@ __all__ = ["VerlInstrumentor", "instrument", "uninstrument", "setup_hook", "trun
 SUPPORTED = ">=0.9,<0.10"
 METRIC_UTILS = "verl.trainer.ppo.metric_utils"
 V1_TRAINER = "verl.trainer.ppo.v1.trainer_base"
+AGENT_LOOP = "verl.experimental.agent_loop.agent_loop"
 
 CHECKPOINT = Hook("verl_checkpoint", before="_checkpoint_dir", after="_record_checkpoint", watch=True)
 #: module -> rows (class name, or None for a module function; attribute; hook)
@@ -89,6 +94,8 @@ PATCHES: dict[str, list[Patch]] = {
                          Hook("verl_compute_data_metrics", after="_observe_dataproto", watch=True))],
     "verl.utils.tracking": [Patch("Tracking", "log", Hook("verl_tracking_log", before="_tracking_log", watch=True))],
     "verl.trainer.ppo.ray_trainer": [Patch("RayPPOTrainer", "_save_checkpoint", CHECKPOINT)],
+    AGENT_LOOP: [Patch("AgentLoopManager", "_performance_metrics",
+                       Hook("verl_episode_seconds", after="_keep_episode_seconds"))],
     V1_TRAINER: [Patch("PPOTrainer", "_compute_metrics",
                        Hook("verl_v1_compute_metrics", around="_v1_scope", after="_observe_v1", watch=True)),
                  Patch("PPOTrainer", "_save_checkpoint", CHECKPOINT)],
@@ -218,6 +225,9 @@ class VerlInstrumentor(RayActorInstrumentor):
             return
         trainer, batch = call.context, call.arg(0, "batch")
         fields = fields_from_dataproto(batch, getattr(trainer, "config", None), trainer_version(trainer))
+        # v0 fit keeps timing_raw in a local of the calling frame, the separation trainers on self.
+        timing = call.caller.f_locals.get("timing_raw") if call.caller is not None else None
+        fields.phases = phases_from_timing(timing if timing is not None else getattr(trainer, "timing_raw", None))
         step = self.step_or_count(getattr(trainer, "global_steps", None))
         self.observe(step, fields, lambda fields: episodes_from_dataproto(batch, fields))
 
@@ -229,8 +239,19 @@ class VerlInstrumentor(RayActorInstrumentor):
         import transfer_queue as tq
 
         trainer, global_steps = call.args[0], int(call.arg(4, "global_steps"))
-        self.observe(global_steps, fields_from_transfer_queue(tq, call.arg(1, "batch"), trainer.config,
-                                                              global_steps - 1))
+        fields = fields_from_transfer_queue(tq, call.arg(1, "batch"), trainer.config, global_steps - 1)
+        fields.phases = phases_from_timing(call.arg(3, "timing_raw"))
+        self.observe(global_steps, fields)
+
+    def _keep_episode_seconds(self, call: Call) -> None:
+        """``AgentLoopManager._performance_metrics(self, metrics, output)``: each sample's seconds join
+        the output batch (``DURATION_KEY``), which follows the samples to ``compute_data_metrics``."""
+        import numpy as np
+
+        output = call.arg(2, "output")
+        seconds = episode_seconds(call.arg(1, "metrics"))
+        if len(seconds) == len(output):
+            output.non_tensor_batch[DURATION_KEY] = np.array(seconds, dtype=np.float64)
 
     def _tracking_log(self, call: Call) -> None:
         """``Tracking.log(self, data, step)``: mirror verl's scalars, then add the headline signals to

@@ -13,6 +13,15 @@ from .._tensors import episode_dicts, version_pairs
 V1_FIELDS = ("response_mask", "old_log_probs", "rollout_log_probs", "rm_scores", "entropy", "uid",
              "data_source")
 
+#: The non_tensor_batch key where rlwatch's wrapper of ``AgentLoopManager._performance_metrics`` puts each
+#: sample's agent-loop seconds (generate_sequences + tool_calls + compute_score, verl's own per-sample timers).
+DURATION_KEY = "rlwatch_episode_seconds"
+#: verl's ``timing_raw`` keys -> rlwatch phases; the keys under one phase add up. Keys not listed
+#: (``step``, ``testing``, ``save_checkpoint``, ``agent_loop/...``) are not phases of the step.
+VERL_PHASES = {"gen": "generation", "update_actor": "training", "update_critic": "training",
+               "update_weights": "sync", "reward": "reward", "old_log_prob": "old_logp", "ref": "ref",
+               "values": "values", "adv": "adv"}
+
 #: Per-sample finish information, if a rollout puts it in the batch (verl 0.9.1 does not yet).
 FINISH_KEYS = ("truncated", "finish_reason", "stop_reason")
 
@@ -142,14 +151,34 @@ def _sample_fields(fields: StepFields, extra: Mapping[str, Any], size: int, resp
     fields.failed = ["aborted" if n == 0 else None for n in torch.as_tensor(response_length).tolist()]
     if versions is not None and trainer_version is not None:
         fields.seq_version, fields.trainer_version = versions, trainer_version
+    if DURATION_KEY in extra:
+        fields.durations = [float(x) for x in extra[DURATION_KEY]]
     return fields
+
+
+def phases_from_timing(timing_raw: Any) -> dict[str, float] | None:
+    """The step's phases (seconds) from verl's ``timing_raw`` (``marked_timer`` blocks; ``VERL_PHASES``)."""
+    if not isinstance(timing_raw, Mapping):
+        return None
+    phases: dict[str, float] = {}
+    for key, phase in VERL_PHASES.items():
+        if isinstance(timing_raw.get(key), (int, float)):
+            phases[phase] = phases.get(phase, 0.0) + float(timing_raw[key])
+    return phases or None
+
+
+def episode_seconds(metrics: Iterable[Iterable[Mapping[str, Any]]]) -> list[float]:
+    """Each sample's agent-loop seconds, in the output's order, from ``AgentLoopManager``'s per-worker
+    lists of per-sample metrics (``AgentLoopMetrics``: generate_sequences, tool_calls, compute_score)."""
+    keys = ("generate_sequences", "tool_calls", "compute_score")
+    return [sum(float(m.get(key, 0.0)) for key in keys) for chunk in metrics for m in chunk]
 
 
 #: non_tensor_batch keys that describe the sample itself rather than what its reward function found
 _SAMPLE_KEYS = frozenset({"uid", "data_source", "min_global_steps", "max_global_steps", "raw_prompt", "raw_prompt_ids",
                           "index", "extra_info", "reward_model", "tools_kwargs", "interaction_kwargs",
                           "multi_modal_data", "multi_modal_inputs", "request_id", "agent_name", "finish_reason",
-                          "stop_reason", "__num_turns__"})
+                          "stop_reason", "__num_turns__", DURATION_KEY})
 
 
 def episodes_from_dataproto(batch: Any, fields: StepFields) -> list[dict[str, Any]]:
