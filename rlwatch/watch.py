@@ -8,6 +8,12 @@ Every option is a field of :class:`rlwatch.config.WatchConfig` (``watch.watch_co
 settings among them are ``watch.signal_config``, a :class:`rlwatch.signals.SignalConfig`); the
 process's rank and run name come from :func:`rlwatch.config.placement`. Nothing raises into the trainer
 unless ``strict=True`` (the policy: :mod:`rlwatch.errors`).
+
+Durability: ``observe`` returns once the step is exported (computed, or queued with
+``background=True``); the store writes it a moment later on its own thread, so a process killed
+right after ``observe`` may lose the last steps. ``flush()`` returning True is the point to rely
+on: every step observed before it is committed to the store, and survives the process being
+killed. ``record_checkpoint`` flushes, so the steps that led to a checkpoint are stored with it.
 """
 
 from __future__ import annotations
@@ -82,11 +88,7 @@ class Watch:
             :class:`~rlwatch.pipeline.StepListeners`, holds every listener by phase; an error in one of
             these is counted under ``stage="listener"``).
 
-    Durability: ``observe`` returns once the step is exported (computed, or queued with
-    ``background=True``); the store writes it a moment later on its own thread, so a process killed
-    right after ``observe`` may lose the last steps. ``flush()`` returning True is the point to rely
-    on: every step observed before it is committed to the store, and survives the process being
-    killed. ``record_checkpoint`` flushes, so the steps that led to a checkpoint are stored with it.
+    Durability: see the module docstring.
     """
 
     def __init__(self, run: str | None = None, *, port: int | None = DEFAULT_PORT, addr: str = "127.0.0.1",
@@ -158,8 +160,7 @@ class Watch:
         steps = self.services.steps         # inline, or queued on rlwatch's thread with background=True
         return steps.run_step(lambda inline: self._observe(step, fields, on_training_thread=inline), fields)
 
-    #: ``with watch.phase("sync"):`` times a custom loop's phase until the next observe (:meth:`PhaseClock.phase`).
-    phase = property(lambda self: self.phases.phase)
+    phase = property(lambda self: self.phases.phase)     # `with watch.phase("sync"):` (rollout.PhaseClock.phase)
 
     def defer(self, job: Callable[[], Any]) -> None:
         """Run ``job`` after the steps observed so far: on rlwatch's thread with ``background=True``,
