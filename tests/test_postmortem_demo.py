@@ -88,3 +88,16 @@ def test_rescued_run_is_diagnosed_staleness(tmp_path):
 def test_collapse_run_for_12_steps_is_stale_weights_not_a_missing_sync(tmp_path):
     report = analyse(load(demo_store(tmp_path, "collapse", 0, steps=12)))
     assert report.diagnosis.causes == ["stale_weights"], report.diagnosis.evidence
+
+
+def test_whatif_runs_on_a_demo_store(runs, capsys):
+    """`rlwatch whatif` on a demo run: the demo records its episodes' durations and its phases, so every
+    design is simulated next to the run's measured row, with the k3 cost per version of lag read from it."""
+    from rlwatch.cli import main
+
+    assert main(["whatif", runs["collapse"]]) == 0
+    out = capsys.readouterr().out
+    assert "episode durations" in out and "the run, measured" in out
+    for design in ("synchronous", "one step ahead, drain", "async eta=1, partial", "async eta=8, drain"):
+        assert design in out, design
+    assert "each extra version of lag costs +" in out and "Recommended:" in out
