@@ -290,3 +290,17 @@ def _check_marked(helper: str) -> None:
     if _running and _running[0].get_closest_marker(NEEDS[helper]) is None:
         pytest.fail(f"{_running[0].nodeid} calls {helper} but is not marked {NEEDS[helper]}: mark it "
                     f"(@pytest.mark.{NEEDS[helper]}), since `make check` selects tests by these markers")
+
+
+def host_reads(monkeypatch) -> list[str]:
+    """Spies on every tensor method that reads a value to the host (``item``, ``tolist``, ``cpu``, ...): the
+    returned list collects their names as they are called, until ``monkeypatch.undo()``."""
+    calls: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, __name=name, __original=original, **kwargs):
+            calls.append(__name)
+            return __original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    return calls

@@ -21,6 +21,8 @@ from rlwatch.record import RecordBuilder
 from rlwatch.signals import SignalConfig, Workspace, compute, compute_step
 from rlwatch.store import StoreReader
 
+from .conftest import host_reads
+
 
 def _random_step(seed: int, B: int, envs: tuple[str, ...] = ("math", "code", "web")) -> dict:
     g = torch.Generator().manual_seed(seed)
@@ -121,14 +123,7 @@ def test_one_host_synchronisation_with_durations_and_dropped_episodes(monkeypatc
                 dropped_lengths=torch.tensor([3, 4, 5]), phases={"sync": 1.0})
     ws = Workspace()
     record = RecordBuilder(HookErrors(strict=True)).build(0, step, ws)
-    calls = []
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"):
-        original = getattr(torch.Tensor, name)
-
-        def spy(self, *args, __name=name, __original=original, **kwargs):
-            calls.append(__name)
-            return __original(self, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, name, spy)
+    calls = host_reads(monkeypatch)
     values = compute_step(record, SignalConfig(), ws)
     monkeypatch.undo()
     assert calls == ["tolist"], calls

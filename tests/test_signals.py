@@ -18,7 +18,7 @@ from rlwatch.errors import HookErrors
 from rlwatch import signals
 from rlwatch.signals import Pending, Workspace, compute_step
 
-from .conftest import make_step
+from .conftest import host_reads, make_step
 
 
 @contextlib.contextmanager
@@ -349,14 +349,7 @@ def test_one_host_synchronisation_per_step(monkeypatch):
     builder = RecordBuilder(HookErrors(strict=True))
     ws = Workspace()
     record = builder.build(0, step, ws)
-    calls = []
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"):
-        original = getattr(torch.Tensor, name)
-
-        def spy(self, *args, __name=name, __original=original, **kwargs):
-            calls.append(__name)
-            return __original(self, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, name, spy)
+    calls = host_reads(monkeypatch)
     compute_step(record, SignalConfig(), ws)
     monkeypatch.undo()
     assert calls == ["tolist"], calls
