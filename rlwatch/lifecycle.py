@@ -31,8 +31,10 @@ from .record import LabelRegistry, clean_text
 from .state import MetricState
 
 logger = logging.getLogger("rlwatch")
-#: Seconds ``close()`` waits at most for one more scrape of an alert incident no scrape has shown.
-FINAL_SCRAPE_WAIT_S = 2.0
+#: Seconds ``close()`` waits for one more scrape of an alert incident no scrape has shown: with a scraper
+#: measured (two scrapes or more), 1.5 of its intervals + 1 s and at most FINAL_SCRAPE_MAX_S; without one
+#: (/metrics fetched once, by a person or a health probe), FINAL_SCRAPE_WAIT_S.
+FINAL_SCRAPE_WAIT_S, FINAL_SCRAPE_MAX_S = 2.0, 60.0
 
 
 class Health:
@@ -384,16 +386,18 @@ class Services:
         intact, self.lost_at_flush = lost == self.lost_at_flush, lost
         return drained and stored and intact and not self.store_failed
 
-    def close(self, scrape_wait: float = FINAL_SCRAPE_WAIT_S) -> None:
+    def close(self, scrape_wait: float | None = None) -> None:
         """Stop the exporters (a last push), remove the file_sd entry, then flush and close the store.
         An alert incident that opened or resolved since the last scrape is served to one more scrape
-        first (at most 1.5 measured scrape intervals + 1 s, and ``scrape_wait`` seconds;
-        :meth:`CachedExposition.await_scrape`), so a run that ends right after it still pages."""
+        first, so a run that ends right after it still pages: 1.5 measured scrape intervals + 1 s (at most
+        :data:`FINAL_SCRAPE_MAX_S`), :data:`FINAL_SCRAPE_WAIT_S` without a measured scraper, or at most
+        ``scrape_wait`` seconds when given (:meth:`CachedExposition.await_scrape`)."""
         if self.push is not None:           # the gateway serves the last push after the run: nothing stays open
             self.state.resolve_open_incidents()
         if self.server is not None and self.state.delivery_version > self.exposition.served_version:
             guard(self.errors, "export", "final_scrape", lambda: self.exposition.await_scrape(
-                self.state.delivery_version, limit=scrape_wait))
+                self.state.delivery_version, *((FINAL_SCRAPE_WAIT_S, FINAL_SCRAPE_MAX_S) if scrape_wait is None
+                                               else (scrape_wait, scrape_wait))))
         stops = (("push", self.push and self.push.close), ("otel", self.otel and self.otel.close),
                  ("discovery", self.registration and self.registration.remove),
                  ("server", self.server and self.server.close))

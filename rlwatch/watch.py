@@ -28,7 +28,7 @@ from .autoload import report as report_to_run        # under `rlwatch run`: tell
 from .config import DEFAULT_PORT, WatchConfig
 from .errors import HookErrors, guard
 from .fields import StepFields
-from .lifecycle import FINAL_SCRAPE_WAIT_S, Services, run_metadata
+from .lifecycle import Services, run_metadata
 from .pipeline import StepListener, StepListeners, StepPipeline, standard_listeners
 from .record import RecordBuilder
 from .rollout import PhaseClock
@@ -231,12 +231,12 @@ class Watch:
         since the previous ``flush()`` was lost (dropped and counted: a full queue, a failed write)."""
         return self.services.flush(timeout)
 
-    def close(self, scrape_wait: float = FINAL_SCRAPE_WAIT_S) -> None:
+    def close(self, scrape_wait: float | None = None) -> None:
         """Stop the endpoint, push a last time, and flush the store. Idempotent. Steps observed
         by other threads once close() started are refused and counted
         (``rlwatch_hook_errors_total{stage="observe",kind="after_close"}``), never lost silently.
-        An incident no scrape has shown keeps /metrics up for one more scrape: at most 1.5 scrape
-        intervals + 1 s and ``scrape_wait`` s (raise it when the last incident must page)."""
+        An incident no scrape has shown keeps /metrics up for one more scrape: 1.5 measured scrape
+        intervals + 1 s (at most 60 s), 2 s when /metrics was fetched only once, or ``scrape_wait`` s."""
         if self.services.steps.closing:
             return
         self.services.steps.closing = True  # observe() refuses from here on

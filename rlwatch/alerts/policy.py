@@ -41,8 +41,8 @@ The catalogue enforces it; `tests/test_alert_rules.py` and the acceptance report
   its series is under 2 minutes old and no scrape saw it open: an incident between two scrapes pages
   once; one seen open resolves at the scrape that shows it resolved. `keep_firing_for: 1m` outlasts
   Alertmanager's group wait, so an incident only the run's last scrape saw still arrives; a run that
-  closes with an incident no scrape has seen serves one more scrape (at most 1.5 measured scrape
-  intervals + 1 s and 2 s, `Watch.close(scrape_wait=...)` to wait longer), a Pushgateway run
+  closes with an incident no scrape has seen serves one more scrape (1.5 measured scrape intervals
+  + 1 s, at most 60 s; 2 s when /metrics was fetched only once; `Watch.close(scrape_wait=...)`), a Pushgateway run
   pushes it at close with every incident still open marked resolved (the gateway serves that push
   after the run: an open one would page forever, a resolved one pages once if no scrape saw it
   open). Each incident is its own alert (two between two scrapes page twice, as in the process),

@@ -213,16 +213,16 @@ class CachedExposition:
             self._served.notify_all()
         return cached[1], cached[2], content_type
 
-    def await_scrape(self, version: int, limit: float = 2.0) -> bool:
+    def await_scrape(self, version: int, unmeasured: float = 2.0, limit: float = 60.0) -> bool:
         """Wait until a /metrics answer has shown state ``version``: at most 1.5 measured scrape
-        intervals plus 1 s, and never more than ``limit`` seconds (``limit`` when fewer than two
-        scrapes were seen: a person or a health probe that fetched once). False at once when nothing
-        ever scraped, or when the time ran out."""
+        intervals plus 1 s and ``limit`` seconds, or ``unmeasured`` seconds when fewer than two scrapes
+        were seen (a person or a health probe that fetched once: no scraper to wait for). False at once
+        when nothing ever scraped, or when the time ran out."""
         with self._served:
             if not self.scrape_times:
                 return False
             times = list(self.scrape_times)
-            wait = min(limit, 1.5 * (times[-1] - times[-2]) + 1.0) if len(times) > 1 else limit
+            wait = min(limit, 1.5 * (times[-1] - times[-2]) + 1.0) if len(times) > 1 else min(limit, unmeasured)
             return self._served.wait_for(lambda: self.served_version >= version, timeout=wait)
 
     def _runbook_page(self, path: str) -> tuple[bytes, str]:
