@@ -144,16 +144,16 @@ def test_installed_wheel_runs_the_stack_and_stops_it_from_elsewhere(venv, tmp_pa
     work.mkdir()
     elsewhere.mkdir()
     state = {"RLWATCH_STATE_DIR": str(tmp_path / "state")}
-    prom_port, am_port = free_port(), free_port()
+    prom_port, am_port, runbook_port = free_port(), free_port(), free_port()
     up = in_venv(venv, "rlwatch", "up", "--prometheus-port", str(prom_port), "--alertmanager-port", str(am_port),
-                 "--runbook-port", str(free_port()), "--target", "127.0.0.1:1", cwd=work, env=state, timeout=120)
+                 "--runbook-port", str(runbook_port), "--target", "127.0.0.1:1", cwd=work, env=state, timeout=120)
     stack = work / ".rlwatch-stack"
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        assert "runbook       http://127.0.0.1:9400/runbook" in up.stdout
+        assert f"runbook       http://127.0.0.1:{runbook_port}/" in up.stdout        # the stack's own server
         rules = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/api/v1/rules", timeout=5).read())
         kl = [r for g in rules["data"]["groups"] for r in g["rules"] if r["name"] == "RLWatchKLSpike"]
-        assert kl and kl[0]["annotations"]["runbook_url"] == "http://127.0.0.1:9400/runbook#rlwatchklspike"
+        assert kl and kl[0]["annotations"]["runbook_url"] == f"http://127.0.0.1:{runbook_port}/#rlwatchklspike"
         assert (stack / "runbook.md").read_text() == (ROOT / "alerts" / "runbook.md").read_text()
         # Grafana's provisioning from the installed package (no grafana-server needed to check it)
         prov = in_venv(venv, "python", "-c", "from rlwatch.stack import StackConfig, _grafana_provisioning; "

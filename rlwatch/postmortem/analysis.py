@@ -42,6 +42,8 @@ MISMATCH_ALERTS = frozenset({"RLWatchESSLow", "RLWatchISTruncationHigh", "RLWatc
 #: quality while a behaviour correction was on is a lag fault the correction held.
 LAG_ALERTS = ("RLWatchVersionLagFarAboveBound", "RLWatchStalenessBoundExceeded")
 KL_ALERTS = ("RLWatchKLSpike", "RLWatchKLJump", "RLWatchMismatchDrift")
+#: What a correction acting on stale data shows when the KL stays below its alerts: weights truncated, ESS low.
+IS_ALERTS = ("RLWatchISTruncationHigh", "RLWatchESSLow")
 
 
 def correction_in_use(meta: dict[str, Any]) -> str | None:
@@ -68,13 +70,15 @@ def correction_in_use(meta: dict[str, Any]) -> str | None:
 
 def correction_held(data: RunData, alerts: list[dict[str, Any]], collapse: int | None,
                     quality_key: str | None) -> str | None:
-    """Why a run with lag and KL alerts did not collapse, where a correction was on; else None."""
+    """Why a run with lag alerts and KL (or, failing those, importance-sampling) alerts did not collapse, where
+    a correction was on; else None."""
     correction = correction_in_use(data.meta)
     if collapse is not None or quality_key is None or correction is None:
         return None
     dated = sorted((a for a in alerts if a.get("step") is not None), key=lambda a: a["step"])
     lag = next((a for a in dated if a["name"] in LAG_ALERTS), None)
-    kl = next((a for a in dated if a["name"] in KL_ALERTS), None)
+    kl = next((a for a in dated if a["name"] in KL_ALERTS), None) or next(
+        (a for a in dated if a["name"] in IS_ALERTS), None)
     if lag is None or kl is None:
         return None
     return (f"the correction ({correction}) held a lag fault: {lag['name']} fired at step {lag['step']} and "
