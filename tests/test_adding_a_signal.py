@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import rlwatch
+import rlwatch.exporters.prometheus  # noqa: F401 - holds CATALOGUE from its import: imported before the patch
 from rlwatch import metrics
 from rlwatch.signals import quantities as q
 from rlwatch.signals.pending import _div
