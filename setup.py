@@ -3,7 +3,7 @@
 The generated alert files (``alerts/``), the dashboards (``dashboards/*.json``) and the examples
 (``examples/``) stay at the repository root, where their generators write them and ``make check``
 verifies them. Building a wheel copies them into ``rlwatch/_data/`` in the same layout, so the
-installed package carries exactly the checked-in files (``rlwatch.resources`` reads them; an
+installed package carries exactly the checked-in files (``rlwatch.runs.resources`` reads them; an
 editable install reads the repository itself).
 """
 

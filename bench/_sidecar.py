@@ -29,7 +29,7 @@ def _from_host(value: Any) -> Any:
 
 def _serve(conn: Any, options: dict) -> None:
     torch.set_num_threads(1)
-    from rlwatch.watch import Watch
+    from rlwatch.hook.watch import Watch
 
     watch = Watch(**options)
     busy = 0.0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import io
 import re
 import statistics
@@ -55,8 +56,9 @@ def load_revision(revision: str, into: Path) -> str:
 def runner(package: str, inputs: dict, without_by: str | None = None):
     """One compute_step of ``package`` on ``inputs`` (eager), as a callable."""
     signals = importlib.import_module(f"{package}.signals")
-    record = importlib.import_module(f"{package}.record")
-    errors = importlib.import_module(f"{package}.errors")
+    core = f"{package}.core" if importlib.util.find_spec(f"{package}.core") else package    # before the core moved
+    record = importlib.import_module(f"{core}.record")
+    errors = importlib.import_module(f"{core}.errors")
     if without_by:
         q = importlib.import_module(f"{package}.signals.quantities")
         dropped = {s.name for s in q.TOKEN_SUMS if s.by == without_by}

@@ -1,6 +1,6 @@
 """`rlwatch postmortem` on a long run: wall time and peak RSS of the command on a synthetic store.
 
-The store has the run store's schema (:data:`rlwatch.store.SCHEMA`) and step rows as a Watch writes
+The store has the run store's schema (:data:`rlwatch.runs.store.SCHEMA`) and step rows as a Watch writes
 them: one real step row (every signal of a step, ~4.5 KB of JSON) recorded by a Watch, repeated with
 the post-mortem's signals moving through a collapse (the mismatch and the lag rise at 60% of the run,
 the reward falls at 70%), an attempt, a critical alert and a checkpoint every 1% of the run.
@@ -9,7 +9,7 @@ the reward falls at 70%), an attempt, a critical alert and a checkpoint every 1%
     python bench/bench_postmortem.py --steps 200000 --store /tmp/pm-200k.db
 
 The store is built once (minutes for 1M steps: ~4.6 GB) and reused while its step count matches.
-The command runs in a subprocess (``python -m rlwatch.cli postmortem STORE --out DIR``); its wall
+The command runs in a subprocess (``python -m rlwatch.ops.cli postmortem STORE --out DIR``); its wall
 time and peak RSS (``wait4``'s ``ru_maxrss``) are printed.
 """
 
@@ -75,7 +75,7 @@ def _levels(step: int, steps: int) -> dict[str, float]:
 
 def build_store(path: str | Path, steps: int, batch: int = 5000) -> Path:
     """Write a store of ``steps`` steps of run :data:`RUN` at ``path`` (replaced if there)."""
-    from rlwatch.store import SCHEMA
+    from rlwatch.runs.store import SCHEMA
 
     path = Path(path)
     for suffix in ("", "-wal", "-shm"):
@@ -141,7 +141,7 @@ def main() -> int:
               f"in {time.monotonic() - began:.0f} s")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     with tempfile.TemporaryDirectory() as out:
-        wall, rss, rc, output = measure([sys.executable, "-m", "rlwatch.cli", "postmortem", str(store),
+        wall, rss, rc, output = measure([sys.executable, "-m", "rlwatch", "postmortem", str(store),
                                          "--out", out], env)
         plots = len(list(Path(out).glob("*.png")))
     print(output[-3000:])

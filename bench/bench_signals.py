@@ -47,8 +47,8 @@ def to_device(inputs: dict, device: str) -> dict:
 def rlwatch_runner(inputs: dict, compile: str = "never", module=None):
     """compute_step on ``inputs`` (the in-place/fused eager engine unless ``compile`` is
     "always"; then compiled first, off the clock). ``module``: another signals module (the old one)."""
-    from rlwatch.errors import HookErrors
-    from rlwatch.record import RecordBuilder
+    from rlwatch.core.errors import HookErrors
+    from rlwatch.core.record import RecordBuilder
 
     if module is None:
         from rlwatch import signals as module
@@ -195,10 +195,10 @@ def histogram_export_runner(inputs: dict):
     """rlwatch's path for the lag histogram alone: a step with per-token versions and no log-probs
     (vectorised lag counts, bucketed), folded into the exported state (what the observe loop below
     does token by token)."""
-    from rlwatch.errors import HookErrors
-    from rlwatch.record import RecordBuilder
+    from rlwatch.core.errors import HookErrors
+    from rlwatch.core.record import RecordBuilder
     from rlwatch.signals import SignalConfig, Workspace, compute_step
-    from rlwatch.state import MetricState
+    from rlwatch.core.state import MetricState
 
     state, ws = MetricState("bench"), Workspace(compile="never")
     fields = {k: inputs[k] for k in ("mask", "token_version", "trainer_version")}
@@ -216,7 +216,7 @@ def observe_loop_seconds(inputs: dict, limit: int) -> float:
     and scaled to the whole batch, since the loop is linear)."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from rlwatch.metrics import LAG_BUCKETS
+    from rlwatch.core.metrics import LAG_BUCKETS
 
     hist = Histogram("lag", "lag", buckets=[float(b) for b in LAG_BUCKETS], registry=CollectorRegistry())
     lags = (inputs["trainer_version"] - inputs["token_version"])[inputs["mask"]].tolist()

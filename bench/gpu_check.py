@@ -41,8 +41,8 @@ import torch  # noqa: E402
 from bench.bench_signals import (cuda_peak_ratio, floor_runner, have_verl, interleaved, make_inputs, reference_runner,  # noqa: E402
                                  rlwatch_runner, to_device, verl_runner)
 from rlwatch import signals  # noqa: E402
-from rlwatch.errors import HookErrors  # noqa: E402
-from rlwatch.record import RecordBuilder  # noqa: E402
+from rlwatch.core.errors import HookErrors  # noqa: E402
+from rlwatch.core.record import RecordBuilder  # noqa: E402
 from rlwatch.signals import SignalConfig, Workspace, compute_step, engine  # noqa: E402
 
 DEVICE = "cuda"          # --dry-run-on-cpu replaces it, to check the script itself on a host without a GPU

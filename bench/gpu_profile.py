@@ -21,8 +21,8 @@ import torch  # noqa: E402
 
 from bench.bench_signals import make_inputs, to_device  # noqa: E402
 from rlwatch import signals  # noqa: E402
-from rlwatch.errors import HookErrors  # noqa: E402
-from rlwatch.record import RecordBuilder  # noqa: E402
+from rlwatch.core.errors import HookErrors  # noqa: E402
+from rlwatch.core.record import RecordBuilder  # noqa: E402
 from rlwatch.signals import engine  # noqa: E402
 
 

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rlwatch  # noqa: E402
-from rlwatch.store import StoreReader  # noqa: E402
+from rlwatch.runs.store import StoreReader  # noqa: E402
 
 
 def rss_mib() -> float:

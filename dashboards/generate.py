@@ -3,7 +3,7 @@
     python dashboards/generate.py           # write
     python dashboards/generate.py --check   # exit 1 when the checked-in JSON differs (CI)
 
-A build-time tool: panel descriptions come from the help texts of rlwatch.metrics, thresholds are
+A build-time tool: panel descriptions come from the help texts of rlwatch.core.metrics, thresholds are
 drawn from the rlwatch_alert_threshold series each run exports, and the tests check every name
 against a live exposition, so panels cannot drift from what rlwatch exports.
 Every query is scoped by the ``run`` variable (and ``env`` where per environment) and reads the
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlwatch.metrics import BY_NAME as METRICS  # noqa: E402
+from rlwatch.core.metrics import BY_NAME as METRICS  # noqa: E402
 
 SCHEMA_VERSION = 39
 DS = {"type": "prometheus", "uid": "${datasource}"}

@@ -17,14 +17,15 @@ The distribution is ``rlwatch-llm`` (``pip install rlwatch-llm``); the import na
 
 from typing import Any
 
-from .errors import InvalidFieldError, PortInUseError, RLWatchError
+from .core.errors import InvalidFieldError, PortInUseError, RLWatchError
 
 __version__ = "0.1.0"           # the distribution's version too (pyproject.toml reads it)
 
 __all__ = ["Watch", "SignalConfig", "compute", "InvalidFieldError", "PortInUseError", "RLWatchError",
            "__version__"]
 
-_LAZY = {"Watch": ("watch", "Watch"), "SignalConfig": ("signals", "SignalConfig"), "compute": ("signals", "compute")}
+_LAZY = {"Watch": ("hook.watch", "Watch"), "SignalConfig": ("signals", "SignalConfig"),
+         "compute": ("hook.compute", "compute")}
 _LAZY_MODULES = {"hacks"}          # ``rlwatch.hacks.detector`` after a plain ``import rlwatch``
 
 
@@ -43,14 +44,14 @@ def __getattr__(name: str) -> Any:
 
 def _warn_if_shadowed() -> None:
     """The unrelated PyPI project "rlwatch" installs into this same directory (see
-    ``rlwatch.distribution``): say so once, with the fix, instead of failing obscurely later."""
+    ``rlwatch.ops.distribution``): say so once, with the fix, instead of failing obscurely later."""
     import os
 
     here = os.path.dirname(os.path.abspath(__file__))
     if any(os.path.exists(os.path.join(here, name)) for name in ("core.py", "detectors.py")):
         import warnings
 
-        from .distribution import conflict_message, foreign_rlwatch
+        from .ops.distribution import conflict_message, foreign_rlwatch
 
         warnings.warn(conflict_message(foreign_rlwatch()), RuntimeWarning, stacklevel=2)
 

@@ -46,7 +46,7 @@ def run_demo() -> str:
     with tempfile.TemporaryDirectory(prefix="rlwatch-demo-block-") as tmp:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                                           if p))
-        result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "demo", "--no-live", "--port", "0",
+        result = subprocess.run([sys.executable, "-m", "rlwatch", "demo", "--no-live", "--port", "0",
                                  "--out", str(Path(tmp) / "rlwatch-demo")], capture_output=True, text=True,
                                 env=env, cwd=tmp, timeout=900)
     if result.returncode != 0:

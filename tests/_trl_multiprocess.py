@@ -20,7 +20,7 @@ import sys
 import urllib.request
 from typing import Any
 
-from ._trl_tiny import EOS, PAD, reward_has_w1
+from tests._trl_tiny import EOS, PAD, reward_has_w1
 
 CALLS: list[list[dict[str, Any]]] = []      # one list per reward call (per generation batch) on this rank
 
@@ -41,7 +41,7 @@ def check(prompts: list, completions: list, completion_ids: list, environment: l
 def main(model_path: str, output_dir: str, result_path: str) -> None:
     from rlwatch.integrations import trl as rltrl
 
-    from ._trl_tiny import make_trainer
+    from tests._trl_tiny import make_trainer
 
     funcs = [reward_full_length, rltrl.audited(reward_has_w1, check)]
     trainer = make_trainer(model_path, output_dir, reward_funcs=funcs, per_device_train_batch_size=3,

@@ -1,5 +1,5 @@
 """The alert acceptance report on a small sample of the scenario matrix (the full report, 216 runs,
-is `python -m rlwatch.demo.acceptance`, committed as alerts/acceptance.md): no critical page on a
+is `python -m evaluation.acceptance`, committed as alerts/acceptance.md): no critical page on a
 healthy run, a page before a collapse, a semantic fault critical at once and for as long as it
 lasts, no flap, and Prometheus' rule engine deciding the same alerts at every step as the
 embedded evaluator; and the mismatch diagnosis on faults injected into scenario runs."""
@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from rlwatch.demo.acceptance import bars, prometheus_agrees, replay, score
-from rlwatch.demo.matrix import RunSpec, collect_all
+from evaluation.acceptance import bars, prometheus_agrees, replay, score
+from evaluation.matrix import RunSpec, collect_all
 
-from .conftest import need_binary
+from tests.conftest import need_binary
 
 pytestmark = pytest.mark.slow
 

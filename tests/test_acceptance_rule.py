@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from rlwatch.demo import acceptance
-from rlwatch.demo.matrix import RunSpec
+from evaluation import acceptance
+from evaluation.matrix import RunSpec
 
 
 def test_kl_bound_is_the_geometric_midpoint_of_the_feasible_interval(monkeypatch):

@@ -13,12 +13,12 @@ import torch
 
 import rlwatch
 import rlwatch.exporters.prometheus  # noqa: F401 - holds CATALOGUE from its import: imported before the patch
-from rlwatch import metrics
+from rlwatch.core import metrics
 from rlwatch.signals import quantities as q
 from rlwatch.signals.pending import _div
 
-from .conftest import make_step
-from .test_engine import _forget_compiled, run
+from tests.conftest import make_step
+from tests.test_engine import _forget_compiled, run
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "adding-a-signal.md"
 SIZES = {64: (8, 8), 8_192: (64, 128), 524_288: (256, 2048)}

@@ -17,7 +17,7 @@ from rlwatch.alerts.evaluator import AlertEvaluator
 from rlwatch.alerts.model import ALERT_LABELS, INCIDENT_KEEP_FIRING_MINUTES
 from rlwatch.alerts.windows import AlertWindows
 
-from .conftest import need_binary
+from tests.conftest import need_binary
 
 STEPS = 600                       # one step a second
 AFTER = 240                       # seconds the final state is still served (the run goes on, healthy)
@@ -174,7 +174,7 @@ def test_close_serves_an_unseen_incident_to_one_more_scrape():
 
 def test_the_store_records_the_run_instance(tmp_path: Path):
     from rlwatch import Watch
-    from rlwatch.store_reader import StoreReader
+    from rlwatch.runs.store_reader import StoreReader
 
     with Watch(run="stored", port=None, store=str(tmp_path / "s.db")) as watch:
         _spike(watch, range(2), 0.01)

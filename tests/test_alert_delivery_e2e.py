@@ -18,8 +18,8 @@ import yaml
 from rlwatch import Watch
 from rlwatch.alerts import render
 
-from .conftest import ROOT, free_port, need_binary, start_process
-from .test_alerts_e2e import Receiver, alertmanager_config, query
+from tests.conftest import ROOT, free_port, need_binary, start_process
+from tests.test_alerts_e2e import Receiver, alertmanager_config, query
 
 pytestmark = pytest.mark.servers
 

@@ -13,13 +13,13 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from rlwatch import metrics
+from rlwatch.core import metrics
 from rlwatch.alerts import render
 from rlwatch.alerts.catalogue import ALERTS, BY_NAME, History, StepExample, stalled, wilson_lower
 from rlwatch.alerts.evaluator import AlertEvaluator
 from rlwatch.alerts.notify import AlertEvent, Dispatcher, SlackNotifier, WebhookNotifier, redact
 
-from .conftest import ROOT, need_binary
+from tests.conftest import ROOT, need_binary
 
 ALERTS_DIR = ROOT / "alerts"
 
@@ -339,7 +339,7 @@ def test_a_hanging_or_down_receiver_never_blocks_and_never_leaks_the_url(receive
     handler.delay = 3.0
     url = f"http://127.0.0.1:{server.server_address[1]}/services/T0/B0/xoxb-SECRET"
     from rlwatch import Watch
-    from rlwatch.store import StoreReader
+    from rlwatch.runs.store import StoreReader
 
     with Watch(run="slow", port=None, store=str(tmp_path / "s.db"), alerts=True,
                notifiers=(WebhookNotifier(url, timeout=0.5), WebhookNotifier("http://127.0.0.1:1/x/SECRET2"))) as w:

@@ -17,7 +17,7 @@ import pytest
 from rlwatch import Watch
 from rlwatch.alerts import render
 
-from .conftest import free_port, need_binary, start_process
+from tests.conftest import free_port, need_binary, start_process
 
 pytestmark = pytest.mark.servers
 

@@ -9,11 +9,11 @@ import textwrap
 
 import pytest
 
-from .conftest import ROOT, need_module
+from tests.conftest import ROOT, need_module
 
 
 def rlwatch_run(*command: str, extra: tuple[str, ...] = (), timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlwatch.cli", "run", *extra, "--", *command],
+    return subprocess.run([sys.executable, "-m", "rlwatch", "run", *extra, "--", *command],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -21,8 +21,8 @@ def rlwatch_run(*command: str, extra: tuple[str, ...] = (), timeout: float = 180
 def test_plain_subprocess_gets_the_bootstrap_and_config():
     probe = textwrap.dedent("""
         import json, os, sys
-        import rlwatch.autoload as a
-        print(json.dumps(dict(loaded="rlwatch.autoload" in sys.modules, initialized=a._initialized,
+        import rlwatch.ops.autoload as a
+        print(json.dumps(dict(loaded="rlwatch.ops.autoload" in sys.modules, initialized=a._initialized,
                               hooks=sorted(a._hooks), options=a.watch_options_from_env())))
     """)
     result = rlwatch_run(sys.executable, "-c", probe, extra=("--run", "zero-code", "--port", "0"))
@@ -47,7 +47,7 @@ def test_ray_workers_load_the_bootstrap():
         @ray.remote
         def probe():
             import sys
-            return dict(pid=os.getpid(), loaded="rlwatch.autoload" in sys.modules,
+            return dict(pid=os.getpid(), loaded="rlwatch.ops.autoload" in sys.modules,
                         run=os.environ.get("RLWATCH_RUN"))
 
         print(json.dumps(dict(driver=os.getpid(), worker=ray.get(probe.remote()))))
@@ -78,7 +78,7 @@ def test_zero_code_trl_run_gets_watched(tmp_path):
     assert "rlwatch: watching trl run 'out': metrics http://127.0.0.1:" in result.stderr
     assert "rlwatch run: watched trl run 'out'" in result.stderr
     assert f"store {store_path} (rlwatch postmortem {store_path})" in result.stderr
-    from rlwatch.store import StoreReader
+    from rlwatch.runs.store import StoreReader
 
     with StoreReader(str(tmp_path / "out" / "rlwatch.db")) as store:
         run = store.runs()[0]

@@ -39,7 +39,7 @@ import json
 
 import pytest
 
-from .conftest import TrickleHandler, free_port, need_binary, self_signed_cert, start_process
+from tests.conftest import TrickleHandler, free_port, need_binary, self_signed_cert, start_process
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 
 import rlwatch
-from rlwatch.cli import build_parser
+from rlwatch.ops.cli import build_parser
 
-from .conftest import ROOT, free_port, need_binary
+from tests.conftest import ROOT, free_port, need_binary
 
 
 def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120
         ) -> subprocess.CompletedProcess:
     full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "rlwatch.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rlwatch", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env=full)
 
 
@@ -53,7 +53,7 @@ def test_every_option_of_up_down_demo_run_has_help_and_shows_its_default():
 
 
 def test_rlwatch_run_says_when_nothing_was_instrumented_and_store_none_means_no_store(tmp_path):
-    probe = ("import json, rlwatch.autoload as a; "
+    probe = ("import json, rlwatch.ops.autoload as a; "
              "print(json.dumps(a.watch_options_from_env()))")
     result = cli("run", "--store", "none", "--port", "0", "--", sys.executable, "-c", probe, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -138,7 +138,7 @@ def test_down_finds_the_stack_from_another_directory(tmp_path):
         assert none.returncode == 0 and "nothing was running" in none.stdout
         assert not list((tmp_path / "state" / "stacks").glob("*.json"))
     finally:
-        from rlwatch.stack import down
+        from rlwatch.runs.stack import down
 
         for directory in stacks.values():
             down(directory)
@@ -160,7 +160,7 @@ def test_the_unrelated_rlwatch_project_is_detected(tmp_path):
     assert imported.returncode == 0
     assert "rlwatch 0.5.1 is installed in this environment as well as rlwatch-llm" in imported.stderr
     assert "pip uninstall -y rlwatch rlwatch-llm && pip install rlwatch-llm" in imported.stderr
-    files = subprocess.run([sys.executable, "-m", "rlwatch.cli", "files"], capture_output=True, text=True,
+    files = subprocess.run([sys.executable, "-m", "rlwatch", "files"], capture_output=True, text=True,
                            env=env, cwd=tmp_path, timeout=60)
     assert "warning: rlwatch 0.5.1 is installed" in files.stderr
     clean = cli("files")
@@ -170,8 +170,8 @@ def test_the_unrelated_rlwatch_project_is_detected(tmp_path):
 def test_down_signals_only_the_processes_up_started(tmp_path):
     """A PID written into pids.json by anyone (or reused since) is never signalled: `down` checks the
     executable and start time recorded at `up`, and never touches PID <= 1."""
-    from rlwatch import procinfo
-    from rlwatch.stack import running
+    from rlwatch.runs import procinfo
+    from rlwatch.runs.stack import running
 
     foreign = subprocess.Popen(["sleep", "300"])
     try:
@@ -186,7 +186,7 @@ def test_down_signals_only_the_processes_up_started(tmp_path):
             "everything": {"pid": 0}}))
         assert running(directory) == {}
         # In a session of its own: were PID 0 signalled, only the `down` command itself would die.
-        result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "down", "--dir", str(directory)],
+        result = subprocess.run([sys.executable, "-m", "rlwatch", "down", "--dir", str(directory)],
                                 capture_output=True, text=True, timeout=60, start_new_session=True,
                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
         assert result.returncode == 0, result.stderr
@@ -246,7 +246,7 @@ def test_rlwatch_run_says_when_the_commands_python_cannot_import_rlwatch(tmp_pat
     venv = tmp_path / "other-venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     other = venv / "bin" / "python"
-    launcher = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from rlwatch.cli import main; sys.exit(main())"
+    launcher = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from rlwatch.ops.cli import main; sys.exit(main())"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, "-c", launcher, "run", "--", str(other), "-c", "print('trained')"],
                             capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)

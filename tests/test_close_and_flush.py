@@ -14,7 +14,7 @@ import pytest
 
 from rlwatch import Watch
 
-from .conftest import make_step
+from tests.conftest import make_step
 
 
 def _steps(watch: Watch, steps: range, r: float) -> None:

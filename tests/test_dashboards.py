@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlwatch import Watch, metrics
+from rlwatch import Watch
+from rlwatch.core import metrics
 from rlwatch.alerts import render
 
-from .conftest import ROOT, free_port, make_step, need_binary, start_process
+from tests.conftest import ROOT, free_port, make_step, need_binary, start_process
 
 DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
 EXTERNAL = {"ALERTS", "up"}                     # Prometheus' own series

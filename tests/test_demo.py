@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port, need_binary
+from tests.conftest import free_port, need_binary
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def _stop_the_demos_servers(tmp_path: Path):
     """Whatever happened (the demo timed out and was killed, failed, or left its servers running),
     stop by PID the Prometheus and Alertmanager it started in their own sessions, after the test's
     own assertions (one of them is that the demo stopped them itself)."""
-    from rlwatch.stack import down
+    from rlwatch.runs.stack import down
 
     yield
     for pids in sorted(tmp_path.glob("demo/*/stack/pids.json")):
@@ -36,7 +36,7 @@ def demo(tmp_path: Path, *args: str, timeout: float = 400) -> tuple[subprocess.C
     out = tmp_path / "demo"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                        os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "demo", "--no-live", "--port", str(free_port()),
+    result = subprocess.run([sys.executable, "-m", "rlwatch", "demo", "--no-live", "--port", str(free_port()),
                              "--out", "demo", *args], capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
                             env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -57,7 +57,7 @@ def test_demo_pages_before_the_collapse_and_explains_it(tmp_path):
     # The headline is the stored held-out reward's first sustained drop, whatever it did afterwards.
     from rlwatch.postmortem import load
 
-    from .test_collapse_dating import first_sustained_drop
+    from tests.test_collapse_dating import first_sustained_drop
     stored = load(str(tmp_path / doc["demo"]["directory"] / "run.db")).scalars["heldout_true_reward"]
     assert abs(collapse - first_sustained_drop(sorted(stored))) <= 3, (collapse, sorted(stored))
     assert f"collapsed at step {collapse}" in text
@@ -87,7 +87,7 @@ def test_demo_pages_before_the_collapse_and_explains_it(tmp_path):
 
 
 def test_demo_refuses_an_unknown_scenario(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "demo", "--scenario", "nope", "--out",
+    result = subprocess.run([sys.executable, "-m", "rlwatch", "demo", "--scenario", "nope", "--out",
                              str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "unknown scenario 'nope'" in result.stderr
 

@@ -7,7 +7,7 @@ import yaml
 import rlwatch
 from rlwatch.alerts import render
 
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 DEPLOY = ROOT / "examples" / "deploy"
 

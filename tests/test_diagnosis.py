@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from rlwatch.diagnosis import THRESHOLDS, diagnose
+from rlwatch.analyses.diagnosis import THRESHOLDS, diagnose
 
 
 def step(version: int, levels: dict[int, float], tokens: float = 400.0, signed: float | None = None,
@@ -76,7 +76,7 @@ def test_thresholds_and_confidence_come_from_the_tuning_split():
 
 @pytest.mark.slow
 def test_the_committed_evaluation_report_matches_the_code():
-    from rlwatch.demo import diagnosis_eval as ev
+    from evaluation import diagnosis_eval as ev
 
     text = ev.REPORT.read_text()
     assert ", ".join(f"`{k}` {v:g}" for k, v in THRESHOLDS.items()) in text

@@ -1,4 +1,4 @@
-"""Prometheus file_sd registration (rlwatch.discovery): one file per Watch, readable by a Prometheus
+"""Prometheus file_sd registration (rlwatch.runs.discovery): one file per Watch, readable by a Prometheus
 running as another user, and the entry of a killed process removed once it has had time to page."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from rlwatch import Watch
-from rlwatch.discovery import STALE_GRACE_S, Registration, clean_stale
+from rlwatch.runs.discovery import STALE_GRACE_S, Registration, clean_stale
 
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 
 def entries(directory: Path) -> dict[str, str]:
@@ -154,7 +154,7 @@ def test_one_run_instance_given_to_two_live_processes_is_made_unique_warned_and_
 
         body = urllib.request.urlopen(second.url, timeout=5).read().decode()
         assert f'run_instance="{second.run_instance}"' in body and 'run_instance="trainer-0"' not in body
-    from rlwatch.store_reader import StoreReader
+    from rlwatch.runs.store_reader import StoreReader
 
     with StoreReader(str(tmp_path / "second.db")) as reader:
         assert reader.meta("dup")["run_instance"] == second.run_instance

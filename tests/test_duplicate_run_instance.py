@@ -15,7 +15,7 @@ import pytest
 import rlwatch
 from rlwatch.alerts import render
 
-from .conftest import ROOT, free_port, make_step, need_binary, start_process
+from tests.conftest import ROOT, free_port, make_step, need_binary, start_process
 
 STALL_S = 2.0                   # every run's stall bound (a Watch override, exported to the rules)
 
@@ -89,7 +89,7 @@ def test_another_runs_stall_pages_and_every_rule_evaluates(duplicated):
 
 
 def test_the_postmortem_keeps_the_two_processes_apart(duplicated, capsys):
-    from rlwatch.cli import main
+    from rlwatch.ops.cli import main
 
     url, ports = duplicated
     deadline = time.monotonic() + 30

@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 import rlwatch
 from rlwatch import compute, signals
-from rlwatch.errors import HookErrors
-from rlwatch.record import RecordBuilder
+from rlwatch.core.errors import HookErrors
+from rlwatch.core.record import RecordBuilder
 from rlwatch.signals import SignalConfig, Workspace, compute_step, engine
 
-from .conftest import make_step
+from tests.conftest import make_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -378,7 +378,7 @@ def toy_quantity(monkeypatch):
     and an episode quantity (a row and two metrics with their catalogue entries: the mean of reward x
     response length over the usable episodes, for the step and per environment). Returns their plain
     float64 references, {(family, labels): value}."""
-    from rlwatch import metrics
+    from rlwatch.core import metrics
     from rlwatch.signals import quantities as q
     from rlwatch.signals.pending import _div
 
@@ -395,7 +395,7 @@ def toy_quantity(monkeypatch):
     monkeypatch.setattr(q, "EPISODE_METRICS", q.EPISODE_METRICS + (
         q.Metric("toy_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards"),
         q.Metric("toy_env_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards+envs", "env")))
-    catalogue = metrics.CATALOGUE          # every module that imported it, rlwatch.metrics itself among them
+    catalogue = metrics.CATALOGUE          # every module that imported it, rlwatch.core.metrics itself among them
     for module in [m for name, m in sys.modules.items() if name.startswith("rlwatch")]:
         if getattr(module, "CATALOGUE", None) is catalogue:
             monkeypatch.setattr(module, "CATALOGUE", catalogue + specs)

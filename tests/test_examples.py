@@ -14,7 +14,7 @@ import pytest
 
 from rlwatch.postmortem.analysis import MISMATCH_ALERTS
 
-from .conftest import ROOT, need_module
+from tests.conftest import ROOT, need_module
 
 
 def run_example(name: str, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -65,7 +65,7 @@ def test_trl_example_shows_the_headline_signals_on_cpu(tmp_path):
 
 def postmortem(path: Path, *args: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", str(path), *args],
+    result = subprocess.run([sys.executable, "-m", "rlwatch", "postmortem", str(path), *args],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout

@@ -20,7 +20,7 @@ import pytest
 import rlwatch
 from rlwatch.alerts import render
 
-from .conftest import ROOT, free_port, make_step, need_binary, start_process
+from tests.conftest import ROOT, free_port, make_step, need_binary, start_process
 
 
 def scrape_status(port: int, timeout: float = 5.0) -> tuple[int, float]:

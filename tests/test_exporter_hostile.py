@@ -16,7 +16,7 @@ import urllib.request
 
 import rlwatch
 
-from .conftest import ROOT, make_step
+from tests.conftest import ROOT, make_step
 
 
 def _scrape(port: int, path: str = "/metrics", timeout: float = 3.0) -> tuple[int, bytes]:

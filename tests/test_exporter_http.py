@@ -12,13 +12,13 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 import rlwatch
-from rlwatch import resources
+from rlwatch.runs import resources
 from rlwatch.alerts import render
 from rlwatch.alerts.catalogue import ALERTS
-from rlwatch.errors import PortInUseError
+from rlwatch.core.errors import PortInUseError
 from rlwatch.exporters.http import MetricsServer
 
-from .conftest import make_step
+from tests.conftest import make_step
 
 
 def scrape_raw(port: int, accept: str | None = None, encoding: str | None = None,
@@ -133,7 +133,7 @@ def test_the_runbook_is_served_where_the_alerts_link_by_default(endpoint):
 
 
 def test_runbook_url_is_a_setting(monkeypatch, tmp_path):
-    from rlwatch.stack import StackConfig, write_configs
+    from rlwatch.runs.stack import StackConfig, write_configs
 
     kl = next(a for a in ALERTS if a.name == "RLWatchKLSpike")
     assert kl.runbook_url == "http://127.0.0.1:9400/runbook#rlwatchklspike"
@@ -151,7 +151,7 @@ def test_runbook_url_is_a_setting(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def full_endpoint():
     """Every kind of family: the golden steps (alerts, a counted error, scalars, per-environment)."""
-    from .test_exposition_golden import _steps
+    from tests.test_exposition_golden import _steps
 
     with rlwatch.Watch(run="strict", port=0, store=None, alerts=True, group_size=4) as watch:
         for step, fields in _steps():
@@ -161,7 +161,7 @@ def full_endpoint():
 
 
 def test_no_gauge_shares_a_family_name_with_a_counter():
-    from rlwatch.metrics import CATALOGUE, RENAMED
+    from rlwatch.core.metrics import CATALOGUE, RENAMED
 
     families = [s.full_name[:-len("_total")] if s.kind == "counter" else s.full_name for s in CATALOGUE]
     assert len(families) == len(set(families)), sorted(f for f in families if families.count(f) > 1)
@@ -177,7 +177,7 @@ def test_both_formats_pass_strict_parsers_and_promtool(full_endpoint):
 
     from prometheus_client.parser import text_string_to_metric_families as text_families
 
-    from .conftest import need_binary
+    from tests.conftest import need_binary
 
     promtool = need_binary("promtool")
     _, text = scrape_raw(full_endpoint.port)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import rlwatch
-from rlwatch.store import StoreReader
+from rlwatch.runs.store import StoreReader
 
-from .conftest import TrickleHandler, make_step, observe_timed
+from tests.conftest import TrickleHandler, make_step, observe_timed
 
 
 def _pragma(watch, sql: str) -> None:

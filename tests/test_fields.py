@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 import rlwatch
-from rlwatch.fields import FIELDS, StepFields
-from rlwatch.signals import compute
+from rlwatch.core.fields import FIELDS, StepFields
+from rlwatch import compute
 
-from .conftest import make_step
+from tests.conftest import make_step
 
 INTEGRATIONS = Path(rlwatch.__file__).parent / "integrations"
 #: Signal families only (the hook's own timing differs between two Watches).

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import rlwatch
 from rlwatch import InvalidFieldError
 
-from .conftest import make_step, need_binary
+from tests.conftest import make_step, need_binary
 
 
 def base(B: int, T: int, seed: int) -> dict:
@@ -360,7 +360,7 @@ def test_any_string_and_any_number_type_never_breaks_labels_store_or_scrapes(any
 
 @pytest.mark.slow
 def test_after_any_strings_the_store_holds_every_step_and_nothing_failed_to_render(any_string_watch):
-    from rlwatch.store import StoreReader
+    from rlwatch.runs.store import StoreReader
 
     w = any_string_watch
     if StringTally.examples == 0:  # run alone (-k): the 300 cases first, on this module's Watch

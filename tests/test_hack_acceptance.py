@@ -11,7 +11,7 @@ import pytest
 
 import rlwatch
 from rlwatch import hacks
-from rlwatch.store import StoreReader
+from rlwatch.runs.store import StoreReader
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow

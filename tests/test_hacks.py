@@ -12,9 +12,9 @@ from rlwatch import hacks
 from rlwatch.hacks.builtin import degenerate_output, format_gaming, repetition_ratio, tampering, \
     verifier_disagreement
 from rlwatch.hacks.registry import Episode, as_verdict
-from rlwatch.store import StoreReader
+from rlwatch.runs.store import StoreReader
 
-from .conftest import make_step
+from tests.conftest import make_step
 
 
 def test_hacks_is_reachable_after_a_plain_import_rlwatch():
@@ -164,12 +164,12 @@ def test_reward_length_correlation_signal():
 def test_trl_audited_reward_feeds_the_builtin_detectors(tmp_path):
     """A TRL reward function paired with an independent checker: rewarded completions the checker
     rejects are flagged in their environment, with nothing else written by the user."""
-    from .conftest import need_module
+    from tests.conftest import need_module
 
     need_module("trl")
     from rlwatch.integrations import trl as rl_trl
 
-    from ._trl_tiny import build_tiny_model, make_trainer, reward_length
+    from tests._trl_tiny import build_tiny_model, make_trainer, reward_length
 
     def checker(prompts, completions, environment, **kwargs):     # "code" answers are never really right
         return [env != "code" for env in environment]

@@ -18,7 +18,7 @@ import pytest
 
 import rlwatch
 
-from .conftest import make_step, need_binary
+from tests.conftest import make_step, need_binary
 
 
 def _browser() -> str:

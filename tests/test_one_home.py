@@ -67,7 +67,7 @@ def test_prometheus_and_opentelemetry_write_the_same_le_labels():
 
     from rlwatch.exporters.prometheus import RLWatchCollector
 
-    from .conftest import make_step
+    from tests.conftest import make_step
 
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
@@ -87,18 +87,18 @@ def test_prometheus_and_opentelemetry_write_the_same_le_labels():
 
 
 def test_one_helper_writes_every_bucket_label():
-    """rlwatch.metrics.bucket_labels: the ``le`` format is prometheus_client's, the in-process and range
+    """rlwatch.signals.buckets.bucket_labels (the catalogue re-exports it): the ``le`` format is prometheus_client's, the in-process and range
     labels are the ones exported, and no other module spells a bound as a label."""
     from prometheus_client.utils import floatToGoString
 
-    from rlwatch import metrics
+    from rlwatch.core import metrics
 
     bounds = (0, 1, 2.5, 0.001, 1e-9, 123456.0, 1e6, 1e7, 12345678.9, 1e20)
     assert metrics.bucket_labels(bounds, "le") == (*(floatToGoString(b) for b in bounds), "+Inf")
     assert metrics.LAG_LE_LABELS == (*(floatToGoString(b) for b in metrics.LAG_BUCKETS), "+Inf")
     assert metrics.LAG_BUCKET_LABELS == ("0", "1", "2", "3", "4", "6", "8", "12", "16", "24", "32", "+Inf")
     assert metrics.PROB_BIN_LABELS == ("0.0-0.1", "0.1-0.5", "0.5-0.9", "0.9-1.0")
-    spelled = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "metrics.py"
+    spelled = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "buckets.py"
                and any(s in p.read_text() for s in ("floatToGoString", '"+Inf",', "le_labels"))]
     assert not spelled
 
@@ -151,7 +151,7 @@ def test_the_in_process_stall_event_reads_as_prometheus_and_promtool_expect():
     from rlwatch.alerts.catalogue import BY_NAME
     from rlwatch.alerts.evaluator import AlertEvaluator
 
-    from .test_alert_rules import example_steps
+    from tests.test_alert_rules import example_steps
 
     alert = BY_NAME["RLWatchTrainerStalled"]
     evaluator = AlertEvaluator("r1", watchdog_interval=0, clock=lambda: 16 * 60.0)
@@ -167,9 +167,9 @@ def test_the_in_process_stall_event_reads_as_prometheus_and_promtool_expect():
 def test_health_is_folded_once_per_scrape(monkeypatch):
     from prometheus_client import generate_latest
 
-    from rlwatch.lifecycle import Health
+    from rlwatch.hook.lifecycle import Health
 
-    from .conftest import make_step
+    from tests.conftest import make_step
 
     folds = []
     fold = Health.fold
@@ -195,7 +195,7 @@ def test_hack_ratio_is_one_fact_over_both_sources_of_verdicts():
 
     from rlwatch import hacks
 
-    from .conftest import make_step
+    from tests.conftest import make_step
 
     step = make_step(B=4, T=4, envs=("math",))
     step["hacked"] = {"v": torch.tensor([True, False, False, False])}
@@ -230,13 +230,13 @@ def _producers_of(name: str) -> set[str]:
 
 
 def test_hack_ratio_has_one_home_that_compute_and_the_pipeline_share():
-    """``env_hack_ratio`` is written by rlwatch.values.derive_hack_ratios only; rlwatch.compute() still
+    """``env_hack_ratio`` is written by rlwatch.signals.derived.derive_hack_ratios only; rlwatch.compute() still
     returns it, equal to the two counters it divides."""
     import torch
 
-    from .conftest import make_step
+    from tests.conftest import make_step
 
-    assert _producers_of("env_hack_ratio") == {"values.py"}
+    assert _producers_of("env_hack_ratio") == {"signals/derived.py"}
     step = make_step(B=4, T=4, envs=("math", "code"))
     values = rlwatch.compute(**step, hacked={"v": torch.tensor([True, False, False, False])})
     judged, hacked = values["episodes_judged_total"], values["episodes_hacked_total"]

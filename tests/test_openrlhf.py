@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from .conftest import REQUIRE_FRAMEWORKS, ROOT, need_module
+from tests.conftest import REQUIRE_FRAMEWORKS, ROOT, need_module
 
 # Set in the 0.11.0 subprocess: an older openrlhf source tree to import instead of the installed one.
 OLD_SOURCE = os.environ.get("RLWATCH_OPENRLHF_SOURCE")
@@ -53,8 +53,8 @@ from rlwatch import SignalConfig, Watch, compute  # noqa: E402
 from rlwatch.integrations import openrlhf as ro  # noqa: E402
 from rlwatch.integrations._instrumentor import installed_version  # noqa: E402
 
-from . import _openrlhf_mini as mini  # noqa: E402
-from . import openrlhf_probe as probe  # noqa: E402
+from tests import _openrlhf_mini as mini  # noqa: E402
+from tests import openrlhf_probe as probe  # noqa: E402
 
 VERSION = installed_version("openrlhf")
 OLD_API = VERSION is not None and VERSION.startswith("0.11.0")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, free_port, need_binary
+from tests.conftest import ROOT, free_port, need_binary
 
 IGNORED = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", "*.pyc",
                                  ".pytest_cache", ".hypothesis", "rlwatch-runs", "rlwatch-demo", ".rlwatch-stack",
@@ -63,7 +63,7 @@ def dists(tmp_path_factory) -> dict[str, Path]:
 def test_names_and_version():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert meta["name"] == "rlwatch-llm" != "rlwatch"          # "rlwatch" on PyPI is another project
-    assert meta["scripts"] == {"rlwatch": "rlwatch.cli:main"}
+    assert meta["scripts"] == {"rlwatch": "rlwatch.ops.cli:main"}
     assert "version" in meta["dynamic"]                        # one version: rlwatch.__version__
 
 
@@ -75,12 +75,12 @@ def test_wheel_ships_the_generated_files_unchanged(dists):
         assert data == shipped_files()
         for rel in data:                                       # byte for byte the checked-in files
             assert wheel.read(f"rlwatch/_data/{rel}") == (ROOT / rel).read_bytes(), rel
-        assert "rlwatch/_bootstrap/sitecustomize.py" in names
+        assert "rlwatch/ops/_bootstrap/sitecustomize.py" in names
         (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         metadata = wheel.read(meta).decode()
         entry_points = wheel.read(meta.replace("METADATA", "entry_points.txt")).decode()
     assert shipped_files() <= sdist_names and "setup.py" in sdist_names
-    assert "Name: rlwatch-llm" in metadata and "rlwatch = rlwatch.cli:main" in entry_points
+    assert "Name: rlwatch-llm" in metadata and "rlwatch = rlwatch.ops.cli:main" in entry_points
     import rlwatch
 
     assert f"Version: {rlwatch.__version__}" in metadata
@@ -116,7 +116,7 @@ def in_venv(venv: Path, *args: str, cwd: Path, env: dict | None = None, timeout:
 def test_installed_wheel_works_outside_the_repository(venv, tmp_path):
     work = tmp_path / "user"
     work.mkdir()
-    probe = in_venv(venv, "python", "-c", "import rlwatch, rlwatch.resources as r; print(rlwatch.__file__); "
+    probe = in_venv(venv, "python", "-c", "import rlwatch, rlwatch.runs.resources as r; print(rlwatch.__file__); "
                     "print(r.root()); print(len(r.dashboards()))", cwd=work)
     assert probe.returncode == 0, probe.stderr
     module, data_root, n_dashboards = probe.stdout.split()
@@ -156,7 +156,7 @@ def test_installed_wheel_runs_the_stack_and_stops_it_from_elsewhere(venv, tmp_pa
         assert kl and kl[0]["annotations"]["runbook_url"] == f"http://127.0.0.1:{runbook_port}/#rlwatchklspike"
         assert (stack / "runbook.md").read_text() == (ROOT / "alerts" / "runbook.md").read_text()
         # Grafana's provisioning from the installed package (no grafana-server needed to check it)
-        prov = in_venv(venv, "python", "-c", "from rlwatch.stack import StackConfig, _grafana_provisioning; "
+        prov = in_venv(venv, "python", "-c", "from rlwatch.runs.stack import StackConfig, _grafana_provisioning; "
                        "_grafana_provisioning(StackConfig('g'))", cwd=work)
         assert prov.returncode == 0, prov.stderr
         assert sorted(p.name for p in (work / "g" / "grafana" / "dashboards").iterdir()) == \
@@ -170,6 +170,6 @@ def test_installed_wheel_runs_the_stack_and_stops_it_from_elsewhere(venv, tmp_pa
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     finally:
-        from rlwatch.stack import down as stop
+        from rlwatch.runs.stack import down as stop
 
         stop(stack)

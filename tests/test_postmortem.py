@@ -18,7 +18,7 @@ import rlwatch
 from rlwatch.postmortem import analyse, load, run_postmortem
 from rlwatch.postmortem.probe import UnsafeCheckpointError, probe, read_state_dict, save_rollouts
 
-from .conftest import free_port, make_step, need_binary, need_module, start_process
+from tests.conftest import free_port, make_step, need_binary, need_module, start_process
 
 
 def collapsing_run(path: str, steps: int = 60, run: str = "pm") -> None:
@@ -61,11 +61,11 @@ def test_store_postmortem_json_contract(tmp_path, capsys):
 def test_terminal_report_and_cli(tmp_path):
     path = str(tmp_path / "pm.db")
     collapsing_run(path)
-    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", path], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "rlwatch", "postmortem", path], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "collapsed at step 40" in result.stdout and "stale_weights" in result.stdout
-    missing = subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", str(tmp_path / "nope.db")],
+    missing = subprocess.run([sys.executable, "-m", "rlwatch", "postmortem", str(tmp_path / "nope.db")],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "not found" in missing.stderr and "nope.db" in missing.stderr
     assert "Traceback" not in missing.stderr

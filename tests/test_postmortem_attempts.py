@@ -9,9 +9,9 @@ import sqlite3
 import rlwatch
 from rlwatch.postmortem import analyse, load, run_postmortem
 from rlwatch.postmortem.report import markdown, text_report
-from rlwatch.store import RunStore, StoreReader
+from rlwatch.runs.store import RunStore, StoreReader
 
-from .conftest import make_step
+from tests.conftest import make_step
 
 
 def resumed_run(path: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rlwatch.postmortem import analyse, load, run_postmortem
 from rlwatch.postmortem.report import text_report
-from rlwatch.store import StoreReader
+from rlwatch.runs.store import StoreReader
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -93,7 +93,7 @@ def test_collapse_run_for_12_steps_is_stale_weights_not_a_missing_sync(tmp_path)
 def test_whatif_runs_on_a_demo_store(runs, capsys):
     """`rlwatch whatif` on a demo run: the demo records its episodes' durations and its phases, so every
     design is simulated next to the run's measured row, with the k3 cost per version of lag read from it."""
-    from rlwatch.cli import main
+    from rlwatch.ops.cli import main
 
     assert main(["whatif", runs["collapse"]]) == 0
     out = capsys.readouterr().out

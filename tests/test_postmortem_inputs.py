@@ -23,7 +23,7 @@ from rlwatch.postmortem import PostmortemInputError, analyse, compare, load
 from rlwatch.postmortem.changes import detect_change
 from rlwatch.postmortem.report import markdown, safe, terminal
 
-from .conftest import make_step
+from tests.conftest import make_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,14 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`rlwatch postmortem ARGS` as a user runs it, in its own process."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rlwatch", "postmortem", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture
 def inproc(capsys):
     """The same command line in this process (no interpreter start-up per call)."""
-    from rlwatch.cli import main
+    from rlwatch.ops.cli import main
 
     def run(*args: str) -> subprocess.CompletedProcess:
         rc = main(["postmortem", *args])
@@ -147,7 +147,7 @@ def test_a_malformed_trainer_state_is_one_line(tmp_path, inproc):
 
 
 def test_an_unreachable_prometheus_is_one_line(inproc):
-    from .conftest import free_port
+    from tests.conftest import free_port
 
     result = inproc("--prometheus", f"http://127.0.0.1:{free_port()}", "--run", "x")
     assert result.returncode == 1 and "cannot query Prometheus" in result.stderr

@@ -63,7 +63,7 @@ def large_prometheus():
 
 @pytest.fixture
 def inproc(capsys):
-    from rlwatch.cli import main
+    from rlwatch.ops.cli import main
 
     def run(*args: str) -> tuple[int, str, str, float]:
         start = time.monotonic()

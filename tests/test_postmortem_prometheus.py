@@ -18,7 +18,7 @@ import rlwatch
 from rlwatch.alerts import render
 from rlwatch.postmortem import load, prometheus
 
-from .conftest import free_port, make_step, need_binary, start_process
+from tests.conftest import free_port, make_step, need_binary, start_process
 
 NOW = time.time()
 STEP_SERIES = {"metric": {"run": "x", "instance": "h:1", "job": "j"}, "values": [[NOW - 60, "3"], [NOW - 30, "4"]]}
@@ -27,7 +27,7 @@ STEP_SERIES = {"metric": {"run": "x", "instance": "h:1", "job": "j"}, "values": 
 @pytest.fixture
 def inproc(capsys):
     """`rlwatch postmortem ARGS` in this process: (rc, stdout, stderr)."""
-    from rlwatch.cli import main
+    from rlwatch.ops.cli import main
 
     def run(*args: str) -> tuple[int, str, str]:
         rc = main(["postmortem", *args])

@@ -22,7 +22,7 @@ def test_a_ten_times_longer_run_costs_bounded_memory_and_is_still_dated(tmp_path
     runs = {}
     for steps in (10_000, 100_000):
         store = build_store(tmp_path / f"run-{steps}.db", steps)
-        wall, rss, rc, output = measure([sys.executable, "-m", "rlwatch.cli", "postmortem", str(store), "--json"])
+        wall, rss, rc, output = measure([sys.executable, "-m", "rlwatch", "postmortem", str(store), "--json"])
         assert rc == 0, output[-2000:]
         runs[steps] = (wall, rss, json.loads(output[output.index("{"):]))
         store.unlink()
@@ -40,12 +40,12 @@ def test_a_ten_times_longer_run_costs_bounded_memory_and_is_still_dated(tmp_path
 
 def test_a_long_runs_signals_hold_everything_the_diagnosis_reads(tmp_path):
     """A bucketed run keeps only :func:`read_signals`: the diagnosis on those alone is the diagnosis on
-    every signal (so ``rlwatch.diagnosis.INPUTS`` lists all it reads)."""
+    every signal (so ``rlwatch.analyses.diagnosis.INPUTS`` lists all it reads)."""
     import rlwatch
-    from rlwatch.diagnosis import diagnose
+    from rlwatch.analyses.diagnosis import diagnose
     from rlwatch.postmortem import load, read_signals
 
-    from .conftest import make_step
+    from tests.conftest import make_step
 
     path = str(tmp_path / "run.db")
     with rlwatch.Watch(run="r", port=None, store=path) as watch:

@@ -17,7 +17,7 @@ from rlwatch.postmortem.changes import Change
 from rlwatch.postmortem.report import text_report
 from rlwatch.postmortem.sources import RunData
 
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 ALERTS = [{"name": "RLWatchVersionLagFarAboveBound", "severity": "critical", "step": 5, "state": "firing"},
           {"name": "RLWatchKLSpike", "severity": "critical", "step": 18, "state": "firing"}]
@@ -76,7 +76,7 @@ def test_the_report_prints_no_matplotlib_chatter(tmp_path):
             watch.log_scalars(step, {"heldout_true_reward": 0.5 if step < 10 else 0.0})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                MPLCONFIGDIR=str(tmp_path / "fresh-matplotlib-cache"))      # the font cache is built anew
-    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", str(store), "--out",
+    result = subprocess.run([sys.executable, "-m", "rlwatch", "postmortem", str(store), "--out",
                              str(tmp_path / "report")], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "report" / "quality.png").exists()

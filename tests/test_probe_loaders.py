@@ -16,14 +16,14 @@ import torch
 import rlwatch
 from rlwatch.postmortem.probe import ROLLOUTS_FILE, save_rollouts
 
-from .conftest import ROOT
-from .test_postmortem import tiny_hf_checkpoint
+from tests.conftest import ROOT
+from tests.test_postmortem import tiny_hf_checkpoint
 
 
 def postmortem(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "rlwatch", "postmortem", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=300)
 
 
 def store_with_checkpoints(tmp_path: Path, checkpoints: list[Path]) -> Path:

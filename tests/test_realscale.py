@@ -1,4 +1,4 @@
-"""The real-scale family (rlwatch.demo.realscale): a sample of its test split at the shipped defaults
+"""The real-scale family (evaluation.realscale): a sample of its test split at the shipped defaults
 meets the paging bars, and the k3 forecast is right on log-linear growth and absent without a trend."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from rlwatch.alerts.history import History
 from rlwatch.alerts.params import thresholds
 from rlwatch.alerts.template import render
 from rlwatch.alerts.trend import forecast_steps
-from rlwatch.demo.realscale import CI_SAMPLE, TEST, collect, RealRun
-from rlwatch.demo.realscale_eval import first_warning_fraction, lead_fraction, replay
+from evaluation.realscale import CI_SAMPLE, TEST, collect, RealRun
+from evaluation.realscale_eval import first_warning_fraction, lead_fraction, replay
 
 
 def _history(k3: list[float]) -> History:
@@ -62,9 +62,9 @@ def test_a_real_scale_sample_meets_the_paging_bars_at_the_shipped_defaults():
 def test_prometheus_decides_as_the_process_on_a_real_scale_run_at_10s_steps():
     """promtool replays a weight-sync collapse's exported window values with a step every 10 s (5 s
     scrapes) and fires exactly the alerts the embedded evaluator fires, at every step."""
-    from rlwatch.demo.acceptance import prometheus_agrees
+    from evaluation.acceptance import prometheus_agrees
 
-    from .conftest import need_binary
+    from tests.conftest import need_binary
 
     need_binary("promtool")
     trace = collect(RealRun({s.name: s for s in TEST}["fp8_syncbug"], 11))

@@ -15,13 +15,14 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import rlwatch
-from rlwatch.errors import HookErrors
-from rlwatch.metrics import DURATION_BUCKETS, DURATION_SAMPLE_MAX
-from rlwatch.record import RecordBuilder
-from rlwatch.signals import SignalConfig, Workspace, compute, compute_step
-from rlwatch.store import StoreReader
+from rlwatch.core.errors import HookErrors
+from rlwatch.core.metrics import DURATION_BUCKETS, DURATION_SAMPLE_MAX
+from rlwatch.core.record import RecordBuilder
+from rlwatch import compute
+from rlwatch.signals import SignalConfig, Workspace, compute_step
+from rlwatch.runs.store import StoreReader
 
-from .conftest import host_reads
+from tests.conftest import host_reads
 
 
 def _random_step(seed: int, B: int, envs: tuple[str, ...] = ("math", "code", "web")) -> dict:
@@ -173,7 +174,7 @@ def test_postmortem_names_a_duration_tail_and_a_sync_change_among_first_movers(t
     from rlwatch.postmortem import analyse, load
     from rlwatch.postmortem.compare import compare
 
-    from .conftest import make_step
+    from tests.conftest import make_step
 
     path = str(tmp_path / "pm.db")
     g = torch.Generator().manual_seed(0)

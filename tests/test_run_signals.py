@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminals and /proc: Linux")
 
@@ -51,7 +51,7 @@ def _env() -> dict[str, str]:
 
 
 def _rlwatch_run(script: Path, *args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rlwatch.cli", "run", "--store", "none", "--",
+    return subprocess.Popen([sys.executable, "-m", "rlwatch", "run", "--store", "none", "--",
                              sys.executable, str(script), *args], env=_env(), **popen)
 
 
@@ -202,7 +202,7 @@ def test_rlwatch_run_dying_takes_the_trainer_with_it(tmp_path):
 
 @pytest.mark.parametrize("signum", [signal.SIGSEGV, signal.SIGKILL])
 def test_a_command_ended_by_a_signal_exits_128_plus_its_number(tmp_path, signum):
-    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "run", "--quiet", "--", sys.executable, "-c",
+    result = subprocess.run([sys.executable, "-m", "rlwatch", "run", "--quiet", "--", sys.executable, "-c",
                              f"import os; os.kill(os.getpid(), {int(signum)})"], env=_env(), capture_output=True,
                             timeout=60)
     assert result.returncode == 128 + signum, result.stderr

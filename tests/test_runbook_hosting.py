@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import re
 
-from rlwatch import resources
+from rlwatch.runs import resources
 from rlwatch.alerts import render
 from rlwatch.alerts.catalogue import ALERTS
-from rlwatch.stack import RUNBOOK_PORT, StackConfig, write_configs
+from rlwatch.runs.stack import RUNBOOK_PORT, StackConfig, write_configs
 
 
 def test_the_stack_links_its_rules_to_its_own_runbook_server(tmp_path, monkeypatch):

@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 import rlwatch
 from rlwatch import InvalidFieldError, SignalConfig, compute
-from rlwatch.metrics import CATALOGUE, LAG_BUCKETS, PROB_BIN_LABELS
-from rlwatch.record import RecordBuilder
-from rlwatch.errors import HookErrors
+from rlwatch.core.metrics import CATALOGUE, LAG_BUCKETS, PROB_BIN_LABELS
+from rlwatch.core.record import RecordBuilder
+from rlwatch.core.errors import HookErrors
 from rlwatch import signals
 from rlwatch.signals import Pending, Workspace, compute_step
 
-from .conftest import host_reads, make_step
+from tests.conftest import host_reads, make_step
 
 
 @contextlib.contextmanager
@@ -382,7 +382,7 @@ def test_mismatch_by_lag_is_in_the_step_values_the_store_and_the_exposition(tmp_
     and |r| are its own tokens' (from the definition), exported with a ``lag`` label and stored."""
     from prometheus_client import generate_latest
 
-    from rlwatch.store_reader import StoreReader
+    from rlwatch.runs.store_reader import StoreReader
 
     mask = torch.ones(4, 8, dtype=torch.bool)
     sampler = -torch.rand(4, 8, generator=torch.Generator().manual_seed(0))
@@ -415,7 +415,7 @@ def test_catalogue_levels_are_the_levels_the_engine_computes():
     the declared token quantities are token- or sequence-level, and the families that only episode
     inputs produce are episode-level, every episode-level family among them (TRL's generation
     serials aside)."""
-    from rlwatch.metrics import BY_NAME
+    from rlwatch.core.metrics import BY_NAME
     from rlwatch.signals import quantities
 
     assert {BY_NAME[m.name].level for m in quantities.METRICS if m.name in BY_NAME} == {"token", "sequence"}

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 
 from rlwatch import Watch
-from rlwatch.stack import running
+from rlwatch.runs.stack import running
 
-from .conftest import free_port, make_step, need_binary, need_module
+from tests.conftest import free_port, make_step, need_binary, need_module
 
 pytestmark = pytest.mark.servers
 
 
 def rlwatch_cli(*args: str, env: dict | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlwatch.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rlwatch", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -197,7 +197,7 @@ def test_a_second_up_on_taken_ports_fails_naming_what_holds_them(stack_dir, tmp_
 def test_readiness_counts_only_the_started_server_answering(stack_dir, tmp_path):
     """The first stack answers /-/ready on the port while the new server (here a `sleep 1` that never
     listens) is still starting: that answer is not the new server's, and its exit names the port's holder."""
-    from rlwatch.stack import StackError, _wait_ready
+    from rlwatch.runs.stack import StackError, _wait_ready
 
     directory, ports = stack_dir
     impostor = subprocess.Popen(["sleep", "1"])
@@ -233,7 +233,7 @@ def test_newcomer_flow_a_run_registers_with_the_stack_up_started(tmp_path):
     clean.update(XDG_STATE_HOME=str(tmp_path / "state"), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     port = free_port()
     prom = f"http://127.0.0.1:{port}"
-    up = subprocess.run([sys.executable, "-m", "rlwatch.cli", "up", "--prometheus-port", str(port),
+    up = subprocess.run([sys.executable, "-m", "rlwatch", "up", "--prometheus-port", str(port),
                          "--alertmanager-port", str(free_port()), "--runbook-port", str(free_port())],
                         capture_output=True, text=True, timeout=90,
                         env=clean, cwd=tmp_path)
@@ -258,7 +258,7 @@ def test_newcomer_flow_a_run_registers_with_the_stack_up_started(tmp_path):
     finally:
         for run in runs:
             run.kill()
-        down = subprocess.run([sys.executable, "-m", "rlwatch.cli", "down"], capture_output=True, text=True,
+        down = subprocess.run([sys.executable, "-m", "rlwatch", "down"], capture_output=True, text=True,
                               timeout=90, env=clean, cwd=tmp_path)
     assert down.returncode == 0 and "prometheus" in down.stdout, down.stdout + down.stderr
 

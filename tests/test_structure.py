@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 
 import rlwatch
-from rlwatch.config import WatchConfig, env_watch_options
-from rlwatch.errors import HookErrors, InvalidFieldError, guard, guarded
+from rlwatch.core.config import WatchConfig, env_watch_options
+from rlwatch.core.errors import HookErrors, InvalidFieldError, guard, guarded
 
-from .conftest import make_step
+from tests.conftest import make_step
 
 PACKAGE = Path(rlwatch.__file__).parent
 #: Reading a variable (not copying the environment for a child process).
 READS_ENV = re.compile(r"os\.environ\.get\((?!\"PYTHONPATH\")|os\.environ\[|os\.getenv|env_flag\(os\.environ"
                        r"|os\.environ if ")
-#: Files allowed to read the environment besides rlwatch/config.py: none.
+#: Files allowed to read the environment besides rlwatch/core/config.py: none.
 PENDING: set[str] = set()
 
 
@@ -34,11 +34,11 @@ def test_watch_config_has_every_constructor_argument_with_the_same_default():
 
 def test_only_config_reads_the_environment():
     readers = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if READS_ENV.search(p.read_text())}
-    assert readers - PENDING == {"config.py"}
+    assert readers - PENDING == {"core/config.py"}
 
 
 def test_every_variable_config_reads_is_in_its_table():
-    import rlwatch.config as config
+    import rlwatch.core.config as config
 
     tree = ast.parse(Path(config.__file__).read_text())
     read = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
@@ -112,7 +112,7 @@ def test_no_module_over_500_lines_and_a_thin_watch():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
-    tree = ast.parse((PACKAGE / "watch.py").read_text())
+    tree = ast.parse((PACKAGE / "hook" / "watch.py").read_text())
     (watch,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Watch"]
     assert _lines(watch) <= CLASS_LINES          # its docstring is about 50 of them
 

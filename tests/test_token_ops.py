@@ -14,9 +14,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlwatch import SignalConfig, compute
-from rlwatch.errors import HookErrors
-from rlwatch.metrics import LAG_BUCKET_LABELS, LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS
-from rlwatch.record import RecordBuilder
+from rlwatch.core.errors import HookErrors
+from rlwatch.core.metrics import LAG_BUCKET_LABELS, LAG_BUCKETS, PROB_BIN_EDGES, PROB_BIN_LABELS
+from rlwatch.core.record import RecordBuilder
 from rlwatch.signals import Workspace, fused
 from rlwatch.signals.step import engine_inputs
 

@@ -25,17 +25,17 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rlwatch
-from rlwatch.metrics import BY_NAME
+from rlwatch.core.metrics import BY_NAME
 from rlwatch.signals import SignalConfig
-from rlwatch.store import StoreReader
+from rlwatch.runs.store import StoreReader
 
-from .conftest import need_module
+from tests.conftest import need_module
 
 need_module("trl")
 
 from rlwatch.integrations import trl as rltrl  # noqa: E402
 
-from ._trl_tiny import EOS, PAD, REWARD_FUNCS, build_tiny_model, make_trainer, prompt_env  # noqa: E402
+from tests._trl_tiny import EOS, PAD, REWARD_FUNCS, build_tiny_model, make_trainer, prompt_env  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
@@ -859,7 +859,7 @@ def test_postmortem_and_probe_on_a_trl_output_directory(model_path, tmp_path):
     assert rollouts["input_ids"].shape[0] == 8 and int(rollouts["response_mask"].sum()) > 0
     assert torch.equal(rollouts["response_mask"] * rollouts["attention_mask"], rollouts["response_mask"])
 
-    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", str(out), "--json", "--probe"],
+    result = subprocess.run([sys.executable, "-m", "rlwatch", "postmortem", str(out), "--json", "--probe"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
@@ -871,7 +871,7 @@ def test_postmortem_and_probe_on_a_trl_output_directory(model_path, tmp_path):
     assert probe[0]["kl_to_next"] > 0 and probe[1]["kl_to_next"] > 0 and probe[2]["kl_to_next"] is None
 
     # The report a person reads shows the same, in the terminal and in markdown.
-    result = subprocess.run([sys.executable, "-m", "rlwatch.cli", "postmortem", str(out), "--probe",
+    result = subprocess.run([sys.executable, "-m", "rlwatch", "postmortem", str(out), "--probe",
                              str(out / ROLLOUTS_FILE), "--out", str(tmp_path / "report")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -31,14 +31,14 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlwatch.integrations.trl import GENERATION_FAMILIES
-from rlwatch.store import StoreReader
+from rlwatch.runs.store import StoreReader
 
-from .conftest import ROOT, free_port, need_module
+from tests.conftest import ROOT, free_port, need_module
 
 need_module("trl")
 
-from ._trl_multiprocess import reward_full_length  # noqa: E402
-from ._trl_tiny import EOS, PAD, build_tiny_model, reward_has_w1  # noqa: E402
+from tests._trl_multiprocess import reward_full_length  # noqa: E402
+from tests._trl_tiny import EOS, PAD, build_tiny_model, reward_has_w1  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 WORLD = 2

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import rlwatch
-from rlwatch.values import StepValues, kind_of, value_of
+from rlwatch.core.values import StepValues, kind_of, value_of
 
-from .conftest import make_step
+from tests.conftest import make_step
 
 
 def test_typed_access_and_set():

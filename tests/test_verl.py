@@ -26,7 +26,7 @@ import torch
 
 from rlwatch import SignalConfig, Watch, compute
 
-from .conftest import ROOT, need_module
+from tests.conftest import ROOT, need_module
 
 HOOK = "rlwatch.integrations.verl.setup_hook"
 N = 4                      # rollout.n

@@ -7,7 +7,7 @@ import torch
 
 from rlwatch import SignalConfig, compute
 
-from .conftest import need_module
+from tests.conftest import need_module
 
 
 def _tensors(seed: int, B: int = 32, T: int = 64, scale: float = 0.3):

@@ -22,9 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import rlwatch
 from rlwatch import InvalidFieldError, PortInUseError
-from rlwatch.store import StoreReader
+from rlwatch.runs.store import StoreReader
 
-from .conftest import ROOT, free_port, make_step, need_binary, self_signed_cert
+from tests.conftest import ROOT, free_port, make_step, need_binary, self_signed_cert
 
 
 def scrape(url: str, **kwargs) -> dict[tuple[str, tuple], float]:
@@ -62,7 +62,7 @@ def test_scraped_values_match_the_observed_record(tmp_path):
         assert sample(samples, "rlwatch_env_reward_mean", run="e2e", env="math") == pytest.approx(math_reward)
         # Every exported value equals the value observe() returned.
         for name, family in values.items():
-            spec = rlwatch.metrics.BY_NAME.get(name)
+            spec = rlwatch.core.metrics.BY_NAME.get(name)
             if spec is None or spec.kind != "gauge":
                 continue
             for labels, value in family.items():
@@ -200,8 +200,8 @@ def test_hook_errors_are_exported(tmp_path):
 
 
 def test_a_failing_listener_is_counted_under_its_own_stage_and_the_step_still_exports(monkeypatch):
-    from rlwatch.diagnosis import Diagnoser
-    from rlwatch.drift import DriftDetector
+    from rlwatch.analyses.diagnosis import Diagnoser
+    from rlwatch.analyses.drift import DriftDetector
 
     def fails(self, step, values):
         raise RuntimeError(f"{type(self).__name__} failed")

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from rlwatch.cli import main
-from rlwatch.store import RunStore
+from rlwatch.ops.cli import main
+from rlwatch.runs.store import RunStore
 from rlwatch.whatif.chapter import reproduce
 from rlwatch.whatif.measured import load
 from rlwatch.whatif.model import DurationModel

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
-from ..errors import HookErrors
+from ..core.errors import HookErrors
 from .actions import ActionRunner
 from .catalogue import ALERT_LABELS, ALERTS, BY_NAME, Alert, History, stalled, thresholds
 from .notify import AlertEvent, Dispatcher, log_event

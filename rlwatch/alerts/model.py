@@ -29,7 +29,7 @@ INCIDENT_KEEP_FIRING_MINUTES = 1
 
 def runbook_base(explicit: str | None = None) -> str:
     """The runbook's base URL: ``explicit``, else $RLWATCH_RUNBOOK_URL, else :data:`RUNBOOK_BASE`."""
-    from ..config import runbook_url
+    from ..core.config import runbook_url
 
     return runbook_url(explicit, RUNBOOK_BASE)
 

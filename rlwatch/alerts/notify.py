@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 from urllib.parse import urlsplit
 
-from .._queues import stop_consumer, wait_drained
+from ..core.queues import stop_consumer, wait_drained
 
 logger = logging.getLogger("rlwatch")
 
@@ -77,7 +77,7 @@ _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 def slack_escape(text: Any) -> str:
     """Text from a run made inert in a Slack message: ``&``, ``<`` and ``>`` escaped as Slack
     requires (no ``<!channel>``, no ``<url|text>`` links), control characters removed."""
-    from ..record import clean_text
+    from ..core.record import clean_text
 
     text = _CONTROL.sub("", clean_text(text))
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

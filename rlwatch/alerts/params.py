@@ -81,7 +81,7 @@ PARAMS: dict[str, Param] = {
                                  "confidence bound).", high=1.0),
     "length_bias_max": Param(0.07, "How much shorter the trained episodes may be than the launched ones, as 1 - "
                              "the mean trained/launched duration ratio over 10 steps (chosen on the tuning split "
-                             "of rlwatch.demo.rollout_bias, alerts/length-bias-acceptance.md).", high=1.0),
+                             "of evaluation.rollout_bias, alerts/length-bias-acceptance.md).", high=1.0),
     "baseline_steps": Param(20.0, "Steps a trailing baseline needs before any jump or collapse-relative "
                             "condition can hold.", low=2.0),
     "evidence_z": Param(2.33, "Standard normal quantile of the evidence bars: Wilson lower bounds of rates and "

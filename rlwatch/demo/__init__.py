@@ -6,7 +6,7 @@ __all__ = ["SCENARIOS", "ScenarioConfig", "ScenarioResult", "StepInfo", "collaps
 
 
 #: How the demo and the acceptance suite configure rlwatch for the scenario engine: the thresholds the
-#: acceptance report tuned on the matrix's tuning split (rlwatch.demo.acceptance, alerts/acceptance.md).
+#: acceptance report tuned on the matrix's tuning split (evaluation.acceptance, alerts/acceptance.md).
 #: The toy policy moves far more per update than a large model trained at a small learning rate (its
 #: k3 between consecutive versions is ~0.1-1 nats where an LLM's is ~1e-3), so the KL bound is scaled
 #: up: 1.7 is the geometric midpoint of the bounds that meet every bar on the tuning split (0.84-3.25);

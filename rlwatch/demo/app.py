@@ -171,7 +171,7 @@ class WebhookReceiver:
 
 def _prometheus_stack(directory: Path) -> tuple[Any, dict[str, dict], WebhookReceiver]:
     """Start the demo's stack: (its StackConfig, what ``up`` started, the webhook receiver it notifies)."""
-    from ..stack import StackConfig, StackError, find_binary, up
+    from ..runs.stack import StackConfig, StackError, find_binary, up
 
     if not (find_binary("prometheus") and find_binary("prometheus-alertmanager", "alertmanager")):
         raise StackError("--with-prometheus needs the prometheus and prometheus-alertmanager binaries: "
@@ -195,7 +195,7 @@ def _prometheus_stack(directory: Path) -> tuple[Any, dict[str, dict], WebhookRec
 
 
 def _stop_stack(stack: tuple[Any, dict[str, dict], WebhookReceiver]) -> None:
-    from ..stack import down
+    from ..runs.stack import down
 
     try:
         down(stack[0].directory)

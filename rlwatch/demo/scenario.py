@@ -11,7 +11,7 @@ reward, PPO-clipped ratio ``pi_theta / pi_old`` with ``pi_old`` recomputed by th
 ``lag`` updates old; the decoupled loss multiplies the advantages by a behaviour weight
 ``w = pi_old / mu`` (``correction``: "none" -> 1, "tis" -> min(w, C), "mis" -> w inside a band, 0 out).
 
-Why the stories happen (measured by ``python -m rlwatch.demo.calibrate``):
+Why the stories happen (measured by ``python -m evaluation.calibrate``):
 
 - RL first fixes the base's too-long answers, which needs EOS pushed earlier. Without correction,
   an update from data 8 versions old keeps pushing down the long answers that the old policy still

@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 from urllib.parse import urlsplit
 from wsgiref.simple_server import WSGIRequestHandler
 
-from ..errors import PortInUseError
+from ..core.errors import PortInUseError
 
 logger = logging.getLogger("rlwatch")
 
@@ -308,7 +308,7 @@ class MetricsServer:
     def runbook_url(self) -> str:
         """The runbook this server serves, at an address a person can open (the node's address
         when it listens on every interface)."""
-        from ..discovery import node_address
+        from ..runs.discovery import node_address
 
         host = node_address(self.addr)
         return f"{self.scheme}://{f'[{host}]' if ':' in host else host}:{self.port}/runbook"

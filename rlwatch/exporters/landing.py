@@ -2,7 +2,7 @@
 values, the alerts firing in the process (a held alert says how many steps it holds before it clears),
 links; it refreshes itself every :data:`REFRESH_SECONDS`.
 
-Rendered from one :class:`~rlwatch.state.Snapshot` and the in-process evaluator's firing alerts; the
+Rendered from one :class:`~rlwatch.core.state.Snapshot` and the in-process evaluator's firing alerts; the
 transport (:mod:`rlwatch.exporters.http`) only serves the bytes. Every value from the run is escaped.
 """
 
@@ -13,7 +13,7 @@ import math
 import time
 from typing import Any
 
-from ..metrics import CATALOGUE
+from ..core.metrics import CATALOGUE
 
 #: Seconds between the page's own reloads (an HTML meta refresh: no script).
 REFRESH_SECONDS = 5
@@ -77,7 +77,7 @@ def _alert_item(snapshot: Any, event: Any) -> str:
 def index_html(snapshot: Any, firing: list | None, refresh_seconds: int = REFRESH_SECONDS) -> str:
     """The page at ``/`` for ``snapshot`` (None: nothing observed) and the firing alerts (None: alerts
     are not evaluated in this process)."""
-    from ..resources import html_page
+    from ..runs.resources import html_page
 
     run = snapshot.run if snapshot is not None else None
     step = snapshot.step if snapshot is not None else None

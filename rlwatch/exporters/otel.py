@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from ..metrics import CATALOGUE, HISTOGRAM_BUCKETS, MetricSpec
-from ..state import MetricState, Snapshot
+from ..core.metrics import CATALOGUE, HISTOGRAM_BUCKETS, MetricSpec
+from ..core.state import MetricState, Snapshot
 
 
 class OTelExporter:

@@ -1,7 +1,7 @@
 """Prometheus export: a collector over the run's snapshot, the exporter's pages, and a push mode.
 
-The collector yields every family of :data:`rlwatch.metrics.CATALOGUE` from one
-:class:`~rlwatch.state.Snapshot`, so a scrape reads one consistent step and computes nothing.
+The collector yields every family of :data:`rlwatch.core.metrics.CATALOGUE` from one
+:class:`~rlwatch.core.state.Snapshot`, so a scrape reads one consistent step and computes nothing.
 :class:`CachedExposition` is the WSGI app the endpoint (:mod:`rlwatch.exporters.http`) serves:
 ``/metrics`` in the Prometheus text format or in OpenMetrics, as the scraper's ``Accept`` header
 asks; ``/`` a page for a person (:mod:`rlwatch.exporters.landing`); the runbook shipped with the package
@@ -24,8 +24,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from ..metrics import CATALOGUE, HISTOGRAM_BUCKETS
-from ..state import MetricState
+from ..core.metrics import CATALOGUE, HISTOGRAM_BUCKETS
+from ..core.state import MetricState
 
 logger = logging.getLogger("rlwatch")
 
@@ -226,7 +226,7 @@ class CachedExposition:
             return self._served.wait_for(lambda: self.served_version >= version, timeout=wait)
 
     def _runbook_page(self, path: str) -> tuple[bytes, str]:
-        from .. import resources
+        from ..runs import resources
 
         if path not in self._runbook:
             self._runbook[path] = (resources.runbook_html() if path == "/runbook"

@@ -95,7 +95,7 @@ def judge_batch(detectors: list[Detector], step: int, raw: list[Any], env: list[
 
 def _clean_keys(counts: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
     """(env, detector) keys as label-safe strings (a detector's name is the user's string)."""
-    from ..record import clean_text
+    from ..core.record import clean_text
 
     out: dict[tuple[str, str], float] = {}
     for key, n in counts.items():

@@ -15,7 +15,7 @@ queued batches up to its ``timeout``, then a few seconds for the worker; a child
 killed).
 ``collect()`` hands the verdicts finished since the last call to the Watch, which exports them
 with the next step: ``episodes_judged_total`` / ``episodes_hacked_total`` per environment and
-detector (the step pipeline derives ``env_hack_ratio`` from them, ``rlwatch.values.derive_hack_ratios``).
+detector (the step pipeline derives ``env_hack_ratio`` from them, ``rlwatch.core.values.derive_hack_ratios``).
 A few flagged episodes are kept (text truncated) for the post-mortem.
 
 The batch-level reward/length detector is a per-environment signal computed with the other
@@ -34,9 +34,9 @@ import threading
 import time
 from typing import Any, Iterable
 
-from .._queues import stop_consumer
-from ..errors import HookErrors
-from ..values import Values
+from ..core.queues import stop_consumer
+from ..core.errors import HookErrors
+from ..core.values import Values
 from .judge import BatchResult, Example, _clean_keys, judge_batch
 from .registry import Detector, resolve
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
-from ..errors import guarded as errors_guarded
+from ..core.errors import guarded as errors_guarded
 
 logger = logging.getLogger("rlwatch")
 
@@ -242,7 +242,7 @@ class Instrumentor:
 
 def guarded(watch: Any, kind: str) -> Callable[[Callable], Callable]:
     """Decorator: run rlwatch's side of a hook without ever raising into the trainer (the one policy of
-    :mod:`rlwatch.errors`; the Watch's error counter is looked up at each call)."""
+    :mod:`rlwatch.core.errors`; the Watch's error counter is looked up at each call)."""
     return errors_guarded(lambda: getattr(watch, "errors", None), "integration", kind)
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from ..config import disabled, env_watch_options, rank
+from ..core.config import disabled, env_watch_options, rank
 from ._instrumentor import Call, Instrumentor, Patch, installed_version
 
 logger = logging.getLogger("rlwatch")
@@ -149,7 +149,7 @@ class RayActorInstrumentor(Instrumentor):
     def _make_watch(self, context: Any) -> Any:
         import atexit
 
-        from ..watch import Watch
+        from ..hook.watch import Watch
 
         opts = self._watch_options(context)
         opts.update(self._watch_kwargs)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ..config import trainer_logs_enabled
+from ..core.config import trainer_logs_enabled
 from ._instrumentor import Call, guarded
 
 PREFIX = "rlwatch/"
 
-#: (key after the prefix, gauge in rlwatch.metrics, its label values)
+#: (key after the prefix, gauge in rlwatch.core.metrics, its label values)
 HEADLINE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("kl_k3", "mismatch_kl_k3", ()),
     ("abs_log_ratio_p99", "mismatch_abs_log_ratio_p99", ()),

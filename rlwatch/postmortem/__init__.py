@@ -15,7 +15,7 @@ __all__ = ["Comparison", "PostmortemInputError", "Report", "RunData", "analyse",
 def read_signals() -> tuple[str, ...]:
     """The signals the post-mortem reads from a step: the scanned signals, the coverage families, the
     plotted ones and the diagnosis' inputs (a long run keeps only these: :mod:`.downsample`)."""
-    from ..diagnosis import INPUTS
+    from ..analyses.diagnosis import INPUTS
     from .analysis import COVERAGE_FAMILIES
     from .changes import LEADING_SIGNALS
     from .plots import PLOTTED

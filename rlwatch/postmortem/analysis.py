@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..diagnosis import Diagnosis, diagnose
+from ..analyses.diagnosis import Diagnosis, diagnose
 from .changes import Change, detect_change, scanned_series
 from .compare import Comparison
 from .sources import QUALITY_KEYS, RunData

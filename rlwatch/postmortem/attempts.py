@@ -63,7 +63,7 @@ class Lineage:
 
 
 def lineage(store: Any, run: str) -> Lineage:
-    """The attempts of ``run`` in ``store`` (a :class:`~rlwatch.store_reader.StoreReader`), ordered by
+    """The attempts of ``run`` in ``store`` (a :class:`~rlwatch.runs.store_reader.StoreReader`), ordered by
     start time, with the range of steps each observed (kept in ``steps`` or ``step_history``)."""
     started = {a["id"]: a["started"] for a in store.attempts(run)}
     if len(started) == 1 and has_column(store, "steps", "attempt"):

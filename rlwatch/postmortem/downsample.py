@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Iterator
 
-from ..values import Values
+from ..core.values import Values
 
 #: Points per series the analysis and the plots get at most.
 MAX_POINTS = 20_000

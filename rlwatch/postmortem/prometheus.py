@@ -35,8 +35,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..metrics import CATALOGUE
-from ..values import Values
+from ..core.metrics import CATALOGUE
+from ..core.values import Values
 from .sources import PostmortemInputError, RunData
 
 DEFAULT_DEADLINE_S = 120.0

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..values import Values
+from ..core.values import Values
 from .attempts import Lineage, lineage
 from .downsample import MAX_POINTS, Buckets, bucket_width, downsample_scalars, row_stride
 
@@ -122,7 +122,7 @@ def from_store(path: str | Path, run: str | None = None, signals: tuple[str, ...
     ``left()``, seconds) stops the read with one line when it passes."""
     import time
 
-    from ..store import StoreReader
+    from ..runs.store import StoreReader
 
     path = Path(path)
     if not path.exists():

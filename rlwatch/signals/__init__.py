@@ -9,7 +9,7 @@ One module per concern, in the order a step runs through them:
 - :mod:`.settings`: :class:`SignalConfig`, the size limits, the :class:`Workspace`.
 - :mod:`.quantities`: every token-, sequence- and episode-level quantity declared once, with its host
   formula.
-- :mod:`.step`: :func:`compute_step` / :func:`compute`; it runs :func:`.fused.step_core` (built from
+- :mod:`.step`: :func:`compute_step`; it runs :func:`.fused.step_core` (built from
   the declaration; :mod:`.episodes` for the episode block) through :mod:`.engine` (compiled when ready).
 - :mod:`.reduce`: the constant cache and integer counts; :mod:`.pending`: the one transfer and the
   NaN-to-None policy.
@@ -22,6 +22,6 @@ from __future__ import annotations
 
 from .pending import Pending, Values
 from .settings import SignalConfig, Workspace
-from .step import compute, compute_step
+from .step import compute_step
 
-__all__ = ["Pending", "SignalConfig", "Values", "Workspace", "compute", "compute_step"]
+__all__ = ["Pending", "SignalConfig", "Values", "Workspace", "compute_step"]

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ..metrics import DURATION_BUCKET_LABELS, DURATION_BUCKETS, DURATION_SAMPLE_MAX
+from .buckets import DURATION_BUCKET_LABELS, DURATION_BUCKETS, DURATION_SAMPLE_MAX
 from .pending import Values
 from .reduce import constant, count_into
 
@@ -170,7 +170,7 @@ def rollout_values(values: Values, B: int, env: list[str] | None, phases: dict[s
     """The host-side rollout families, into ``values`` after the transfer: phases, the trained,
     launched and dropped counters per environment (and reason), and the launched-versus-trained
     means and ratios from the internal ``_rollout`` sums (removed here). ``dropped`` is a
-    :class:`rlwatch.rollout.Dropped` (reasons, env) or None."""
+    :class:`rlwatch.core.rollout.Dropped` (reasons, env) or None."""
     for name, seconds in phases.items():
         values.setdefault("phase_seconds", {})[(name,)] = seconds
         values.setdefault("phase_seconds_total", {})[(name,)] = seconds

@@ -13,8 +13,8 @@ in :func:`status`.
 The compiling thread is not a daemon: a process that exits while a compilation runs waits for it
 (seconds on a GPU host), because killing a thread inside the compiler aborts the interpreter.
 
-``RLWATCH_COMPILE`` chooses: ``auto`` (default: compile for CUDA tensors only), ``always`` (also on
-CPU; inductor emits C++ there and needs a compiler), ``never``.
+The Workspace's ``compile`` (a Watch passes ``RLWATCH_COMPILE``) chooses: ``auto`` (default: compile for CUDA
+tensors only), ``always`` (also on CPU; inductor emits C++ there and needs a compiler), ``never``.
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ _failed: dict[tuple, str] = {}                               # signature -> why 
 
 
 def compile_mode(override: str | None = None) -> str:
-    """``auto``, ``always`` or ``never`` from ``override`` or ``RLWATCH_COMPILE``."""
-    from ..config import compile_variable
-
-    value = (override or compile_variable() or "auto").strip().lower()
+    """``auto`` (also for None), ``always`` or ``never`` from ``override`` (the Workspace's ``compile``: the
+    caller reads ``RLWATCH_COMPILE``)."""
+    value = (override or "auto").strip().lower()
     return {"1": "always", "true": "always", "yes": "always", "0": "never", "false": "never",
             "no": "never"}.get(value, value if value in ("auto", "always", "never") else "auto")
 

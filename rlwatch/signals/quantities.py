@@ -4,7 +4,7 @@ A :class:`TokenSum` names a sum over the step's *valid tokens* (masked, with a f
 of a per-token term of :data:`TERMS`, of its square, of its comparison with a threshold, or split
 by a per-token index (``by``: the sampler-probability band or the version-lag bucket, one sum per
 label). A :class:`SeqSum` is the same over the sequences with a valid token. A :class:`Metric`
-is a catalogue family (:mod:`rlwatch.metrics`) and its host formula from those sums, read by name.
+is a catalogue family (:mod:`rlwatch.core.metrics`) and its host formula from those sums, read by name.
 An :class:`EpisodeRow` is a per-episode row (a term, what it needs, whether it is summed per
 environment), a :class:`GroupRow` a row of one value per GRPO group (a term, or a constant group's
 reward against a named threshold), and an episode :class:`Metric` a formula from the rows' sums.
@@ -15,7 +15,7 @@ results in the order :func:`token_fields` gives; :func:`finish_tokens` applies :
 the transferred vector. :mod:`.episodes` stacks :data:`EPISODE_ROWS` and :data:`GROUP_ROWS` in the
 order :func:`episode_layout` gives; :func:`finish_episodes` applies :data:`EPISODE_METRICS`. Adding
 a quantity is a term (when new), a sum or a row, and a metric here, and its
-:class:`~rlwatch.metrics.MetricSpec` in the catalogue (``docs/adding-a-signal.md``).
+:class:`~rlwatch.core.metrics.MetricSpec` in the catalogue (``docs/adding-a-signal.md``).
 
 Conventions: ``r = log pi_old - log mu`` (nats), ``w = exp(r)`` with r clamped to
 [-SAFETY_BOUND, SAFETY_BOUND] (as verl), ``s = log mu``; every term is 0 off the valid set, so
@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..metrics import LAG_BUCKET_LABELS, PROB_BIN_LABELS, ZERO_VARIANCE_KINDS
-from ..values import derive_hack_ratios
+from .buckets import LAG_BUCKET_LABELS, PROB_BIN_LABELS, ZERO_VARIANCE_KINDS
+from .derived import derive_hack_ratios
 from .pending import Values, _div
 from .reduce import plan
 from .settings import LAG_BINS, SAFETY_BOUND

@@ -69,7 +69,7 @@ class Workspace:
 
     def __init__(self, compile: str | None = None) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self.compile = compile       # "auto", "always" or "never"; None: RLWATCH_COMPILE (see engine)
+        self.compile = compile       # "auto" (also None), "always" or "never" (the Watch passes RLWATCH_COMPILE)
         self.compiled_steps = 0      # steps whose token signals ran as compiled code
 
     def get(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,

@@ -1,4 +1,4 @@
-"""One step: every signal of a validated :class:`~rlwatch.record.StepRecord` with one host transfer.
+"""One step: every signal of a validated :class:`~rlwatch.core.record.StepRecord` with one host transfer.
 
 The token and episode signals run as one function (:func:`.fused.step_core`, compiled by
 :mod:`.engine` when ready, else eagerly in chunks of sequences), finished on the host by
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import engine, fused, settings
-from ..metrics import LAG_BUCKETS, PROB_BIN_EDGES
+from .buckets import LAG_BUCKETS, PROB_BIN_EDGES
 from .durations import duration_core, finish_durations, rollout_values
 from .episodes import bound_values
 from .pending import Pending, Values
@@ -24,7 +24,7 @@ from .reduce import abs_bin_values, constant, plan
 from .settings import SignalConfig, Workspace
 
 if TYPE_CHECKING:
-    from ..record import StepRecord
+    from .inputs import StepRecord
 
 _BAND_THRESHOLDS = tuple(math.log(edge) for edge in PROB_BIN_EDGES)
 
@@ -146,7 +146,7 @@ def duration_signals(out: Pending, record: "StepRecord") -> None:
 def compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | None = None) -> Values:
     """Every signal of one validated step, with exactly one host synchronisation.
 
-    Returns ``{metric name: {label values: value}}`` using the names of :mod:`rlwatch.metrics`
+    Returns ``{metric name: {label values: value}}`` using the names of :mod:`rlwatch.core.metrics`
     (gauges hold the step's value, counters the step's increment, the histogram its per-bucket
     counts). Names starting with ``_`` are internal checks, not exported. Runs in inference mode
     (no autograd bookkeeping on the few hundred small operations of a step).
@@ -190,21 +190,3 @@ def _put_record_values(values: Values, record: "StepRecord") -> None:
             (e, kind): (count / episodes[(e,)] if episodes.get((e,)) else None)
             for (e, kind), count in failures.items()}
         # Kinds seen earlier but absent now are reported as 0 by the exporter state.
-
-
-def compute(config: SignalConfig | None = None, **fields) -> Values:
-    """Compute every signal of one step from plain tensors, without exporting anything.
-
-    Takes the same fields as :meth:`rlwatch.Watch.observe` (``mask`` required, ``step`` optional)
-    and raises :class:`~rlwatch.errors.InvalidFieldError` on a malformed field.
-    """
-    from ..errors import HookErrors
-    from ..record import RecordBuilder
-
-    config = config or SignalConfig()
-    step = fields.pop("step", 0)
-    builder = RecordBuilder(HookErrors(strict=True))
-    ws = Workspace()
-    record = builder.build(step, fields, ws)
-    assert record is not None
-    return compute_step(record, config, ws)

@@ -1,4 +1,4 @@
-"""``rlwatch whatif``'s options and what it runs (the command line itself is :mod:`rlwatch.cli`)."""
+"""``rlwatch whatif``'s options and what it runs (the command line itself is :mod:`rlwatch.ops.cli`)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..metrics import LAG_BUCKET_LABELS, LAG_BUCKETS
+from ..core.metrics import LAG_BUCKET_LABELS, LAG_BUCKETS
 from ..postmortem.sources import RunData, load_path
 
 DURATION_SAMPLES = "episode_duration_sample_seconds"

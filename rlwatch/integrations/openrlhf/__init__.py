@@ -84,7 +84,7 @@ Field mapping (``Experience`` -> ``Watch.observe``)
     (batch mean). Sampling temperature/top_p/top_k come from the generate call.
 
 Configuration
-    The RLWATCH_* variables of ``rlwatch.config.env_watch_options`` (through ``runtime_env.env_vars``); the run
+    The RLWATCH_* variables of ``rlwatch.core.config.env_watch_options`` (through ``runtime_env.env_vars``); the run
     defaults to ``--logger.wandb.run_name``, the group size to ``rollout.n_samples_per_prompt``
     (RLWATCH_GROUP_SIZE=0: no group-size check). With importance-sampling correction on, the
     masked-IS band of the mismatch signals is OpenRLHF's ``--algo.advantage.is_correction_threshold``.
@@ -102,9 +102,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ...config import rlwatch_variables, variables_or_defaults
-from ...fields import StepFields
-from ...rollout import PhaseClock
+from ...core.config import rlwatch_variables, variables_or_defaults
+from ...core.fields import StepFields
+from ...core.rollout import PhaseClock
 from .._instrumentor import Call, Hook, Patch, context_value
 from .._ray_actors import RayActorInstrumentor, config_get, framework_watch_options
 from .._trainer_logs import mirror_call

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ...fields import StepFields
+from ...core.fields import StepFields
 from .._ray_actors import config_get
 from .._tensors import episode_dicts, pad_cat, version_pairs
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ...postmortem.probe import ROLLOUTS_FILE
-from ...config import trainer_logs_enabled
+from ...core.config import trainer_logs_enabled
 from .. import _instrumentor, _trainer_logs
 from .._instrumentor import caller_self, guarded
 from .grpo import GRPOInstrumentor
@@ -233,7 +233,7 @@ def watch(trainer: Any, **watch_options: Any):
     returns the first Watch. On an unsupported TRL version the Watch is returned unattached (one
     warning, nothing patched).
     """
-    from ...watch import Watch
+    from ...hook.watch import Watch
 
     existing = _attached.get(trainer)
     if existing is not None:

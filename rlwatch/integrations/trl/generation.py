@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from ...fields import StepFields
-from ...metrics import CATALOGUE
+from ...core.fields import StepFields
+from ...core.metrics import CATALOGUE
 
 logger = logging.getLogger("rlwatch")
 
@@ -199,7 +199,7 @@ class GenerationSignals:
             self._pending.append(values)
 
     def on_step(self, step: int, values: dict) -> dict:
-        from ...values import ADDITIVE_KINDS, StepValues, kind_of
+        from ...core.values import ADDITIVE_KINDS, StepValues, kind_of
 
         for name in STEP_EPISODE_FAMILIES:
             values.pop(name, None)
@@ -354,7 +354,7 @@ class GenerationPath:
 
     def generation_values(self, step: int, generations: list[Generation]) -> dict:
         """Every episode-level signal of the batches, computed together on the whole (gathered) batches."""
-        from ...threads import few_threads_for
+        from ...core.threads import few_threads_for
         from ...signals import compute_step
 
         record = self._builder.build(step, self.generation_fields(generations))

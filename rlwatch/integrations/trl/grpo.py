@@ -9,9 +9,9 @@ from typing import Any, Iterator
 
 import torch
 
-from ...fields import StepFields
-from ...record import RecordBuilder
-from ...rollout import PhaseClock
+from ...core.fields import StepFields
+from ...core.record import RecordBuilder
+from ...core.rollout import PhaseClock
 from .._instrumentor import Call, Hook, Instrumentor, Patch, guarded
 from .._tensors import pad_cat
 from .generation import (PROBE_ROWS, VERSION_KEY, Generation, GenerationPath, GenerationSignals, audit_verdicts,

@@ -56,7 +56,7 @@ Field mapping (DataProto / TransferQueue -> ``Watch.observe``)
     the trainer's ``global_steps``.
 
 Configuration
-    The RLWATCH_* variables of ``rlwatch.config.env_watch_options`` (through ``runtime_env.env_vars``); the run
+    The RLWATCH_* variables of ``rlwatch.core.config.env_watch_options`` (through ``runtime_env.env_vars``); the run
     defaults to ``trainer.experiment_name``, the group size to ``rollout.n`` (RLWATCH_GROUP_SIZE=0:
     no group-size check).
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from ...fields import StepFields
+from ...core.fields import StepFields
 from .._ray_actors import config_get
 from .._tensors import episode_dicts, version_pairs
 

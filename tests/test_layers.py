@@ -1,0 +1,67 @@
+"""The package's layers: each subpackage imports only the layers below it (every import, lazy ones and
+those under ``TYPE_CHECKING`` included), and the signals import nothing else from rlwatch."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "rlwatch"
+
+#: Bottom to top. A subpackage may import its own layer's packages and the layers below, never above.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("signals",),                              # plain tensors in, values out
+    ("core",),                                 # the step's data, the catalogue, options, errors, state
+    ("alerts", "analyses", "hacks"),           # what reads the values: alert catalogue, drift, diagnosis, hacks
+    ("runs",),                                 # the run store, registration, the local stack
+    ("exporters",),                            # Prometheus, OpenTelemetry, push, landing page
+    ("hook",),                                 # Watch, compute, the step pipeline and lifecycle
+    ("integrations", "postmortem", "whatif", "demo"),
+    ("ops",),                                  # the command line, autoload, the child process
+)
+LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
+
+
+def imports(path: Path) -> list[str]:
+    """Every rlwatch module or package ``path`` imports (``from .x import y`` names ``x.y`` too)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    package = list(parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] == "rlwatch"]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            if module.split(".")[0] == "rlwatch":
+                out.append(module)
+    return out
+
+
+def subpackage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else None
+
+
+def test_the_layers_name_every_subpackage():
+    found = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert found == set(LAYER)
+
+
+def test_signals_import_nothing_else_from_rlwatch():
+    outside = {(str(p.relative_to(PACKAGE)), m) for p in (PACKAGE / "signals").rglob("*.py")
+               for m in imports(p) if subpackage(m) != "signals"}
+    assert outside == set()
+
+
+def test_every_import_points_down_or_across():
+    upward = []
+    for path in PACKAGE.rglob("*.py"):
+        here = subpackage(".".join(path.relative_to(PACKAGE.parent).parts))
+        if here is None:
+            continue                            # rlwatch/__init__.py and __main__.py sit above every layer
+        for module in imports(path):
+            there = subpackage(module)
+            if there is not None and LAYER[there] > LAYER[here]:
+                upward.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert upward == []
