@@ -16,7 +16,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runs",),                                 # the run store, registration, the local stack
     ("exporters",),                            # Prometheus, OpenTelemetry, push, landing page
     ("hook",),                                 # Watch, compute, the step pipeline and lifecycle
-    ("integrations", "postmortem", "whatif", "demo"),
+    ("postmortem", "whatif", "demo"),          # the commands beside the hook
+    ("integrations",),                         # TRL, verl, OpenRLHF
     ("ops",),                                  # the command line, autoload, the child process
 )
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
