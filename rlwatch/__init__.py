@@ -21,10 +21,12 @@ from .core.errors import InvalidFieldError, PortInUseError, RLWatchError
 
 __version__ = "0.1.0"           # the distribution's version too (pyproject.toml reads it)
 
-__all__ = ["Watch", "SignalConfig", "compute", "InvalidFieldError", "PortInUseError", "RLWatchError",
-           "__version__"]
+__all__ = ["Watch", "WatchConfig", "SignalConfig", "StepFields", "StepValues", "StoreReader", "compute",
+           "InvalidFieldError", "PortInUseError", "RLWatchError", "__version__"]
 
-_LAZY = {"Watch": ("hook.watch", "Watch"), "SignalConfig": ("signals", "SignalConfig"),
+_LAZY = {"Watch": ("hook.watch", "Watch"), "WatchConfig": ("core.config", "WatchConfig"),
+         "SignalConfig": ("signals", "SignalConfig"), "StepFields": ("core.fields", "StepFields"),
+         "StepValues": ("core.values", "StepValues"), "StoreReader": ("runs.store_reader", "StoreReader"),
          "compute": ("hook.compute", "compute")}
 _LAZY_MODULES = {"hacks"}          # ``rlwatch.hacks.detector`` after a plain ``import rlwatch``
 

@@ -66,3 +66,23 @@ def test_every_import_points_down_or_across():
             if there is not None and LAYER[there] > LAYER[here]:
                 upward.append(f"{path.relative_to(PACKAGE)} imports {module}")
     assert upward == []
+
+
+def test_the_public_names_stay_where_users_import_them():
+    """The restructuring moved modules, not the names users write: ``rlwatch.X`` for the hook's types, the
+    integrations' packages, ``python -m rlwatch`` as the ``rlwatch`` command."""
+    import importlib
+    import subprocess
+    import sys
+
+    import rlwatch
+
+    for name in rlwatch.__all__:
+        assert getattr(rlwatch, name) is not None
+    assert rlwatch.Watch.__module__ == "rlwatch.hook.watch" and callable(rlwatch.compute)
+    for module in ("rlwatch.integrations.trl", "rlwatch.integrations.verl", "rlwatch.integrations.openrlhf",
+                   "rlwatch.hacks", "rlwatch.postmortem.probe"):
+        assert importlib.util.find_spec(module) is not None
+    out = subprocess.run([sys.executable, "-m", "rlwatch", "--version"], capture_output=True, text=True, timeout=60,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0 and out.stdout.startswith("rlwatch-llm ")
