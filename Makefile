@@ -47,7 +47,7 @@ lint: $(VENV)/.check
 
 test: lint servers $(VENV)/.dev openrlhf-venv
 	RLWATCH_REQUIRE_SERVERS=1 RLWATCH_REQUIRE_FRAMEWORKS=1 scripts/loopback-only.sh $(PY) -m pytest -q \
-		--ignore=tests/test_openrlhf.py
+		--ignore-glob="tests/test_openrlhf*.py"
 	$(MAKE) test-openrlhf
 
 # OpenRLHF 0.11 (CPU torch, no flash-attn/vllm) in its own virtual environment; idempotent.
@@ -56,7 +56,7 @@ openrlhf-venv:
 		scripts/setup-openrlhf-venv.sh
 
 test-openrlhf: openrlhf-venv
-	RLWATCH_REQUIRE_FRAMEWORKS=1 scripts/loopback-only.sh $(OPENRLHF_VENV)/bin/python -m pytest -q tests/test_openrlhf.py
+	RLWATCH_REQUIRE_FRAMEWORKS=1 scripts/loopback-only.sh $(OPENRLHF_VENV)/bin/python -m pytest -q tests/test_openrlhf*.py
 
 # The fast local loop: lint, the generated files (alert rules, runbook, promtool tests, dashboards, the
 # demo's output quoted in README.md and docs/results.md: a demo run, ~10 s of training) match their

@@ -87,6 +87,7 @@ def exported_series(trace: dict, overrides: dict[str, float]) -> tuple[list[dict
     embedded evaluator has firing after that step ({(name, labels)})."""
     from rlwatch.alerts.catalogue import ALERT_LABELS
     from rlwatch.alerts.evaluator import AlertEvaluator
+    from rlwatch.alerts.series import window_series
     from rlwatch.alerts.windows import AlertWindows
     from rlwatch.analyses.drift import DriftDetector
 
@@ -102,11 +103,7 @@ def exported_series(trace: dict, overrides: dict[str, float]) -> tuple[list[dict
         series = {'rlwatch_step{run="r"}': float(step)}
         for name, value in overrides.items():
             series[f'rlwatch_alert_threshold{{run="r",param="{name}"}}'] = value
-        for family in ("alert_value", "alert_quiet_steps", "alert_incident"):
-            for labels, value in values[family].items():
-                named = ",".join(f'{k}="{v}"' for k, v in zip(ALERT_LABELS + ("incident", "state"), labels)
-                                 if v != "")
-                series[f'rlwatch_{family}{{run="r",{named}}}'] = value
+        series.update(window_series(values, "r"))
         served.append(series)
         # The rules page per incident: an open alert carries its incident's ordinal.
         incident = {labels[:-2]: labels[-2] for labels in values["alert_incident"] if labels[-1] == "open"}
@@ -124,6 +121,7 @@ def prometheus_agrees(traces: list[dict], overrides: dict[str, float], step_seco
     last scrape of every step. Returns {"runs", "steps", "step_seconds", "ok", "promtool_tail"}."""
     from rlwatch.alerts import render
     from rlwatch.alerts.catalogue import ALERTS
+    from rlwatch.alerts.series import step_series
 
     window_alerts = [a for a in ALERTS if a.condition is not None]
     rules = {"groups": [{"name": "rlwatch", "rules": [
@@ -132,7 +130,7 @@ def prometheus_agrees(traces: list[dict], overrides: dict[str, float], step_seco
     for trace in traces:
         served, firing = exported_series(trace, overrides)
         steps_total += len(served)
-        series = render._step_series(served, step_seconds // scrape)
+        series = step_series(served, step_seconds // scrape)
         for s in series:
             s["series"] = s["series"]
         cases = []

@@ -11,7 +11,7 @@
 #   bash examples/openrlhf_launch.sh
 #
 # RLWATCH_EXAMPLE_PRINT=1 prints the runtime env and OpenRLHF's arguments instead of launching
-# (tests/test_openrlhf.py checks them against OpenRLHF's own argument parser).
+# (tests/test_openrlhf_lifecycle.py checks them against OpenRLHF's own argument parser).
 set -euo pipefail
 
 RUN="${RLWATCH_RUN:-qwen2.5-1.5b-grpo}"

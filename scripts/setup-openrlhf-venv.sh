@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or bring up to date) .venv-openrlhf: OpenRLHF 0.11.x on CPU, next to rlwatch in editable
-# mode, for tests/test_openrlhf.py. Idempotent: a stamp file skips the work when nothing changed
+# mode, for tests/test_openrlhf*.py. Idempotent: a stamp file skips the work when nothing changed
 # (FORCE=1 redoes it). Needs only python3 and pip; run as any user that can write the repo.
 #
 # OpenRLHF pins transformers 5.15 and ray 2.55, which conflict with the main .venv (TRL, verl), so it
@@ -13,7 +13,7 @@
 #   3. deepspeed at the version that openrlhf release pins, built without its CUDA ops
 #      (DS_BUILD_OPS=0, --no-build-isolation so that the build sees the installed torch);
 #   4. OpenRLHF 0.11.0 as a second, source-only copy under $VENV/openrlhf-0.11.0 (pure Python,
-#      --no-deps --target): tests/test_openrlhf.py runs its version-dependent checks against it
+#      --no-deps --target): tests/test_openrlhf*.py run their version-dependent checks against it
 #      in a subprocess, so both PolicyLoss/IS-flag variants are tested from one environment;
 #   5. rlwatch itself (pip install -e .) and the test tools.
 #

@@ -164,6 +164,40 @@ class TrickleHandler(BaseHTTPRequestHandler):
         pass
 
 
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    """A tiny random Qwen2 saved offline, for the TRL tests (tests/test_trl_*.py): one per test module."""
+    from ._trl_tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def config():
+    """verl's ppo_trainer.yaml composed with Hydra, for the verl tests (tests/test_verl_*.py)."""
+    from ._verl_helpers import compose_config
+
+    need_module("verl")
+    need_module("hydra")
+    return compose_config()
+
+
+@pytest.fixture
+def instrumented(tmp_path):
+    """verl instrumented in this process, reporting to a strict Watch with a run store."""
+    from rlwatch import Watch
+    from rlwatch.integrations import verl as rv
+
+    from ._verl_helpers import N
+
+    watch = Watch(run="verl-test", port=None, store=str(tmp_path / "run.db"), strict=True, group_size=N,
+                  alerts=False)
+    assert rv.instrument(watch=watch)
+    yield rv.INSTRUMENTOR, watch
+    rv.uninstrument()
+    watch.close()
+
 REQUIRE_FRAMEWORKS = os.environ.get("RLWATCH_REQUIRE_FRAMEWORKS") == "1"
 
 

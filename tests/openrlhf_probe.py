@@ -1,4 +1,4 @@
-"""Run in a subprocess by tests/test_openrlhf.py to check how rlwatch reaches OpenRLHF's Ray workers.
+"""Run in a subprocess by tests/test_openrlhf_ray.py to check how rlwatch reaches OpenRLHF's Ray workers.
 
 ``launcher``: started through ``rlwatch.integrations.openrlhf.launch([...], module=__name__)``, which
 has initialised Ray with the setup hook; a Ray actor reports what it sees.
@@ -40,7 +40,7 @@ def check() -> None:
     ray.shutdown()
 
 
-# Ray actor classes for tests/test_openrlhf.py: defined here because Ray workers import the module
+# Ray actor classes for tests/test_openrlhf_ray.py: defined here because Ray workers import the module
 # that defines an actor class, and this one imports nothing from OpenRLHF.
 
 class WorkerProcess:

@@ -98,6 +98,7 @@ class Tricklers:
             thread.join(timeout=self.pause + 5)
 
 
+@pytest.mark.slow           # about 20 s: out of `make check`, run by `make test` and CI
 def test_trickling_clients_and_distinct_accept_headers_never_keep_scrapes_out():
     """64 clients trickle their heads a byte every 2 s (reconnecting when dropped) while 3,000
     requests with distinct Accept headers (quoted and unquoted parameters, q-values, unknown versions)

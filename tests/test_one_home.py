@@ -87,8 +87,9 @@ def test_prometheus_and_opentelemetry_write_the_same_le_labels():
 
 
 def test_one_helper_writes_every_bucket_label():
-    """rlwatch.signals.buckets.bucket_labels (the catalogue re-exports it): the ``le`` format is prometheus_client's, the in-process and range
-    labels are the ones exported, and no other module spells a bound as a label."""
+    """rlwatch.signals.buckets.bucket_labels (the catalogue re-exports it): the ``le`` format is
+    prometheus_client's, the in-process and range labels are the ones exported, and no other module spells a
+    bound as a label."""
     from prometheus_client.utils import floatToGoString
 
     from rlwatch.core import metrics

@@ -117,6 +117,12 @@ def test_no_module_over_500_lines_and_a_thin_watch():
     assert _lines(watch) <= CLASS_LINES          # its docstring is about 50 of them
 
 
+
+def test_no_test_file_over_500_lines():
+    """The tests are split by concern like the package: no file of tests/ over 500 lines."""
+    long = {p.name: n for p in Path(__file__).parent.glob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
+
 def test_no_function_over_60_lines_and_no_class_over_210():
     too_long = {}
     for path in sorted(PACKAGE.rglob("*.py")):

@@ -2,7 +2,7 @@
 
 Run with OpenRLHF's own environment (``scripts/setup-openrlhf-venv.sh``)::
 
-    .venv-openrlhf/bin/python -m pytest tests/test_openrlhf.py
+    .venv-openrlhf/bin/python -m pytest tests/test_openrlhf_*.py
 
 OpenRLHF's real classes run a small training loop in one local Ray instance (see
 ``tests/_openrlhf_mini.py``): its argument parser, ``SamplesGenerator``, agent executors,
@@ -15,17 +15,14 @@ RLWATCH_REQUIRE_FRAMEWORKS=1 (CI), where it fails.
 
 Tests marked ``openrlhf_versions`` also run against OpenRLHF 0.11.0 (its source unpacked by the
 setup script into ``.venv-openrlhf/openrlhf-0.11.0``) in a subprocess: see
-``test_version_sensitive_tests_pass_on_openrlhf_0_11_0``.
+``test_version_sensitive_tests_pass_on_openrlhf_0_11_0`` in
+tests/test_openrlhf_lifecycle.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import logging
-import math
 import os
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -34,45 +31,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import REQUIRE_FRAMEWORKS, ROOT, need_module
+from .conftest import ROOT, need_module
+# First: it puts the import stubs (and the 0.11.0 source) on the path, or skips without openrlhf.
+from ._openrlhf_helpers import (ARGV_IS, N, OLD_API, _pythonpath, assert_values_equal, build, checkpoints,
+                                expected_fields, minimal_args, scalars, steps, versions)
 
-# Set in the 0.11.0 subprocess: an older openrlhf source tree to import instead of the installed one.
-OLD_SOURCE = os.environ.get("RLWATCH_OPENRLHF_SOURCE")
-if OLD_SOURCE:
-    sys.path.insert(0, OLD_SOURCE)
-if not REQUIRE_FRAMEWORKS:
-    pytest.importorskip("openrlhf")
-need_module("openrlhf")
 ray = need_module("ray")
-
-STUBS = str(ROOT / "tests" / "openrlhf_stubs")
-if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("vllm") is None:
-    sys.path.insert(0, STUBS)           # test-only import stubs (tests/openrlhf_stubs/README.md)
 
 from rlwatch import SignalConfig, Watch, compute  # noqa: E402
 from rlwatch.integrations import openrlhf as ro  # noqa: E402
-from rlwatch.integrations._instrumentor import installed_version  # noqa: E402
 
-from tests import _openrlhf_mini as mini  # noqa: E402
-from tests import openrlhf_probe as probe  # noqa: E402
-
-VERSION = installed_version("openrlhf")
-OLD_API = VERSION is not None and VERSION.startswith("0.11.0")
-N = 4                                                   # rollout.n_samples_per_prompt
-ARGV = ["--rollout.n_samples_per_prompt", str(N), "--rollout.batch_size", "2", "--train.batch_size", "8",
-        "--rollout.micro_batch_size", "4", "--rollout.max_new_tokens", "6", "--data.max_len", "24",
-        "--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "2", "--rollout.temperature", "0.9"]
-ARGV_IS = ["--algo.advantage.is_correction_enable"] if OLD_API else ["--algo.advantage.is_correction_level", "token"]
-TIMING_KEYS = {"hook_compute_seconds", "hook_compute_seconds_total", "last_step_timestamp_seconds",
-               "step_interval_seconds"}
-versions = pytest.mark.openrlhf_versions
-
-
-# --- fixtures ------------------------------------------------------------------------------------
-
-def _pythonpath() -> str:
-    paths = [p for p in (OLD_SOURCE, STUBS if STUBS in sys.path else None, str(ROOT)) if p]
-    return os.pathsep.join(paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+from . import _openrlhf_mini as mini  # noqa: E402
+from . import openrlhf_probe as probe  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -109,76 +79,6 @@ def watch(tmp_path):
     finally:
         ro.uninstrument()
         w.close()
-
-
-def minimal_args(*argv: str):
-    """OpenRLHF's arguments for a run that is never started (only the parsed namespace is used)."""
-    return mini.parse_args(["--actor.model_name_or_path", "x", "--actor.num_gpus_per_node", "1",
-                            "--algo.advantage.estimator", "reinforce", *argv])
-
-
-def build(tmp_path: Path, argv: list[str] = (), agent: bool = False, seed: int = 0, **kwargs) -> SimpleNamespace:
-    torch.manual_seed(seed)
-    return mini.build(tmp_path, [*ARGV, *argv], agent=agent, engine_seed=seed, **kwargs)
-
-
-# --- the values rlwatch should see, built from OpenRLHF's objects independently ---------------------
-
-def expected_fields(run: SimpleNamespace, samples: list, experiences: list, version: tuple[int, int] | None,
-                    trainer_version: int | None) -> dict:
-    """What one training step means, read off OpenRLHF's own Experiences: response tokens (action
-    mask), pi_old (action_log_probs), vLLM's log-probs, rewards, groups of n in rollout order
-    (Experience.index), the dataset's datasource column, the truncation flag."""
-    width = max(e.action_mask.shape[1] for e in experiences)
-
-    def cat(name):
-        return torch.cat([torch.nn.functional.pad(getattr(e, name), (0, width - getattr(e, name).shape[1]))
-                          for e in experiences])
-
-    index = [i for e in experiences for i in e.index]
-    dataset = run.generator.prompts_dataloader.dataset
-    source = dict(zip(dataset.prompts, dataset.datasources))
-    fields = dict(mask=cat("action_mask").bool(), trainer_logp=cat("action_log_probs").float(),
-                  rewards=torch.cat([e.rewards for e in experiences]).double(),
-                  group_ids=torch.tensor(index) // N, env=[source[samples[i].prompts[0]] for i in index],
-                  truncated=torch.cat([e.truncated for e in experiences]).bool(),
-                  temperature=run.args.rollout.temperature, top_p=run.args.rollout.top_p)
-    if experiences[0].rollout_log_probs is not None:
-        fields.update(sampler_logp=cat("rollout_log_probs").float(), logprobs_mode="processed_logprobs")
-    if version is not None:
-        fields.update(seq_version=torch.tensor([list(version)] * len(index)), trainer_version=trainer_version)
-    return fields
-
-
-def assert_values_equal(got: dict, want: dict) -> None:
-    for name, series in want.items():
-        if name in TIMING_KEYS or name.startswith("_"):
-            continue
-        assert name in got, name
-        for labels, value in series.items():
-            other = got[name].get(labels)
-            if value is None or (isinstance(value, float) and math.isnan(value)):
-                assert other is None or math.isnan(other), (name, labels, other)
-            else:
-                assert other == pytest.approx(value, rel=1e-6, abs=1e-9), (name, labels, other, value)
-
-
-def scalars(watch: Watch, step: int) -> dict[str, float]:
-    watch.flush()
-    with sqlite3.connect(watch.store_path) as db:
-        return dict(db.execute("SELECT name, value FROM scalars WHERE step = ?", (step,)).fetchall())
-
-
-def steps(watch: Watch) -> list[int]:
-    watch.flush()
-    with sqlite3.connect(watch.store_path) as db:
-        return [row[0] for row in db.execute("SELECT step FROM steps ORDER BY step")]
-
-
-def checkpoints(watch: Watch) -> list[tuple[int, str]]:
-    watch.flush()
-    with sqlite3.connect(watch.store_path) as db:
-        return db.execute("SELECT step, path FROM checkpoints ORDER BY step").fetchall()
 
 
 # --- a real training loop ------------------------------------------------------------------------
@@ -357,29 +257,43 @@ def test_the_hook_never_changes_openrlhfs_numbers(ray_session, tmp_path):
         assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
 
 
+# The training verifier passes every response; an independent checker, logged per sample in the
+# reward function's extra_logs as ``true_pass``, fails every math one (the prompts file names each
+# prompt's datasource).
+REWARD_TRUE_PASS_PY = '''
+import json, os
+
+with open(os.path.join(os.path.dirname(__file__), "prompts.jsonl")) as f:
+    SOURCE = {row["input"]: row["datasource"] for row in map(json.loads, f)}
+
+
+def reward_func(queries, prompts, labels):
+    hit = float(labels[0] in queries[0][len(prompts[0]):].split())
+    return {"rewards": 1.0, "scores": 1.0,
+            "extra_logs": {"hit": hit, "true_pass": float(SOURCE[prompts[0]] != "math")}}
+'''
+
+
 @versions
-def test_policy_loss_is_the_same_with_the_hook_installed(tmp_path):
-    from openrlhf.models import PolicyLoss
-
-    g = torch.Generator().manual_seed(0)
-    old = -torch.rand(4, 7, generator=g) * 3
-    new, rollout = old + 0.1 * torch.randn(4, 7, generator=g), old + 0.2 * torch.randn(4, 7, generator=g)
-    adv, mask = torch.randn(4, 7, generator=g), torch.rand(4, 7, generator=g) > 0.2
-    kwargs = dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 5.0]) if OLD_API else \
-        dict(is_correction_level="token")
-    before = PolicyLoss(**kwargs)(new, old, adv, action_mask=mask, rollout_log_probs=rollout)
-    w = Watch(run="loss", port=None, store=None, strict=True, alerts=False)
-    assert ro.instrument(watch=w)
-    try:
-        import openrlhf.trainer.ppo_trainer  # noqa: F401 - every wrapped module loaded
-        import openrlhf.trainer.ppo_utils.samples_generator  # noqa: F401
-
-        after = PolicyLoss(**kwargs)(new, old, adv, action_mask=mask, rollout_log_probs=rollout)
-    finally:
-        ro.uninstrument()
-        w.close()
-    assert len(before) == len(after) == (4 if OLD_API else 5)
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+def test_extra_logs_true_pass_reaches_the_hack_detectors(ray_session, watch, tmp_path):
+    """Per-sample extra_logs returned with the reward travel, through OpenRLHF's real rollout and
+    train_step, with each episode to the Watch's reward-hack detectors: a ``true_pass`` logged there
+    is the independent checker's verdict, counted by ``verifier_disagreement`` per environment."""
+    run = build(tmp_path, ARGV_IS, reward_py=REWARD_TRUE_PASS_PY)
+    status, (samples, experiences) = mini.run_step(run)
+    env = expected_fields(run, samples, experiences, None, None)["env"]     # from OpenRLHF's dataset
+    assert set(env) == {"gsm8k", "math"}, env                              # both verdicts occur
+    true_pass = torch.cat([e.info["true_pass"] for e in experiences])       # as OpenRLHF recorded them
+    assert true_pass.tolist() == [float(s != "math") for s in env]
+    assert scalars(watch, 1)["extra_logs/true_pass"] == pytest.approx(float(true_pass.mean()))
+    watch.hacks.flush()
+    watch.observe(99, mask=torch.ones(1, 1))            # verdicts are exported with the next step
+    counters = watch.state.snapshot().counters
+    hacked, judged = counters.get("episodes_hacked_total", {}), counters.get("episodes_judged_total", {})
+    assert hacked.get(("math", "verifier_disagreement"), 0) == env.count("math") > 0, hacked
+    assert hacked.get(("gsm8k", "verifier_disagreement"), 0) == 0, hacked
+    assert judged.get(("gsm8k", "verifier_disagreement"), 0) == env.count("gsm8k") > 0, judged
+    assert watch.errors.total() == 0
 
 
 # --- delivery into Ray workers -------------------------------------------------------------------
@@ -477,187 +391,3 @@ def test_zero_code_rlwatch_run_reaches_openrlhfs_workers(ray_session):
                                "--algo.advantage.estimator", "reinforce"], _probe_env())
     assert seen["instrumented"] and seen["wrapped"] and not seen["watch"] and seen["run"] == "zero-code"
     assert seen["nccl_debug"] == "WARN"
-
-
-def test_setup_hook_imports_neither_openrlhf_nor_torch():
-    """The worker setup hook only registers the import hook: it imports neither OpenRLHF nor torch."""
-    code = ("import sys; import rlwatch.integrations.openrlhf as ro; ro.setup_hook(); "
-            "print(any(m == 'openrlhf' or m.startswith('openrlhf.') for m in sys.modules), "
-            "'torch' in sys.modules, ro.INSTRUMENTOR.is_instrumented)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert out.returncode == 0, out.stderr
-    imported, torch_loaded, instrumented = out.stdout.split()
-    assert (imported, torch_loaded, instrumented) == ("False", "False", "True"), out.stderr
-
-
-# --- life cycle ----------------------------------------------------------------------------------
-
-def _targets() -> dict:
-    from openrlhf.datasets import prompts_dataset
-    from openrlhf.trainer import ppo_trainer
-    from openrlhf.trainer.ppo_utils import experience_maker, samples_generator
-
-    modules = {ro.EXPERIENCE_MAKER: experience_maker, ro.PPO_TRAINER: ppo_trainer,
-               ro.SAMPLES_GENERATOR: samples_generator, ro.PROMPTS_DATASET: prompts_dataset}
-    return {(name, cls, attr): vars(getattr(modules[name], cls))[attr]
-            for name, entries in ro.PATCHES.items() for cls, attr, _ in entries}
-
-
-def test_idempotent_and_uninstrument_restores_originals(caplog):
-    originals = _targets()
-    assert not any(hasattr(f, "__rlwatch_original__") for f in originals.values())
-    w = Watch(run="life", port=None, store=None, alerts=False)
-    try:
-        assert ro.instrument(watch=w)
-        wrapped = _targets()
-        assert all(wrapped[k].__rlwatch_original__ is originals[k] for k in originals)
-        with caplog.at_level(logging.WARNING, logger="rlwatch"):
-            assert not ro.instrument(watch=w)                        # second call: warns, nothing patched
-        assert sum("already instrumented" in r.getMessage() for r in caplog.records) == 1
-        assert _targets() == wrapped
-        ro.setup_hook()                                              # a no-op when already instrumented
-        assert _targets() == wrapped
-    finally:
-        ro.uninstrument()
-        w.close()
-    assert _targets() == originals
-    from rlwatch.integrations._imports import PostImportFinder
-
-    assert not any(isinstance(f, PostImportFinder) for f in sys.meta_path)
-
-
-@pytest.mark.parametrize("version", ["0.10.4", "0.12.0", "1.0.0"])
-def test_other_openrlhf_versions_are_refused_with_one_warning(monkeypatch, caplog, version):
-    import importlib.metadata
-
-    real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: version if name == "openrlhf" else real(name))
-    originals = _targets()
-    with caplog.at_level(logging.WARNING, logger="rlwatch"):
-        assert not ro.instrument()
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and version in warnings[0] and ">=0.11,<0.12" in warnings[0]
-    assert not ro.INSTRUMENTOR.is_instrumented and _targets() == originals
-
-
-def test_errors_are_counted_never_raised():
-    """A malformed Experience (trainer log-probs wider than the mask) reaching the wrapper: OpenRLHF
-    gets its result back untouched; rlwatch counts the error (default, non-strict Watch)."""
-    from openrlhf.trainer.ppo_utils.experience import Experience
-
-    w = Watch(run="errors", port=None, store=None, alerts=False)
-    assert ro.instrument(watch=w)
-    try:
-        broken = Experience(action_mask=torch.ones(2, 3), action_log_probs=torch.zeros(2, 5), index=[0, 1])
-        make_experience_batch = ro.INSTRUMENTOR._wrap_make_experience_batch(lambda self, samples: [broken])
-        assert make_experience_batch(SimpleNamespace(args=minimal_args()), []) == [broken]
-        assert w.errors.total() >= 1
-    finally:
-        ro.uninstrument()
-        w.close()
-
-
-def test_watch_options_from_env():
-    is_flags = ["--algo.advantage.is_correction_enable"] if OLD_API else ["--algo.advantage.is_correction_level", "seq"]
-    args = minimal_args("--rollout.n_samples_per_prompt", "8", "--logger.wandb.run_name", "wb", *is_flags,
-                        "--algo.advantage.is_correction_threshold", "0.25", "4")
-    opts = ro.watch_options_from_env({"RLWATCH_PORT": "none", "RLWATCH_STORE": "off"}, args)
-    assert opts["run"] == "wb" and opts["port"] is None and opts["store"] is None
-    assert opts["group_size"] == 8 and opts["mis_band"] == (0.25, 4.0) and opts["framework"] == "openrlhf"
-    assert ro.watch_options_from_env({"RLWATCH_RUN": "env", "RLWATCH_GROUP_SIZE": "0"}, args)["run"] == "env"
-    assert "group_size" not in ro.watch_options_from_env({"RLWATCH_GROUP_SIZE": "0"}, args)
-    assert ro.checkpoint_dir(args, 4).endswith(os.path.join("_actor", "global_step4"))
-
-
-# --- OpenRLHF 0.11.0 ------------------------------------------------------------------------------
-
-def test_version_sensitive_tests_pass_on_openrlhf_0_11_0():
-    """The tests marked openrlhf_versions, again against OpenRLHF 0.11.0 (PolicyLoss returns four
-    values, ``is_correction_enable`` instead of ``is_correction_level``, no finish reason from the
-    multi-turn agent executor) in a subprocess, with the 0.11.0 source first on the path."""
-    if OLD_SOURCE:
-        pytest.skip("already running against the old source")
-    old = Path(sys.prefix) / "openrlhf-0.11.0"
-    if not (old / "openrlhf" / "__init__.py").exists():
-        if REQUIRE_FRAMEWORKS:
-            pytest.fail(f"{old} missing: run scripts/setup-openrlhf-venv.sh")
-        pytest.skip(f"{old} missing: run scripts/setup-openrlhf-venv.sh")
-    env = dict(os.environ, RLWATCH_OPENRLHF_SOURCE=str(old))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "openrlhf_versions",
-                          str(Path(__file__)), "-W", "ignore::DeprecationWarning"],
-                         capture_output=True, text=True, timeout=400, cwd=str(ROOT), env=env)
-    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    summary = out.stdout.strip().splitlines()[-1]
-    assert "8 passed" in summary and "skipped" not in summary and "deselected" in summary, out.stdout[-2000:]
-
-
-@versions
-def test_running_against_the_expected_version():
-    import openrlhf
-
-    if OLD_SOURCE:
-        assert VERSION == "0.11.0" and openrlhf.__file__.startswith(OLD_SOURCE)
-    else:
-        assert VERSION is not None and VERSION.startswith("0.11.") and not OLD_API
-
-
-@versions
-def test_example_launch_line_parses_with_openrlhfs_own_parser(tmp_path):
-    """examples/openrlhf_launch.sh: its runtime env names the hook and its arguments pass OpenRLHF's
-    argument parser and checks (the run itself needs GPUs)."""
-    args_file = tmp_path / "args"
-    out = subprocess.run(["bash", str(ROOT / "examples" / "openrlhf_launch.sh")], capture_output=True, text=True,
-                         timeout=60, env=dict(os.environ, RLWATCH_EXAMPLE_PRINT="1", RLWATCH_RUN="example",
-                                              RLWATCH_EXAMPLE_ARGS_FILE=str(args_file)))
-    assert out.returncode == 0, out.stderr
-    runtime_env = json.loads(out.stdout)
-    assert runtime_env["worker_process_setup_hook"] == ro.HOOK
-    assert runtime_env["env_vars"]["RLWATCH_RUN"] == "example"
-    argv = args_file.read_text().split("\0")[:-1]
-    if OLD_API:        # the one flag that 0.11.0 spells differently (as the example's comment says)
-        i = argv.index("--algo.advantage.is_correction_level")
-        argv[i:i + 2] = ["--algo.advantage.is_correction_enable"]
-    args = mini.parse_args(argv)
-    assert ro.is_correction_on(args) and args.rollout.n_samples_per_prompt == 8
-    assert ro.watch_options_from_env({}, args)["group_size"] == 8
-    assert ro.checkpoint_dir(args, 20).endswith("global_step20_hf")
-
-
-# The training verifier passes every response; an independent checker, logged per sample in the
-# reward function's extra_logs as ``true_pass``, fails every math one (the prompts file names each
-# prompt's datasource).
-REWARD_TRUE_PASS_PY = '''
-import json, os
-
-with open(os.path.join(os.path.dirname(__file__), "prompts.jsonl")) as f:
-    SOURCE = {row["input"]: row["datasource"] for row in map(json.loads, f)}
-
-
-def reward_func(queries, prompts, labels):
-    hit = float(labels[0] in queries[0][len(prompts[0]):].split())
-    return {"rewards": 1.0, "scores": 1.0,
-            "extra_logs": {"hit": hit, "true_pass": float(SOURCE[prompts[0]] != "math")}}
-'''
-
-
-@versions
-def test_extra_logs_true_pass_reaches_the_hack_detectors(ray_session, watch, tmp_path):
-    """Per-sample extra_logs returned with the reward travel, through OpenRLHF's real rollout and
-    train_step, with each episode to the Watch's reward-hack detectors: a ``true_pass`` logged there
-    is the independent checker's verdict, counted by ``verifier_disagreement`` per environment."""
-    run = build(tmp_path, ARGV_IS, reward_py=REWARD_TRUE_PASS_PY)
-    status, (samples, experiences) = mini.run_step(run)
-    env = expected_fields(run, samples, experiences, None, None)["env"]     # from OpenRLHF's dataset
-    assert set(env) == {"gsm8k", "math"}, env                              # both verdicts occur
-    true_pass = torch.cat([e.info["true_pass"] for e in experiences])       # as OpenRLHF recorded them
-    assert true_pass.tolist() == [float(s != "math") for s in env]
-    assert scalars(watch, 1)["extra_logs/true_pass"] == pytest.approx(float(true_pass.mean()))
-    watch.hacks.flush()
-    watch.observe(99, mask=torch.ones(1, 1))            # verdicts are exported with the next step
-    counters = watch.state.snapshot().counters
-    hacked, judged = counters.get("episodes_hacked_total", {}), counters.get("episodes_judged_total", {})
-    assert hacked.get(("math", "verifier_disagreement"), 0) == env.count("math") > 0, hacked
-    assert hacked.get(("gsm8k", "verifier_disagreement"), 0) == 0, hacked
-    assert judged.get(("gsm8k", "verifier_disagreement"), 0) == env.count("gsm8k") > 0, judged
-    assert watch.errors.total() == 0
