@@ -20,8 +20,21 @@ The size limits are read at call time from :mod:`.settings`: change
 
 from __future__ import annotations
 
-from .pending import Pending, Values
-from .settings import SignalConfig, Workspace
-from .step import compute_step
+from typing import Any
 
 __all__ = ["Pending", "SignalConfig", "Values", "Workspace", "compute_step"]
+
+# Loaded on first use: the catalogue imports the buckets and labels (.buckets) in processes that must not
+# import torch (a Ray worker's setup hook).
+_LAZY = {"Pending": ".pending", "Values": ".pending", "SignalConfig": ".settings", "Workspace": ".settings",
+         "compute_step": ".step"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
