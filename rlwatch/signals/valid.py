@@ -44,11 +44,11 @@ def band_index(s: torch.Tensor, edges: torch.Tensor, stacked: bool) -> torch.Ten
         return (s >= edges).sum(0)
     if torch.compiler.is_compiling():
         return sum(s >= edges[k] for k in range(edges.shape[0]))
-    # Eagerly each comparison is added as 0/1 into one float buffer (boolean results are several
-    # times slower to write on CPU), converted once.
-    band = (s >= edges[0]).to(s.dtype)
+    # Eagerly each comparison is written as 0/1 floats (boolean results are several times slower to write
+    # on CPU) and added into the first, converted once.
+    band, row = torch.ge(s, edges[0], out=torch.empty_like(s)), torch.empty_like(s)
     for k in range(1, edges.shape[0]):
-        band += s >= edges[k]
+        band.add_(torch.ge(s, edges[k], out=row))
     return band.int()
 
 
