@@ -252,27 +252,12 @@ def _chunk_parts(mask: torch.Tensor, version: torch.Tensor | None, trainer_logp:
     per_seq = mask.sum(-1)                                                    # [B] float32
     parts: list[torch.Tensor] = [per_seq.sum(0, keepdim=True, dtype=torch.float64)]   # exact: whole numbers
     lag_bins = None
-    mismatch = trainer_logp is not None and sampler_logp is not None
-    count_lags = mismatch and version is not None and version.shape == mask.shape and _shares_lag_count(mask)
     if version is not None:
-        lag, lag_bins = lag_part(version, trainer_version, mask, per_seq, histogram=not count_lags)
+        lag, lag_bins = lag_part(version, trainer_version, mask, per_seq)
         parts += lag
-    if mismatch:
-        more, lag_histogram = _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, lag_bins, exact_quantiles,
-                                             count_lags)
-        parts += more
-        if count_lags:
-            parts[1] = lag_histogram
+    if trainer_logp is not None and sampler_logp is not None:
+        parts += _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, lag_bins, exact_quantiles)
     return parts
-
-
-def _shares_lag_count(mask: torch.Tensor) -> bool:
-    """Whether the direct path's count of every token by (band, lag bin), eagerly on CPU, is the chunk's lag
-    histogram as well (per-token versions; the valid tokens split by band and by lag)."""
-    plan = token_plan(True)
-    return (mask.device.type == "cpu" and not torch.compiler.is_compiling()
-            and mask.numel() > settings.STACK_MAX_TOKENS and plan.by_kinds == ("band", "lag")
-            and {s.by for s in plan.by if s.term == "keep"} == {"band", "lag"})
 
 
 @contextlib.contextmanager
@@ -297,28 +282,24 @@ def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exa
 
 
 def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thresholds: torch.Tensor,
-                   lag_bins: torch.Tensor | None, exact_quantiles: bool,
-                   count_lags: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+                   lag_bins: torch.Tensor | None, exact_quantiles: bool) -> list[torch.Tensor]:
     """A chunk's token sums [K] (:func:`~.quantities.token_sums` order), extremes [3], sequence sums,
     largest |s_b| [1], and its |r| sample (exact: |r| on the valid set, +inf off it; else its
-    bit-pattern histogram). ``lag_bins``: each token's lag bin ([B, T] or [B, 1]) or None. With ``count_lags``
-    the lag histogram too, else None."""
+    bit-pattern histogram). ``lag_bins``: each token's lag bin ([B, T] or [B, 1]) or None."""
     work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
     thr = thresholds if work == torch.float64 else cached(("to", work), lambda: thresholds.to(work), on=thresholds)
     stacked = (mask.device.type == "cpu" and not torch.compiler.is_compiling()
                and mask.numel() <= settings.STACK_MAX_TOKENS)
     t = valid_terms(mask, trainer_logp, sampler_logp, thr, stacked)
     edges = cached(("edges",), lambda: thr[_threshold_slice(["edges"])].view(-1, 1, 1), on=thr)
-    index = {"band": band_index(t["s"], edges, stacked, t["keep"] if count_lags else None), "lag": lag_bins}
+    index = {"band": band_index(t["s"], edges, stacked), "lag": lag_bins}
     t["w_minus_1"] = torch.clamp(t["r"], -SAFETY_BOUND, SAFETY_BOUND).expm1_()    # 0 off the valid set
     token = token_plan(lag_bins is not None)
-    lag_histogram = None
     if stacked:
         sums, per_seq = _stacked_sums(token, {name: make(t) for name, make in token.terms}, thr, index)
     else:
-        sums, per_seq, lag_histogram = _direct_sums(token, t, thr, index, count_lags)
-    return [sums, extremes(t, stacked), *_sequence_sums(token, per_seq, thresholds),
-            abs_sample(t, exact_quantiles)], lag_histogram
+        sums, per_seq = _direct_sums(token, t, thr, index)
+    return [sums, extremes(t, stacked), *_sequence_sums(token, per_seq, thresholds), abs_sample(t, exact_quantiles)]
 
 
 def _lag_buckets(lag_bins: torch.Tensor) -> torch.Tensor:
@@ -369,11 +350,10 @@ def _stacked_by_sums(plan: TokenPlan, terms: dict[str, torch.Tensor],
         [torch.arange(w) + o for w, o in zip(widths, starts)])))
 
 
-def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor, index: dict[str, torch.Tensor | None],
-                 count_lags: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The direct path: one term at a time, each of its sums one reduction, in the sums' order [K]; the
-    per-sequence sums of the first two (valid tokens, r) [2, B]; with ``count_lags`` (see
-    :func:`_shares_lag_count`) the lag histogram [LAG_BINS], else None. Compiled, inductor fuses the
+def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
+                 index: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The direct path: one term at a time, each of its sums one reduction, in the sums' order [K]; and
+    the per-sequence sums of the first two (valid tokens, r) [2, B]. Compiled, inductor fuses the
     reductions over the same positions into a few loops (a stack feeding one reduction would be
     materialised, [B, T, K] float64: several times the inputs; tests/test_engine.py forbids it), in
     float64 for exact counts; eagerly in the work dtype (float64 above 2**24 positions)."""
@@ -382,11 +362,7 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
     dtype = torch.float64 if compiling or t["r"].numel() > _EXACT_F32_COUNT else t["r"].dtype
     flat: list[torch.Tensor] = [None] * plan.flat                    # type: ignore[list-item]
     by: list[list[torch.Tensor]] = [[]] * len(plan.by)               # each: its sums [width] or its 0-d ones
-    # Eagerly on CPU the by sums come from one bincount per term by the joint index; else one row per label.
-    joint = _joint_index(plan, index, count_lags) if bincount and plan.by else None
-    labels = {} if bincount or not plan.by else {
-        kind: _lag_buckets(index[kind]) if kind == "lag" else index[kind] for kind in plan.by_kinds}
-    lag_histogram = None
+    labels = _by_labels(plan, index, bincount)
     # Eagerly, the threshold counts' 0/1 rows are written into one buffer of the chunk.
     row = None if compiling else torch.empty_like(t["r"])
     for term in plan.per_term:
@@ -397,28 +373,16 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
             flat[at] = _sum_of_squares(x, dtype)
         for count in term.counts:
             flat[count.at] = _count(x, thr[count.threshold], count.above, dtype, row)
-        if not term.by:
-            continue
-        if joint is None:
+        if term.by:
+            split = _by_sums(x, labels, plan.by_kinds) if bincount else None
             for j in term.by:
                 kind = plan.by[j].by
-                by[j] = _by_rows(x, labels[kind], len(q.BY_LABELS[kind]), dtype)
-            continue
-        if count_lags and term.name == "keep":
-            # keep is 0/1: its sums by joint index are the count of every token there, and the tokens off
-            # the valid set (in the band's none slot) are those of the lag histogram too (not counted again).
-            grid = torch.bincount(joint.flat, minlength=math.prod(joint.sizes)).view(joint.sizes)
-            lag_histogram = grid.sum(0)[1:]
-        else:
-            grid = torch.bincount(joint.flat, x.reshape(-1), math.prod(joint.sizes)).view(joint.sizes)
-        split = _by_sums(grid, plan.by_kinds)
-        for j in term.by:
-            by[j] = [split[plan.by[j].by]]
+                by[j] = [split[kind]] if split is not None else _by_rows(x, labels[kind], len(q.BY_LABELS[kind]), dtype)
     per_seq = torch.stack([t["keep"].sum(-1), t["r"].sum(-1)])
-    if joint is not None:
-        return torch.cat([torch.stack(flat).double(), *(sums for [sums] in by)]), per_seq, lag_histogram
+    if bincount and by:
+        return torch.cat([torch.stack(flat).double(), *(sums for [sums] in by)]), per_seq
     # One stack of every 0-d sum (compiled: one output buffer, where a cat of stacks is several kernels).
-    return torch.stack(flat + [row for rows in by for row in rows]), per_seq, None
+    return torch.stack(flat + [row for rows in by for row in rows]), per_seq
 
 
 def _sum_of_squares(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -438,33 +402,32 @@ def _count(x: torch.Tensor, threshold: torch.Tensor, above: bool, dtype: torch.d
     return (torch.gt if above else torch.lt)(x, threshold, out=row).sum(dtype=dtype)
 
 
-class JointIndex(NamedTuple):
-    """Each token's labels of every ``by`` kind as one flat index [B * T] into a grid of ``sizes``
-    (row-major, one axis per kind): band (with ``none``: one more slot, tokens off the valid set), lag bin."""
-
-    flat: torch.Tensor
-    sizes: tuple[int, ...]
-
-
-def _joint_index(plan: TokenPlan, index: dict[str, torch.Tensor | None], none: bool) -> JointIndex:
-    """The :class:`JointIndex` of the direct path's ``by`` sums eagerly on CPU (int32 where its parts are)."""
-    sizes = tuple(LAG_SIZE if kind == "lag" else len(q.BY_LABELS[kind]) + none for kind in plan.by_kinds)
+def _by_labels(plan: TokenPlan, index: dict[str, torch.Tensor | None], bincount: bool) -> dict[str, torch.Tensor]:
+    """What the direct path's ``by`` sums split by. With ``bincount`` (eagerly on CPU): ``joint``, one
+    flat index of each token's (band, lag bin) pair, int32 [B * T]; else each token's label per kind."""
+    if not plan.by:
+        return {}
+    if not bincount:
+        return {kind: _lag_buckets(index[kind]) if kind == "lag" else index[kind] for kind in plan.by_kinds}
     joint = index[plan.by_kinds[0]]
-    for kind, size in zip(plan.by_kinds[1:], sizes[1:]):          # ((i0 * size1) + i1) * size2 + ...
-        joint = (joint * size).add_(index[kind])
-    return JointIndex(joint.expand(index["band"].shape).reshape(-1), sizes)
+    for kind in plan.by_kinds[1:]:          # ((i0 * size1) + i1) * size2 + ...
+        joint = (joint * _by_size(kind)).add_(index[kind])
+    return {"joint": joint.expand(index["band"].shape).reshape(-1)}
 
 
-def _by_sums(grid: torch.Tensor, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """A term's ``by`` sums of every kind, float64 [width] each, from its sums by joint index (``grid``, one
-    axis per kind): the sum over the other axes (the band's none slot left out), the lag bins folded into
-    their buckets."""
-    grid = grid.double()
-    if "band" in kinds:
-        grid = grid.narrow(kinds.index("band"), 0, len(q.BY_LABELS["band"]))
+def _by_size(kind: str) -> int:
+    """The values of a ``by`` index: the labels (band), the lag bins (lag)."""
+    return LAG_SIZE if kind == "lag" else len(q.BY_LABELS[kind])
+
+
+def _by_sums(x: torch.Tensor, labels: dict[str, torch.Tensor], kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """A term's ``by`` sums of every kind, float64 [width] each, from one ``bincount`` of ``x`` by the joint
+    index (one axis per kind): the sum over the other axes, the lag bins folded into their buckets."""
+    sizes = [_by_size(kind) for kind in kinds]
+    counts = torch.bincount(labels["joint"], x.reshape(-1), minlength=math.prod(sizes)).double().view(sizes)
     out = {}
     for axis, kind in enumerate(kinds):
-        split = grid.sum([d for d in range(len(kinds)) if d != axis]) if len(kinds) > 1 else grid
+        split = counts.sum([d for d in range(len(kinds)) if d != axis]) if len(kinds) > 1 else counts
         width = len(q.BY_LABELS[kind])
         if kind == "lag":
             table = cached(("lag_buckets", split.device), lambda: torch.tensor(LAG_BUCKET_OF_BIN, device=split.device))

@@ -25,11 +25,11 @@ _SHIFT = float(2 ** 24)
 
 
 def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.Tensor,
-             per_seq: torch.Tensor, histogram: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
+             per_seq: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A chunk's lag histogram [LAG_BINS] (tokens by lag 0 .. LAG_EXACT_MAX, larger lags in the last
     bin), per-sequence sums [3] (sequences with a token, their largest lags, those spanning versions),
     the largest lag [1]; and each token's lag bin ([B, T] int32, or [B, 1] int64: lag + 1, 0 where no valid
-    lag). Without ``histogram`` (the caller counts it) the histogram is an empty placeholder."""
+    lag)."""
     B, T = mask.shape
     if version.shape == mask.shape:
         if version.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64):
@@ -60,7 +60,7 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
         # The lag bins, int32 (half the bytes of int64 for the histograms' bincounts); not histc: ~1.4 ms
         # on CPU for any input.
         index = lag1.clamp(0.0, float(LAG_SIZE - 1)).int()
-        hist = count_into(LAG_SIZE, index)[1:] if histogram else index.new_zeros(0)
+        hist = count_into(LAG_SIZE, index)[1:]
         seq_max = top - scalar(1.0, top)
         # A sequence without tokens (top 0) adds 0 to the sums; to the maximum it adds -1 instead of 0,
         # which changes it only when no token has a lag >= 0 (n_ok = 0: not reported).

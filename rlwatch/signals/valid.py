@@ -36,11 +36,10 @@ def valid_terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: to
     return {"valid": keep, "keep": keep, "r": r, "s": s, **constants}
 
 
-def band_index(s: torch.Tensor, edges: torch.Tensor, stacked: bool, none: torch.Tensor | None = None) -> torch.Tensor:
+def band_index(s: torch.Tensor, edges: torch.Tensor, stacked: bool) -> torch.Tensor:
     """Each token's band [B, T] (int): k for log mu in [edge k-1, edge k), from ``s`` (0 off the valid set:
     the last band, where no valid token is counted) and ``edges`` [k, 1, 1]. Counted edge by edge
-    (``bucketize`` is slower on CPU). ``none``: ``keep`` (eagerly, direct path) to put the tokens off the
-    valid set in one more slot."""
+    (``bucketize`` is slower on CPU)."""
     if stacked:
         return (s >= edges).sum(0)
     if torch.compiler.is_compiling():
@@ -50,8 +49,6 @@ def band_index(s: torch.Tensor, edges: torch.Tensor, stacked: bool, none: torch.
     band, row = torch.ge(s, edges[0], out=torch.empty_like(s)), torch.empty_like(s)
     for k in range(1, edges.shape[0]):
         band.add_(torch.ge(s, edges[k], out=row))
-    if none is not None:
-        band.add_(torch.eq(none, 0.0, out=row))
     return band.int()
 
 
