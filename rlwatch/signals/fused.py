@@ -71,10 +71,10 @@ def _declared_term(fn: Term) -> Term:
     each is made when first read; compiled all are traced and inductor keeps those the term reads. Its
     result in the work dtype."""
     def term(t: dict[str, torch.Tensor]) -> torch.Tensor:
+        given = {k: v for k, v in t.items() if k != "out"}          # terms made for it get fresh buffers
         if not torch.compiler.is_compiling():
-            made = fn(_TermsOnDemand(t))
+            made = fn(_TermsOnDemand(given))
         else:
-            given = dict(t)
             for name in q.TERMS:            # in declaration order: a term reads only those before it
                 if name in _ENGINE_TERMS and name not in given:
                     given[name] = q.TERMS[name](given)
@@ -363,8 +363,10 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
     flat: list[torch.Tensor] = [None] * plan.flat                    # type: ignore[list-item]
     by: list[list[torch.Tensor]] = [[]] * len(plan.by)               # each: its sums [width] or its 0-d ones
     labels = _by_labels(plan, index, bincount)
-    # Eagerly, the threshold counts' 0/1 rows are written into one buffer of the chunk.
+    # Eagerly, the threshold counts' 0/1 rows are written into one buffer of the chunk, and the engine's
+    # terms into another, term after term (read before the next is made).
     row = None if compiling else torch.empty_like(t["r"])
+    t = t if compiling else {**t, "out": torch.empty_like(t["r"])}
     for term in plan.per_term:
         x = term.make(t)
         for at in term.sums:

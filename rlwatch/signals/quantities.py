@@ -40,18 +40,18 @@ from .settings import LAG_BINS, SAFETY_BOUND
 
 #: Per-token terms of the valid-set tensors ``t`` ([B, T], 0 off the set: ``keep`` 0/1, ``r``, ``s``,
 #: ``w_minus_1`` = w - 1) and the TIS cap C (0-d: ``cap_minus_1`` = C - 1, ``cap`` = C). A term may read
-#: the terms declared before it by name.
+#: the terms declared before it by name. ``t["out"]``: None, or a buffer the engine's own terms are written into.
 TERMS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "keep": lambda t: t["keep"],
     "r": lambda t: t["r"],
     "s": lambda t: t["s"],
     "w_minus_1": lambda t: t["w_minus_1"],
-    "abs_r": lambda t: t["abs_r"] if "abs_r" in t else t["r"].abs(),
-    "w_truncated_minus_1": lambda t: t["w_minus_1"].clamp(max=t["cap_minus_1"]),        # min(w, C) - 1
-    "k3": lambda t: t["w_minus_1"] - t["r"],                                            # w - 1 - r
-    "w": lambda t: t["w_minus_1"] + t["keep"],
-    "w_truncated": lambda t: (t["w_minus_1"] + t["keep"]).clamp_(max=t["cap"]),         # min(w, C)
-    "r_times_s": lambda t: t["r"] * t["s"],
+    "abs_r": lambda t: t["abs_r"] if "abs_r" in t else torch.abs(t["r"], out=t.get("out")),
+    "w_truncated_minus_1": lambda t: torch.clamp(t["w_minus_1"], max=t["cap_minus_1"], out=t.get("out")),
+    "k3": lambda t: torch.sub(t["w_minus_1"], t["r"], out=t.get("out")),                          # w - 1 - r
+    "w": lambda t: torch.add(t["w_minus_1"], t["keep"], out=t.get("out")),
+    "w_truncated": lambda t: torch.add(t["w_minus_1"], t["keep"], out=t.get("out")).clamp_(max=t["cap"]),  # min(w, C)
+    "r_times_s": lambda t: torch.mul(t["r"], t["s"], out=t.get("out")),
 }
 
 #: The ``thresholds`` input of the fused function, by name: (C - 1, 1/C - 1, low - 1, high - 1, log C,
