@@ -40,7 +40,7 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
             # Integer versions as float32 first (exact up to trainer_version + 1; the conversion keeps the
             # order of larger ones and the sign): half the bytes of an int64 difference.
             plus_one = _version_plus_one(trainer_version, torch.float32)
-            lag1 = plus_one - version.float()
+            lag1 = version.float().neg_().add_(plus_one)                     # (in the conversion's buffer)
         else:
             plus_one = _version_plus_one(trainer_version, version.dtype)
             lag1 = (plus_one - version) if version.dtype.is_floating_point else (plus_one - version).float()
@@ -59,7 +59,7 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
         has = per_seq.clamp(max=1.0)                                          # 0/1 (whole numbers)
         # The lag bins, int32 (half the bytes of int64 for the histograms' bincounts); not histc: ~1.4 ms
         # on CPU for any input.
-        index = lag1.clamp(0.0, float(LAG_SIZE - 1)).int()
+        index = lag1.clamp_(0.0, float(LAG_SIZE - 1)).int()                # (lag1 is not read after)
         hist = count_into(LAG_SIZE, index)[1:]
         seq_max = top - scalar(1.0, top)
         # A sequence without tokens (top 0) adds 0 to the sums; to the maximum it adds -1 instead of 0,

@@ -58,11 +58,12 @@ def extremes(t: dict[str, torch.Tensor], stacked: bool) -> torch.Tensor:
     if stacked:                                                             # as one group (fewer operations)
         return (torch.where(valid, torch.stack([r, -r, t["abs_r"]]), scalar(-torch.inf, r)).amax((1, 2))
                 if valid.numel() else r.new_zeros(3))
-    # r moved by -big off the valid set (r + 0 on it: exact), arithmetic rather than torch.where.
+    # r - big off the valid set (r + 0 on it: exact) for the largest, then r + big for the smallest:
+    # arithmetic rather than torch.where, in one fresh buffer.
     big = torch.finfo(r.dtype).max / 4
-    moved = (valid - 1.0).mul_(big)
-    high = (moved + r).amax()
-    low = (r - moved).amin()                                                # r + big off it
+    moved = (valid - 1.0).mul_(big).add_(r)                                 # r - big (1 - valid)
+    high = moved.amax()
+    low = moved.sub_(r, alpha=2.0).neg_().amin()                            # -(r - big (1 - valid) - 2 r)
     return torch.stack([high, -low, torch.maximum(high, -low)])
 
 
