@@ -3,7 +3,7 @@ declaration in :mod:`.quantities`.
 
 :func:`token_core` computes every token- and sequence-level sum of a step (:data:`~.quantities.TOKEN_SUMS`,
 :data:`~.quantities.SEQ_SUMS`), the extremes, the |r| quantiles and the version-lag block, packed in
-one float64 vector whose layout :func:`layout` describes, so a step's device work ends in a single
+one float64 vector whose layout :func:`.plans.layout` describes, so a step's device work ends in a single
 host transfer; :func:`~.quantities.finish_tokens` applies the host formulas.
 
 It has no host synchronisation, no data-dependent shape and no Python branch on tensor values:
@@ -12,7 +12,7 @@ inductor fuses one reduction per declared sum into a few loops. Eagerly it runs 
 sequences of at most ``settings.FUSED_CHUNK_TOKENS`` positions; chunks' sums add, their extremes take
 the maximum, their |r| samples and lag histograms add up before the quantiles.
 
-Two paths compute a chunk's sums (:class:`TokenPlan` says what they read):
+Two paths compute a chunk's sums (:class:`.plans.TokenPlan` says what they read):
 
 - the *stacked* path (eagerly on CPU, chunks of at most ``settings.STACK_MAX_TOKENS`` positions, where
   dispatch is what a step costs): the sums of one kind stacked into one [k, B, T] group reduced at once;
@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple
+from typing import Iterator
 
 import torch
 
 from . import quantities as q
 from . import settings
 from .lag import LAG_BUCKET_OF_BIN, LAG_SIZE, lag_finish, lag_part
-from .reduce import ABS_FIRST, ABS_NBINS, cached, interpolate, plan, ranks, scalar
+from .plans import TokenPlan, token_plan
+from .reduce import ABS_FIRST, ABS_NBINS, cached, interpolate, ranks, scalar
 from .settings import SAFETY_BOUND
 from .valid import abs_sample, band_index, extremes, valid_terms
 
@@ -47,142 +47,6 @@ _EXACT_F32_COUNT = 1 << 24
 # Eager CPU steps of this many positions or more run on one intra-op thread: their reductions would
 # otherwise wake other threads for microseconds of work (and stall for milliseconds on a busy host).
 _ONE_THREAD = 4096
-
-Term = Callable[[dict[str, torch.Tensor]], torch.Tensor]
-
-#: The engine's own terms: they read only the valid-set tensors. Any other term of :data:`~.quantities.TERMS`
-#: (one a user declared) can read every one of these as well, made for it (:func:`_declared_term`).
-_ENGINE_TERMS = frozenset(("keep", "r", "s", "w_minus_1", "abs_r", "w_truncated_minus_1", "k3", "w", "w_truncated",
-                           "r_times_s"))
-
-
-class _TermsOnDemand(dict):
-    """The valid-set tensors, and an engine term made the first time it is read."""
-
-    def __missing__(self, name: str) -> torch.Tensor:
-        if name not in _ENGINE_TERMS:
-            raise KeyError(name)
-        made = self[name] = q.TERMS[name](self)
-        return made
-
-
-def _declared_term(fn: Term) -> Term:
-    """A declared term ``fn`` reading the engine's terms by name as well as the valid-set tensors: eagerly
-    each is made when first read; compiled all are traced and inductor keeps those the term reads. Its
-    result in the work dtype."""
-    def term(t: dict[str, torch.Tensor]) -> torch.Tensor:
-        given = {k: v for k, v in t.items() if k != "out"}          # terms made for it get fresh buffers
-        if not torch.compiler.is_compiling():
-            made = fn(_TermsOnDemand(given))
-        else:
-            for name in q.TERMS:            # in declaration order: a term reads only those before it
-                if name in _ENGINE_TERMS and name not in given:
-                    given[name] = q.TERMS[name](given)
-            made = fn(given)
-        work = t["r"].dtype                 # one dtype in the stacks (a bool term too)
-        return made if made.dtype == work else made.to(work)
-    return term
-
-
-class TokenLayout(NamedTuple):
-    """Positions in :func:`token_core`'s output: ``fields`` by name (``tokens``, then those of
-    :func:`~.quantities.token_fields`: an int, a slice for ``by`` sums and ``lag_cum``), ``compiled``
-    (1.0 there when compiled code produced the vector) and ``size`` (the episode block starts there)."""
-
-    fields: dict[str, int | slice]
-    compiled: int
-    size: int
-
-
-@plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS))
-def layout(mismatch: bool, lag: bool) -> TokenLayout:
-    """The :class:`TokenLayout` of a step with both log-probs (``mismatch``) and versions (``lag``) or not.
-    Read-only."""
-    at, fields = 1, {"tokens": 0}
-    for name, width in q.token_fields(mismatch, lag):
-        fields[name], at = (slice(at, at + width), at + width) if width else (at, at + 1)
-    return TokenLayout(fields, at, at + 1)
-
-
-class ThresholdCount(NamedTuple):
-    """A count of the tokens whose term is above (``above``) or below the threshold at ``threshold`` in
-    :data:`~.quantities.THRESHOLDS`; ``at``: its position among the sums."""
-
-    at: int
-    threshold: int
-    above: bool
-
-
-class TermSums(NamedTuple):
-    """The direct path's work on one term: ``make`` it from the valid set, then its plain sums and squares
-    (positions among the sums), its threshold counts and its ``by`` sums (positions among those)."""
-
-    name: str
-    make: Term
-    sums: tuple[int, ...]
-    squares: tuple[int, ...]
-    counts: tuple[ThresholdCount, ...]
-    by: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TokenPlan:
-    """What a step's token and sequence sums read of the declaration, made once per declaration.
-
-    ``sums``: the token sums in the vector's order (plain, squares, threshold counts, ``by``; ``flat`` of
-    them before the ``by`` ones). The stacked path: ``plain`` the term of each plain sum, ``squares``
-    those of the squares (a slice of the plain rows when they are consecutive ones), ``counted`` those of
-    the threshold counts with ``count_at`` (threshold names) and ``count_signs`` (+1 above, -1 below).
-    The direct path: ``per_term``. Both: ``terms`` (name, function) in :data:`~.quantities.TERMS` order,
-    ``by`` the ``by`` sums, ``by_kinds`` the kinds they split by, and the sequence sums' ``seq_plain``,
-    ``seq_count_at``, ``seq_count_signs``."""
-
-    sums: tuple[q.TokenSum, ...]
-    flat: int
-    terms: tuple[tuple[str, Term], ...]
-    plain: tuple[str, ...]
-    squares: slice | tuple[str, ...]
-    counted: tuple[str, ...]
-    count_at: tuple[str, ...]
-    count_signs: tuple[float, ...]
-    per_term: tuple[TermSums, ...]
-    by: tuple[q.TokenSum, ...]
-    by_kinds: tuple[str, ...]
-    seq_plain: tuple[str, ...]
-    seq_count_at: tuple[str, ...]
-    seq_count_signs: tuple[float, ...]
-
-
-@plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS, q.TERMS))
-def token_plan(lag: bool) -> TokenPlan:
-    """The :class:`TokenPlan` of a step with per-token lags (``lag``) or not."""
-    sums = tuple(q.token_sums(lag))
-    flat = [s for s in sums if not s.by]
-    by = tuple(s for s in sums if s.by)
-    needed = {s.term for s in sums}
-    terms = tuple((name, fn if name in _ENGINE_TERMS else _declared_term(fn)) for name, fn in q.TERMS.items()
-                  if name in needed)
-    plain = tuple(s.term for s in flat if not (s.square or s.against))
-    squares: slice | tuple[str, ...] = tuple(s.term for s in flat if s.square)
-    rows = [plain.index(term) if term in plain else -1 for term in squares]
-    if rows and rows[0] >= 0 and rows == list(range(rows[0], rows[0] + len(rows))):   # plain rows: a slice, no stack
-        squares = slice(rows[0], rows[0] + len(rows))
-    counts = [s for s in flat if s.against]
-    per_term = tuple(TermSums(
-        name, fn, tuple(i for i, s in enumerate(flat) if s.term == name and not (s.square or s.against)),
-        tuple(i for i, s in enumerate(flat) if s.term == name and s.square),
-        tuple(ThresholdCount(i, q.THRESHOLDS.index(s.against), s.above) for i, s in enumerate(flat)
-              if s.term == name and s.against),
-        tuple(j for j, s in enumerate(by) if s.term == name)) for name, fn in terms)
-    seq_counts = [s for s in q.SEQ_SUMS if s.against]
-    return TokenPlan(sums=sums, flat=len(flat), terms=terms, plain=plain, squares=squares,
-                     counted=tuple(s.term for s in counts), count_at=tuple(s.against for s in counts),
-                     count_signs=tuple(1.0 if s.above else -1.0 for s in counts), per_term=per_term, by=by,
-                     by_kinds=tuple(dict.fromkeys(s.by for s in by)),
-                     seq_plain=tuple(s.term for s in q.SEQ_SUMS if not s.against),
-                     seq_count_at=tuple(s.against for s in seq_counts),
-                     seq_count_signs=tuple(1.0 if s.above else -1.0 for s in seq_counts))
-
 
 def _threshold_slice(names: list[str]) -> slice:
     """Positions of consecutive named thresholds in the thresholds input (the band edges, any number, last)."""
@@ -209,7 +73,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
                version: torch.Tensor | None, trainer_version: torch.Tensor, thresholds: torch.Tensor,
                abs_mids: torch.Tensor, bucket_index: torch.Tensor, qs: torch.Tensor,
                exact_quantiles: bool, over_from: torch.Tensor) -> torch.Tensor:
-    """Every token-level sum of one step, packed as :func:`layout` says (float64 [size]).
+    """Every token-level sum of one step, packed as :func:`.plans.layout` says (float64 [size]).
 
     trainer_version: 0-d, float32 below 2**24 (see :func:`.lag.lag_part`), else float64. thresholds:
     float64, as :data:`~.quantities.THRESHOLDS` names them. abs_mids: float64 midpoints of the |r|

@@ -38,9 +38,7 @@ from .pending import Values, _div
 from .reduce import plan
 from .settings import LAG_BINS, SAFETY_BOUND
 
-#: Per-token terms of the valid-set tensors ``t`` ([B, T], 0 off the set: ``keep`` 0/1, ``r``, ``s``,
-#: ``w_minus_1`` = w - 1) and the TIS cap C (0-d: ``cap_minus_1`` = C - 1, ``cap`` = C). A term may read
-#: the terms declared before it by name. ``t["out"]``: None, or a buffer the engine's own terms are written into.
+#: Per-token terms of ``t``: the valid-set tensors ([B, T], 0 off the set), ``cap`` C, ``out`` (None or a buffer).
 TERMS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "keep": lambda t: t["keep"],
     "r": lambda t: t["r"],
@@ -90,16 +88,14 @@ class SeqSum:
 TOKEN_SUMS: tuple[TokenSum, ...] = (
     TokenSum("n", "keep"), TokenSum("sum_r", "r"), TokenSum("s_sum", "s"), TokenSum("sum_em1", "w_minus_1"),
     TokenSum("sum_w", "w"), TokenSum("sum_wt", "w_truncated"), TokenSum("sum_a", "abs_r"), TokenSum("sum_k3", "k3"),
-    TokenSum("rs", "r_times_s"),
-    TokenSum("sum_r2", "r", square=True), TokenSum("ss", "s", square=True),
+    TokenSum("rs", "r_times_s"), TokenSum("sum_r2", "r", square=True), TokenSum("ss", "s", square=True),
     TokenSum("sq_em1", "w_minus_1", square=True), TokenSum("sq_w", "w", square=True),
-    TokenSum("sq_wt", "w_truncated", square=True),
-    TokenSum("high", "w_minus_1", against="cap_minus_1"),
+    TokenSum("sq_wt", "w_truncated", square=True), TokenSum("high", "w_minus_1", against="cap_minus_1"),
     TokenSum("low", "w_minus_1", against="inv_cap_minus_1", above=False),
     TokenSum("mis_below", "w_minus_1", against="low_minus_1", above=False),
-    TokenSum("mis_above", "w_minus_1", against="high_minus_1"),
-    TokenSum("band_abs", "abs_r", by="band"), TokenSum("band_n", "keep", by="band"),
-    TokenSum("lag_k3", "k3", by="lag"), TokenSum("lag_abs", "abs_r", by="lag"), TokenSum("lag_n", "keep", by="lag"),
+    TokenSum("mis_above", "w_minus_1", against="high_minus_1"), TokenSum("band_abs", "abs_r", by="band"),
+    TokenSum("band_n", "keep", by="band"), TokenSum("lag_k3", "k3", by="lag"), TokenSum("lag_abs", "abs_r", by="lag"),
+    TokenSum("lag_n", "keep", by="lag"),
 )
 
 SEQ_SUMS: tuple[SeqSum, ...] = (
