@@ -1,6 +1,6 @@
 """docs/adding-a-signal.md's token example, declared from the guide's own snippets (read from the file, not
-copied), computed on every path: eager one pass (64 positions), eager unstacked (8,192), eager in large CPU
-chunks (524,288), inside a Watch, and compiled; its value is the plain float64 definition."""
+copied), computed on every path: eager stacked (64 positions), eager direct (8,192), eager direct in chunks
+(524,288), inside a Watch, and compiled; its value is the plain float64 definition."""
 
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ def patched(**values):
 
 def run(fields: dict, *, path: str, exact: bool = True, config: SignalConfig | None = None,
         device: str = "cpu", wait: bool = False) -> tuple[dict, Workspace]:
-    """compute_step on ``fields`` by one path: ``fused`` (eager, one pass, stacked sums), ``chunked``
-    (eager, in chunks of one or two sequences, each sum reduced on its own) or ``compiled`` (waiting
+    """compute_step on ``fields`` by one path: ``fused`` (eager, one pass, the stacked path), ``chunked``
+    (eager, in chunks of one or two sequences, the direct path) or ``compiled`` (waiting
     for the compilation)."""
     config = config or SignalConfig()
     fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}

@@ -242,5 +242,5 @@ def test_version_signals_do_not_depend_on_where_the_versions_are(seed, offset):
 
 @pytest.mark.parametrize("offset", [2 ** 24 + 3, 2 ** 40])
 def test_version_signals_of_a_large_step_do_not_depend_on_where_the_versions_are(offset):
-    """A step of several chunks, each too large to stack (:func:`rlwatch.signals.fused._cpu_sums`)."""
+    """A step of several chunks, each too large to stack (:func:`rlwatch.signals.fused._direct_sums`)."""
     _assert_shift_changes_nothing(_bench_like_step(160, 2048, "token"), SignalConfig(), offset)

@@ -10,7 +10,8 @@ One module per concern, in the order a step runs through them:
 - :mod:`.quantities`: every token-, sequence- and episode-level quantity declared once, with its host
   formula.
 - :mod:`.step`: :func:`compute_step`; it runs :func:`.fused.step_core` (built from
-  the declaration; :mod:`.episodes` for the episode block) through :mod:`.engine` (compiled when ready).
+  the declaration, read through :mod:`.plans`; :mod:`.episodes` for the episode block) through
+  :mod:`.engine` (compiled when ready).
 - :mod:`.reduce`: the constant cache and integer counts; :mod:`.pending`: the one transfer and the
   NaN-to-None policy.
 

@@ -3,18 +3,22 @@ declaration in :mod:`.quantities`.
 
 :func:`token_core` computes every token- and sequence-level sum of a step (:data:`~.quantities.TOKEN_SUMS`,
 :data:`~.quantities.SEQ_SUMS`), the extremes, the |r| quantiles and the version-lag block, packed in
-one float64 vector whose layout :func:`layout` describes, so a step's device work ends in a single
+one float64 vector whose layout :func:`.plans.layout` describes, so a step's device work ends in a single
 host transfer; :func:`~.quantities.finish_tokens` applies the host formulas.
 
 It has no host synchronisation, no data-dependent shape and no Python branch on tensor values:
 ``torch.compile(token_core, fullgraph=True, dynamic=True)`` traces it without a graph break and
 inductor fuses one reduction per declared sum into a few loops. Eagerly it runs over chunks of whole
-sequences of at most ``settings.FUSED_CHUNK_TOKENS`` positions: small ones stack the sums of each kind
-into one [k, B, T] group reduced at once (dispatch is what a small step costs); larger ones on CPU
-take one term at a time with as few fresh buffers as the sums allow (memory traffic is what a large
-step costs), on other devices reduce each sum on its own; chunks' sums add, their extremes take the
-maximum, their |r| samples and lag histograms add up before the quantiles. Histograms count in
-integers (never float atomics).
+sequences of at most ``settings.FUSED_CHUNK_TOKENS`` positions; chunks' sums add, their extremes take
+the maximum, their |r| samples and lag histograms add up before the quantiles.
+
+Two paths compute a chunk's sums (:class:`.plans.TokenPlan` says what they read):
+
+- the *stacked* path (eagerly on CPU, chunks of at most ``settings.STACK_MAX_TOKENS`` positions, where
+  dispatch is what a step costs): the sums of one kind stacked into one [k, B, T] group reduced at once;
+- the *direct* path (every other chunk, and compiled code): one term at a time, each of its sums one
+  reduction (memory traffic is what a large step costs); its ``by`` sums one ``bincount`` eagerly on CPU,
+  one 0/1 row per label elsewhere (no float atomics: the same values on every device).
 
 Shapes: ``mask`` [B, T] float32 0/1; log-probs [B, T] any float dtype; ``version`` [B, T], [B]
 or [B, 2]. Thresholds arrive as small tensors (not Python numbers) so that a new configuration
@@ -25,14 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
 from . import quantities as q
 from . import settings
-from .lag import LAG_BUCKET_OF_BIN, lag_finish, lag_part
-from .reduce import ABS_FIRST, ABS_NBINS, cached, interpolate, plan, ranks, scalar
+from .lag import LAG_BUCKET_OF_BIN, LAG_SIZE, lag_finish, lag_part
+from .plans import TokenPlan, token_plan
+from .reduce import ABS_FIRST, ABS_NBINS, cached, interpolate, ranks, scalar
 from .settings import SAFETY_BOUND
 from .valid import abs_sample, band_index, extremes, valid_terms
 
@@ -42,75 +47,6 @@ _EXACT_F32_COUNT = 1 << 24
 # Eager CPU steps of this many positions or more run on one intra-op thread: their reductions would
 # otherwise wake other threads for microseconds of work (and stall for milliseconds on a busy host).
 _ONE_THREAD = 4096
-
-
-#: The engine's own terms: they may write into a dead buffer (``t["out"]``) and read only the valid-set
-#: tensors. Any other term of :data:`~.quantities.TERMS` (one a user declared) gets every one of these as well,
-#: made for it (:func:`_every_term`): its ``t["a"]`` or ``t["k3"]`` exists on every path.
-_ENGINE_TERMS = frozenset(("keep", "r", "s", "em1", "a", "em1_t", "k3", "w", "w_t", "rs"))
-
-
-class _TermsOnDemand(dict):
-    """The valid-set tensors, and an engine term made (fresh, no buffer lent) the first time it is read."""
-
-    def __missing__(self, name: str) -> torch.Tensor:
-        if name not in _ENGINE_TERMS:
-            raise KeyError(name)
-        made = self[name] = q.TERMS[name](self)       # self has no "out": a fresh tensor
-        return made
-
-
-def _every_term(fn: Any) -> Any:
-    """A declared term ``fn`` reading the engine's terms by name as well as the valid-set tensors: eagerly
-    each is made when first read; compiled all are traced and inductor keeps those the term reads. Its
-    result in the work dtype."""
-    def term(t: dict[str, torch.Tensor]) -> torch.Tensor:
-        given = {k: v for k, v in t.items() if k != "out"}
-        if not torch.compiler.is_compiling():
-            made = fn(_TermsOnDemand(given))
-        else:
-            for name in q.TERMS:            # in declaration order: a term reads only those before it
-                if name in _ENGINE_TERMS and name not in given:
-                    given[name] = q.TERMS[name](given)
-            made = fn(given)
-        work = t["r"].dtype                 # one dtype in the stacks and the lent buffers (a bool term too)
-        return made if made.dtype == work else made.to(work)
-    return term
-
-
-@plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS))
-def layout(mismatch: bool, lag: bool) -> dict[str, int | slice]:
-    """Positions in :func:`token_core`'s output: ``tokens``, the fields of
-    :func:`~.quantities.token_fields` (slices for ``by`` sums and ``lag_cum``), then ``compiled`` (1
-    when compiled code produced the vector) and ``size``. Read-only."""
-    at, pos = 1, {"tokens": 0}
-    for name, width in q.token_fields(mismatch, lag):
-        pos[name], at = (slice(at, at + width), at + width) if width else (at, at + 1)
-    pos["compiled"], pos["size"] = at, at + 1
-    return pos
-
-
-@plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS))
-def _plan(lag: bool) -> dict[str, Any]:
-    """What the token sums of a step (with per-token lags or not) need of the declaration: the sums in
-    the vector's order, the terms they read, the terms of each kind of sum, the thresholds and signs
-    of the counts, the ``by`` sums with their widths and offsets, and the same for the sequence sums."""
-    sums = q.token_sums(lag)
-    needed, against = {s.term for s in sums}, [s for s in sums if s.against]
-    by, seq_against = [s for s in sums if s.by], [s for s in q.SEQ_SUMS if s.against]
-    widths = tuple(len(q.BY_LABELS[s.by]) for s in by)
-    plain, squares = [s.term for s in sums if not (s.square or s.against or s.by)], [s.term for s in sums if s.square]
-    rows = [plain.index(term) if term in plain else -1 for term in squares]
-    if rows and rows[0] >= 0 and rows == list(range(rows[0], rows[0] + len(rows))):   # plain rows: a slice, no stack
-        squares = slice(rows[0], rows[0] + len(rows))
-    return dict(sums=sums, terms=[(name, fn if name in _ENGINE_TERMS else _every_term(fn))
-                                  for name, fn in q.TERMS.items() if name in needed],
-                plain=plain, squares=squares, against=[s.term for s in against],
-                at=tuple(s.against for s in against), signs=tuple(1.0 if s.above else -1.0 for s in against),
-                by=by, widths=widths, starts=[sum(widths[:i]) + i for i in range(len(widths))],
-                seq_plain=[s.term for s in q.SEQ_SUMS if not s.against], seq_at=tuple(s.against for s in seq_against),
-                seq_signs=tuple(1.0 if s.above else -1.0 for s in seq_against))
-
 
 def _threshold_slice(names: list[str]) -> slice:
     """Positions of consecutive named thresholds in the thresholds input (the band edges, any number, last)."""
@@ -137,7 +73,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
                version: torch.Tensor | None, trainer_version: torch.Tensor, thresholds: torch.Tensor,
                abs_mids: torch.Tensor, bucket_index: torch.Tensor, qs: torch.Tensor,
                exact_quantiles: bool, over_from: torch.Tensor) -> torch.Tensor:
-    """Every token-level sum of one step, packed as :func:`layout` says (float64 [size]).
+    """Every token-level sum of one step, packed as :func:`.plans.layout` says (float64 [size]).
 
     trainer_version: 0-d, float32 below 2**24 (see :func:`.lag.lag_part`), else float64. thresholds:
     float64, as :data:`~.quantities.THRESHOLDS` names them. abs_mids: float64 midpoints of the |r|
@@ -180,24 +116,12 @@ def _chunk_parts(mask: torch.Tensor, version: torch.Tensor | None, trainer_logp:
     per_seq = mask.sum(-1)                                                    # [B] float32
     parts: list[torch.Tensor] = [per_seq.sum(0, keepdim=True, dtype=torch.float64)]   # exact: whole numbers
     lag_bins = None
-    mismatch = trainer_logp is not None and sampler_logp is not None
-    # Eagerly on CPU the mismatch part's count of tokens by band x lag bin is the lag histogram too.
-    counted = (mismatch and version is not None and version.shape == mask.shape and _cpu_chunk(mask)
-               and _cpu_plan(True)["counted"])
     if version is not None:
-        lag, lag_bins = lag_part(version, trainer_version, mask, per_seq, histogram=not counted)
+        lag, lag_bins = lag_part(version, trainer_version, mask, per_seq)
         parts += lag
-    if mismatch:
-        more, hist = _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, lag_bins, exact_quantiles, counted)
-        parts += more
-        if counted:
-            parts[1] = hist
+    if trainer_logp is not None and sampler_logp is not None:
+        parts += _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, lag_bins, exact_quantiles)
     return parts
-
-
-def _cpu_chunk(mask: torch.Tensor) -> bool:
-    """Whether an eager chunk takes :func:`_cpu_sums` (on CPU, too large to stack)."""
-    return mask.device.type == "cpu" and not torch.compiler.is_compiling() and mask.numel() > settings.STACK_MAX_TOKENS
 
 
 @contextlib.contextmanager
@@ -217,204 +141,175 @@ def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exa
     values, the exact |r| samples concatenated, every other part summed (float64 or int64: exact counts)."""
     m = 4 if lag else 1                                                   # the first mismatch part
     largest = ({3} if lag else set()) | {m + 1, m + 3}
-    # Integer counts (the |r| histogram: 65536 bins) add in place, into a chunk's own fresh tensor (in cache).
-    return [torch.maximum(a, b) if i in largest else torch.cat([a, b]) if exact and i == m + 4 else a.add_(b)
+    return [torch.maximum(a, b) if i in largest else torch.cat([a, b]) if exact and i == m + 4 else a + b
             if a.dtype == b.dtype == torch.int64 else a.double() + b for i, (a, b) in enumerate(zip(whole, part))]
 
 
-def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
-                   thresholds: torch.Tensor, lag_bins: torch.Tensor | None, exact_quantiles: bool,
-                   count_lags: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thresholds: torch.Tensor,
+                   lag_bins: torch.Tensor | None, exact_quantiles: bool) -> list[torch.Tensor]:
     """A chunk's token sums [K] (:func:`~.quantities.token_sums` order), extremes [3], sequence sums,
     largest |s_b| [1], and its |r| sample (exact: |r| on the valid set, +inf off it; else its
-    bit-pattern histogram); with ``count_lags`` (:func:`_cpu_sums` only) the lag histogram too."""
+    bit-pattern histogram). ``lag_bins``: each token's lag bin ([B, T] or [B, 1]) or None."""
     work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
     thr = thresholds if work == torch.float64 else cached(("to", work), lambda: thresholds.to(work), on=thresholds)
-    compiling, cpu = torch.compiler.is_compiling(), mask.device.type == "cpu"
-    chunk = _cpu_chunk(mask)                        # eagerly on CPU, too large to stack: _cpu_sums
-    stacked = not compiling and cpu and not chunk
-    t = valid_terms(mask, trainer_logp, sampler_logp, thr, arithmetic=not stacked)
+    stacked = (mask.device.type == "cpu" and not torch.compiler.is_compiling()
+               and mask.numel() <= settings.STACK_MAX_TOKENS)
+    t = valid_terms(mask, trainer_logp, sampler_logp, thr, stacked)
     edges = cached(("edges",), lambda: thr[_threshold_slice(["edges"])].view(-1, 1, 1), on=thr)
-    cpu_plan = _cpu_plan(lag_bins is not None) if chunk else None
-    row = torch.empty_like(t["r"]) if chunk else None      # the band comparisons' row, then w - 1 (in cache)
-    index = {"band": band_index(t, edges, compiling, stacked, chunk and cpu_plan["counted"], row), "lag": lag_bins}
-    t["em1"] = torch.clamp(t["r"], -SAFETY_BOUND, SAFETY_BOUND, out=row).expm1_()    # w - 1, 0 off the valid set
-    # The lag bucket of each lag bin: per token, or (eagerly on CPU, large chunks) on the bin sums.
-    tables = {} if lag_bins is None else {"lag": cached(("lag_buckets", mask.device), lambda: torch.tensor(
-        LAG_BUCKET_OF_BIN, device=mask.device))}
-    if not chunk:
-        index.update({by: torch.take(table, index[by].long()) for by, table in tables.items()})   # (cheaper than [])
-    plan, hist, spare = _plan(lag_bins is not None), None, {}
-    if chunk:
-        parts, per_seq, hist, spare = _cpu_sums(cpu_plan, t, thr, index, tables, count_lags)
+    index = {"band": band_index(t["s"], edges, stacked), "lag": lag_bins}
+    t["w_minus_1"] = torch.clamp(t["r"], -SAFETY_BOUND, SAFETY_BOUND).expm1_()    # 0 off the valid set
+    token = token_plan(lag_bins is not None)
+    if stacked:
+        sums, per_seq = _stacked_sums(token, {name: make(t) for name, make in token.terms}, thr, index)
     else:
-        terms = {name: fn(t) for name, fn in plan["terms"]}
-        parts, per_seq = (_eager_sums(plan, terms, thr, index) if stacked
-                          else _direct_sums(plan["sums"], terms, thr, index))
-    return [torch.cat(parts) if len(parts) > 1 else parts[0], extremes(t, stacked, spare.get("float")),
-            *_sequence_sums(plan, per_seq, thresholds), abs_sample(t, exact_quantiles, spare.get("int"))], hist
+        sums, per_seq = _direct_sums(token, t, thr, index)
+    return [sums, extremes(t, stacked), *_sequence_sums(token, per_seq, thresholds), abs_sample(t, exact_quantiles)]
 
 
-def _eager_sums(plan: dict[str, Any], terms: dict[str, torch.Tensor], thr: torch.Tensor,
-                index: dict[str, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Eagerly: each kind of sum as one stacked [k, B, T] group reduced at once; and the
-    per-sequence sums of the first two (valid tokens, r) [2, B]."""
-    y = torch.stack([terms[name] for name in plan["plain"]])
+def _lag_buckets(lag_bins: torch.Tensor) -> torch.Tensor:
+    """Each token's lag bucket (index into the ``lag`` labels; none for bin 0) from its lag bin."""
+    table = cached(("lag_buckets", lag_bins.device), lambda: torch.tensor(LAG_BUCKET_OF_BIN, device=lag_bins.device))
+    return torch.take(table, lag_bins.long())                     # (cheaper than indexing)
+
+
+def _stacked_sums(plan: TokenPlan, terms: dict[str, torch.Tensor], thr: torch.Tensor,
+                  index: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked path: each kind of sum as one stacked [k, B, T] group reduced at once, in the sums'
+    order [K]; and the per-sequence sums of the first two (valid tokens, r) [2, B]."""
+    y = torch.stack([terms[name] for name in plan.plain])
     groups = [y]
-    squares = plan["squares"]
+    squares = plan.squares
     if squares:
         groups.append((y[squares] if isinstance(squares, slice) else torch.stack([terms[n] for n in squares])).square())
-    against = plan["against"]
-    if against:
-        x = terms[against[0]] if len(set(against)) == 1 else torch.stack([terms[name] for name in against])
-        signs = _signs(plan["signs"], thr.dtype, thr.device, 3)
+    if plan.counted:
+        x = terms[plan.counted[0]] if len(set(plan.counted)) == 1 else torch.stack([terms[n] for n in plan.counted])
+        signs = _signs(plan.count_signs, thr.dtype, thr.device, 3)
         # (x - t) * sign > 0 as x * sign - t * sign > 0 (the same value: the sign is +-1), one operation.
-        at = cached(("neg_at", 3, plan["at"], plan["signs"]), lambda: -thr[_threshold_slice(list(plan["at"]))].view(
-            -1, 1, 1) * signs, on=thr)
-        groups.append(torch.addcmul(at, x, signs).gt_(scalar(0.0, at)))          # 0/1 in the work dtype
+        neg_at = cached(("neg_at", 3, plan.count_at, plan.count_signs), lambda: -thr[_threshold_slice(
+            list(plan.count_at))].view(-1, 1, 1) * signs, on=thr)
+        groups.append(torch.addcmul(neg_at, x, signs).gt_(scalar(0.0, neg_at)))          # 0/1 in the work dtype
     # Float32 sums of a chunk's rows are exact for counts (at most STACK_MAX_TOKENS < 2**24 positions);
     # summed in the work dtype, the parts concatenate without mixing dtypes.
     sums = [g.sum((1, 2), dtype=y.dtype) for g in groups]
-    return sums + ([_split_sums(plan, terms, index)] if plan["by"] else []), y[:2].sum(-1)
+    if plan.by:
+        sums.append(_stacked_by_sums(plan, terms, index))
+    return torch.cat(sums) if len(sums) > 1 else sums[0], y[:2].sum(-1)
 
 
-def _split_sums(plan: dict[str, Any], terms: dict[str, torch.Tensor],
-                index: dict[str, torch.Tensor | None]) -> torch.Tensor:
-    """The ``by`` sums, each of its term by its index (0 .. width - 1; width: none), one after another:
-    one bincount of every term at its index plus its first bin (its labels, then one for none)."""
-    shape, widths = terms["r"].shape, plan["widths"]
-    offsets = cached(("by_offsets", widths), lambda: torch.tensor(plan["starts"]).view(-1, 1, 1))
-    at = torch.stack([index[s.by] if index[s.by].shape == shape else index[s.by].expand(shape) for s in plan["by"]])
-    of = torch.stack([terms[s.term] for s in plan["by"]])
+def _stacked_by_sums(plan: TokenPlan, terms: dict[str, torch.Tensor],
+                     index: dict[str, torch.Tensor | None]) -> torch.Tensor:
+    """The ``by`` sums, each of its term by its label index (0 .. width - 1; width: none), one after
+    another: one bincount of every term at its index plus the offset of its first bin."""
+    shape = terms["r"].shape
+    widths = tuple(len(q.BY_LABELS[s.by]) for s in plan.by)
+    starts = tuple(sum(widths[:i]) + i for i in range(len(widths)))      # each sum: its labels, then none
+    labels = {"band": index["band"]}
+    if index["lag"] is not None:
+        labels["lag"] = _lag_buckets(index["lag"])
+    offsets = cached(("by_offsets", widths), lambda: torch.tensor(starts).view(-1, 1, 1))
+    at = torch.stack([labels[s.by] if labels[s.by].shape == shape else labels[s.by].expand(shape) for s in plan.by])
+    of = torch.stack([terms[s.term] for s in plan.by])
     counts = torch.bincount((at + offsets).reshape(-1), of.reshape(-1), sum(widths) + len(widths))
     return counts.index_select(0, cached(("by_labels", widths), lambda: torch.cat(
-        [torch.arange(w) + o for w, o in zip(widths, plan["starts"])])))
+        [torch.arange(w) + o for w, o in zip(widths, starts)])))
 
 
-def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
-                 index: dict[str, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """One reduction per sum, in the eager order (compiled, and eagerly on other devices): nothing
-    stacked is written. Compiled, inductor fuses the reductions over the same positions into a few
-    loops (a stack feeding one reduction would be materialised, [B, T, K] float64: several times the
-    inputs; tests/test_engine.py forbids it), float64 for exact counts. A ``by`` sum is one 0/1 row per
-    label (no float atomics: the same values on every device)."""
+def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
+                 index: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The direct path: one term at a time, each of its sums one reduction, in the sums' order [K]; and
+    the per-sequence sums of the first two (valid tokens, r) [2, B]. Compiled, inductor fuses the
+    reductions over the same positions into a few loops (a stack feeding one reduction would be
+    materialised, [B, T, K] float64: several times the inputs; tests/test_engine.py forbids it), in
+    float64 for exact counts; eagerly in the work dtype (float64 above 2**24 positions)."""
     compiling = torch.compiler.is_compiling()
-    dtype = torch.float64 if compiling or terms["r"].numel() > _EXACT_F32_COUNT else None
-    rows = []
-    for s in sums:
-        x = terms[s.term]
-        if s.square:
-            rows.append(x * x)
-        elif s.against:
-            t = thr[q.THRESHOLDS.index(s.against)]
-            d = x - t if s.above else t - x          # > 0 where x > t (x < t): x - t is 0 only where x == t
-            rows.append(d > 0 if compiling else d.sign_().clamp_(min=0.0))
-        elif s.by:
-            rows += [torch.where(index[s.by] == k, x, 0.0) for k in range(len(q.BY_LABELS[s.by]))]
-        else:
-            rows.append(x)
-    return [torch.stack([row.sum(dtype=dtype) for row in rows])], torch.stack([terms["keep"].sum(-1),
-                                                                              terms["r"].sum(-1)])
+    bincount = t["r"].device.type == "cpu" and not compiling
+    dtype = torch.float64 if compiling or t["r"].numel() > _EXACT_F32_COUNT else t["r"].dtype
+    flat: list[torch.Tensor] = [None] * plan.flat                    # type: ignore[list-item]
+    by: list[list[torch.Tensor]] = [[]] * len(plan.by)               # each: its sums [width] or its 0-d ones
+    labels = _by_labels(plan, index, bincount)
+    # Eagerly, the threshold counts' 0/1 rows are written into one buffer of the chunk, and the engine's
+    # terms into another, term after term (each read before the next is made): a fresh [B, T] buffer per
+    # term costs its page faults. Keeps the term buffer: the 1M-token step 1.06x slower without it
+    # (`python bench/bench_ab.py f17c287 --B 512 --T 2048 --rounds 8 --steps 2`, this / f17c287 = 0.943).
+    row = None if compiling else torch.empty_like(t["r"])
+    t = t if compiling else {**t, "out": torch.empty_like(t["r"])}
+    for term in plan.per_term:
+        x = term.make(t)
+        for at in term.sums:
+            flat[at] = x.sum(dtype=dtype)
+        for at in term.squares:
+            flat[at] = _sum_of_squares(x, dtype)
+        for count in term.counts:
+            flat[count.at] = _count(x, thr[count.threshold], count.above, dtype, row)
+        if term.by:
+            split = _by_sums(x, labels, plan.by_kinds) if bincount else None
+            for j in term.by:
+                kind = plan.by[j].by
+                by[j] = [split[kind]] if split is not None else _by_rows(x, labels[kind], len(q.BY_LABELS[kind]), dtype)
+    per_seq = torch.stack([t["keep"].sum(-1), t["r"].sum(-1)])
+    if bincount and by:
+        return torch.cat([torch.stack(flat).double(), *(sums for [sums] in by)]), per_seq
+    # One stack of every 0-d sum (compiled: one output buffer, where a cat of stacks is several kernels).
+    return torch.stack(flat + [row for rows in by for row in rows]), per_seq
 
 
-@plan(lambda: (q.TOKEN_SUMS, q.SEQ_SUMS))
-def _cpu_plan(lag: bool) -> dict[str, Any]:
-    """:func:`_cpu_sums`' work by term: for each term the sums read (in :data:`~.quantities.TERMS` order),
-    its reductions (position among the sums before the ``by`` ones, kind, the threshold's position in
-    :data:`~.quantities.THRESHOLDS` and direction), the positions of its ``by`` sums and whether they are
-    counts (``keep``'s, with ``counted``); the ``by`` sums; how many others there are; ``counted``: the
-    valid tokens by joint index are counted (with the others in the band's last slot, none)."""
-    token = _plan(lag)
-    flat, by = [s for s in token["sums"] if not s.by], [s for s in token["sums"] if s.by]
-    counted = any(s.by == "band" for s in by)
-    steps = [(fn, [(i, "square" if s.square else "count" if s.against else "sum",
-                    q.THRESHOLDS.index(s.against) if s.against else -1, s.above)
-                   for i, s in enumerate(flat) if s.term == name], [j for j, s in enumerate(by) if s.term == name],
-              counted and name == "keep") for name, fn in token["terms"]]
-    return dict(steps=steps, by=by, size=len(flat), counted=counted)
+def _sum_of_squares(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum(x^2) in ``dtype``: compiled a fused reduction, eagerly one dot product (no [B, T] temporary)."""
+    if torch.compiler.is_compiling():
+        return (x * x).sum(dtype=dtype)
+    flat = x.reshape(-1) if x.dtype == dtype else x.reshape(-1).to(dtype)
+    return torch.dot(flat, flat)
 
 
-def _cpu_sums(plan: dict[str, Any], t: dict[str, torch.Tensor], thr: torch.Tensor,
-              index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor],
-              count_lags: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None, dict]:
-    """Eagerly on CPU, chunks too large to stack. Memory-bound: one term at a time (a term made from
-    others is written into the buffer of the last one made, read a moment ago: in cache), each sum
-    one reduction, each square one dot product, each threshold count a 0/1 row in one reused buffer
-    and its sum, the ``by`` sums one bincount per term by :func:`_joint_index` (``keep``'s: the count
-    of every token, the band's last slot holding those off the valid set); the per-sequence sums as
-    :func:`_eager_sums`; with ``count_lags``, the lag histogram from that count (tokens by lag bin, in
-    every band slot); and the [B, T] buffers dead after it (``spare``: float, int32, or None). A chunk
-    of more than 2**24 positions sums in float64 (exact counts)."""
-    shape, wide = t["r"].shape, t["r"].numel() > _EXACT_F32_COUNT
-    values: list[torch.Tensor] = [None] * plan["size"]                # type: ignore[list-item]
-    splits: list[torch.Tensor] = [None] * len(plan["by"])              # type: ignore[list-item]
-    joint, kinds, sizes, dead = _joint_index(plan["by"], index, tables, shape) if plan["by"] else (None, [], [], None)
-    every = torch.bincount(joint, minlength=math.prod(sizes)).view(sizes) if plan["counted"] else None
-    # The counts' buffer: an index added into the joint one (just read: in cache) where its bytes fit.
-    fits = dead is not None and t["r"].dtype == torch.float32 and not wide
-    scratch = dead.view(torch.float32).view(-1) if fits else None
-    base = {id(v) for v in t.values()}
-    for fn, reductions, split_at, counted in plan["steps"]:
-        term = fn(t)
-        x = term.reshape(-1)
-        x = x.double() if wide else x
-        for at, kind, threshold, above in reductions:
-            if kind == "sum":
-                values[at] = x.sum()
-            elif kind == "square":
-                values[at] = torch.dot(x, x)
-            else:       # the comparison as 0/1 floats (a boolean count is slower on CPU), one buffer
-                scratch = torch.empty_like(x) if scratch is None else scratch     # every term: one dtype
-                values[at] = (torch.gt if above else torch.lt)(x, thr[threshold], out=scratch).sum()
-        if split_at:
-            counts = every if counted else torch.bincount(joint, x, math.prod(sizes)).view(sizes)
-            # Each split's labels and its none slot; the band's last one (off the valid set) dropped.
-            counts = counts.narrow(kinds.index("band"), 0, len(q.BY_LABELS["band"])) if plan["counted"] else counts
-            counts = counts.double()
-            for j in split_at:
-                splits[j] = _split_of(counts, kinds, plan["by"][j], tables)
-        if id(term) not in base:        # made here: the next term made here writes into it (in cache)
-            t["out"] = term
-        elif "out" not in t and scratch is not None and scratch.dtype == term.dtype:   # lent: counts take another
-            t["out"], scratch = scratch.view(term.shape), None
-        del x, term
-    parts = [torch.stack(values)] + ([torch.cat(splits)] if splits else [])
-    hist = every.sum([d for d, kind in enumerate(kinds) if kind != "lag"])[1:] if count_lags else None
-    spare = {"float": t.pop("out", None),             # dead now, both made in this chunk (the int32 joint: lags)
-             "int": joint.view(shape) if joint is not None and joint.dtype == torch.int32 else None}
-    return parts, torch.stack([t["keep"].sum(-1), t["r"].sum(-1)]), hist, spare
+def _count(x: torch.Tensor, threshold: torch.Tensor, above: bool, dtype: torch.dtype,
+           row: torch.Tensor | None) -> torch.Tensor:
+    """The tokens where ``x`` > ``threshold`` (``above``) or < it, as a sum in ``dtype``. Eagerly the
+    comparison is written as 0/1 into ``row`` (x's shape and dtype): a boolean sum is ~4x slower on CPU."""
+    if row is None:
+        return (x > threshold if above else x < threshold).sum(dtype=dtype)
+    return (torch.gt if above else torch.lt)(x, threshold, out=row).sum(dtype=dtype)
 
 
-def _joint_index(by: list, index: dict[str, torch.Tensor | None], tables: dict[str, torch.Tensor],
-                 shape: torch.Size) -> tuple[torch.Tensor, list[str], list[int], torch.Tensor | None]:
-    """The joint index of every split of the ``by`` sums (band x lag bin: 5 x 4097 values), flat integers
-    [B * T] for a [B, T] chunk, with the splits' names and sizes (row-major), and an int32 [B, T] index
-    added into another's buffer, dead after (None if none)."""
-    kinds = list(dict.fromkeys(s.by for s in by))
-    sizes = [tables[k].numel() if k in tables else len(q.BY_LABELS[k]) + 1 for k in kinds]
-    joint, dead = index[kinds[0]], None
-    for kind, size in zip(kinds[1:], sizes[1:]):      # ((i0 * size1) + i1) * size2 + ...
-        at = index[kind]
-        # Into the split's own index where it is a fresh int32 [B, T] (the lag bins, not read after):
-        # written while in cache.
-        if at.dtype == torch.int32 and at.shape == shape:
-            dead = joint if joint.dtype == torch.int32 and joint.shape == shape and dead is None else dead
-            joint = at.add_(joint, alpha=size)
-        else:
-            joint = torch.add(at.int(), joint.int(), alpha=size)
-    return joint.expand(shape).reshape(-1), kinds, sizes, dead
+def _by_labels(plan: TokenPlan, index: dict[str, torch.Tensor | None], bincount: bool) -> dict[str, torch.Tensor]:
+    """What the direct path's ``by`` sums split by. With ``bincount`` (eagerly on CPU): ``joint``, one
+    flat index of each token's (band, lag bin) pair, int32 [B * T]; else each token's label per kind."""
+    if not plan.by:
+        return {}
+    if not bincount:
+        return {kind: _lag_buckets(index[kind]) if kind == "lag" else index[kind] for kind in plan.by_kinds}
+    joint = index[plan.by_kinds[0]]
+    for kind in plan.by_kinds[1:]:          # ((i0 * size1) + i1) * size2 + ...
+        joint = (joint * _by_size(kind)).add_(index[kind])
+    return {"joint": joint.expand(index["band"].shape).reshape(-1)}
 
 
-def _split_of(counts: torch.Tensor, kinds: list[str], s: Any, tables: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A ``by`` sum [width] from a term's sums by joint index (``counts``, one axis per split): the sum
-    over the other splits' axes, by its table where it has one."""
-    axis = kinds.index(s.by)
-    split = counts.sum([d for d in range(len(kinds)) if d != axis]) if len(kinds) > 1 else counts
-    width = len(q.BY_LABELS[s.by])
-    return (torch.bincount(tables[s.by], split, width + 1) if s.by in tables else split)[:width]
+def _by_size(kind: str) -> int:
+    """The values of a ``by`` index: the labels (band), the lag bins (lag)."""
+    return LAG_SIZE if kind == "lag" else len(q.BY_LABELS[kind])
 
 
-def _sequence_sums(plan: dict[str, Any], per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torch.Tensor]:
+def _by_sums(x: torch.Tensor, labels: dict[str, torch.Tensor], kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """A term's ``by`` sums of every kind, float64 [width] each, from one ``bincount`` of ``x`` by the joint
+    index (one axis per kind): the sum over the other axes, the lag bins folded into their buckets."""
+    sizes = [_by_size(kind) for kind in kinds]
+    counts = torch.bincount(labels["joint"], x.reshape(-1), minlength=math.prod(sizes)).double().view(sizes)
+    out = {}
+    for axis, kind in enumerate(kinds):
+        split = counts.sum([d for d in range(len(kinds)) if d != axis]) if len(kinds) > 1 else counts
+        width = len(q.BY_LABELS[kind])
+        if kind == "lag":
+            table = cached(("lag_buckets", split.device), lambda: torch.tensor(LAG_BUCKET_OF_BIN, device=split.device))
+            split = torch.bincount(table, split, width + 1)
+        out[kind] = split[:width]
+    return out
+
+
+def _by_rows(x: torch.Tensor, label: torch.Tensor, width: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A ``by`` sum as one 0/1 row per label, each reduced to a 0-d sum (compiled, and eagerly off CPU)."""
+    return [torch.where(label == k, x, 0.0).sum(dtype=dtype) for k in range(width)]
+
+
+def _sequence_sums(plan: TokenPlan, per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torch.Tensor]:
     """:data:`~.quantities.SEQ_SUMS` [K] float64 and the largest |s_b| [1] from the per-sequence
     valid tokens and sums of r [2, B]. Without a valid token s_b = 0, so every term but the count is 0
     (log C, log high > 0 > -log C, log low)."""
@@ -424,12 +319,12 @@ def _sequence_sums(plan: dict[str, Any], per_seq: torch.Tensor, thresholds: torc
     # 0/1 as float64 (valid_count is a whole number >= 0; gt_ writes 0/1 in place): one dtype in the cat.
     terms = {"has": valid_count.clamp(max=1.0), "abs": seq_abs,
              "chi2": torch.expm1((seq_r + seq_r).clamp_(-2 * SAFETY_BOUND, 2 * SAFETY_BOUND))}
-    signs = _signs(plan["seq_signs"], torch.float64, seq_r.device, 2)
+    signs = _signs(plan.seq_count_signs, torch.float64, seq_r.device, 2)
     # (s_b - t) * sign as s_b * sign - t * sign (the same value: the sign is +-1).
-    at = cached(("neg_at", 2, plan["seq_at"], plan["seq_signs"]), lambda: -thresholds[
-        _threshold_slice(list(plan["seq_at"]))].view(-1, 1) * signs, on=thresholds)
-    rows = torch.cat([torch.stack([terms[name] for name in plan["seq_plain"]]),
-                      torch.addcmul(at, seq_r, signs).gt_(scalar(0.0, at))])
+    neg_at = cached(("neg_at", 2, plan.seq_count_at, plan.seq_count_signs), lambda: -thresholds[
+        _threshold_slice(list(plan.seq_count_at))].view(-1, 1) * signs, on=thresholds)
+    rows = torch.cat([torch.stack([terms[name] for name in plan.seq_plain]),
+                      torch.addcmul(neg_at, seq_r, signs).gt_(scalar(0.0, neg_at))])
     return [rows.sum(-1), seq_abs.amax(0, keepdim=True) if seq_abs.numel() else seq_abs.new_zeros(1)]
 
 

@@ -13,23 +13,23 @@ from bisect import bisect_left
 import torch
 
 from . import quantities as q
-from .reduce import cached, count_into, interpolate, ranks, scalar, whole_to_int32_
-from .settings import LAG_BINS, STACK_MAX_TOKENS
+from .reduce import cached, count_into, interpolate, ranks, scalar
+from .settings import LAG_BINS
 
 LAG_SIZE = LAG_BINS + 1                 # bin k holds lag k - 1; bin 0 off-mask and negative lags
 # The lag bucket (index into LAG_BUCKET_LABELS) of each lag bin; bin 0 (no valid lag) in none.
 LAG_BUCKET_OF_BIN = (len(q.BY_LABELS["lag"]),) + tuple(
     bisect_left(tuple(int(b) for b in q.BY_LABELS["lag"][:-1]), lag) for lag in range(LAG_BINS))
-# Moves lag + 1 on the mask below 0 (its 0 off it) for the smallest lag: exact below 2**24, as the lags.
+# Moves lag + 1 on the mask below the 0s off it, for the smallest lag: exact below 2**24, as the lags.
 _SHIFT = float(2 ** 24)
 
 
 def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.Tensor,
-              per_seq: torch.Tensor, histogram: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
+             per_seq: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A chunk's lag histogram [LAG_BINS] (tokens by lag 0 .. LAG_EXACT_MAX, larger lags in the last
     bin), per-sequence sums [3] (sequences with a token, their largest lags, those spanning versions),
-    the largest lag [1]; and each token's lag bin ([B, T] int32 or int64, or [B, 1] int64: lag + 1, 0 where
-    no valid lag; fresh: the caller may write into it). Without ``histogram`` it is an empty placeholder."""
+    the largest lag [1]; and each token's lag bin ([B, T] int32, or [B, 1] int64: lag + 1, 0 where no valid
+    lag)."""
     B, T = mask.shape
     if version.shape == mask.shape:
         if version.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64):
@@ -38,31 +38,29 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
         # dtype from floats; one dtype per operation (mixed ones are several times slower on CPU).
         if not version.dtype.is_floating_point and trainer_version.dtype == torch.float32:
             # Integer versions as float32 first (exact up to trainer_version + 1; the conversion keeps the
-            # order of larger ones and the sign): half the bytes of an int64 difference, then one step.
-            plus_one, lag1 = _version_plus_one(trainer_version, torch.float32), version.float()
-            lag1 = torch.sub(plus_one, lag1, out=None if torch.compiler.is_compiling() else lag1)
+            # order of larger ones and the sign): half the bytes of an int64 difference.
+            plus_one = _version_plus_one(trainer_version, torch.float32)
+            lag1 = version.float().neg_().add_(plus_one)                     # (in the conversion's buffer)
         else:
             plus_one = _version_plus_one(trainer_version, version.dtype)
             lag1 = (plus_one - version) if version.dtype.is_floating_point else (plus_one - version).float()
         # A negative version (lag + 1 above trainer_version + 1) is no version: 0, as one newer than the
         # trainer (negative_lag_tokens_total). The record checks every other layout and float versions.
         lag1 = lag1.masked_fill_(lag1 > plus_one, 0.0).mul_(mask)
-        # Eagerly on large chunks in place (a fresh [B, T] buffer costs more than the operations it saves).
-        in_place = not torch.compiler.is_compiling() and lag1.numel() > STACK_MAX_TOKENS
         if T:
             top = lag1.amax(-1)                               # 1 + the largest lag of the sequence (>= 0)
-            # Its smallest lag + 1 - 2**24 (on the mask below the 0s off it; exact: whole numbers of magnitude
-            # <= 2**24 for lags below 2**24), in place undone after (the same bits back for those; a
-            # larger negative lag, newer than the trainer, stays below 0: bin 0 all the same).
-            low = lag1.add_(mask, alpha=-_SHIFT) if in_place else torch.add(lag1, mask, alpha=-_SHIFT)
+            # The smallest lag + 1 on the mask: the minimum of lag1 - 2**24 on the mask, below the 0s off it
+            # (exact for lags below 2**24). One operation, where torch.where needs a boolean mask first.
+            shifted = torch.add(lag1, mask, alpha=-_SHIFT)
             # 0/1 in lag1's dtype (one dtype in the stack below); never without a token (0 + 2**24).
-            spans = (low.amin(-1) + scalar(_SHIFT, low)).lt_(top)
-            lag1 = low.add_(mask, alpha=_SHIFT) if in_place else lag1
+            spans = (shifted.amin(-1) + scalar(_SHIFT, shifted)).lt_(top)
         else:
             top, spans = per_seq, per_seq
         has = per_seq.clamp(max=1.0)                                          # 0/1 (whole numbers)
-        index = _bins(lag1, in_place)                       # (not histc: ~1.4 ms on CPU for any input)
-        hist = count_into(LAG_SIZE, index)[1:] if histogram else index.new_zeros(0)
+        # The lag bins, int32 (half the bytes of int64 for the histograms' bincounts); not histc: ~1.4 ms
+        # on CPU for any input.
+        index = lag1.clamp_(0.0, float(LAG_SIZE - 1)).int()                # (lag1 is not read after)
+        hist = count_into(LAG_SIZE, index)[1:]
         seq_max = top - scalar(1.0, top)
         # A sequence without tokens (top 0) adds 0 to the sums; to the maximum it adds -1 instead of 0,
         # which changes it only when no token has a lag >= 0 (n_ok = 0: not reported).
@@ -84,14 +82,6 @@ def lag_part(version: torch.Tensor, trainer_version: torch.Tensor, mask: torch.T
     seq_sums = torch.stack([has, seq_max.clamp_min(0), spans]).sum(-1, dtype=torch.float64)
     lag_max = seq_max.amax(0, keepdim=True) if B else seq_max.new_zeros(1)
     return [hist, seq_sums, lag_max], index
-
-
-def _bins(lag1: torch.Tensor, in_place: bool) -> torch.Tensor:
-    """The lag bins of lag + 1 (whole numbers): clamped to [0, LAG_SIZE - 1], int64; ``in_place``, int32 in
-    float32's buffer."""
-    if in_place and lag1.dtype == torch.float32:
-        return whole_to_int32_(lag1.clamp_(0.0, float(LAG_SIZE - 1)))
-    return lag1.clamp(0.0, float(LAG_SIZE - 1)).long()
 
 
 def _version_plus_one(trainer_version: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

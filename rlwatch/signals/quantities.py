@@ -38,25 +38,24 @@ from .pending import Values, _div
 from .reduce import plan
 from .settings import LAG_BINS, SAFETY_BOUND
 
-#: Per-token terms of the valid-set tensors ``t`` (keep 0/1, r, s, a = |r|, em1 = w - 1: [B, T], 0 off the set),
-#: the cap C as ``cap_em1`` = C - 1, ``cap_w`` = (C - 1) + 1 (0-d) and ``out``: None or a dead buffer to fill.
+#: Per-token terms of ``t``: the valid-set tensors ([B, T], 0 off the set), ``cap`` C, ``out`` (None or a buffer).
 TERMS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "keep": lambda t: t["keep"],
     "r": lambda t: t["r"],
     "s": lambda t: t["s"],
-    "em1": lambda t: t["em1"],
-    "a": lambda t: t["a"] if "a" in t else torch.abs(t["r"], out=t.get("out")),     # (large chunks: after em1)
-    "em1_t": lambda t: torch.clamp(t["em1"], max=t["cap_em1"], out=t.get("out")),            # min(w, C) - 1
-    "k3": lambda t: torch.sub(t["em1"], t["r"], out=t.get("out")),                 # w - 1 - r
-    "w": lambda t: torch.add(t["em1"], t["keep"], out=t.get("out")),
-    "w_t": lambda t: torch.add(t["em1"], t["keep"], out=t.get("out")).clamp_(max=t["cap_w"]),  # min(w, C)
-    "rs": lambda t: torch.mul(t["r"], t["s"], out=t.get("out")),
+    "w_minus_1": lambda t: t["w_minus_1"],
+    "abs_r": lambda t: t["abs_r"] if "abs_r" in t else torch.abs(t["r"], out=t.get("out")),
+    "w_truncated_minus_1": lambda t: torch.clamp(t["w_minus_1"], max=t["cap_minus_1"], out=t.get("out")),
+    "k3": lambda t: torch.sub(t["w_minus_1"], t["r"], out=t.get("out")),                          # w - 1 - r
+    "w": lambda t: torch.add(t["w_minus_1"], t["keep"], out=t.get("out")),
+    "w_truncated": lambda t: torch.add(t["w_minus_1"], t["keep"], out=t.get("out")).clamp_(max=t["cap"]),  # min(w, C)
+    "r_times_s": lambda t: torch.mul(t["r"], t["s"], out=t.get("out")),
 }
 
 #: The ``thresholds`` input of the fused function, by name: (C - 1, 1/C - 1, low - 1, high - 1, log C,
 #: -log C, log low, log high, then the log-probability band edges), C the TIS cap, [low, high] the MIS band.
-THRESHOLDS = ("cap_em1", "inv_cap_em1", "low_em1", "high_em1", "log_cap", "neg_log_cap", "log_low", "log_high",
-              "edges")
+THRESHOLDS = ("cap_minus_1", "inv_cap_minus_1", "low_minus_1", "high_minus_1", "log_cap", "neg_log_cap", "log_low",
+              "log_high", "edges")
 
 
 @dataclass(frozen=True)
@@ -87,15 +86,16 @@ class SeqSum:
 #: The token sums. The first two must be the valid tokens and the sum of r: the sequence block
 #: reads their per-sequence sums.
 TOKEN_SUMS: tuple[TokenSum, ...] = (
-    TokenSum("n", "keep"), TokenSum("sum_r", "r"), TokenSum("s_sum", "s"), TokenSum("sum_em1", "em1"),
-    TokenSum("sum_w", "w"), TokenSum("sum_wt", "w_t"), TokenSum("sum_a", "a"), TokenSum("sum_k3", "k3"),
-    TokenSum("rs", "rs"),
-    TokenSum("sum_r2", "r", square=True), TokenSum("ss", "s", square=True), TokenSum("sq_em1", "em1", square=True),
-    TokenSum("sq_w", "w", square=True), TokenSum("sq_wt", "w_t", square=True),
-    TokenSum("high", "em1", against="cap_em1"), TokenSum("low", "em1", against="inv_cap_em1", above=False),
-    TokenSum("mis_below", "em1", against="low_em1", above=False), TokenSum("mis_above", "em1", against="high_em1"),
-    TokenSum("band_abs", "a", by="band"), TokenSum("band_n", "keep", by="band"),
-    TokenSum("lag_k3", "k3", by="lag"), TokenSum("lag_abs", "a", by="lag"), TokenSum("lag_n", "keep", by="lag"),
+    TokenSum("n", "keep"), TokenSum("sum_r", "r"), TokenSum("s_sum", "s"), TokenSum("sum_em1", "w_minus_1"),
+    TokenSum("sum_w", "w"), TokenSum("sum_wt", "w_truncated"), TokenSum("sum_a", "abs_r"), TokenSum("sum_k3", "k3"),
+    TokenSum("rs", "r_times_s"), TokenSum("sum_r2", "r", square=True), TokenSum("ss", "s", square=True),
+    TokenSum("sq_em1", "w_minus_1", square=True), TokenSum("sq_w", "w", square=True),
+    TokenSum("sq_wt", "w_truncated", square=True), TokenSum("high", "w_minus_1", against="cap_minus_1"),
+    TokenSum("low", "w_minus_1", against="inv_cap_minus_1", above=False),
+    TokenSum("mis_below", "w_minus_1", against="low_minus_1", above=False),
+    TokenSum("mis_above", "w_minus_1", against="high_minus_1"), TokenSum("band_abs", "abs_r", by="band"),
+    TokenSum("band_n", "keep", by="band"), TokenSum("lag_k3", "k3", by="lag"), TokenSum("lag_abs", "abs_r", by="lag"),
+    TokenSum("lag_n", "keep", by="lag"),
 )
 
 SEQ_SUMS: tuple[SeqSum, ...] = (

@@ -52,12 +52,6 @@ def constant(values: Sequence[float], device: torch.device, dtype: torch.dtype =
     return cached(("constant", device, dtype, values), lambda: torch.tensor(values, dtype=dtype, device=device))
 
 
-def whole_to_int32_(x: torch.Tensor) -> torch.Tensor:
-    """Float32 whole numbers in [0, 2**23) as int32, in ``x``'s buffer: b + 2**23 is a float32 whose low
-    mantissa bits are b, read as an int32 less the bit pattern of 2**23 (no fresh buffer)."""
-    return x.add_(float(2 ** 23)).view(torch.int32).sub_(0x4B000000)
-
-
 def scalar(value: float, like: torch.Tensor) -> torch.Tensor:
     """``value`` as a 0-d tensor of ``like``'s dtype and device, made once per process: an operation
     with a Python number wraps it in a fresh tensor each time (on small CPU tensors about twice the

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import engine, fused, settings
+from . import engine, plans, settings
 from .buckets import LAG_BUCKETS, PROB_BIN_EDGES
 from .durations import duration_core, finish_durations, rollout_values
 from .episodes import bound_values
@@ -104,14 +104,14 @@ def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: 
     args, exact = engine_inputs(record, config)
     vector, _ = engine.run(args, exact, ws.compile if ws is not None else "never",
                            episodes=episodes.tensors if episodes is not None else None)
-    pos = fused.layout(mismatch, lag)
+    layout = plans.layout(mismatch, lag)
 
     def finish(v: list[float]) -> "Values":
-        if ws is not None and v[pos["compiled"]] == 1.0:
+        if ws is not None and v[layout.compiled] == 1.0:
             ws.compiled_steps += 1
-        values = finish_tokens(v, pos, mismatch, lag)
+        values = finish_tokens(v, layout.fields, mismatch, lag)
         if episodes is not None:
-            values.update(episodes.finish(v[pos["size"]:]))
+            values.update(episodes.finish(v[layout.size:]))
         return values
     out.host(finish, out.vector(vector))
 
