@@ -15,7 +15,7 @@ import pytest
 
 from rlwatch.core import metrics
 from rlwatch.alerts import render
-from rlwatch.alerts.catalogue import ALERTS, BY_NAME, History, StepExample, stalled, wilson_lower
+from rlwatch.alerts.catalogue import ALERTS, BY_NAME, History, StepExample, stalled, thresholds, wilson_lower
 from rlwatch.alerts.evaluator import AlertEvaluator
 from rlwatch.alerts.notify import AlertEvent, Dispatcher, SlackNotifier, WebhookNotifier, redact
 
@@ -112,7 +112,7 @@ def test_embedded_evaluator_fires_at_the_same_step_as_the_rules(alert, example):
 def test_stalled_watchdog_matches_the_rule():
     alert = BY_NAME["RLWatchTrainerStalled"]
     steps = example_steps(alert)
-    history = History(steps[:1], {})
+    history = History(steps[:1], thresholds())
     # The rule's example: last step at t=0, no new step; it fires when time() passes 900 s.
     assert stalled(history, now=15 * 60) == []
     assert stalled(history, now=16 * 60) == [({}, 960.0)]

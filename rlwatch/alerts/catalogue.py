@@ -32,10 +32,13 @@ the two fire the same alerts the same number of times whatever the time between 
 Thresholds (:data:`PARAMS`, :mod:`.params`) are defaults; a run overrides any of them with
 ``Watch(alert_overrides={...})``.
 
-Layout (as kubernetes-mixin splits its alerts): the thresholds (:mod:`.params`), the step-window
-view (:mod:`.history`) and shared conditions (:mod:`.conditions`), what an alert is (:mod:`.model`),
-and one module per domain under :mod:`.domains`. This module is the index: the alerts in the order
-of the rules and the runbook, and the names users import.
+Layout (as kubernetes-mixin splits its alerts): one module per domain under :mod:`.domains`, which
+declares its alerts (``ALERTS``), the thresholds only they read (``PARAMS``) and what each alert
+indicates (``Alert(roles=...)``, read by the post-mortem); the shared thresholds (:mod:`.params`), the
+step-window view (:mod:`.history`) and shared conditions (:mod:`.conditions`), what an alert is
+(:mod:`.model`). This module is the index, collected from the domains (no list of alerts here): the
+alerts in the order of the rules and the runbook (the domains' :data:`.domains.ORDER`, each domain's
+``ALERTS`` in turn), and the names users import.
 """
 
 from __future__ import annotations
@@ -43,24 +46,40 @@ from __future__ import annotations
 import math
 
 from .conditions import wilson_lower
-from .domains import data, hacks, importance, liveness, mismatch, rollout, staleness
+from . import domains
 from .domains.liveness import stalled
 from .history import History, LabelSet, Verdicts
-from .model import ALERT_LABELS, RUNBOOK_BASE, Alert, Example, Runbook, StepExample, runbook_base
+from .model import ALERT_LABELS, ROLES, RUNBOOK_BASE, Alert, Example, Runbook, StepExample, runbook_base
 from .params import PARAMS, Param, defaults, threshold, thresholds, validate_overrides
 
-ALERTS: tuple[Alert, ...] = (
-    mismatch.KL_SPIKE, mismatch.KL_DEPARTURE, mismatch.KL_JUMP, mismatch.MISMATCH_DRIFT,
-    mismatch.ON_POLICY_RATIO_NOT_ONE,
-    staleness.STALENESS_BOUND_EXCEEDED, staleness.VERSION_LAG_FAR_ABOVE_BOUND,
-    importance.IS_TRUNCATION_HIGH, importance.ESS_LOW,
-    data.ZERO_VARIANCE_GROUPS_HIGH, data.TRUNCATION_RATE_HIGH,
-    hacks.REWARD_HACK_RATE_RISING, hacks.INFRA_FAILURE_RATE_HIGH,
-    data.ENTROPY_COLLAPSE, data.NON_FINITE_LOG_PROBS, rollout.ROLLOUT_LENGTH_BIAS,
-    liveness.TRAINER_STALLED, liveness.EXPORTER_DOWN, liveness.HOOK_ERRORS, liveness.WATCHDOG,
-)
+
+def collect() -> tuple[Alert, ...]:
+    """Every domain module's ``ALERTS``, in :func:`.domains.modules` order. Raises ValueError on a
+    name given twice or a threshold no module declares."""
+    alerts: tuple[Alert, ...] = tuple(alert for module in domains.modules() for alert in getattr(module, "ALERTS", ()))
+    seen: set[str] = set()
+    for alert in alerts:
+        if alert.name in seen:
+            raise ValueError(f"alert {alert.name} declared twice")
+        seen.add(alert.name)
+        unknown = [p for p in alert.params if p not in PARAMS]
+        if unknown:
+            raise ValueError(f"alert {alert.name} reads undeclared threshold(s) {unknown}: declare them in the "
+                             f"PARAMS of its domain module")
+    return alerts
+
+
+ALERTS: tuple[Alert, ...] = collect()
 
 BY_NAME: dict[str, Alert] = {a.name: a for a in ALERTS}
+
+
+def with_role(*roles: str) -> tuple[str, ...]:
+    """The names of the alerts that declare one of ``roles`` (:data:`.model.ROLES`), in catalogue order."""
+    unknown = [role for role in roles if role not in ROLES]
+    if unknown:
+        raise ValueError(f"unknown role(s) {unknown} (known: {', '.join(ROLES)})")
+    return tuple(a.name for a in ALERTS if set(a.roles) & set(roles))
 
 #: Recording rules for the dashboards' wall-clock rate panels (the alerts read the step windows).
 RECORDING_RULES: tuple[tuple[str, str], ...] = (
@@ -93,6 +112,7 @@ def evaluate(alert: Alert, history: History) -> Verdicts:
             if verdict[0] is not None and not (isinstance(verdict[0], float) and math.isnan(verdict[0]))}
 
 
-__all__ = ["ALERTS", "ALERT_LABELS", "BY_NAME", "PARAMS", "RECORDING_RULES", "RUNBOOK_BASE", "Alert", "Example",
-           "History", "LabelSet", "Param", "Runbook", "StepExample", "Verdicts", "defaults", "evaluate",
-           "runbook_base", "stalled", "threshold", "thresholds", "validate_overrides", "wilson_lower"]
+__all__ = ["ALERTS", "ALERT_LABELS", "BY_NAME", "PARAMS", "RECORDING_RULES", "ROLES", "RUNBOOK_BASE", "Alert",
+           "Example", "History", "LabelSet", "Param", "Runbook", "StepExample", "Verdicts", "collect", "defaults",
+           "evaluate", "runbook_base", "stalled", "threshold", "thresholds", "validate_overrides", "with_role",
+           "wilson_lower"]

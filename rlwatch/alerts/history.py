@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 
-from .params import PARAMS
-
 LabelSet = dict[str, str]
 #: One alert's reading of one step: {label values: (value, raise, hold)}.
 Verdicts = dict[tuple[str, ...], tuple[float, bool, bool]]
@@ -25,7 +23,12 @@ class History:
         self.stats: dict[tuple[str, str], float] = {}     # (kind, signal) -> window statistic, exported
 
     def p(self, name: str) -> float:
-        return self.params.get(name, PARAMS[name].default)
+        """The threshold ``name`` in force: ``params`` holds every one (``params.thresholds(overrides)``)."""
+        try:
+            return self.params[name]
+        except KeyError:
+            raise KeyError(f"threshold {name!r} is not in this History's params: build it with "
+                           f"rlwatch.alerts.params.thresholds(overrides)") from None
 
     @property
     def step(self) -> int | None:

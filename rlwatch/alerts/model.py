@@ -8,6 +8,7 @@ A step-window alert has a ``condition`` (read in the training process, see
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,6 +33,54 @@ def runbook_base(explicit: str | None = None) -> str:
     from ..core.config import runbook_url
 
     return runbook_url(explicit, RUNBOOK_BASE)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A threshold: its default, its meaning, and the values a run may set: from ``low`` (or
+    strictly above ``above``) to ``high``, finite. Declared in the ``PARAMS`` of the domain module
+    whose alerts read it (the shared ones in :mod:`.params`)."""
+
+    default: float
+    doc: str
+    low: float = 0.0
+    high: float = math.inf
+    above: float | None = None
+
+    @property
+    def allowed(self) -> str:
+        """The allowed range in interval notation, e.g. ``(0, inf)`` or ``[0, 1]``."""
+        left = f"({self.above:g}" if self.above is not None else f"[{self.low:g}"
+        return f"{left}, {self.high:g}{')' if math.isinf(self.high) else ']'}"
+
+    def allows(self, value: float) -> bool:
+        floor_ok = value > self.above if self.above is not None else value >= self.low
+        return math.isfinite(value) and floor_ok and value <= self.high
+
+
+def threshold_expr(param: str, default: float) -> str:
+    """PromQL for the value of ``param`` per process (run, run_instance): a Prometheus-side override
+    of the run (``source="overrides"``, ``alerts/overrides.example.yaml``; it applies to every process
+    of that run name), else the value the process exports, else ``default``. One series per (run,
+    run_instance) whatever Prometheus scrapes (``max by``): two targets behind one identity (one
+    $RLWATCH_RUN_INSTANCE given to two processes, a target scraped by two jobs) would otherwise make
+    the rule's ``on(run, run_instance)`` join fail ("found duplicate series") for every run."""
+    series = f'rlwatch_alert_threshold{{param="{param}"'
+    return (f'max by(run, run_instance) ('
+            f'max by(run) ({series}, source="overrides"}}) * on(run) group_right() (0 * rlwatch_step + 1) '
+            f'or on(run, run_instance) {series}, source!="overrides"}} '
+            f'or on(run, run_instance) (0 * rlwatch_step + {default:g}))')
+
+
+#: What an alert indicates, for the readers that group alerts (the post-mortem,
+#: :mod:`rlwatch.postmortem.analysis`); an alert declares its roles (``Alert(roles=...)``).
+ROLES: dict[str, str] = {
+    "mismatch": "a sampler-learner mismatch: firing makes a diagnosed cause the run's cause even where the run "
+                "did not degrade",
+    "lag": "a lag fault (stale tokens, a version lag); also a mismatch alert",
+    "kl": "the KL between sampler and learner spiked, jumped or drifted; also a mismatch alert",
+    "importance": "the importance weights of a correction (truncated, degenerate); also a mismatch alert",
+}
 
 
 @dataclass(frozen=True)
@@ -89,7 +138,8 @@ class Alert:
     """One alert. ``condition`` (step-window alerts) reads the latest steps; the alert opens after
     ``for_steps`` consecutive raise steps or, when ``intermittent``, after ``intermittent_hits`` raise
     steps among the last ``intermittent_steps``. ``prom_expr``: a wall-clock alert's own rule.
-    ``more_examples``: further step-window examples its promtool tests replay."""
+    ``more_examples``: further step-window examples its promtool tests replay. ``roles``: what the
+    alert indicates (:data:`ROLES`), read by the post-mortem."""
 
     name: str
     severity: str
@@ -108,6 +158,12 @@ class Alert:
     labels: tuple[str, ...] = ("run",)
     intermittent: bool = False
     more_examples: tuple[StepExample, ...] = ()
+    roles: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [role for role in self.roles if role not in ROLES]
+        if unknown:
+            raise ValueError(f"alert {self.name}: unknown role(s) {unknown} (known: {', '.join(ROLES)})")
 
     @property
     def examples(self) -> tuple[Example | StepExample, ...]:
@@ -171,5 +227,5 @@ def with_step(n: int, **families: dict) -> dict:
 R1 = 'run="r1"'
 
 
-__all__ = ["ALERT_LABELS", "R1", "RUNBOOK_BASE", "Alert", "Example", "Runbook", "StepExample", "const", "cumulative",
-           "runbook_base", "with_step"]
+__all__ = ["ALERT_LABELS", "R1", "ROLES", "RUNBOOK_BASE", "Alert", "Example", "Param", "Runbook", "StepExample",
+           "const", "cumulative", "runbook_base", "threshold_expr", "with_step"]

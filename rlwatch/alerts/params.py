@@ -1,5 +1,10 @@
 """The catalogue's thresholds: every parameter an alert reads, its default, and a run's overrides.
 
+A threshold is declared next to the alerts that read it: in the ``PARAMS`` of its domain module
+(``rlwatch/alerts/domains/<domain>.py``), or, when alerts of several domains read it (the evidence
+bars, the hysteresis, the windows of the paging policy), in :data:`COMMON` here. :data:`PARAMS`
+collects them: the domains' in the domains' order, then the shared ones.
+
 Thresholds (:data:`PARAMS`) are defaults; a run overrides any of them with
 ``Watch(alert_overrides={...})``, which the step windows use and which is exported as
 ``rlwatch_alert_threshold{param=...}``; the thresholds that rules compare themselves (``stall_seconds``)
@@ -10,78 +15,13 @@ values it allows; an override outside them is refused with a ValueError when the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Mapping
 
+from . import domains
+from .model import Param, threshold_expr
 
-@dataclass(frozen=True)
-class Param:
-    """A threshold: its default, its meaning, and the values a run may set: from ``low`` (or
-    strictly above ``above``) to ``high``, finite."""
-
-    default: float
-    doc: str
-    low: float = 0.0
-    high: float = math.inf
-    above: float | None = None
-
-    @property
-    def allowed(self) -> str:
-        """The allowed range in interval notation, e.g. ``(0, inf)`` or ``[0, 1]``."""
-        left = f"({self.above:g}" if self.above is not None else f"[{self.low:g}"
-        return f"{left}, {self.high:g}{')' if math.isinf(self.high) else ']'}"
-
-    def allows(self, value: float) -> bool:
-        floor_ok = value > self.above if self.above is not None else value >= self.low
-        return math.isfinite(value) and floor_ok and value <= self.high
-
-
-PARAMS: dict[str, Param] = {
-    "kl_k3_max": Param(0.1, "k3 = KL(mu||pi_old) above which a step counts toward a spike. verl's rollout-correction "
-                       "guidance treats |KL| > 0.1 as unhealthy; bf16 numeric mismatch alone gives ~1e-3.", above=0.0),
-    "kl_jump_factor": Param(5.0, "k3 this many times its trailing baseline mean is a jump (a warning).", low=1.0),
-    "kl_jump_floor": Param(0.01, "No jump while k3 stays below this (a jump from 1e-5 to 1e-4 is noise)."),
-    "kl_departure_factor": Param(8.0, "k3 (its 5-step median) this many times the run's own baseline (its lowest "
-                                 "20-step median) pages (RLWatchKLDeparture): language-model runs sit flat near "
-                                 "their numerics floor and pass 10x it 150-500 steps before a collapse.", low=1.0),
-    "kl_departure_floor": Param(1.5e-3, "No departure page, and no drift warning, while k3's 5-step median stays "
-                                "below this (an fp16 run's 1e-5 -> 1e-4 is 10x but harmless).", above=0.0),
-    "kl_drift_factor": Param(5.0, "RLWatchMismatchDrift warns only while k3's 5-step median is this many times "
-                             "the run baseline (and above kl_departure_floor): the drift score alone fires on "
-                             "noise.", low=1.0),
-    "drift_score_max": Param(8.0, "CUSUM drift score (in robust standard deviations) above which a signal "
-                             "is drifting (a warning).", above=0.0),
-    "onpolicy_log_ratio_max": Param(0.02, "|mean signed log-ratio| allowed in the first steps of an on-policy "
-                                    "run, beyond evidence_z standard errors; numeric noise is zero-mean, a "
-                                    "semantics bug is not."),
-    "onpolicy_steps": Param(5.0, "Steps counted as the start of the run for the on-policy check."),
-    "staleness_over_bound_max": Param(0.0, "Fraction of tokens allowed above the staleness bound.", high=1.0),
-    "lag_critical_factor": Param(2.0, "Maximum lag above this many times the staleness bound is critical.",
-                                 low=1.0),
-    "tis_truncated_max": Param(0.05, "Fraction of tokens a TIS cap truncates (w > C), judged by its lower "
-                               "confidence bound.", high=1.0),
-    "ess_min": Param(0.3, "Normalised effective sample size below which IS weights are degenerate "
-                     "(verl flags ESS < 0.3).", high=1.0),
-    "zero_variance_max": Param(0.5, "Fraction of GRPO groups that are all-pass or all-fail (lower bound over "
-                               "the last 5 steps' groups).", high=1.0),
-    "truncated_max": Param(0.2, "Fraction of responses cut by the length limit or a timeout (lower bound over "
-                           "the last 5 steps' responses).", high=1.0),
-    "hack_ratio_max": Param(0.1, "Fraction of an environment's episodes a reward-hack detector flags, judged by "
-                            "the lower confidence bound over the last 10 steps.", high=1.0),
-    "hack_jump_factor": Param(2.0, "To open, the hack rate's lower bound must also exceed this many times the "
-                              "environment's own rate before the window.", low=1.0),
-    "hack_baseline_steps": Param(5.0, "Steps with judged episodes needed before the window for the hack "
-                                 "rate to count as rising."),
-    "failure_ratio_max": Param(0.05, "Fraction of an environment's episodes failing for infrastructure reasons "
-                               "(lower confidence bound).", high=1.0),
-    "entropy_collapse_ratio": Param(0.2, "Entropy below this fraction of its own maximum over the last 120 "
-                                    "steps.", high=1.0),
-    "stall_seconds": Param(900.0, "Seconds without a new step before the trainer counts as stalled.", above=0.0),
-    "nonfinite_ratio_max": Param(0.001, "Fraction of response tokens with a NaN or infinite log-prob (lower "
-                                 "confidence bound).", high=1.0),
-    "length_bias_max": Param(0.07, "How much shorter the trained episodes may be than the launched ones, as 1 - "
-                             "the mean trained/launched duration ratio over 10 steps (chosen on the tuning split "
-                             "of evaluation.rollout_bias, alerts/length-bias-acceptance.md).", high=1.0),
+#: The thresholds that alerts of several domains read.
+COMMON: dict[str, Param] = {
     "baseline_steps": Param(20.0, "Steps a trailing baseline needs before any jump or collapse-relative "
                             "condition can hold.", low=2.0),
     "evidence_z": Param(2.33, "Standard normal quantile of the evidence bars: Wilson lower bounds of rates and "
@@ -102,18 +42,27 @@ PARAMS: dict[str, Param] = {
 }
 
 
+def collect() -> dict[str, Param]:
+    """Every domain module's ``PARAMS`` (:func:`.domains.modules` order), then :data:`COMMON`. Raises
+    ValueError on a name declared twice."""
+    out: dict[str, Param] = {}
+    for module in domains.modules() + [None]:
+        declared = COMMON if module is None else getattr(module, "PARAMS", {})
+        where = "rlwatch.alerts.params.COMMON" if module is None else module.__name__
+        for name, param in declared.items():
+            if name in out:
+                raise ValueError(f"alert threshold {name!r} declared twice (again in {where})")
+            out[name] = param
+    return out
+
+
+PARAMS: dict[str, Param] = collect()
+
+
 def threshold(param: str) -> str:
-    """PromQL for the value of ``param`` per process (run, run_instance): a Prometheus-side override
-    of the run (``source="overrides"``, ``alerts/overrides.example.yaml``; it applies to every process
-    of that run name), else the value the process exports, else the default. One series per (run,
-    run_instance) whatever Prometheus scrapes (``max by``): two targets behind one identity (one
-    $RLWATCH_RUN_INSTANCE given to two processes, a target scraped by two jobs) would otherwise make
-    the rule's ``on(run, run_instance)`` join fail ("found duplicate series") for every run."""
-    series = f'rlwatch_alert_threshold{{param="{param}"'
-    return (f'max by(run, run_instance) ('
-            f'max by(run) ({series}, source="overrides"}}) * on(run) group_right() (0 * rlwatch_step + 1) '
-            f'or on(run, run_instance) {series}, source!="overrides"}} '
-            f'or on(run, run_instance) (0 * rlwatch_step + {PARAMS[param].default:g}))')
+    """PromQL for the value of ``param`` per process (run, run_instance), its default
+    (:func:`.model.threshold_expr`)."""
+    return threshold_expr(param, PARAMS[param].default)
 
 
 def defaults() -> dict[str, float]:
@@ -153,4 +102,4 @@ def thresholds(overrides: Mapping[str, Any] = ()) -> dict[str, float]:
     return {**defaults(), **validate_overrides(overrides)}
 
 
-__all__ = ["PARAMS", "Param", "defaults", "threshold", "thresholds", "validate_overrides"]
+__all__ = ["COMMON", "PARAMS", "Param", "collect", "defaults", "threshold", "thresholds", "validate_overrides"]

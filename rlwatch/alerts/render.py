@@ -212,7 +212,8 @@ def runbook_md() -> str:
     out = [HEADER.replace("# ", "<!-- ", 1).rstrip() + " -->\n",
            "# rlwatch runbook\n",
            "One section per alert: what it means, the likely causes, what to look at, what to do. "
-           "Thresholds are the defaults of `rlwatch/alerts/params.py`; a run overrides them with "
+           "Thresholds are the defaults declared next to their alerts in `rlwatch/alerts/domains/` (the shared ones in "
+           "`rlwatch/alerts/params.py`); a run overrides them with "
            "`Watch(alert_overrides={...})` (exported as `rlwatch_alert_threshold{param=...}`).\n",
            PAGING_POLICY,
            "| alert | severity | opens after | parameters |", "|---|---|---|---|"]

@@ -196,6 +196,17 @@ class RayActorInstrumentor(Instrumentor):
         except Exception as exc:  # noqa: BLE001
             logger.warning("rlwatch: %s setup hook failed; this worker is not instrumented: %s", self.label, exc)
 
+    def autoload(self) -> Any:
+        """``rlwatch run``'s registration of the framework (its package's ``AUTOLOAD``,
+        :mod:`.registry`): at start-up, :meth:`setup_hook` (lazy itself: the framework's functions are
+        wrapped when they get imported), and the Watch the instrumentor creates announced."""
+        from .registry import Autoload, announce_created_watches
+
+        def setup() -> None:
+            self.setup_hook()
+            announce_created_watches(self, self.package)
+        return Autoload(framework=self.package, setup=setup)
+
     def __reduce__(self) -> tuple:
         # A wrapper pickled by value (cloudpickle) refers to the instrumentor of the process that
         # unpickles it (the module's INSTRUMENTOR), never to this one's Watch, locks and threads.

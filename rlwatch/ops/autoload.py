@@ -1,7 +1,9 @@
 """Zero-code instrumentation: what ``rlwatch run -- <command>`` installs in every Python process.
 
 ``rlwatch run`` puts ``rlwatch/_bootstrap`` first on ``PYTHONPATH``; its ``sitecustomize`` calls
-:func:`initialize`, which registers post-import hooks: when the training program imports a
+:func:`initialize`, which sets up every registered integration whose framework is installed (each
+declares an ``Autoload`` in its own package, found without a central list:
+:mod:`rlwatch.integrations.registry`); each setup is lazy: when the training program imports a
 supported framework, the matching integration attaches itself (TRL: every ``GRPOTrainer`` gets a
 Watch; verl and OpenRLHF: their metric functions are wrapped). Nothing else happens in a process
 that never imports a framework. When the program calls ``ray.init``, the runtime environment is
@@ -29,6 +31,7 @@ from typing import Any, Callable
 
 from ..core import config
 from ..core.run_report import report
+from ..integrations import registry
 
 logger = logging.getLogger("rlwatch")
 
@@ -70,24 +73,6 @@ def on_import(module_name: str, hook: Callable[[Any], None]) -> None:
 
 # --- what `rlwatch run` is told --------------------------------------------------------------------
 
-
-
-def announce(watch: Any, framework: str) -> None:
-    """Say where a zero-code Watch exports (stderr) and record it for ``rlwatch run``."""
-    try:
-        url, store = getattr(watch, "url", None), getattr(watch, "store_path", None)
-        if not getattr(watch, "active", True):
-            print(f"rlwatch: {framework} trainer in process {os.getpid()} (rank {getattr(watch, 'rank', '?')}) "
-                  f"exports nothing: only rank 0 does", file=sys.stderr, flush=True)
-        else:
-            print(f"rlwatch: watching {framework} run {watch.run!r}: metrics "
-                  f"{url or 'not served (port off or taken)'}, store {store or 'none'}", file=sys.stderr, flush=True)
-        report("watching", framework=framework, run=watch.run, url=url, store=store,
-               active=bool(getattr(watch, "active", True)))
-    except Exception as exc:  # noqa: BLE001
-        logger.debug("rlwatch: could not announce the Watch: %s", exc)
-
-
 def _note_import(framework: str) -> Callable[[Any], None]:
     def hook(module: Any) -> None:
         from ..integrations._instrumentor import installed_version
@@ -96,63 +81,20 @@ def _note_import(framework: str) -> Callable[[Any], None]:
     return hook
 
 
-def _announce_created_watches(instrumentor: Any, framework: str) -> None:
-    """Make a Ray-actor instrumentor announce the Watch it creates on first use."""
-    original = instrumentor._make_watch
-    if getattr(original, "__rlwatch_announces__", False):
-        return
-
-    def _make_watch(context: Any) -> Any:
-        watch = original(context)
-        announce(watch, framework)
-        return watch
-
-    _make_watch.__rlwatch_announces__ = True
-    instrumentor._make_watch = _make_watch
-
-
 # --- what is hooked -------------------------------------------------------------------------------
 
-def _hook_trl(module: Any) -> None:
-    """Every GRPOTrainer built in this process gets a Watch when its constructor returns."""
-    cls = getattr(module, "GRPOTrainer", None)
-    if cls is None or getattr(cls.__init__, "__rlwatch_original__", None) is not None:
-        return
-    original = cls.__init__
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        try:
-            from ..integrations import trl as integration
-
-            announce(integration.watch(self, **watch_options_from_env()), "trl")
-        except Exception as exc:  # noqa: BLE001 - never stop the user's trainer from being built
-            logger.warning("rlwatch: could not watch this GRPOTrainer: %s", exc)
-
-    __init__.__rlwatch_original__ = original
-    cls.__init__ = __init__
+def frameworks() -> list[str]:
+    """The frameworks ``rlwatch run`` instruments by default (every registered integration, in order)."""
+    return registry.names()
 
 
-def _setup_verl() -> None:
-    from ..integrations import verl
-
-    verl.setup_hook()             # lazy itself: wraps verl's functions when verl gets imported
-    _announce_created_watches(verl.INSTRUMENTOR, "verl")
-
-
-def _setup_openrlhf() -> None:
-    from ..integrations import openrlhf
-
-    openrlhf.setup_hook()
-    _announce_created_watches(openrlhf.INSTRUMENTOR, "openrlhf")
-
-
-#: what initialize() does per framework (each one is lazy: nothing runs until the framework loads)
-FRAMEWORK_SETUP: dict[str, Callable[[], None]] = {
-    "trl": lambda: on_import("trl.trainer.grpo_trainer", _hook_trl),
-    "verl": _setup_verl,
-    "openrlhf": _setup_openrlhf,
-}
+def _set_up(name: str) -> None:
+    """Run the registration of ``name`` (at once, or when its ``on_import`` module is imported)."""
+    autoload = registry.registration(name)
+    if autoload.on_import:
+        on_import(autoload.on_import, autoload.setup)
+    else:
+        autoload.setup()
 
 
 def _hook_ray(module: Any) -> None:
@@ -193,19 +135,20 @@ def initialize() -> None:
         if _initialized:
             return
         _initialized = True
-    wanted = config.frameworks(list(FRAMEWORK_SETUP))
+    names = frameworks()
+    wanted = config.frameworks(names)
     from . import distribution
     from ..integrations._instrumentor import installed_version
 
     if distribution.foreign_files():                  # a few stat calls: this runs in every process
         print(f"rlwatch: {distribution.conflict_message(distribution.foreign_rlwatch())}", file=sys.stderr,
               flush=True)
-    for name, setup in FRAMEWORK_SETUP.items():
+    for name in names:
         if config.run_report_path():
             on_import(name, _note_import(name))
         if name in wanted and installed_version(name) is not None:
             try:
-                setup()
+                _set_up(name)
             except Exception as exc:  # noqa: BLE001 - a missing integration never stops the program
                 logger.debug("rlwatch: %s integration not set up: %s", name, exc)
     on_import("ray", _hook_ray)

@@ -105,7 +105,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import os
     import tempfile
 
-    from .autoload import BOOTSTRAP_DIR, FRAMEWORK_SETUP
+    from .autoload import BOOTSTRAP_DIR, frameworks as registered
     from .child import run_command
 
     command = list(args.command)
@@ -125,7 +125,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             env[variable] = str(value)
     if args.strict:
         env["RLWATCH_STRICT"] = "1"
-    frameworks = args.frameworks or ",".join(FRAMEWORK_SETUP)
+    frameworks = args.frameworks or ",".join(registered())
     with tempfile.TemporaryDirectory(prefix="rlwatch-run-") as tmp:
         report_path = os.path.join(tmp, "report.jsonl")
         env[REPORT_VARIABLE] = report_path

@@ -9,6 +9,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..alerts.catalogue import with_role
 from ..analyses.diagnosis import Diagnosis, diagnose
 from .changes import Change, detect_change, scanned_series
 from .compare import Comparison
@@ -31,19 +32,17 @@ CAUSE_SIGNALS: dict[str, tuple[str, ...]] = {
 }
 NO_CAUSE = "no cause found"
 #: Alerts on the sampler-learner mismatch and the lag: one of them firing makes a diagnosed cause
-#: the run's cause even where the run did not degrade.
-MISMATCH_ALERTS = frozenset({"RLWatchESSLow", "RLWatchISTruncationHigh", "RLWatchKLDeparture", "RLWatchKLJump",
-                             "RLWatchKLSpike",
-                             "RLWatchMismatchDrift", "RLWatchNonFiniteLogProbs", "RLWatchOnPolicyRatioNotOne",
-                             "RLWatchStalenessBoundExceeded", "RLWatchVersionLagFarAboveBound"})
+#: the run's cause even where the run did not degrade. Read from the alerts' roles (``Alert(roles=...)``
+#: in their domain modules, :data:`rlwatch.alerts.model.ROLES`): a lag, KL or importance alert is a mismatch alert.
+MISMATCH_ALERTS = frozenset(with_role("mismatch", "lag", "kl", "importance"))
 
 
 #: Alerts on the lag, and on the KL between sampler and learner: both firing in a run that kept its
 #: quality while a behaviour correction was on is a lag fault the correction held.
-LAG_ALERTS = ("RLWatchVersionLagFarAboveBound", "RLWatchStalenessBoundExceeded")
-KL_ALERTS = ("RLWatchKLSpike", "RLWatchKLJump", "RLWatchMismatchDrift")
+LAG_ALERTS = with_role("lag")
+KL_ALERTS = with_role("kl")
 #: What a correction acting on stale data shows when the KL stays below its alerts: weights truncated, ESS low.
-IS_ALERTS = ("RLWatchISTruncationHigh", "RLWatchESSLow")
+IS_ALERTS = with_role("importance")
 
 
 def correction_in_use(meta: dict[str, Any]) -> str | None:

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from ..conditions import rate, wilson_lower
 from ..history import History, Verdicts
-from ..model import Alert, Runbook, StepExample, const, with_step
+from ..model import Alert, Param, Runbook, StepExample, const, with_step
+
+
+#: The thresholds only this domain's alerts read (the shared ones: rlwatch.alerts.params.COMMON).
+PARAMS: dict[str, Param] = {
+    "hack_ratio_max": Param(0.1, "Fraction of an environment's episodes a reward-hack detector flags, judged by "
+                            "the lower confidence bound over the last 10 steps.", high=1.0),
+    "hack_jump_factor": Param(2.0, "To open, the hack rate's lower bound must also exceed this many times the "
+                              "environment's own rate before the window.", low=1.0),
+    "hack_baseline_steps": Param(5.0, "Steps with judged episodes needed before the window for the hack "
+                                 "rate to count as rising."),
+    "failure_ratio_max": Param(0.05, "Fraction of an environment's episodes failing for infrastructure reasons "
+                               "(lower confidence bound).", high=1.0),
+}
 
 
 def _hack_rising(h: History) -> Verdicts:
@@ -80,4 +93,8 @@ INFRA_FAILURE_RATE_HIGH = Alert(
 )
 
 
-__all__ = ["REWARD_HACK_RATE_RISING", "INFRA_FAILURE_RATE_HIGH"]
+#: The domain's alerts, in page order.
+ALERTS: tuple[Alert, ...] = (REWARD_HACK_RATE_RISING, INFRA_FAILURE_RATE_HIGH)
+
+
+__all__ = ["ALERTS", "PARAMS", "REWARD_HACK_RATE_RISING", "INFRA_FAILURE_RATE_HIGH"]

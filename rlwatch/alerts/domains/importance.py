@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from ..conditions import one, rate
 from ..history import History, Verdicts
-from ..model import Alert, Runbook, StepExample, const, with_step
+from ..model import Alert, Param, Runbook, StepExample, const, with_step
+
+
+#: The thresholds only this domain's alerts read (the shared ones: rlwatch.alerts.params.COMMON).
+PARAMS: dict[str, Param] = {
+    "tis_truncated_max": Param(0.05, "Fraction of tokens a TIS cap truncates (w > C), judged by its lower "
+                               "confidence bound.", high=1.0),
+    "ess_min": Param(0.3, "Normalised effective sample size below which IS weights are degenerate "
+                     "(verl flags ESS < 0.3).", high=1.0),
+}
 
 
 def _ess_low(h: History) -> Verdicts:
@@ -13,6 +22,7 @@ def _ess_low(h: History) -> Verdicts:
 
 
 IS_TRUNCATION_HIGH = Alert(
+    roles=("importance",),
     name="RLWatchISTruncationHigh", severity="warning", for_steps=3,
     params=("tis_truncated_max", "evidence_z", "hold_fraction", "clear_steps"),
     summary="Many tokens have an importance weight above the TIS cap.",
@@ -37,6 +47,7 @@ IS_TRUNCATION_HIGH = Alert(
 
 
 ESS_LOW = Alert(
+    roles=("importance",),
     name="RLWatchESSLow", severity="critical", for_steps=2, intermittent=True,
     params=("ess_min", "intermittent_hits", "intermittent_steps", "hold_fraction", "clear_steps"),
     summary="Importance-sampling effective sample size is low.",
@@ -58,4 +69,8 @@ ESS_LOW = Alert(
 )
 
 
-__all__ = ["IS_TRUNCATION_HIGH", "ESS_LOW"]
+#: The domain's alerts, in page order.
+ALERTS: tuple[Alert, ...] = (IS_TRUNCATION_HIGH, ESS_LOW)
+
+
+__all__ = ["ALERTS", "PARAMS", "IS_TRUNCATION_HIGH", "ESS_LOW"]

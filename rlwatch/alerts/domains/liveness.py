@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from ..history import History, LabelSet
-from ..model import R1, Alert, Example, Runbook, const, cumulative
-from ..params import threshold
+from ..model import R1, Alert, Example, Param, Runbook, const, cumulative, threshold_expr
+
+
+#: The thresholds only this domain's alerts read (the shared ones: rlwatch.alerts.params.COMMON).
+PARAMS: dict[str, Param] = {
+    "stall_seconds": Param(900.0, "Seconds without a new step before the trainer counts as stalled.", above=0.0),
+}
 
 
 def stalled(h: History, now: float) -> list[tuple[LabelSet, float]]:
@@ -19,7 +24,7 @@ def stalled(h: History, now: float) -> list[tuple[LabelSet, float]]:
 TRAINER_STALLED = Alert(
     name="RLWatchTrainerStalled", severity="critical", for_minutes=0,
     prom_expr=("time() - rlwatch_last_step_timestamp_seconds > on(run, run_instance) group_left() "
-               f"({threshold('stall_seconds')})"),
+               f"({threshold_expr('stall_seconds', PARAMS['stall_seconds'].default)})"),
     params=("stall_seconds",),
     summary="The trainer has not finished a step for too long.",
     description="Run {{ $labels.run }}: no step for {{ $value | humanizeDuration }}.",
@@ -106,4 +111,8 @@ WATCHDOG = Alert(
 )
 
 
-__all__ = ["stalled", "TRAINER_STALLED", "EXPORTER_DOWN", "HOOK_ERRORS", "WATCHDOG"]
+#: The domain's alerts, in page order.
+ALERTS: tuple[Alert, ...] = (TRAINER_STALLED, EXPORTER_DOWN, HOOK_ERRORS, WATCHDOG)
+
+
+__all__ = ["ALERTS", "PARAMS", "stalled", "TRAINER_STALLED", "EXPORTER_DOWN", "HOOK_ERRORS", "WATCHDOG"]

@@ -6,9 +6,32 @@ import math
 
 from ..conditions import one
 from ..history import History, Verdicts
-from ..model import Alert, Runbook, StepExample, const, with_step
+from ..model import Alert, Param, Runbook, StepExample, const, with_step
 from ..template import K3_CONTEXT
 from ..trend import k3_trend, run_baseline, smoothed
+
+
+#: The thresholds only this domain's alerts read (the shared ones: rlwatch.alerts.params.COMMON).
+PARAMS: dict[str, Param] = {
+    "kl_k3_max": Param(0.1, "k3 = KL(mu||pi_old) above which a step counts toward a spike. verl's rollout-correction "
+                       "guidance treats |KL| > 0.1 as unhealthy; bf16 numeric mismatch alone gives ~1e-3.", above=0.0),
+    "kl_jump_factor": Param(5.0, "k3 this many times its trailing baseline mean is a jump (a warning).", low=1.0),
+    "kl_jump_floor": Param(0.01, "No jump while k3 stays below this (a jump from 1e-5 to 1e-4 is noise)."),
+    "kl_departure_factor": Param(8.0, "k3 (its 5-step median) this many times the run's own baseline (its lowest "
+                                 "20-step median) pages (RLWatchKLDeparture): language-model runs sit flat near "
+                                 "their numerics floor and pass 10x it 150-500 steps before a collapse.", low=1.0),
+    "kl_departure_floor": Param(1.5e-3, "No departure page, and no drift warning, while k3's 5-step median stays "
+                                "below this (an fp16 run's 1e-5 -> 1e-4 is 10x but harmless).", above=0.0),
+    "kl_drift_factor": Param(5.0, "RLWatchMismatchDrift warns only while k3's 5-step median is this many times "
+                             "the run baseline (and above kl_departure_floor): the drift score alone fires on "
+                             "noise.", low=1.0),
+    "drift_score_max": Param(8.0, "CUSUM drift score (in robust standard deviations) above which a signal "
+                             "is drifting (a warning).", above=0.0),
+    "onpolicy_log_ratio_max": Param(0.02, "|mean signed log-ratio| allowed in the first steps of an on-policy "
+                                    "run, beyond evidence_z standard errors; numeric noise is zero-mean, a "
+                                    "semantics bug is not."),
+    "onpolicy_steps": Param(5.0, "Steps counted as the start of the run for the on-policy check."),
+}
 
 
 DRIFT_SIGNALS = ("mismatch_kl_k3", "mismatch_abs_log_ratio_p99")
@@ -84,6 +107,7 @@ def _onpolicy(h: History) -> Verdicts:
 
 
 KL_SPIKE = Alert(
+    roles=("kl",),
     name="RLWatchKLSpike", severity="critical", for_steps=2, intermittent=True,
     params=("kl_k3_max", "intermittent_hits", "intermittent_steps", "hold_fraction", "clear_steps"),
     summary="Sampler-learner KL is above the absolute bound.",
@@ -122,6 +146,7 @@ KL_SPIKE = Alert(
 
 
 KL_JUMP = Alert(
+    roles=("kl",),
     name="RLWatchKLJump", severity="warning", for_steps=2,
     params=("kl_jump_factor", "kl_jump_floor", "baseline_steps", "evidence_z", "clear_steps"),
     summary="Sampler-learner KL jumped above its own baseline.",
@@ -146,6 +171,7 @@ KL_JUMP = Alert(
 
 
 KL_DEPARTURE = Alert(
+    roles=("mismatch",),
     name="RLWatchKLDeparture", severity="critical", for_steps=3,
     params=("kl_departure_factor", "kl_departure_floor", "kl_k3_max", "baseline_steps", "hold_fraction",
             "clear_steps"),
@@ -178,6 +204,7 @@ KL_DEPARTURE = Alert(
 
 
 MISMATCH_DRIFT = Alert(
+    roles=("kl",),
     name="RLWatchMismatchDrift", severity="warning", for_steps=1,
     params=("drift_score_max", "kl_drift_factor", "kl_departure_floor", "hold_fraction", "clear_steps"),
     labels=("run", "signal"),
@@ -210,6 +237,7 @@ MISMATCH_DRIFT = Alert(
 
 
 ON_POLICY_RATIO_NOT_ONE = Alert(
+    roles=("mismatch",),
     name="RLWatchOnPolicyRatioNotOne", severity="critical", for_steps=1,
     params=("onpolicy_log_ratio_max", "onpolicy_steps", "evidence_z", "clear_steps"),
     summary="On-policy log-ratio is not 1 at the start of the run.",
@@ -243,4 +271,8 @@ ON_POLICY_RATIO_NOT_ONE = Alert(
 )
 
 
-__all__ = ["KL_DEPARTURE", "KL_SPIKE", "KL_JUMP", "MISMATCH_DRIFT", "ON_POLICY_RATIO_NOT_ONE"]
+#: The domain's alerts, in page order.
+ALERTS: tuple[Alert, ...] = (KL_SPIKE, KL_DEPARTURE, KL_JUMP, MISMATCH_DRIFT, ON_POLICY_RATIO_NOT_ONE)
+
+
+__all__ = ["ALERTS", "PARAMS", "KL_DEPARTURE", "KL_SPIKE", "KL_JUMP", "MISMATCH_DRIFT", "ON_POLICY_RATIO_NOT_ONE"]

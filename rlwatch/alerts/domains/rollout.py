@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from ..history import History, Verdicts
-from ..model import Alert, Runbook, StepExample, const, with_step
+from ..model import Alert, Param, Runbook, StepExample, const, with_step
+
+
+#: The thresholds only this domain's alerts read (the shared ones: rlwatch.alerts.params.COMMON).
+PARAMS: dict[str, Param] = {
+    "length_bias_max": Param(0.07, "How much shorter the trained episodes may be than the launched ones, as 1 - "
+                             "the mean trained/launched duration ratio over 10 steps (chosen on the tuning split "
+                             "of evaluation.rollout_bias, alerts/length-bias-acceptance.md).", high=1.0),
+}
 
 #: Steps the length-bias statistic averages over, and how many of them must carry the ratio.
 LENGTH_BIAS_STEPS = 10
@@ -50,4 +58,8 @@ ROLLOUT_LENGTH_BIAS = Alert(
 )
 
 
-__all__ = ["ROLLOUT_LENGTH_BIAS", "length_bias"]
+#: The domain's alerts, in page order.
+ALERTS: tuple[Alert, ...] = (ROLLOUT_LENGTH_BIAS,)
+
+
+__all__ = ["ALERTS", "PARAMS", "ROLLOUT_LENGTH_BIAS", "length_bias"]

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from ..conditions import one, rate
 from ..history import History, Verdicts
-from ..model import Alert, Runbook, StepExample, const, with_step
+from ..model import Alert, Param, Runbook, StepExample, const, with_step
+
+
+#: The thresholds only this domain's alerts read (the shared ones: rlwatch.alerts.params.COMMON).
+PARAMS: dict[str, Param] = {
+    "staleness_over_bound_max": Param(0.0, "Fraction of tokens allowed above the staleness bound.", high=1.0),
+    "lag_critical_factor": Param(2.0, "Maximum lag above this many times the staleness bound is critical.",
+                                 low=1.0),
+}
 
 
 def _lag_far(h: History) -> Verdicts:
@@ -15,6 +23,7 @@ def _lag_far(h: History) -> Verdicts:
 
 
 STALENESS_BOUND_EXCEEDED = Alert(
+    roles=("lag",),
     name="RLWatchStalenessBoundExceeded", severity="warning", for_steps=3,
     params=("staleness_over_bound_max", "evidence_z", "clear_steps"),
     summary="Tokens older than the staleness bound are being trained on.",
@@ -41,6 +50,7 @@ STALENESS_BOUND_EXCEEDED = Alert(
 
 
 VERSION_LAG_FAR_ABOVE_BOUND = Alert(
+    roles=("lag",),
     name="RLWatchVersionLagFarAboveBound", severity="critical", for_steps=2, intermittent=True,
     params=("lag_critical_factor", "intermittent_hits", "intermittent_steps", "clear_steps"),
     summary="Maximum version lag is far above the staleness bound.",
@@ -65,4 +75,8 @@ VERSION_LAG_FAR_ABOVE_BOUND = Alert(
 )
 
 
-__all__ = ["STALENESS_BOUND_EXCEEDED", "VERSION_LAG_FAR_ABOVE_BOUND"]
+#: The domain's alerts, in page order.
+ALERTS: tuple[Alert, ...] = (STALENESS_BOUND_EXCEEDED, VERSION_LAG_FAR_ABOVE_BOUND)
+
+
+__all__ = ["ALERTS", "PARAMS", "STALENESS_BOUND_EXCEEDED", "VERSION_LAG_FAR_ABOVE_BOUND"]

@@ -470,8 +470,9 @@ INSTRUMENTOR = OpenRLHFInstrumentor()
 
 
 #: The module's entry points (see ``RayActorInstrumentor``): ``instrument(watch=None, **watch_kwargs)``,
-#: ``uninstrument()`` and ``setup_hook()``, the Ray ``worker_process_setup_hook``.
+#: ``uninstrument()`` and ``setup_hook()``, the Ray ``worker_process_setup_hook``; AUTOLOAD for ``rlwatch run``.
 instrument, uninstrument, setup_hook = INSTRUMENTOR.instrument, INSTRUMENTOR.uninstrument, INSTRUMENTOR.setup_hook
+AUTOLOAD = INSTRUMENTOR.autoload()
 
 
 # --- the launcher --------------------------------------------------------------------------------

@@ -41,13 +41,68 @@ Cost: one host transfer per step (``Watch.observe_fields``) and one per generati
 ``trl.experimental.async_grpo.AsyncGRPOTrainer`` gets logs, checkpoints and guards only.
 """
 
-from .callback import (RLWatchCallback, attach, mirror_into_log, save_on_critical, stop_on_critical,  # noqa: F401
-                       trainer_device, trainer_metadata, unwatch, watch)
-from .generation import (ENV_COLUMNS, GENERATION_FAMILIES, MAX_ENV_SCALARS, PROBE_ROWS,  # noqa: F401
-                         STEP_EPISODE_FAMILIES, UNSCORABLE, VERSION_KEY, AuditedReward, Generation, GenerationSignals,
-                         audit_verdicts, audited, env_labels, env_labels_present, eos_and_pad, episodes,
-                         truncation_flags, hack_episode_inputs, judges_hacks)
-from .grpo import GATHER_ONLY, PATCHES, SUPPORTED, GRPOInstrumentor, MicroBatch, sampling_fields  # noqa: F401
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from ..registry import Autoload, announce
+
+logger = logging.getLogger("rlwatch")
+
+#: The package's names, imported from their modules on first use: ``rlwatch run`` imports this package
+#: in every process where TRL is installed (for :data:`AUTOLOAD`), which must not import torch.
+_LAZY: dict[str, tuple[str, ...]] = {
+    "callback": ("RLWatchCallback", "attach", "mirror_into_log", "save_on_critical", "stop_on_critical",
+                 "trainer_device", "trainer_metadata", "unwatch", "watch"),
+    "generation": ("ENV_COLUMNS", "GENERATION_FAMILIES", "MAX_ENV_SCALARS", "PROBE_ROWS", "STEP_EPISODE_FAMILIES",
+                   "UNSCORABLE", "VERSION_KEY", "AuditedReward", "Generation", "GenerationSignals", "audit_verdicts",
+                   "audited", "env_labels", "env_labels_present", "eos_and_pad", "episodes", "truncation_flags",
+                   "hack_episode_inputs", "judges_hacks"),
+    "grpo": ("GATHER_ONLY", "PATCHES", "SUPPORTED", "GRPOInstrumentor", "MicroBatch", "sampling_fields"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME) | set(_LAZY))
+
+
+def _watch_new_trainer(module: Any) -> None:
+    """``rlwatch run``: every GRPOTrainer built in this process gets a Watch when its constructor returns."""
+    cls = getattr(module, "GRPOTrainer", None)
+    if cls is None or getattr(cls.__init__, "__rlwatch_original__", None) is not None:
+        return
+    original = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            from ...core.config import env_watch_options
+            from .callback import watch
+
+            announce(watch(self, **env_watch_options()), "trl")
+        except Exception as exc:  # noqa: BLE001 - never stop the user's trainer from being built
+            logger.warning("rlwatch: could not watch this GRPOTrainer: %s", exc)
+
+    __init__.__rlwatch_original__ = original
+    cls.__init__ = __init__
+
+
+#: ``rlwatch run``'s registration (:mod:`rlwatch.integrations.registry`): hook GRPOTrainer's constructor
+#: once TRL's GRPO trainer module is imported.
+AUTOLOAD = Autoload(framework="trl", setup=_watch_new_trainer, on_import="trl.trainer.grpo_trainer")
 
 __all__ = ["watch", "unwatch", "attach", "audited", "AuditedReward", "RLWatchCallback", "GRPOInstrumentor",
            "stop_on_critical", "save_on_critical"]

@@ -289,3 +289,5 @@ INSTRUMENTOR = VerlInstrumentor()
 #: The module's entry points (see ``RayActorInstrumentor``): ``instrument(watch=None, **watch_kwargs)``,
 #: ``uninstrument()`` and ``setup_hook()``, the Ray ``worker_process_setup_hook``.
 instrument, uninstrument, setup_hook = INSTRUMENTOR.instrument, INSTRUMENTOR.uninstrument, INSTRUMENTOR.setup_hook
+#: ``rlwatch run``'s registration (:mod:`rlwatch.integrations.registry`).
+AUTOLOAD = INSTRUMENTOR.autoload()
