@@ -114,7 +114,7 @@ def _plan(lag: bool) -> dict[str, Any]:
 
 def _threshold_slice(names: list[str]) -> slice:
     """Positions of consecutive named thresholds in the thresholds input (the band edges, any number, last)."""
-    at = [q.THRESHOLDS.index(n) for n in names]
+    at = [q.threshold_names().index(n) for n in names]
     assert at == list(range(at[0], at[0] + len(at))), names
     return slice(at[0], None if names == ["edges"] else at[0] + len(at))
 
@@ -140,7 +140,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     """Every token-level sum of one step, packed as :func:`layout` says (float64 [size]).
 
     trainer_version: 0-d, float32 below 2**24 (see :func:`.lag.lag_part`), else float64. thresholds:
-    float64, as :data:`~.quantities.THRESHOLDS` names them. abs_mids: float64 midpoints of the |r|
+    float64, as :func:`~.quantities.threshold_names` names them. abs_mids: float64 midpoints of the |r|
     histogram bins; bucket_index: int64 lags at the histogram bucket bounds; qs: float64 (0.5, 0.99).
     ``exact_quantiles`` picks a sort for |r| quantiles (small steps) instead of the bit-pattern
     histogram; ``over_from`` (0-d float64) is the smallest lag above the staleness bound.
@@ -306,7 +306,7 @@ def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
         if s.square:
             rows.append(x * x)
         elif s.against:
-            t = thr[q.THRESHOLDS.index(s.against)]
+            t = thr[q.threshold_names().index(s.against)]
             d = x - t if s.above else t - x          # > 0 where x > t (x < t): x - t is 0 only where x == t
             rows.append(d > 0 if compiling else d.sign_().clamp_(min=0.0))
         elif s.by:
@@ -321,14 +321,14 @@ def _direct_sums(sums: list, terms: dict[str, torch.Tensor], thr: torch.Tensor,
 def _cpu_plan(lag: bool) -> dict[str, Any]:
     """:func:`_cpu_sums`' work by term: for each term the sums read (in :data:`~.quantities.TERMS` order),
     its reductions (position among the sums before the ``by`` ones, kind, the threshold's position in
-    :data:`~.quantities.THRESHOLDS` and direction), the positions of its ``by`` sums and whether they are
+    :func:`~.quantities.threshold_names` and direction), the positions of its ``by`` sums and whether they are
     counts (``keep``'s, with ``counted``); the ``by`` sums; how many others there are; ``counted``: the
     valid tokens by joint index are counted (with the others in the band's last slot, none)."""
     token = _plan(lag)
     flat, by = [s for s in token["sums"] if not s.by], [s for s in token["sums"] if s.by]
     counted = any(s.by == "band" for s in by)
     steps = [(fn, [(i, "square" if s.square else "count" if s.against else "sum",
-                    q.THRESHOLDS.index(s.against) if s.against else -1, s.above)
+                    q.threshold_names().index(s.against) if s.against else -1, s.above)
                    for i, s in enumerate(flat) if s.term == name], [j for j, s in enumerate(by) if s.term == name],
               counted and name == "keep") for name, fn in token["terms"]]
     return dict(steps=steps, by=by, size=len(flat), counted=counted)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import torch
 
+from .quantities import threshold_names
 from .reduce import ABS_SHIFT, cached, count_into, scalar, whole_to_int32_
 
 
 def valid_terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thr: torch.Tensor,
                 arithmetic: bool) -> dict[str, torch.Tensor]:
-    """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype (``thr``'s), but
+    """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype (``thr``'s), and the
+    thresholds' device constants by name (0-d, ``cap_w`` = ``cap_em1`` + 1 too); not
     ``em1`` (see :func:`.fused.token_core`'s mismatch part); ``keep`` 0/1 and ``valid`` the same set, boolean unless
     ``arithmetic`` (then ``keep`` itself: boolean tensors and torch.where are slow on CPU)."""
     work = thr.dtype
@@ -29,9 +31,10 @@ def valid_terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: to
         zero = scalar(0.0, r)
         r, s = torch.where(valid, r, zero), torch.where(valid, sampler, zero)
         keep = valid.double() if work == torch.float64 else valid.float()   # one dtype in the stacks of terms
-    cap = cached(("cap_em1",), lambda: thr[0], on=thr)
-    made = {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, "cap_em1": cap,
-            "cap_w": cached(("cap_w",), lambda: cap + 1.0, on=thr)}
+    names = threshold_names()         # every device constant by name (0-d), on every path
+    named = cached(("named", names), lambda: {n: thr[i] for i, n in enumerate(names) if n != "edges"}, on=thr)
+    made = {"valid": keep if arithmetic else valid, "keep": keep, "r": r, "s": s, **named,
+            "cap_w": cached(("cap_w",), lambda: named["cap_em1"] + 1.0, on=thr)}
     return made if arithmetic else {**made, "a": r.abs()}      # |r|: stacked with the others, else a term
 
 
