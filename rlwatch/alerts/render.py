@@ -275,7 +275,8 @@ def signal_settings_md() -> list[str]:
            "or `RLWATCH_<NAME>` (a band: `low,high`); a value outside the range raises ValueError. Exported as "
            "the config gauges `rlwatch_<name>` (a band: one per edge).", "",
            "| setting | default | allowed | meaning |", "|---|---|---|---|"]
-    out += [f"| `{t.name}` | {shown(t.value)} | {t.allowed} | {t.doc} |" for t in SIGNAL_THRESHOLDS]
+    out += [f"| `{t.name}` | {shown(t.value)} | {t.allowed} | {t.doc.replace('|', chr(92) + '|')} |"
+            for t in SIGNAL_THRESHOLDS]
     return out + [""]
 
 
