@@ -12,7 +12,7 @@ extracted from git (``git archive``) into a temporary directory and imported und
 
 Prints the median CPU time per step (``time.process_time``) of each and their ratio (this / other).
 ``--without-by KIND`` drops this checkout's token sums split by KIND and the metrics that read them
-(the declaration in ``rlwatch/signals/quantities.py``): the signal set of an engine from before them.
+(the declaration in ``rlwatch/signals/quantities/``): the signal set of an engine from before them.
 """
 
 from __future__ import annotations

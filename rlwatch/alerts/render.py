@@ -222,7 +222,7 @@ def runbook_md() -> str:
         opens = (f"{alert.for_steps} step{'s' if alert.for_steps > 1 else ''}" if alert.condition is not None
                  else f"{alert.for_minutes}m")
         out.append(f"| [{alert.name}](#{alert.name.lower()}) | {alert.severity} | {opens} | {params} |")
-    out.append("")
+    out += [""] + signal_settings_md()
     for alert in ALERTS:
         rb = alert.runbook
         out += [f"## {alert.name}", "",
@@ -238,6 +238,24 @@ def runbook_md() -> str:
         out += [f"- {c}" for c in rb.look] + ["", "**What to do.**", ""]
         out += [f"- {c}" for c in rb.do] + [""]
     return "\n".join(out)
+
+
+def signal_settings_md() -> list[str]:
+    """The runbook's "Signal settings": each threshold the signals are computed against, from its declaration
+    (``rlwatch.signals.quantities.SIGNAL_THRESHOLDS``)."""
+    from ..signals.quantities import SIGNAL_THRESHOLDS
+
+    def shown(value: Any) -> str:
+        return f"({', '.join(f'{v:g}' for v in value)})" if isinstance(value, tuple) else f"{value:g}"
+
+    out = ["## Signal settings", "",
+           "What the signals are computed against (not alert thresholds): a run sets each with `Watch(<name>=...)` "
+           "or `RLWATCH_<NAME>` (a band: `low,high`); a value outside the range raises ValueError. Exported as "
+           "the config gauges `rlwatch_<name>` (a band: one per edge).", "",
+           "| setting | default | allowed | meaning |", "|---|---|---|---|"]
+    out += [f"| `{t.name}` | {shown(t.value)} | {t.allowed} | {t.doc.replace('|', chr(92) + '|')} |"
+            for t in SIGNAL_THRESHOLDS]
+    return out + [""]
 
 
 # --- Alertmanager -------------------------------------------------------------------------------------

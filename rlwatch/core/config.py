@@ -1,7 +1,8 @@
 """Every option of a ``Watch``, and the one place rlwatch reads its ``RLWATCH_*`` variables.
 
-:class:`WatchConfig` holds the constructor's arguments (``Watch(**options)`` and
-``WatchConfig(**options)`` accept the same names). The functions below read the environment;
+:class:`WatchConfig` holds the constructor's arguments and documents each (``Watch(**options)`` and
+``WatchConfig(**options)`` accept the same names; the signal thresholds among them come from their
+declaration, ``rlwatch.signals.quantities.SIGNAL_THRESHOLDS``). The functions below read the environment;
 no other module reads an ``RLWATCH_*`` variable (integrations call :func:`env_watch_options`,
 :func:`env_flag`, :func:`disabled` and :func:`rlwatch_variables`).
 
@@ -16,7 +17,8 @@ RLWATCH_PORT_FALLBACK       try the next ports when taken (default on, for deliv
 RLWATCH_STORE               run-store path; ``none``/``off``/``0`` = no store
 RLWATCH_DIR                 directory of the automatic run stores (default ``rlwatch-runs``)
 RLWATCH_SD_DIR              Prometheus file_sd directory to register in (empty: none; unset: a local stack's)
-RLWATCH_STALENESS_BOUND     staleness bound (versions)
+RLWATCH_<THRESHOLD>         a signal threshold by its name in capitals (RLWATCH_STALENESS_BOUND, RLWATCH_IS_CAP,
+                            RLWATCH_MIS_BAND=low,high, ...: ``rlwatch.signals.quantities.SIGNAL_THRESHOLDS``)
 RLWATCH_GROUP_SIZE          expected GRPO group size (0: no check)
 RLWATCH_STRICT              raise instead of counting errors (tests)
 RLWATCH_DISABLE             the Ray worker setup hook does nothing
@@ -31,6 +33,7 @@ RLWATCH_COMPILE             when the signal engine compiles: ``auto`` (CUDA only
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from dataclasses import dataclass, fields
@@ -47,17 +50,12 @@ _OFF = ("none", "off")
 
 
 @dataclass
-class WatchConfig:
-    """Every ``Watch`` option; see :class:`rlwatch.Watch` for what each one does."""
-
+class _Options:
     run: str | None = None
     port: int | None = DEFAULT_PORT
     addr: str = "127.0.0.1"
     port_fallback: bool = False
     store: str | None = "auto"
-    staleness_bound: float = 4.0
-    is_cap: float = 2.0
-    mis_band: tuple[float, float] = (0.5, 5.0)
     env_cap: int = 64
     reward_bounds: tuple[float, float] | None = None
     group_size: int | None = None
@@ -82,16 +80,102 @@ class WatchConfig:
     background: bool = False
     background_max_bytes: int = 256 << 20
 
+
+class WatchConfig(_Options):
+    """Every ``Watch`` option (``Watch(**options)`` and ``WatchConfig(**options)`` accept the same names,
+    with the same defaults; a misspelt one raises TypeError).
+
+    Args:
+        run: run name, the ``run`` label of every series (default: $RLWATCH_RUN or a timestamp).
+        port: /metrics port on ``addr`` (default 9400; 0 = any free port; None = no endpoint).
+        addr: bind address, 127.0.0.1 unless you ask otherwise.
+        port_fallback: when the port is taken, try the next ones instead of failing.
+        store: SQLite run-store path; "auto" (default) = $RLWATCH_DIR (./rlwatch-runs)/<run>.db;
+            None disables it.
+        staleness_bound, is_cap, mis_band, ...: the signal thresholds, one keyword each, declared in
+            ``rlwatch.signals.quantities.SIGNAL_THRESHOLDS`` with their defaults, ranges and meanings
+            (``SignalConfig``, the runbook's "Signal settings"); a value outside its range raises ValueError.
+        reward_bounds, group_size: see :class:`~rlwatch.signals.SignalConfig`.
+        env_cap: distinct environment labels kept per run; the rest become "other".
+        strict: raise on any error (tests); default False counts and logs instead.
+        pushgateway: URL of a Pushgateway to push to every ``push_interval`` seconds and at close.
+        otel: an OpenTelemetry MeterProvider (or True for the global one) to export through.
+        alerts: evaluate the alert catalogue in-process (default: whenever a store is written).
+        notifiers: alert notifiers (webhook, Slack) for the in-process evaluator.
+        alert_overrides: per-run alert thresholds ({param: value}, see rlwatch.alerts.catalogue.PARAMS);
+            an unknown name or a value outside the parameter's range raises ValueError.
+        guard: callables run with the event when a critical alert fires (checkpoint, stop, ...), on
+            rlwatch's alert-actions thread, outside rlwatch's locks; the step that fired waits for
+            them at most 100 ms, a slower guard finishes on its own. A guard that raises is counted.
+        all_ranks: export from every rank (run label "<run>-rank<N>", port + local rank) instead
+            of rank 0 only.
+        tls_certfile, tls_keyfile, basic_auth: protect /metrics with TLS and/or (user, password).
+        sd_dir: register the endpoint in a Prometheus file_sd directory (default $RLWATCH_SD_DIR, else
+            the stack ``rlwatch up`` started on this machine; "" = nowhere), so Prometheus finds
+            exporters that Ray placed on any node (see rlwatch.runs.discovery).
+        hack_detectors: reward-hack detectors (names or rlwatch.hacks.Detector) run on the ``episodes``
+            passed to observe, off the training thread; None = every registered detector (the
+            built-ins included), False = none.
+        framework, framework_version, metadata: recorded in the store and ``rlwatch_run_info``.
+        background: compute each observed step on one rlwatch thread, in order, so that
+            ``observe`` returns at once (None); for trainers on an accelerator, whose training
+            thread would otherwise wait for the device's queue at the step's one transfer. On a CPU
+            trainer that keeps every core busy the thread only competes with it (measured slower
+            than computing inline, ``bench/bench_trl_overhead.py``). The tensors passed must
+            not be modified in place afterwards. ``flush()`` waits for the queued steps; guards
+            and ``on_alert`` callbacks then come a step or so later. Off in strict mode.
+        background_max_bytes: bytes of input tensors the background queue may hold (default 256 MiB;
+            a queued step keeps its tensors alive, on an accelerator in device memory): when full,
+            ``observe`` waits for rlwatch's thread (at most 5 s, then the step is dropped, counted).
+        listeners: extra :class:`~rlwatch.hook.pipeline.StepListener` run after drift, diagnosis and the
+            alert step windows, before the alert evaluator (``watch.listeners``, a
+            :class:`~rlwatch.hook.pipeline.StepListeners`, holds every listener by phase; an error in one of
+            these is counted under ``stage="listener"``).
+    """
+
+    def __init__(self, **options: Any) -> None:
+        from ..signals.quantities import threshold_values
+
+        declared, known = _threshold_names(), self.names()
+        unknown = [name for name in options if name not in known]
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r} (the options: WatchConfig's fields)")
+        super().__init__(**{k: v for k, v in options.items() if k not in declared})
+        for name, value in threshold_values({k: v for k, v in options.items() if k in declared}).items():
+            setattr(self, name, value)
+
+    def __repr__(self) -> str:
+        return f"WatchConfig({', '.join(f'{name}={getattr(self, name)!r}' for name in self.names())})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.__dict__ == self.__dict__
+
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        """Every option, the signal thresholds after ``store``."""
+        own = [f.name for f in fields(_Options)]
+        at = own.index("store") + 1
+        return (*own[:at], *_threshold_names(), *own[at:])
+
+    @classmethod
+    def signature(cls) -> inspect.Signature:
+        """``(run=None, *, port=9400, ...)``: every option with its default (``Watch.__init__``'s signature)."""
+        types = {f.name: f.type for f in fields(_Options)}
+        default = cls()
+        return inspect.Signature([inspect.Parameter(
+            name, inspect.Parameter.POSITIONAL_OR_KEYWORD if name == "run" else inspect.Parameter.KEYWORD_ONLY,
+            default=getattr(default, name), annotation=types.get(name, type(getattr(default, name)).__name__))
+            for name in cls.names()])
+
+    def thresholds(self) -> dict[str, Any]:
+        """The signal thresholds' values by name."""
+        return {name: getattr(self, name) for name in _threshold_names()}
 
     def signal_config(self) -> Any:
         """The :class:`~rlwatch.signals.SignalConfig` of these options."""
         from ..signals.settings import SignalConfig
 
-        return SignalConfig(staleness_bound=self.staleness_bound, is_cap=self.is_cap, mis_band=tuple(self.mis_band),
-                            reward_bounds=self.reward_bounds, group_size=self.group_size)
+        return SignalConfig(**self.thresholds(), reward_bounds=self.reward_bounds, group_size=self.group_size)
 
     def store_file(self, run: str) -> str | None:
         """The run store's path: None (no store), the path given, or ``store_dir()/<run>.db`` for "auto"."""
@@ -153,7 +237,8 @@ def env_watch_options(environ: Mapping[str, str] | None = None) -> dict[str, Any
     """``Watch`` keyword arguments from the RLWATCH_* variables that every delivery path shares:
     RLWATCH_RUN, RLWATCH_PORT (``none``/``off``/``-1``: no endpoint), RLWATCH_ADDR,
     RLWATCH_PORT_FALLBACK (default on), RLWATCH_STORE (``none``/``off``/``0``: no store),
-    RLWATCH_SD_DIR, RLWATCH_STALENESS_BOUND, RLWATCH_GROUP_SIZE, RLWATCH_STRICT."""
+    RLWATCH_SD_DIR, RLWATCH_<THRESHOLD> (each signal threshold, e.g. RLWATCH_STALENESS_BOUND),
+    RLWATCH_GROUP_SIZE, RLWATCH_STRICT."""
     env = _env(environ)
     opts: dict[str, Any] = {}
     if env.get("RLWATCH_RUN"):
@@ -169,11 +254,33 @@ def env_watch_options(environ: Mapping[str, str] | None = None) -> dict[str, Any
         opts["store"] = None if store.lower() in (*_OFF, "0") else store
     if env.get("RLWATCH_SD_DIR"):
         opts["sd_dir"] = env["RLWATCH_SD_DIR"]
-    if env.get("RLWATCH_STALENESS_BOUND"):
-        opts["staleness_bound"] = float(env["RLWATCH_STALENESS_BOUND"])
+    opts.update(_env_thresholds(env))
     if env.get("RLWATCH_GROUP_SIZE"):
         opts["group_size"] = int(env["RLWATCH_GROUP_SIZE"])
     opts["strict"] = env_flag(env, "RLWATCH_STRICT", False)
+    return opts
+
+
+def _threshold_names() -> tuple[str, ...]:
+    from ..signals.quantities import SIGNAL_THRESHOLDS
+
+    return tuple(t.name for t in SIGNAL_THRESHOLDS)
+
+
+def _env_thresholds(env: Mapping[str, str]) -> dict[str, Any]:
+    """The signal thresholds set by RLWATCH_<NAME> (a band: ``low,high``), checked against their ranges:
+    ValueError naming the variable."""
+    from ..signals.quantities import SIGNAL_THRESHOLDS
+
+    opts: dict[str, Any] = {}
+    for t in SIGNAL_THRESHOLDS:
+        variable = PREFIX + t.name.upper()
+        text = (env.get(variable) or "").strip()
+        if text:
+            try:
+                opts[t.name] = t.check(tuple(float(x) for x in text.split(",")) if t.parts else float(text))
+            except ValueError as exc:
+                raise ValueError(f"{variable}={text!r}: {exc}") from None
     return opts
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The catalogue's label values are defined beside the signals that split by them.
+from ..signals import quantities
 from ..signals.buckets import (DROP_REASONS, DURATION_BUCKET_LABELS, DURATION_BUCKETS,  # noqa: F401
                                DURATION_LE_LABELS, DURATION_SAMPLE_MAX, LAG_BUCKET_LABELS, LAG_BUCKETS, LAG_LE_LABELS,
                                PROB_BIN_EDGES, PROB_BIN_LABELS, ZERO_VARIANCE_KINDS, bucket_labels)
@@ -78,6 +79,19 @@ def _c(name: str, help: str, group: str, labels: tuple[str, ...] = (), unit: str
     return MetricSpec(name, "counter", help, labels, group, unit)
 
 
+def threshold_specs() -> tuple[MetricSpec, ...]:
+    """The config gauge of each declared signal threshold (a band: one per value), its help from the declaration."""
+    return tuple(_g(name, help, "config") for t in quantities.SIGNAL_THRESHOLDS
+                 for name, _, help in t.gauges(t.value))
+
+
+def declared_specs() -> tuple[MetricSpec, ...]:
+    """The entries of the declared metrics that carry their own (``help``, ``section``): a counter when the
+    name ends in ``_total``, else a gauge, labelled as their ``by`` splits them."""
+    return tuple((_c if m.name.endswith("_total") else _g)(m.name, m.help, m.section, quantities.BY_LABEL_NAMES[m.by])
+                 for m in quantities.METRICS + quantities.EPISODE_METRICS if m.help)
+
+
 CATALOGUE: tuple[MetricSpec, ...] = (
     # --- step and hook ---------------------------------------------------------------------
     _g("step", "Training step of the latest observed batch.", "step"),
@@ -107,10 +121,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _c("store_dropped_steps_total", "Steps the run store could not write (queue full or write error).", "hook"),
     _c("store_step_conflicts_total", "Steps observed again (resumed run, two processes on one run); the earlier "
        "row is kept in the store's step_history.", "hook"),
-    _g("staleness_bound", "Configured staleness bound (policy updates).", "config"),
-    _g("is_cap", "Configured truncated-IS cap C.", "config"),
-    _g("mis_low", "Configured lower edge of the masked-IS band.", "config"),
-    _g("mis_high", "Configured upper edge of the masked-IS band.", "config"),
+    *threshold_specs(),     # the signal thresholds' config gauges (rlwatch_is_cap, ...), from their declaration
     _g("alert_threshold", "Alert threshold in force for this run (catalogue default or the run's override), "
        "by parameter.", "config", ("param",)),
     _g("drift_score", "Baseline-relative drift score of a signal (one-sided CUSUM of robust z-scores; 0 = "
@@ -302,6 +313,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("length_bias_duration_ratio", "Trained over launched mean episode duration: below 1, dropping episodes "
        "shortened the trained data.", "rollout"),
     _g("length_bias_length_ratio", "Trained over launched mean response length.", "rollout"),
+    *declared_specs(),      # the declared signals whose catalogue entry is in their declaration
 )
 
 #: The level of each section's families (:attr:`MetricSpec.level`), and of those that differ from their section's.

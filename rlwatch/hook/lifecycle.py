@@ -117,9 +117,17 @@ def _counted(errors: HookErrors, stage: str, prefix: str = "") -> Callable[[str,
     return on_error
 
 
+def threshold_gauges(cfg: WatchConfig) -> list[tuple[str, float]]:
+    """(config gauge, value) of each signal threshold (its declaration names the gauges: ``rlwatch_is_cap``,
+    a band's ``rlwatch_mis_low`` and ``rlwatch_mis_high``)."""
+    from ..signals.quantities import SIGNAL_THRESHOLDS
+
+    return [(name, value) for t in SIGNAL_THRESHOLDS for name, value, _ in t.gauges(getattr(cfg, t.name))]
+
+
 def _static_settings(cfg: WatchConfig) -> dict[str, dict]:
     """The run's settings every step carries for the alert conditions, as Prometheus sees them."""
-    return {"staleness_bound": {(): cfg.staleness_bound}, "is_cap": {(): cfg.is_cap}}
+    return {name: {(): value} for name, value in threshold_gauges(cfg)}
 
 
 def unique_run_instance(services: "Services") -> None:
@@ -243,8 +251,7 @@ class Services:
         self.metadata = metadata
         self.state.set_info("run_info", (metadata["framework"], metadata["framework_version"],
                                          metadata["rlwatch_version"]))
-        for name, value in (("staleness_bound", cfg.staleness_bound), ("is_cap", cfg.is_cap),
-                            ("mis_low", cfg.mis_band[0]), ("mis_high", cfg.mis_band[1])):
+        for name, value in threshold_gauges(cfg):
             self.state.set_gauge(name, value)
         overrides = self.alert_overrides = export_alert_thresholds(self.state, cfg.alert_overrides or {})
         # The alerts' step windows, exported for the Prometheus rules and read by the evaluator.

@@ -18,6 +18,7 @@ killed. ``record_checkpoint`` flushes, so the steps that led to a checkpoint are
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from typing import Any, Callable, Mapping
@@ -42,75 +43,19 @@ __all__ = ["Watch", "StepListener", "DEFAULT_PORT"]
 
 
 class Watch:
-    """Monitor one RL training run.
+    __doc__ = """Monitor one RL training run: ``Watch(run=None, **options)``, every option a field of
+    :class:`~rlwatch.core.config.WatchConfig` (its docstring, below, documents each; the signal thresholds
+    among them come from their declaration). Durability: see the module docstring.
 
-    Args:
-        run: run name, the ``run`` label of every series (default: $RLWATCH_RUN or a timestamp).
-        port: /metrics port on ``addr`` (default 9400; 0 = any free port; None = no endpoint).
-        addr: bind address, 127.0.0.1 unless you ask otherwise.
-        port_fallback: when the port is taken, try the next ones instead of failing.
-        store: SQLite run-store path; "auto" (default) = $RLWATCH_DIR (./rlwatch-runs)/<run>.db;
-            None disables it.
-        staleness_bound, is_cap, mis_band, reward_bounds, group_size: see :class:`SignalConfig`.
-        env_cap: distinct environment labels kept per run; the rest become "other".
-        strict: raise on any error (tests); default False counts and logs instead.
-        pushgateway: URL of a Pushgateway to push to every ``push_interval`` seconds and at close.
-        otel: an OpenTelemetry MeterProvider (or True for the global one) to export through.
-        alerts: evaluate the alert catalogue in-process (default: whenever a store is written).
-        notifiers: alert notifiers (webhook, Slack) for the in-process evaluator.
-        alert_overrides: per-run alert thresholds ({param: value}, see rlwatch.alerts.catalogue.PARAMS);
-            an unknown name or a value outside the parameter's range raises ValueError.
-        guard: callables run with the event when a critical alert fires (checkpoint, stop, ...), on
-            rlwatch's alert-actions thread, outside rlwatch's locks; the step that fired waits for
-            them at most 100 ms, a slower guard finishes on its own. A guard that raises is counted.
-        all_ranks: export from every rank (run label "<run>-rank<N>", port + local rank) instead
-            of rank 0 only.
-        tls_certfile, tls_keyfile, basic_auth: protect /metrics with TLS and/or (user, password).
-        sd_dir: register the endpoint in a Prometheus file_sd directory (default $RLWATCH_SD_DIR, else
-            the stack ``rlwatch up`` started on this machine; "" = nowhere), so Prometheus finds
-            exporters that Ray placed on any node (see rlwatch.runs.discovery).
-        hack_detectors: reward-hack detectors (names or rlwatch.hacks.Detector) run on the ``episodes``
-            passed to observe, off the training thread; None = every registered detector (the
-            built-ins included), False = none.
-        framework, framework_version, metadata: recorded in the store and ``rlwatch_run_info``.
-        background: compute each observed step on one rlwatch thread, in order, so that
-            ``observe`` returns at once (None); for trainers on an accelerator, whose training
-            thread would otherwise wait for the device's queue at the step's one transfer. On a CPU
-            trainer that keeps every core busy the thread only competes with it (measured slower
-            than computing inline, ``bench/bench_trl_overhead.py``). The tensors passed must
-            not be modified in place afterwards. ``flush()`` waits for the queued steps; guards
-            and ``on_alert`` callbacks then come a step or so later. Off in strict mode.
-        background_max_bytes: bytes of input tensors the background queue may hold (default 256 MiB;
-            a queued step keeps its tensors alive, on an accelerator in device memory): when full,
-            ``observe`` waits for rlwatch's thread (at most 5 s, then the step is dropped, counted).
-        listeners: extra :class:`~rlwatch.hook.pipeline.StepListener` run after drift, diagnosis and the
-            alert step windows, before the alert evaluator (``watch.listeners``, a
-            :class:`~rlwatch.hook.pipeline.StepListeners`, holds every listener by phase; an error in one of
-            these is counted under ``stage="listener"``).
+    """ + (WatchConfig.__doc__ or "")
 
-    Durability: see the module docstring.
-    """
-
-    def __init__(self, run: str | None = None, *, port: int | None = DEFAULT_PORT, addr: str = "127.0.0.1",
-                 port_fallback: bool = False, store: str | None = "auto", staleness_bound: float = 4.0,
-                 is_cap: float = 2.0, mis_band: tuple[float, float] = (0.5, 5.0), env_cap: int = 64,
-                 reward_bounds: tuple[float, float] | None = None, group_size: int | None = None,
-                 strict: bool = False, pushgateway: str | None = None, push_interval: float = 10.0,
-                 otel: Any = None, alerts: bool | None = None, notifiers: tuple = (),
-                 all_ranks: bool = False, tls_certfile: str | None = None, tls_keyfile: str | None = None,
-                 basic_auth: tuple[str, str] | None = None, framework: str = "custom",
-                 framework_version: str = "", metadata: Mapping[str, Any] | None = None,
-                 alert_overrides: Mapping[str, float] | None = None, guard: tuple[Callable, ...] = (),
-                 sd_dir: str | None = None, hack_detectors: Any = None,
-                 listeners: tuple[StepListener, ...] = (), background: bool = False,
-                 background_max_bytes: int = 256 << 20) -> None:
-        # Every argument above, as one object (the signature stays the documented list of options).
-        cfg = WatchConfig(**{name: value for name, value in locals().items() if name in WatchConfig.names()})
+    def __init__(self, run: str | None = None, **options: Any) -> None:
+        cfg = WatchConfig(run=run, **options)          # TypeError for an unknown option, ValueError for a bad threshold
         validate_overrides(cfg.alert_overrides or {})       # ValueError before anything starts
         self.watch_config = cfg
-        self.errors = HookErrors(strict=strict)
-        self.strict = strict
-        where = env.placement(run, all_ranks)          # rank, whether it exports, the run's name
+        self.errors = HookErrors(strict=cfg.strict)
+        self.strict = strict = cfg.strict
+        where = env.placement(cfg.run, cfg.all_ranks)          # rank, whether it exports, the run's name
         self.rank, self.active, self.run = where.rank, where.active, where.run
         self.signal_config = cfg.signal_config()
         self.state = MetricState(self.run, env.run_instance())
@@ -118,11 +63,12 @@ class Watch:
                          "run_instance": self.state.run_instance}
         self._lock = threading.Lock()
         self._closed = False
-        self.background = background and not strict      # steps computed on rlwatch's thread
+        self.background = cfg.background and not strict      # steps computed on rlwatch's thread
         self.phases = PhaseClock()                         # watch.phase(...) seconds until the next step
-        self.listeners: StepListeners = standard_listeners(staleness_bound, listeners)
+        self.listeners: StepListeners = standard_listeners(cfg.staleness_bound, cfg.listeners)
         self.pipeline = StepPipeline(self.run, self.signal_config, self.state, self.errors,
-                                     RecordBuilder(self.errors, env_cap=env_cap), self.listeners, hack_detectors)
+                                     RecordBuilder(self.errors, env_cap=cfg.env_cap), self.listeners,
+                                     cfg.hack_detectors)
         self.services = Services(self.run, self.state, self.errors)
         if not self.active:
             logger.info("rlwatch: rank %d is not rank 0; this process exports nothing (all_ranks=False)", self.rank)
@@ -251,3 +197,9 @@ class Watch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# help(Watch) and IDEs show every option with its default, from WatchConfig (the one list of options).
+Watch.__init__.__signature__ = WatchConfig.signature().replace(  # type: ignore[attr-defined]
+    parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                *WatchConfig.signature().parameters.values()])

@@ -50,7 +50,7 @@ _ONE_THREAD = 4096
 
 def _threshold_slice(names: list[str]) -> slice:
     """Positions of consecutive named thresholds in the thresholds input (the band edges, any number, last)."""
-    at = [q.THRESHOLDS.index(n) for n in names]
+    at = [q.threshold_names().index(n) for n in names]
     assert at == list(range(at[0], at[0] + len(at))), names
     return slice(at[0], None if names == ["edges"] else at[0] + len(at))
 
@@ -76,7 +76,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     """Every token-level sum of one step, packed as :func:`.plans.layout` says (float64 [size]).
 
     trainer_version: 0-d, float32 below 2**24 (see :func:`.lag.lag_part`), else float64. thresholds:
-    float64, as :data:`~.quantities.THRESHOLDS` names them. abs_mids: float64 midpoints of the |r|
+    float64, as :func:`~.quantities.threshold_names` names them. abs_mids: float64 midpoints of the |r|
     histogram bins; bucket_index: int64 lags at the histogram bucket bounds; qs: float64 (0.5, 0.99).
     ``exact_quantiles`` picks a sort for |r| quantiles (small steps) instead of the bit-pattern
     histogram; ``over_from`` (0-d float64) is the smallest lag above the staleness bound.

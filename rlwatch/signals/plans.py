@@ -71,7 +71,7 @@ def layout(mismatch: bool, lag: bool) -> TokenLayout:
 
 class ThresholdCount(NamedTuple):
     """A count of the tokens whose term is above (``above``) or below the threshold at ``threshold`` in
-    :data:`~.quantities.THRESHOLDS`; ``at``: its position among the sums."""
+    :func:`~.quantities.threshold_names`; ``at``: its position among the sums."""
 
     at: int
     threshold: int
@@ -136,7 +136,7 @@ def token_plan(lag: bool) -> TokenPlan:
     per_term = tuple(TermSums(
         name, fn, tuple(i for i, s in enumerate(flat) if s.term == name and not (s.square or s.against)),
         tuple(i for i, s in enumerate(flat) if s.term == name and s.square),
-        tuple(ThresholdCount(i, q.THRESHOLDS.index(s.against), s.above) for i, s in enumerate(flat)
+        tuple(ThresholdCount(i, q.threshold_names().index(s.against), s.above) for i, s in enumerate(flat)
               if s.term == name and s.against),
         tuple(j for j, s in enumerate(by) if s.term == name)) for name, fn in terms)
     seq_counts = [s for s in q.SEQ_SUMS if s.against]

@@ -5,7 +5,8 @@ call time as ``settings.NAME``, so a test can change them), and the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError
+from typing import Any
 
 import torch
 
@@ -31,31 +32,43 @@ FUSED_CHUNK_TOKENS = 262144
 STACK_MAX_TOKENS = 4096
 
 
-@dataclass(frozen=True)
 class SignalConfig:
-    """Thresholds the signals are computed against.
+    """Thresholds the signals are computed against (read-only).
 
-    staleness_bound: lag (policy updates) above which a token counts as over-stale.
-    is_cap: truncated-IS cap C; tokens with w > C are truncated, w < 1/C counted as low.
-    mis_band: masked-IS band [low, high]; tokens with w outside it are masked.
+    One keyword per declared threshold (:data:`rlwatch.signals.quantities.SIGNAL_THRESHOLDS`, each with
+    its default and meaning, the runbook's "Signal settings"): ``staleness_bound`` (lag above which a token
+    counts as over-stale, default 4), ``is_cap`` (the truncated-IS cap C, default 2), ``mis_band`` (the
+    masked-IS band [low, high], default (0.5, 5)), ...; a value outside the threshold's range raises
+    ValueError, an unknown keyword TypeError. And:
+
     reward_bounds: (fail, pass) rewards that classify constant groups; inferred per batch if None.
     group_size: expected episodes per group (e.g. num_generations), checked when given.
     """
 
-    staleness_bound: float = 4.0
-    is_cap: float = 2.0
-    mis_band: tuple[float, float] = (0.5, 5.0)
-    reward_bounds: tuple[float, float] | None = None
-    group_size: int | None = None
+    def __init__(self, *, reward_bounds: tuple[float, float] | None = None, group_size: int | None = None,
+                 **thresholds: Any) -> None:
+        from .quantities import threshold_values
 
-    def __post_init__(self) -> None:
-        if not self.is_cap > 1.0:
-            raise ValueError(f"is_cap must be > 1, got {self.is_cap}")
-        low, high = self.mis_band
-        if not 0.0 < low < 1.0 < high:
-            raise ValueError(f"mis_band must satisfy 0 < low < 1 < high, got {self.mis_band}")
-        if self.staleness_bound < 0:
-            raise ValueError(f"staleness_bound must be >= 0, got {self.staleness_bound}")
+        for name, value in {**threshold_values(thresholds), "reward_bounds": reward_bounds,
+                            "group_size": group_size}.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def thresholds(self) -> dict[str, Any]:
+        """The declared thresholds' values by name, in declaration order."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("reward_bounds", "group_size")}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.__dict__ == self.__dict__
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.__dict__.items()))
+
+    def __repr__(self) -> str:
+        return f"SignalConfig({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
 
 
 class Workspace:

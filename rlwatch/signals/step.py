@@ -19,7 +19,7 @@ from .buckets import LAG_BUCKETS, PROB_BIN_EDGES
 from .durations import duration_core, finish_durations, rollout_values
 from .episodes import bound_values
 from .pending import Pending, Values
-from .quantities import episode_layout, finish_episodes, finish_tokens
+from .quantities import device_constants, episode_layout, finish_episodes, finish_tokens, threshold_names
 from .reduce import abs_bin_values, constant, plan
 from .settings import SignalConfig, Workspace
 
@@ -30,17 +30,18 @@ _BAND_THRESHOLDS = tuple(math.log(edge) for edge in PROB_BIN_EDGES)
 
 
 def _fused_constants(config: SignalConfig, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """thresholds (as :data:`.quantities.THRESHOLDS` names them), the |r| bin midpoints, the lag
-    bucket bounds, the quantiles and the smallest lag over the staleness bound (made once)."""
-    return _constants(config.is_cap, *config.mis_band, config.staleness_bound, device)
+    """thresholds (the thresholds' device constants as :func:`.quantities.threshold_names` orders them, then
+    the band edges), the |r| bin midpoints, the lag bucket bounds, the quantiles and the smallest lag over
+    the staleness bound (made once)."""
+    return _constants(tuple(config.thresholds.items()), device)
 
 
-@plan()
-def _constants(cap: float, low: float, high: float, staleness_bound: float, device: torch.device) -> tuple:
-    thresholds = constant((cap - 1.0, 1.0 / cap - 1.0, low - 1.0, high - 1.0, math.log(cap), -math.log(cap),
-                           math.log(low), math.log(high), *_BAND_THRESHOLDS), device)
+@plan(lambda: (threshold_names(),))
+def _constants(values: tuple[tuple[str, Any], ...], device: torch.device) -> tuple:
+    made = device_constants(dict(values))
+    thresholds = constant((*(made[name] for name in threshold_names()[:-1]), *_BAND_THRESHOLDS), device)
     return (thresholds, abs_bin_values(device), constant(LAG_BUCKETS, device, torch.int64),
-            constant((0.5, 0.99), device), constant((float(math.floor(staleness_bound)) + 1.0,), device).reshape(()))
+            constant((0.5, 0.99), device), constant((made["over_from"],), device).reshape(()))
 
 
 class EpisodeInputs:

@@ -7,22 +7,24 @@ from __future__ import annotations
 
 import torch
 
+from .quantities import threshold_names
 from .reduce import ABS_SHIFT, cached, count_into, scalar
 
 
 def valid_terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thr: torch.Tensor,
                 stacked: bool) -> dict[str, torch.Tensor]:
     """The valid-set tensors that :data:`~.quantities.TERMS` read, [B, T] in the work dtype (``thr``'s), but
-    ``w_minus_1`` (made by the caller); ``keep`` 0/1 and ``valid`` the same set. On the stacked path ``valid``
-    is boolean and ``abs_r`` is made here (one of the stacked rows); on the direct path ``valid`` is ``keep``
-    itself and everything is arithmetic (boolean tensors and ``torch.where`` are several times slower on
-    CPU for large chunks)."""
+    ``w_minus_1`` (made by the caller), and the thresholds' device constants by name (0-d); ``keep`` 0/1 and
+    ``valid`` the same set. On the stacked path ``valid`` is boolean and ``abs_r`` is made here (one of the
+    stacked rows); on the direct path ``valid`` is ``keep`` itself and everything is arithmetic (boolean
+    tensors and ``torch.where`` are several times slower on CPU for large chunks)."""
     work = thr.dtype
     trainer = trainer_logp if trainer_logp.dtype == work else trainer_logp.to(work)
     sampler = sampler_logp if sampler_logp.dtype == work else sampler_logp.to(work)
     r = trainer - sampler
-    cap_minus_1 = cached(("cap_minus_1",), lambda: thr[0], on=thr)
-    constants = {"cap_minus_1": cap_minus_1, "cap": cached(("cap",), lambda: cap_minus_1 + 1.0, on=thr)}
+    names = threshold_names()       # every device constant by name (0-d), on every path; and C itself
+    named = cached(("named", names), lambda: {n: thr[i] for i, n in enumerate(names) if n != "edges"}, on=thr)
+    constants = {**named, "cap": cached(("cap",), lambda: named["cap_minus_1"] + 1.0, on=thr)}
     if stacked:
         valid = torch.eq((r - r).add_(mask), scalar(1.0, r))                # masked, finite r (isfinite costs more)
         zero = scalar(0.0, r)
