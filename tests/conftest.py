@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import inspect
 import os
+import sys
 import shutil
 import signal
 import socket
@@ -338,3 +339,16 @@ def host_reads(monkeypatch) -> list[str]:
             return __original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, spy)
     return calls
+
+
+def patch_catalogue(monkeypatch, specs: tuple) -> None:
+    """Add catalogue entries ``specs`` for one test: in every rlwatch module that holds the catalogue
+    (rlwatch.core.metrics itself among them) and in its index by name."""
+    from rlwatch.core import metrics
+
+    catalogue = metrics.CATALOGUE
+    for module in [m for name, m in sys.modules.items() if name.startswith("rlwatch")]:
+        if getattr(module, "CATALOGUE", None) is catalogue:
+            monkeypatch.setattr(module, "CATALOGUE", catalogue + specs)
+    for spec in specs:
+        monkeypatch.setitem(metrics.BY_NAME, spec.name, spec)

@@ -6,7 +6,6 @@ Watch(<name>=...) with its range, RLWATCH_<NAME> and the runbook's "Signal setti
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from rlwatch.signals import SignalConfig
 from rlwatch.signals import quantities as q
 from rlwatch.signals.pending import _div
 
-from tests.conftest import make_step
+from tests.conftest import make_step, patch_catalogue
 from tests.test_engine import _forget_compiled, run
 
 SIZES = {64: (8, 8), 8_192: (64, 128), 524_288: (256, 2048)}
@@ -36,12 +35,7 @@ def declare(monkeypatch, token_sums=(), token_metrics=(), thresholds=(), terms=N
     monkeypatch.setattr(q, "SIGNAL_THRESHOLDS", q.SIGNAL_THRESHOLDS + tuple(thresholds))
     known = {spec.name for spec in metrics.CATALOGUE}
     specs = tuple(s for s in metrics.threshold_specs() + metrics.declared_specs() if s.name not in known)
-    catalogue = metrics.CATALOGUE          # every module that imported it, rlwatch.core.metrics itself among them
-    for module in [m for name, m in sys.modules.items() if name.startswith("rlwatch")]:
-        if getattr(module, "CATALOGUE", None) is catalogue:
-            monkeypatch.setattr(module, "CATALOGUE", catalogue + specs)
-    for spec in specs:
-        monkeypatch.setitem(metrics.BY_NAME, spec.name, spec)
+    patch_catalogue(monkeypatch, specs)
     _forget_compiled()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import threading
 
 import pytest
@@ -21,7 +20,7 @@ from rlwatch.core.errors import HookErrors
 from rlwatch.core.record import RecordBuilder
 from rlwatch.signals import SignalConfig, Workspace, compute_step, engine
 
-from tests.conftest import make_step
+from tests.conftest import make_step, patch_catalogue
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -395,12 +394,7 @@ def toy_quantity(monkeypatch):
     monkeypatch.setattr(q, "EPISODE_METRICS", q.EPISODE_METRICS + (
         q.Metric("toy_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards"),
         q.Metric("toy_env_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards+envs", "env")))
-    catalogue = metrics.CATALOGUE          # every module that imported it, rlwatch.core.metrics itself among them
-    for module in [m for name, m in sys.modules.items() if name.startswith("rlwatch")]:
-        if getattr(module, "CATALOGUE", None) is catalogue:
-            monkeypatch.setattr(module, "CATALOGUE", catalogue + specs)
-    for spec in specs:
-        monkeypatch.setitem(metrics.BY_NAME, spec.name, spec)
+    patch_catalogue(monkeypatch, specs)
     _forget_compiled()
 
     def want(f: dict) -> dict:

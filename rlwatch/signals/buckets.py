@@ -1,5 +1,6 @@
 """The fixed buckets and labels the signals split by: version-lag buckets, sampler-probability bins,
-zero-variance kinds, episode-duration buckets and drop reasons, and how a bound becomes a label.
+zero-variance kinds, episode-duration buckets and drop reasons, and how a bound becomes a label; the
+exact lag range and the log-ratio clamp.
 The catalogue (:mod:`rlwatch.core.metrics`) names its label values from here."""
 
 from __future__ import annotations
@@ -53,3 +54,10 @@ DURATION_LE_LABELS: tuple[str, ...] = bucket_labels(DURATION_BUCKETS, "le")
 DURATION_SAMPLE_MAX = 512
 #: Why a launched episode was not trained (``episodes_dropped_total{reason}``); any other reason is ``other``.
 DROP_REASONS: tuple[str, ...] = ("filtered", "timeout", "failure", "stale", "other")
+
+# Lag percentiles and the lag mean are exact up to this many updates; larger lags count as this
+# many (the maximum stays exact).
+LAG_EXACT_MAX = 4095
+LAG_BINS = LAG_EXACT_MAX + 1            # the lag histogram's bins: lags 0 .. LAG_EXACT_MAX
+
+SAFETY_BOUND = 20.0  # |r| clamp before exp, as verl's rollout_corr_helper.SAFETY_BOUND

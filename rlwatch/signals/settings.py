@@ -10,12 +10,7 @@ from typing import Any
 
 import torch
 
-# Lag percentiles and the lag mean are exact up to this many updates; larger lags count as this
-# many (the maximum stays exact).
-LAG_EXACT_MAX = 4095
-LAG_BINS = LAG_EXACT_MAX + 1            # the lag histogram's bins: lags 0 .. LAG_EXACT_MAX
-
-SAFETY_BOUND = 20.0  # |r| clamp before exp, as verl's rollout_corr_helper.SAFETY_BOUND
+from .buckets import LAG_BINS, LAG_EXACT_MAX, SAFETY_BOUND  # noqa: F401 - read as settings.NAME too
 
 # Up to this many [B, T] positions per step, |r| quantiles are exact (one sort): on CPU a sort is
 # cheaper than the histogram's fixed 16k bins below about 10k positions (measured side by side).

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..pending import _div
-from ..settings import LAG_BINS, SAFETY_BOUND
+from ..buckets import LAG_BINS, SAFETY_BOUND
 from .declare import Metric, Threshold, TokenSum
 
 #: Per-token terms of ``t``: the valid-set tensors (keep 0/1, r, s, w_minus_1 = w - 1: [B, T], 0 off the set),
