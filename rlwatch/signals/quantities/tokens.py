@@ -62,12 +62,12 @@ SIGNAL_THRESHOLDS: tuple[Threshold, ...] = (
 #: The token sums. The first two must be the valid tokens and the sum of r: the sequence block
 #: reads their per-sequence sums.
 TOKEN_SUMS: tuple[TokenSum, ...] = (
-    TokenSum("n", "keep"), TokenSum("sum_r", "r"), TokenSum("s_sum", "s"), TokenSum("sum_em1", "w_minus_1"),
-    TokenSum("sum_w", "w"), TokenSum("sum_wt", "w_truncated"), TokenSum("sum_a", "abs_r"), TokenSum("sum_k3", "k3"),
-    TokenSum("rs", "r_times_s"),
-    TokenSum("sum_r2", "r", square=True), TokenSum("ss", "s", square=True),
-    TokenSum("sq_em1", "w_minus_1", square=True),
-    TokenSum("sq_w", "w", square=True), TokenSum("sq_wt", "w_truncated", square=True),
+    TokenSum("n", "keep"), TokenSum("sum_r", "r"), TokenSum("sum_s", "s"), TokenSum("sum_w_minus_1", "w_minus_1"),
+    TokenSum("sum_w", "w"), TokenSum("sum_w_truncated", "w_truncated"), TokenSum("sum_abs_r", "abs_r"),
+    TokenSum("sum_k3", "k3"), TokenSum("sum_r_times_s", "r_times_s"),
+    TokenSum("sum_sq_r", "r", square=True), TokenSum("sum_sq_s", "s", square=True),
+    TokenSum("sum_sq_w_minus_1", "w_minus_1", square=True),
+    TokenSum("sum_sq_w", "w", square=True), TokenSum("sum_sq_w_truncated", "w_truncated", square=True),
     TokenSum("high", "w_minus_1", against="cap_minus_1"),
     TokenSum("low", "w_minus_1", against="inv_cap_minus_1", above=False),
     TokenSum("mis_below", "w_minus_1", against="low_minus_1", above=False),
@@ -76,9 +76,9 @@ TOKEN_SUMS: tuple[TokenSum, ...] = (
     TokenSum("lag_k3", "k3", by="lag"), TokenSum("lag_abs", "abs_r", by="lag"), TokenSum("lag_n", "keep", by="lag"),
 )
 
-#: Fields after the sums: the extremes over the valid tokens (max r, -min r, max |r|; -inf without
+#: Fields after the sums: the extremes over the valid tokens (max r, max -r, max |r|; -inf without
 #: any), the largest |s_b| and the |r| quantiles.
-MISMATCH_TAIL = ("max_r", "neg_min_r", "max_a", "seq_max", "q50", "q99")
+MISMATCH_TAIL = ("max_r", "max_neg_r", "max_abs_r", "max_abs_seq_r", "abs_r_p50", "abs_r_p99")
 #: The lag block: cumulative counts at the histogram buckets (a slice), tokens of non-negative lag,
 #: the sum of the cumulative counts over lags 0 .. LAG_EXACT_MAX (LAG_BINS n_ok minus the lag sum),
 #: tokens over the staleness bound, lag p50 and p99, sequences with a token, the sum of their
@@ -97,8 +97,8 @@ def ess_ratio(sum_w: float, sum_w2: float, n: float) -> float | None:
 
 def slope(f: SimpleNamespace) -> float | None:
     """Least-squares slope of r on s; None when s is (numerically) constant."""
-    var_s = f.n * f.ss - f.s_sum * f.s_sum
-    return (f.n * f.rs - f.s_sum * f.sum_r) / var_s if var_s > 1e-9 * f.n * f.n else None
+    var_s = f.n * f.sum_sq_s - f.sum_s * f.sum_s
+    return (f.n * f.sum_r_times_s - f.sum_s * f.sum_r) / var_s if var_s > 1e-9 * f.n * f.n else None
 
 
 def _ratio_of(r: float, n: float) -> float | None:
@@ -112,7 +112,7 @@ def _if_any(value: float, n: float) -> float | None:
 
 def _quantile(f: SimpleNamespace, q: float) -> float | None:
     """A bin's midpoint never exceeds the maximum it stands for."""
-    return min(q, f.max_a) if f.n > 0 and math.isfinite(q) else None
+    return min(q, f.max_abs_r) if f.n > 0 and math.isfinite(q) else None
 
 
 def _lag_sum(f: SimpleNamespace) -> float:
@@ -134,17 +134,17 @@ METRICS: tuple[Metric, ...] = (
     Metric("mismatch_tokens_total", lambda f: f.n),
     Metric("mismatch_log_ratio_mean", lambda f: _div(f.sum_r, f.n)),
     Metric("mismatch_kl_k1", lambda f: _div(-f.sum_r, f.n)),
-    Metric("mismatch_kl_k2", lambda f: _div(0.5 * f.sum_r2, f.n)),
+    Metric("mismatch_kl_k2", lambda f: _div(0.5 * f.sum_sq_r, f.n)),
     Metric("mismatch_kl_k3", lambda f: _div(f.sum_k3, f.n)),
-    Metric("mismatch_abs_log_ratio_mean", lambda f: _div(f.sum_a, f.n)),
-    Metric("mismatch_abs_log_ratio_max", lambda f: _if_any(f.max_a, f.n)),
-    Metric("mismatch_abs_log_ratio_p50", lambda f: _quantile(f, f.q50)),
-    Metric("mismatch_abs_log_ratio_p99", lambda f: _quantile(f, f.q99)),
-    Metric("mismatch_chi2_token", lambda f: _div(f.sq_em1 + 2 * f.sum_em1, f.n)),      # mean(w^2 - 1)
+    Metric("mismatch_abs_log_ratio_mean", lambda f: _div(f.sum_abs_r, f.n)),
+    Metric("mismatch_abs_log_ratio_max", lambda f: _if_any(f.max_abs_r, f.n)),
+    Metric("mismatch_abs_log_ratio_p50", lambda f: _quantile(f, f.abs_r_p50)),
+    Metric("mismatch_abs_log_ratio_p99", lambda f: _quantile(f, f.abs_r_p99)),
+    Metric("mismatch_chi2_token", lambda f: _div(f.sum_sq_w_minus_1 + 2 * f.sum_w_minus_1, f.n)),      # mean(w^2 - 1)
     Metric("mismatch_log_ratio_slope", slope),
-    Metric("is_ess_raw_ratio", lambda f: ess_ratio(f.sum_w, f.sq_w, f.n)),
-    Metric("is_ess_ratio", lambda f: ess_ratio(f.sum_wt, f.sq_wt, f.n)),
-    Metric("is_ratio_min", lambda f: _ratio_of(-f.neg_min_r, f.n)),
+    Metric("is_ess_raw_ratio", lambda f: ess_ratio(f.sum_w, f.sum_sq_w, f.n)),
+    Metric("is_ess_ratio", lambda f: ess_ratio(f.sum_w_truncated, f.sum_sq_w_truncated, f.n)),
+    Metric("is_ratio_min", lambda f: _ratio_of(-f.max_neg_r, f.n)),
     Metric("is_ratio_max", lambda f: _ratio_of(f.max_r, f.n)),
     Metric("is_ratio_mean", lambda f: _div(f.sum_w, f.n)),
     Metric("is_tis_high_ratio", lambda f: _div(f.high, f.n)),
@@ -153,7 +153,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("is_tis_truncated_tokens_total", lambda f: f.high),
     Metric("is_mis_masked_tokens_total", lambda f: f.mis_below + f.mis_above),
     Metric("mismatch_seq_log_ratio_abs_mean", lambda f: _div(f.seq_abs, f.seq_n)),
-    Metric("mismatch_seq_log_ratio_abs_max", lambda f: _if_any(f.seq_max, f.seq_n)),
+    Metric("mismatch_seq_log_ratio_abs_max", lambda f: _if_any(f.max_abs_seq_r, f.seq_n)),
     Metric("mismatch_chi2_sequence", lambda f: _div(f.seq_chi2, f.seq_n)),
     Metric("is_seq_tis_high_ratio", lambda f: _div(f.seq_high, f.seq_n)),
     Metric("is_seq_tis_low_ratio", lambda f: _div(f.seq_low, f.seq_n)),
