@@ -102,7 +102,7 @@ def _computed(step: dict) -> dict:
         vector = episodes.episode_core(*args).tolist()
     rewards, groups = step["rewards"] is not None, step["groups"] is not None
     pos = quantities.episode_layout(rewards, groups, max(E, 2) if E else 0, step["truncated"] is not None, detectors)
-    assert len(vector) == pos["size"]
+    assert len(vector) == pos.size
     values = quantities.finish_episodes(vector, pos, [f"e{e}" for e in range(E)], detectors, step["bounds"])
     return {name: {k: _finite(x) for k, x in family.items()} for name, family in values.items()}   # as Pending
 
@@ -254,7 +254,7 @@ def test_a_declared_group_row_is_computed_from_its_declaration(monkeypatch):
         v = episodes.episode_core(torch.ones(6), torch.ones(6, dtype=torch.bool), rewards, ids, None, None, None, None,
                                   torch.tensor(episodes.bound_values((0.0, 1.0)))).tolist()
     pos = quantities.episode_layout(True, True, 0, False, [])
-    sums = dict(zip(pos["rows"], v[pos["sums"]]))
+    sums = dict(zip(pos.rows, v[pos.sums]))
     assert {name: sums[name] for name in [row.name for row in quantities.GROUP_ROWS]} == {
         "groups": 4, "zero_var": 3, "zero_var_episodes": 4, "size": 6, "size_gap": 4 * 7 - 6,
         "range_pass": 1, "range_fail": 1, "bounds_pass": 1, "bounds_fail": 1, "sign_pass": 2,

@@ -151,16 +151,16 @@ def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor, bounds: to
         reward_range = r.new_full((2,), -torch.inf)
     g = {"exists": exists, "zero_var": zero_var, "size": counts % (B + 1), "B": B, "ref": ref, "neg": -ref}
     block = q.group_block()
-    rows = [row.term(g) for row in block["terms"]]
+    rows = [row.term(g) for row in block.terms]
     # Constant groups at or past each threshold (q.GROUP_THRESHOLDS; the host picks the rule that applies).
     if compiled:
         thresholds = reward_range.unbind() + bounds.unbind()
-        rows += [(g[row.base] >= thresholds[k]) & zero_var for row, k in zip(block["kinds"], block["at"])]
+        rows += [(g[row.base] >= thresholds[k]) & zero_var for row, k in zip(block.kinds, block.at)]
         return [x[:B] for x in rows], reward_range, zero_var
     thresholds = torch.cat([reward_range, bounds])
-    if block["index"] is not None:
-        thresholds = thresholds[block["index"]]
-    at_or_past = (torch.stack([g[row.base] for row in block["kinds"]]) >= thresholds.unsqueeze(1)) & zero_var
+    if block.index is not None:
+        thresholds = thresholds[block.index]
+    at_or_past = (torch.stack([g[row.base] for row in block.kinds]) >= thresholds.unsqueeze(1)) & zero_var
     return [torch.cat([torch.stack(rows), at_or_past])[:, :B]], reward_range, zero_var
 
 

@@ -10,7 +10,7 @@ replace them, and is re-run when they change (:func:`~rlwatch.signals.reduce.pla
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 from .. import quantities as q
 from ..buckets import LAG_BUCKET_LABELS
@@ -118,16 +118,27 @@ def finish_tokens(v: list[float], pos: dict[str, Any], mismatch: bool, lag: bool
 
 # --- episodes ---------------------------------------------------------------------------------------
 
+class GroupBlock(NamedTuple):
+    """The group block of the episode matrix: ``rows`` in the matrix's order, ``terms`` (those with a term)
+    then ``kinds`` (the threshold rows); ``at``, the position of each kind's threshold in
+    :data:`~.groups.GROUP_THRESHOLDS`, and ``index``, those positions as an index of the threshold vector
+    (None: the whole vector)."""
+
+    rows: tuple[GroupRow, ...]
+    terms: tuple[GroupRow, ...]
+    kinds: tuple[GroupRow, ...]
+    at: tuple[int, ...]
+    index: list[int] | None
+
+
 @plan(lambda: (q.GROUP_ROWS,))
-def group_block() -> dict[str, Any]:
-    """The group block: ``rows`` in the matrix's order, ``terms`` (those with a term) then ``kinds``
-    (the threshold rows); ``at``, the position of each kind's threshold in :data:`~.groups.GROUP_THRESHOLDS`,
-    and ``index``, those positions as an index of the threshold vector (None: the whole vector)."""
-    terms = [row for row in q.GROUP_ROWS if row.term is not None]
-    kinds = [row for row in q.GROUP_ROWS if row.term is None]
+def group_block() -> GroupBlock:
+    """The :class:`GroupBlock` of the declared group rows. Read-only."""
+    terms = tuple(row for row in q.GROUP_ROWS if row.term is not None)
+    kinds = tuple(row for row in q.GROUP_ROWS if row.term is None)
     at = tuple(q.GROUP_THRESHOLDS.index(row.at) for row in kinds)
-    return dict(rows=terms + kinds, terms=terms, kinds=kinds, at=at,
-                index=None if at == tuple(range(len(q.GROUP_THRESHOLDS))) else list(at))
+    return GroupBlock(terms + kinds, terms, kinds, at,
+                      None if at == tuple(range(len(q.GROUP_THRESHOLDS))) else list(at))
 
 
 @plan()
@@ -145,35 +156,49 @@ def episode_rows(rewards: bool, groups: bool, envs: bool,
     order (a term may read an earlier row); and how many are summed per environment."""
     have = _episode_inputs(rewards, groups, envs, truncated)
     rows = [row for row in q.EPISODE_ROWS if _needed(row.needs, have)]
-    block = group_block()["rows"] if "groups" in have else []
+    block = list(group_block().rows) if "groups" in have else []
     return sorted(rows, key=lambda row: not row.per_env) + block, rows, sum(row.per_env for row in rows)
 
 
-def episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, detectors: list[str]) -> dict[str, Any]:
-    """Positions in :func:`.episodes.episode_core`'s output (``envs`` = E', the rows of the
-    per-environment sums; 0 without environments): ``rows`` (the row names: ``hacked/<detector>``,
-    then :func:`episode_rows`), ``have`` (the inputs), ``width`` (rows summed per environment), then
-    slices of the output: ``sums`` [K], ``maxes`` [K], ``range`` (highest reward, -lowest; with
-    groups), ``p99`` (the order statistics around the length quantile), ``env`` ([E', width] row-major).
-    Read-only."""
+class EpisodeLayout(NamedTuple):
+    """Positions in :func:`.episodes.episode_core`'s output: ``rows`` (the row names: ``hacked/<detector>``,
+    then :func:`episode_rows`), ``max_rows`` (their maxima's names), ``have`` (the inputs), ``width`` (rows
+    summed per environment), then slices of the output: ``sums`` [K], ``maxes`` [K], ``range`` (highest
+    reward, -lowest; None without groups), ``p99`` (the order statistics around the length quantile),
+    ``env`` ([E', width] row-major); ``size`` (the block's length)."""
+
+    rows: list[str]
+    max_rows: list[str]
+    have: frozenset[str]
+    width: int
+    sums: slice
+    maxes: slice
+    range: slice | None
+    p99: slice
+    env: slice
+    size: int
+
+
+def episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, detectors: list[str]) -> EpisodeLayout:
+    """The :class:`EpisodeLayout` of a step with these inputs (``envs`` = E', the rows of the
+    per-environment sums; 0 without environments). Read-only."""
     return _episode_layout(rewards, groups, envs, truncated, tuple(detectors))
 
 
 @plan(lambda: (q.EPISODE_ROWS, q.GROUP_ROWS))
-def _episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool, detectors: tuple[str, ...]) -> dict:
+def _episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool,
+                    detectors: tuple[str, ...]) -> EpisodeLayout:
     declared, _, per_env = episode_rows(rewards, groups, envs > 0, truncated)
     rows = ["hacked/" + d for d in detectors] + [row.name for row in declared]
     K, have = len(rows), _episode_inputs(rewards, groups, envs > 0, truncated)
     width = len(detectors) + per_env if envs else 0
-    pos: dict[str, Any] = {"rows": rows, "max_rows": ["max_" + row for row in rows], "have": have, "width": width,
-                           "sums": slice(0, K), "maxes": slice(K, 2 * K)}
-    at = 2 * K
+    at, value_range = 2 * K, None
     if "groups" in have:
-        pos["range"], at = slice(at, at + 2), at + 2
-    pos["p99"], at = slice(at, at + 2), at + 2
-    pos["env"], at = slice(at, at + envs * width), at + envs * width
-    pos["size"] = at
-    return pos
+        value_range, at = slice(at, at + 2), at + 2
+    p99, at = slice(at, at + 2), at + 2
+    env, at = slice(at, at + envs * width), at + envs * width
+    return EpisodeLayout(rows, ["max_" + row for row in rows], have, width, slice(0, K), slice(K, 2 * K),
+                         value_range, p99, env, at)
 
 
 def _episode_fields(names: list[str], sums: list[float], detectors: list[str], **more: Any) -> SimpleNamespace:
@@ -181,15 +206,16 @@ def _episode_fields(names: list[str], sums: list[float], detectors: list[str], *
     return SimpleNamespace(**dict(zip(names, sums)), hacked=dict(zip(detectors, sums)), **more)
 
 
-def finish_episodes(v: list[float], pos: dict[str, Any], envs: list[str], detectors: list[str],
+def finish_episodes(v: list[float], pos: EpisodeLayout, envs: list[str], detectors: list[str],
                     reward_bounds: tuple[float, float] | None = None) -> Values:
     """:data:`~.episodes.EPISODE_METRICS` of the inputs present, from :func:`.episodes.episode_core`'s vector
-    ``v`` (``reward_bounds``: the configured (fail, pass) rewards, None when inferred per batch)."""
-    names, width, env = pos["rows"], pos["width"], v[pos["env"]]
-    f = _episode_fields(names, v[pos["sums"]], detectors, **dict(zip(pos["max_rows"], v[pos["maxes"]])),
-                        range=v[pos["range"]] if "range" in pos else None, p99=v[pos["p99"]], bounds=reward_bounds)
+    ``v`` laid out as ``pos`` says (``reward_bounds``: the configured (fail, pass) rewards, None when
+    inferred per batch)."""
+    names, width, env = pos.rows, pos.width, v[pos.env]
+    f = _episode_fields(names, v[pos.sums], detectors, **dict(zip(pos.max_rows, v[pos.maxes])),
+                        range=v[pos.range] if pos.range is not None else None, p99=v[pos.p99], bounds=reward_bounds)
     per_env = [(name, _episode_fields(names[:width], env[e * width:(e + 1) * width], detectors))
                for e, name in enumerate(envs)]
-    out = _apply("episodes", pos["have"], f, per_env, detectors)
+    out = _apply("episodes", pos.have, f, per_env, detectors)
     derive_hack_ratios(out)
     return out
