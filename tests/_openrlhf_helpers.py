@@ -6,7 +6,6 @@ the values rlwatch should see, built from OpenRLHF's objects independently."""
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import sqlite3
 import sys
@@ -43,8 +42,6 @@ ARGV = ["--rollout.n_samples_per_prompt", str(N), "--rollout.batch_size", "2", "
         "--rollout.micro_batch_size", "4", "--rollout.max_new_tokens", "6", "--data.max_len", "24",
         "--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "2", "--rollout.temperature", "0.9"]
 ARGV_IS = ["--algo.advantage.is_correction_enable"] if OLD_API else ["--algo.advantage.is_correction_level", "token"]
-TIMING_KEYS = {"hook_compute_seconds", "hook_compute_seconds_total", "last_step_timestamp_seconds",
-               "step_interval_seconds"}
 versions = pytest.mark.openrlhf_versions
 
 
@@ -92,19 +89,6 @@ def expected_fields(run: SimpleNamespace, samples: list, experiences: list, vers
     if version is not None:
         fields.update(seq_version=torch.tensor([list(version)] * len(index)), trainer_version=trainer_version)
     return fields
-
-
-def assert_values_equal(got: dict, want: dict) -> None:
-    for name, series in want.items():
-        if name in TIMING_KEYS or name.startswith("_"):
-            continue
-        assert name in got, name
-        for labels, value in series.items():
-            other = got[name].get(labels)
-            if value is None or (isinstance(value, float) and math.isnan(value)):
-                assert other is None or math.isnan(other), (name, labels, other)
-            else:
-                assert other == pytest.approx(value, rel=1e-6, abs=1e-9), (name, labels, other, value)
 
 
 def scalars(watch: Watch, step: int) -> dict[str, float]:
