@@ -86,3 +86,18 @@ def test_the_public_names_stay_where_users_import_them():
     out = subprocess.run([sys.executable, "-m", "rlwatch", "--version"], capture_output=True, text=True, timeout=60,
                          cwd=PACKAGE.parent)
     assert out.returncode == 0 and out.stdout.startswith("rlwatch-llm ")
+
+
+def test_the_worker_setup_hooks_load_no_torch():
+    """A Ray worker's setup hook (verl, OpenRLHF) runs before the framework chose its device: it, and the
+    rollout clock the integrations import, load no torch (OpenRLHF's own test checks it in its
+    environment; this one in every run)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, logging; logging.disable(logging.CRITICAL); import rlwatch.core.rollout, "
+            "rlwatch.integrations.openrlhf as ro, rlwatch.integrations.verl as rv; "
+            "ro.setup_hook(); rv.setup_hook(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "False", (out.stdout, out.stderr)

@@ -15,14 +15,14 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from .metrics import DROP_REASONS
+from ..signals.buckets import DROP_REASONS
 
 if TYPE_CHECKING:       # torch is imported where tensors are made: the Ray-actor integrations import PhaseClock
     import torch
 
     from ..signals.inputs import Dropped, RolloutInputs
 
-#: A drop reason outside :data:`~rlwatch.core.metrics.DROP_REASONS` counts as this one.
+#: A drop reason outside :data:`~rlwatch.signals.buckets.DROP_REASONS` counts as this one.
 OTHER_REASON = DROP_REASONS[-1]
 
 
