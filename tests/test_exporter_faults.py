@@ -160,6 +160,70 @@ def test_trickling_clients_and_distinct_accept_headers_never_keep_scrapes_out():
             server.wait()
 
 
+FAST_TRICKLERS = """
+import asyncio, sys, time
+port, count, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+HEAD = b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\nX-Slow: " + b"a" * 100000
+
+async def client(end):
+    while time.monotonic() < end:                  # a client the server drops connects again at once
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        try:
+            for byte in HEAD:                      # a byte every millisecond, never the blank line
+                if time.monotonic() > end or reader.at_eof():
+                    break
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0.001)
+        except OSError:
+            pass
+        writer.close()
+
+async def main():
+    end = time.monotonic() + seconds
+    await asyncio.gather(*(client(end) for _ in range(count)))
+
+print("ready", flush=True)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow           # about 15 s: out of `make check`, run by `make test` and CI
+def test_fast_trickling_clients_never_make_scrapes_time_out():
+    """64 clients trickle their heads as fast as they can, a byte a millisecond, for 12 s: every
+    scrape (5 s timeout, Prometheus's default scrape_timeout is 10 s) is answered, and reading their
+    heads never pauses accepting (the server answers within a second throughout)."""
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    tricklers = None
+    try:
+        port = int(server.stdout.readline())
+        tricklers = subprocess.Popen([sys.executable, "-c", FAST_TRICKLERS, str(port), "64", "12"],
+                                     stdout=subprocess.PIPE, text=True)
+        assert tricklers.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        latencies, failures = [], []
+        while tricklers.poll() is None:
+            try:
+                latencies.append(scrape_status(port, timeout=5)[1])
+            except OSError as exc:
+                failures.append(repr(exc))
+            time.sleep(0.25)
+        print(f"\nfast tricklers: {len(latencies)} scrapes answered, {len(failures)} failed, "
+              f"max {max(latencies, default=0):.3f} s")
+        assert failures == [] and len(latencies) >= 10
+        assert max(latencies) < 1.0
+    finally:
+        for proc in (tricklers, server):
+            if proc is not None and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 # --- a forked child ----------------------------------------------------------------------------------
 
 def test_a_forked_child_does_not_keep_the_port():

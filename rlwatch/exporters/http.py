@@ -8,10 +8,13 @@ another: a client that never reads costs its own connection only (its answer wai
 the connection is aborted after ``timeout`` seconds), and the server starts no thread after its own,
 so a process out of threads still serves. The server accepts connections itself: out of file
 descriptors it counts the error and waits a second instead of spinning, and it keeps its CPU (which
-is the trainer's GIL) to :data:`CPU_SHARE` of a core, so a flood of clients waits in the kernel's
-backlog instead of slowing the trainer. Each connection has one deadline for its TLS handshake and
-its whole request head; at most ``max_connections`` are held, and when they are all taken the one
-that has waited longest for its head is dropped for the newcomer. A forked child (DataLoader workers
+is the trainer's GIL) to :data:`CPU_SHARE` of a core, so a flood of complete requests waits in the
+kernel's backlog instead of slowing the trainer. Only answers count against that share: a request
+still arriving costs a bounded number of reads (:data:`MAX_HEAD_READS`, :data:`MAX_HEAD` bytes) and
+is never read again once they are spent, so clients trickling their heads neither slow the trainer
+nor stop the server accepting the scrapes behind them. Each connection has one deadline for its
+TLS handshake and its whole request head; at most ``max_connections`` are held, and when they are
+all taken the one that has waited longest for its head is dropped for the newcomer. A forked child (DataLoader workers
 fork the trainer) lets go of its copies of the server's sockets at once, so the parent alone owns
 the port.
 """
@@ -42,6 +45,9 @@ logger = logging.getLogger("rlwatch")
 
 #: Largest request head accepted (request line and headers), bytes.
 MAX_HEAD = 16384
+#: Reads a request head may take: a client sends its head in one or a few writes; one trickling it
+#: byte by byte is no longer read (it waits for its deadline) once it has had this many.
+MAX_HEAD_READS = 32
 #: Seconds that answers still being written get to finish when the server closes.
 CLOSE_GRACE = 1.0
 #: Share of one core (and of the trainer's GIL) the server may spend answering, on average, and the
@@ -178,7 +184,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: MetricsServer) -> None:
         self.server = server
         self.deadline = server._loop.time() + server.header_timeout       # accepted now
-        self.head = b""
+        self.head = bytearray()
+        self.reads = 0
         self.answered_at: float | None = None                              # None: still reading its head
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -194,10 +201,13 @@ class _Connection(asyncio.Protocol):
         if self.answered_at is not None:           # anything after the head: read and ignored
             return
         self.head += data
-        if b"\n" in data and head_complete(self.head):        # a head ends with a line
+        self.reads += 1
+        if b"\n" in data and head_complete(bytes(self.head)):        # a head ends with a line
             self.answer()
         elif len(self.head) > MAX_HEAD:
             self.drop(b"431 Request Header Fields Too Large")
+        elif self.reads >= MAX_HEAD_READS:         # a trickling client: not read again before its deadline
+            self.transport.pause_reading()
 
     def eof_received(self) -> bool:
         if self.answered_at is None:               # the client gave up before its head was whole
@@ -208,9 +218,10 @@ class _Connection(asyncio.Protocol):
         self.answered_at = self.server._loop.time()
         if self.timer is not None:
             self.timer.cancel()
-        self.transport.write(self.server._respond(self.head, self.transport.get_extra_info("peername")))
-        self.head = b""
-        self.server._pace()
+        cpu = time.thread_time()
+        self.transport.write(self.server._respond(bytes(self.head), self.transport.get_extra_info("peername")))
+        self.head = bytearray()
+        self.server._pace(time.thread_time() - cpu)
         self.transport.close()                     # once the answer is written
         self.timer = self.server._loop.call_later(self.server.timeout, self.transport.abort)
 
@@ -281,7 +292,7 @@ class MetricsServer:
         self._connections: collections.OrderedDict[_Connection, None] = collections.OrderedDict()  # oldest first
         self._closed = False
         self._accepting = False
-        self._budget, self._marks = CPU_BURST, (0.0, 0.0)        # CPU seconds left; (loop time, thread CPU)
+        self._budget, self._mark = CPU_BURST, 0.0        # answering CPU seconds left; loop time of the last count
         sock.setblocking(False)
         self._loop = asyncio.new_event_loop()
         self._loop.set_exception_handler(self._loop_error)
@@ -326,7 +337,7 @@ class MetricsServer:
             return _status_only(b"500 Internal Server Error")
 
     async def _start(self) -> None:
-        self._marks = (self._loop.time(), time.thread_time())
+        self._mark = self._loop.time()
         self._resume()
 
     def _resume(self) -> None:
@@ -341,12 +352,14 @@ class MetricsServer:
             self._accepting = False
             self._loop.call_later(seconds, self._resume)
 
-    def _pace(self) -> None:
-        """Keep the server's CPU to :data:`CPU_SHARE` on average: when the budget is spent (a flood of
-        clients), pause accepting until it is back."""
-        now, cpu = self._loop.time(), time.thread_time()
-        self._budget = min(CPU_BURST, self._budget + (now - self._marks[0]) * CPU_SHARE - (cpu - self._marks[1]))
-        self._marks = (now, cpu)
+    def _pace(self, spent: float) -> None:
+        """Keep the CPU the server spends answering to :data:`CPU_SHARE` on average: when the budget
+        is spent (a flood of complete requests), pause accepting until it is back. ``spent``: thread
+        CPU seconds of the answer just given. Reading heads never counts here (it is bounded per
+        connection), so clients that never finish a request cannot hold the scrapers out."""
+        now = self._loop.time()
+        self._budget = min(CPU_BURST, self._budget + (now - self._mark) * CPU_SHARE - spent)
+        self._mark = now
         if self._budget < 0:
             self._pause(-self._budget / CPU_SHARE)
 
@@ -369,7 +382,6 @@ class MetricsServer:
             task = self._loop.create_task(self._loop.connect_accepted_socket(
                 lambda protocol=connection: protocol, conn, ssl=self._ssl, **extra))
             task.add_done_callback(_retrieve)
-        self._pace()
 
     def _admit(self, conn: _Connection) -> bool:
         """Hold ``conn`` if there is room, dropping the connection that has waited longest for its
