@@ -5,6 +5,7 @@ prometheus_client's own server are in bench/bench_server.py."""
 
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import subprocess
@@ -250,3 +251,25 @@ def test_http_0_9_and_absolute_form_requests_are_answered_at_once():
         assert answer.startswith(b"HTTP/1.0 200") and b"rlwatch_steps_total" in answer
         assert _raw(watch.port, b"GET http://127.0.0.1/nothing HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.0 404")
         assert b"400" in _raw(watch.port, b"BREW /metrics\r\n")               # HTTP/0.9 knows GET only
+
+
+def test_a_malformed_request_target_is_the_clients_error_never_the_hooks(caplog):
+    """``GET http://[::1/metrics`` (an IPv6 host never closed) and other malformed targets, with and
+    without basic_auth: answered 400 and counted in rlwatch_http_client_errors_total{code="400"};
+    rlwatch_hook_errors_total (which pages RLWatchHookErrors) and the trainer's log stay quiet."""
+    targets = [b"http://[::1/metrics", b"http://[zz]/metrics", b"https://[/"]
+    for auth in (None, ("prom", "secret")):
+        with rlwatch.Watch(run="badtarget", port=0, store=None, alerts=False, basic_auth=auth) as watch:
+            watch.observe(0, **make_step())
+            caplog.clear()
+            for target in targets:
+                answer = _raw(watch.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert answer.startswith(b"HTTP/1.0 400"), (target, answer[:80])
+            assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+            token = base64.b64encode(b"prom:secret").decode()
+            request = urllib.request.Request(f"http://127.0.0.1:{watch.port}/metrics",
+                                             headers={"Authorization": f"Basic {token}"} if auth else {})
+            exposition = urllib.request.urlopen(request, timeout=5).read().decode()
+            assert 'stage="export"' not in exposition
+            errors = [line for line in exposition.splitlines() if line.startswith("rlwatch_http_client_errors_total")]
+            assert len(errors) == 1 and 'code="400"' in errors[0] and errors[0].endswith(f" {len(targets)}.0"), errors

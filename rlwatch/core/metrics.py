@@ -117,6 +117,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "framework provides (e.g. no sampler log-probs), by family and reason.", "hook", ("signal", "reason")),
     _c("hook_errors_total", "Errors rlwatch caught in its own code or in the observed record, by stage and kind.",
        "hook", ("stage", "kind")),
+    _c("http_client_errors_total", "Requests the /metrics server answered with a client error (malformed "
+       "request, missing credentials, unknown path, request head too slow or too large), by HTTP status code; "
+       "never counted as rlwatch's own error.", "hook", ("code",)),
     _g("store_queue_depth", "Steps waiting to be written to the run store.", "hook"),
     _c("store_dropped_steps_total", "Steps the run store could not write (queue full or write error).", "hook"),
     _c("store_step_conflicts_total", "Steps observed again (resumed run, two processes on one run); the earlier "

@@ -98,7 +98,11 @@ class _Request(WSGIRequestHandler):
         if not super().parse_request():
             return False
         if not self.path.startswith("/"):      # absolute form (``GET http://host/metrics``): its path
-            parts = urlsplit(self.path)
+            try:
+                parts = urlsplit(self.path)
+            except ValueError:                 # ``http://[::1/metrics``: the client's error, a 400
+                self.send_error(400, "Bad request target")
+                return False
             if parts.scheme and parts.netloc:
                 self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         return True
@@ -219,7 +223,9 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         cpu = time.thread_time()
-        self.transport.write(self.server._respond(bytes(self.head), self.transport.get_extra_info("peername")))
+        answer = self.server._respond(bytes(self.head), self.transport.get_extra_info("peername"))
+        self.server._count_status(answer)
+        self.transport.write(answer)
         self.head = bytearray()
         self.server._pace(time.thread_time() - cpu)
         self.transport.close()                     # once the answer is written
@@ -232,6 +238,7 @@ class _Connection(asyncio.Protocol):
         self.answered_at = self.server._loop.time()
         if status and not self.transport.is_closing():
             self.transport.write(_status_only(status))
+            self.server._count_status(status)
         self.transport.close()
         self.timer = self.server._loop.call_later(1.0, self.transport.abort)
 
@@ -266,6 +273,8 @@ class MetricsServer:
         self._app = _never_raise(app, on_error)
         self.header_timeout, self.timeout, self.max_connections = header_timeout, timeout, max_connections
         self.workers, self.on_error = workers, on_error
+        #: Requests answered 4xx (malformed, unauthorized, unknown path, head too slow or too large), by code.
+        self.client_errors: collections.Counter[str] = collections.Counter()
         candidates = [port] if (port == 0 or not port_fallback) else list(range(port, port + 33))
         sock, last_error = _bind(addr, candidates)
         if sock is None:
@@ -326,6 +335,14 @@ class MetricsServer:
 
     def get_app(self) -> Callable:
         return self._app
+
+    def _count_status(self, answer: bytes) -> None:
+        """Count a 4xx answer (``HTTP/1.x 4NN ...`` or a bare ``4NN ...`` status) in
+        :attr:`client_errors`: a client's bad request is the client's error, never the hook's."""
+        fields = answer[:32].split(None, 2)
+        code = fields[1] if answer.startswith(b"HTTP/") and len(fields) > 1 else fields[0] if fields else b""
+        if len(code) == 3 and code.startswith(b"4") and code.isdigit():
+            self.client_errors[code.decode()] += 1
 
     def _respond(self, head: bytes, addr: tuple | None) -> bytes:
         """The answer's bytes for a whole request head (parsed and answered by wsgiref, in memory)."""

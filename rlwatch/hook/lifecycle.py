@@ -44,10 +44,16 @@ class Health:
         self.state = state
         self.errors = errors
         self.store: Any = None
+        self.server: Any = None
 
     def fold(self) -> None:
-        """Copy the hook-error counts and the store's counters into the exported state."""
+        """Copy the hook-error counts, the server's client errors and the store's counters into the
+        exported state."""
         self.state.set_counter("hook_errors_total", {k: float(v) for k, v in self.errors.snapshot().items()})
+        server = self.server
+        if server is not None and server.client_errors:
+            self.state.set_counter("http_client_errors_total",
+                                   {(code,): float(n) for code, n in list(server.client_errors.items())})
         store = self.store
         if store is not None:
             self.state.set_counter("store_dropped_steps_total", {(): float(store.dropped)})
@@ -310,6 +316,7 @@ class Services:
             on_error=_counted(self.errors, "export")))
         if self.server is None:
             return
+        self.health.server = self.server
         logger.info("rlwatch: serving %s (run %r)", self.server.url, self.run)
         from ..runs.discovery import Registration, node_address
         from ..runs.stack import sd_directory
