@@ -117,11 +117,9 @@ class _Request(WSGIRequestHandler):
 class _Discard:
     """wsgi.errors: application errors are counted by :func:`_never_raise`, not printed."""
 
-    def write(self, text: str) -> None:
-        pass
+    def write(self, text: str) -> None: ...
 
-    def flush(self) -> None:
-        pass
+    def flush(self) -> None: ...
 
 
 def _never_raise(app: Callable, on_error: Callable[[str, BaseException], None] | None) -> Callable:
@@ -337,8 +335,7 @@ class MetricsServer:
         return self._app
 
     def _count_status(self, answer: bytes) -> None:
-        """Count a 4xx answer (``HTTP/1.x 4NN ...`` or a bare ``4NN ...`` status) in
-        :attr:`client_errors`: a client's bad request is the client's error, never the hook's."""
+        """Count a 4xx answer (``HTTP/1.x 4NN ...`` or a bare status) in :attr:`client_errors`."""
         fields = answer[:32].split(None, 2)
         code = fields[1] if answer.startswith(b"HTTP/") and len(fields) > 1 else fields[0] if fields else b""
         if len(code) == 3 and code.startswith(b"4") and code.isdigit():
