@@ -175,6 +175,15 @@ def _bind(addr: str, candidates: list[int]) -> tuple[socket.socket | None, OSErr
     return None, last_error
 
 
+def _count_client_error(counts: collections.Counter[str], answer: bytes) -> None:
+    """Count a 4xx answer (``HTTP/1.x 4NN ...`` or a bare status) in ``counts``, by code: a client's
+    bad request is the client's error, never the hook's."""
+    fields = answer[:32].split(None, 2)
+    code = fields[1] if answer.startswith(b"HTTP/") and len(fields) > 1 else fields[0] if fields else b""
+    if len(code) == 3 and code.startswith(b"4") and code.isdigit():
+        counts[code.decode()] += 1
+
+
 def _status_only(status: bytes) -> bytes:
     return b"HTTP/1.0 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
@@ -222,7 +231,7 @@ class _Connection(asyncio.Protocol):
             self.timer.cancel()
         cpu = time.thread_time()
         answer = self.server._respond(bytes(self.head), self.transport.get_extra_info("peername"))
-        self.server._count_status(answer)
+        _count_client_error(self.server.client_errors, answer)
         self.transport.write(answer)
         self.head = bytearray()
         self.server._pace(time.thread_time() - cpu)
@@ -236,7 +245,7 @@ class _Connection(asyncio.Protocol):
         self.answered_at = self.server._loop.time()
         if status and not self.transport.is_closing():
             self.transport.write(_status_only(status))
-            self.server._count_status(status)
+            _count_client_error(self.server.client_errors, status)
         self.transport.close()
         self.timer = self.server._loop.call_later(1.0, self.transport.abort)
 
@@ -271,8 +280,7 @@ class MetricsServer:
         self._app = _never_raise(app, on_error)
         self.header_timeout, self.timeout, self.max_connections = header_timeout, timeout, max_connections
         self.workers, self.on_error = workers, on_error
-        #: Requests answered 4xx (malformed, unauthorized, unknown path, head too slow or too large), by code.
-        self.client_errors: collections.Counter[str] = collections.Counter()
+        self.client_errors: collections.Counter[str] = collections.Counter()    # 4xx answers, by code
         candidates = [port] if (port == 0 or not port_fallback) else list(range(port, port + 33))
         sock, last_error = _bind(addr, candidates)
         if sock is None:
@@ -333,13 +341,6 @@ class MetricsServer:
 
     def get_app(self) -> Callable:
         return self._app
-
-    def _count_status(self, answer: bytes) -> None:
-        """Count a 4xx answer (``HTTP/1.x 4NN ...`` or a bare status) in :attr:`client_errors`."""
-        fields = answer[:32].split(None, 2)
-        code = fields[1] if answer.startswith(b"HTTP/") and len(fields) > 1 else fields[0] if fields else b""
-        if len(code) == 3 and code.startswith(b"4") and code.isdigit():
-            self.client_errors[code.decode()] += 1
 
     def _respond(self, head: bytes, addr: tuple | None) -> bytes:
         """The answer's bytes for a whole request head (parsed and answered by wsgiref, in memory)."""
