@@ -140,8 +140,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         except OSError as exc:                    # a directory, a file without execute permission, ...
             print(f"rlwatch run: cannot run {command[0]}: {exc.strerror or exc}", file=sys.stderr)
             return 126
+        events = _read_report(report_path)
+        from ..runs.discovery import remove_if_dead
+
+        remove_if_dead([str(e["path"]) for e in events if e.get("event") == "registered" and e.get("path")])
         if not args.quiet:
-            print(_run_summary(_read_report(report_path), frameworks), file=sys.stderr, flush=True)
+            print(_run_summary(events, frameworks), file=sys.stderr, flush=True)
     return code
 
 

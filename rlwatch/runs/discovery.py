@@ -14,7 +14,9 @@ its own file, named after the run, the process (:func:`rlwatch.runs.procinfo.ins
 namespaces, readable as far as the directory is; only the process that wrote it removes it (not a
 child it forked). The entry of a process that died without closing stays for :data:`STALE_GRACE_S`
 (long enough for RLWatchExporterDown to page), then the next registration, close or ``rlwatch up``
-on its host removes it. A process is judged dead from its PID only in its own PID namespace; an entry
+on its host removes it; under ``rlwatch run``, the entries of the processes that ended by a signal
+are removed as soon as the command has ended (:func:`remove_if_dead`). A process is judged dead from
+its PID only in its own PID namespace; an entry
 of another one (a container sharing the hostname and the directory) is dead only when its endpoint
 refuses connections. A registration that finds a live process already exporting its run under its
 ``run_instance`` (one $RLWATCH_RUN_INSTANCE given to two processes) makes its own unique
@@ -32,6 +34,7 @@ import tempfile
 import time
 from typing import Any
 
+from ..core.run_report import report
 from . import procinfo
 
 SD_ENV = "RLWATCH_SD_DIR"
@@ -84,6 +87,7 @@ class Registration:
         host = f"[{address}]" if ":" in address else address
         self.target = f"{host}:{port}"
         self._write()
+        report("registered", path=self.path)        # rlwatch run removes it if this process dies by a signal
 
     def _write(self) -> None:
         directory = os.path.dirname(self.path)
@@ -178,6 +182,27 @@ def entry_alive(path: str) -> bool | None:
         return False
     except OSError:
         return None
+
+
+def remove_if_dead(paths: list[str]) -> list[str]:
+    """Remove each entry of ``paths`` whose process has ended (a process of this host and PID
+    namespace only): ``rlwatch run`` calls it once its command ended, so that a run stopped by a
+    signal (SIGTERM, SIGHUP, ...) unregisters at once instead of paging RLWatchExporterDown.
+    Returns the paths removed; never raises."""
+    removed = []
+    for path in paths:
+        name = os.path.basename(path)
+        instance, spaces = _owner(name) if _is_entry(name) else ("", None)
+        if not instance or procinfo.is_stale(instance, spaces) is not True:
+            continue
+        for stale in (path, os.path.join(os.path.dirname(path), f".{name}.dead")):
+            try:
+                os.remove(stale)
+            except OSError:
+                continue
+            if stale == path:
+                removed.append(path)
+    return removed
 
 
 def clean_stale(directory: str, grace: float = STALE_GRACE_S) -> list[str]:
