@@ -8,6 +8,12 @@ reports it.
   process (``kill``, a scheduler), and SIGTERM, SIGUSR1, SIGUSR2 from anywhere, are passed on to
   the command. ``rlwatch run`` then waits for the command however long it takes; a second Ctrl-C
   stops it at once (SIGKILL).
+- **A signal sent to the whole process group reaches the command once.** ``timeout``, Slurm,
+  systemd and ``kill -INT -PGID`` signal every process of ``rlwatch run``'s group. When ``rlwatch
+  run`` is not the terminal's foreground job (no terminal, or started by ``timeout``), the command
+  runs in its own process group, so such a signal reaches it only as ``rlwatch run`` passes it on;
+  and the same signal from the same sender twice within :data:`DUPLICATE_S` (``timeout`` signals
+  its child, then its group) is passed on once.
 - **No orphan.** SIGTERM to ``rlwatch run`` is passed on and awaited; on Linux the command also gets
   SIGTERM if ``rlwatch run`` itself dies (even by SIGKILL).
 - **Exit status**: the command's; 128 + N when signal N ended it (130 after Ctrl-C, 143 after
@@ -25,6 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Callable, Sequence
 
 #: Signals passed on to the command (when they did not already reach it from the terminal).
@@ -33,6 +40,8 @@ FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHU
 #: Signals a terminal sends to its whole foreground process group (the command got them too).
 TERMINAL_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGQUIT", "SIGHUP") if hasattr(signal, name))
 _SI_KERNEL = 0x80                      # siginfo si_code of a signal the kernel (the terminal) generated
+#: Seconds within which the same signal from the same sending process is one signal, passed on once.
+DUPLICATE_S = 1.0
 
 
 def exit_status(returncode: int) -> int:
@@ -57,21 +66,32 @@ class _Supervisor:
     def __init__(self, command: Sequence[str], env: dict[str, str], say: Callable[[str], None]) -> None:
         self.command, self.env, self.say = command, env, say
         self.interrupts = 0
+        self.last_sent: dict[tuple[int, int], float] = {}        # (signal, sender PID) -> when
 
     def run(self) -> int:
         watched = (*FORWARDED, signal.SIGCHLD)
         before = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
         try:
-            child = subprocess.Popen(self.command, env=self.env, preexec_fn=_child_setup(before))
+            child = subprocess.Popen(self.command, env=self.env,
+                                     preexec_fn=_child_setup(before, own_group=not _in_foreground()))
             while child.poll() is None:
                 info = signal.sigtimedwait(watched, 0.5)
                 if info is not None and info.si_signo != signal.SIGCHLD and child.poll() is None:
-                    self.handle(child, info.si_signo, from_terminal=info.si_code == _SI_KERNEL)
+                    from_terminal = info.si_code == _SI_KERNEL
+                    if from_terminal or not self.duplicate(info.si_signo, info.si_pid):
+                        self.handle(child, info.si_signo, from_terminal=from_terminal)
             return exit_status(child.returncode)
         finally:
             while signal.sigtimedwait(watched, 0) is not None:   # those that came after the command ended
                 pass
             signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+    def duplicate(self, signum: int, sender: int) -> bool:
+        """Whether ``signum`` from process ``sender`` repeats one it sent within :data:`DUPLICATE_S`."""
+        now = time.monotonic()
+        last = self.last_sent.get((signum, sender))
+        self.last_sent[(signum, sender)] = now
+        return sender > 0 and last is not None and now - last < DUPLICATE_S
 
     def handle(self, child: subprocess.Popen, signum: int, from_terminal: bool) -> None:
         """Pass ``signum`` on unless the terminal already sent it to the command; a second SIGINT kills."""
@@ -96,12 +116,15 @@ def _same_group(pid: int) -> bool:
         return False
 
 
-def _child_setup(mask: set) -> Callable[[], None]:
-    """What the command's process does before exec: the signal mask rlwatch run had, and (Linux) a
-    SIGTERM when rlwatch run dies, so that it never runs on as an orphan."""
+def _child_setup(mask: set, own_group: bool = False) -> Callable[[], None]:
+    """What the command's process does before exec: its own process group when ``own_group``, the
+    signal mask rlwatch run had, and (Linux) a SIGTERM when rlwatch run dies, so that it never runs
+    on as an orphan."""
     parent = os.getpid()
 
     def setup() -> None:
+        if own_group:
+            os.setpgid(0, 0)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if sys.platform.startswith("linux"):
             try:
