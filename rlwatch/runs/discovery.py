@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from ..core.run_report import report
-from . import procinfo
+from . import procinfo, safefile
 
 SD_ENV = "RLWATCH_SD_DIR"
 #: Seconds a dead process's entry stays after a cleaner first saw it dead (RLWatchExporterDown: for 1m).
@@ -148,9 +148,14 @@ def _owner(name: str) -> tuple[str, str | None]:
     return instance, spaces or None
 
 
+#: Largest file_sd entry read, bytes (one is about 300 bytes).
+MAX_ENTRY_BYTES = 65536
+
+
 def _read(path: str) -> Any:
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+    """An entry's JSON: a regular file only, at most :data:`MAX_ENTRY_BYTES`, never through a
+    symbolic link, never blocking (a FIFO or ``/dev/zero`` named like an entry raises OSError)."""
+    return json.loads(safefile.read_text(path, MAX_ENTRY_BYTES))
 
 
 def _same_host(instance: str) -> bool:

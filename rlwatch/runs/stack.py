@@ -35,7 +35,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import procinfo
+from . import procinfo, safefile
 from ..core.config import state_dir  # noqa: F401 - where running stacks are listed (the CLI imports it from here)
 
 # The rules renderer (half a second to import) is imported where configs are written: every Watch
@@ -147,12 +147,12 @@ def _grafana_provisioning(cfg: StackConfig) -> Path:
     dash_dir = cfg.directory / "grafana" / "dashboards"
     dash_dir.mkdir(parents=True, exist_ok=True)
     for path in resources.dashboards():          # shipped in the package (rlwatch/_data/dashboards)
-        shutil.copy(path, dash_dir / path.name)
-    (prov / "datasources" / "rlwatch.yaml").write_text(render.to_yaml({
+        safefile.write_text(dash_dir / path.name, path.read_text(encoding="utf-8"))
+    safefile.write_text(prov / "datasources" / "rlwatch.yaml", render.to_yaml({
         "apiVersion": 1,
         "datasources": [{"name": "Prometheus", "uid": "prometheus", "type": "prometheus", "access": "proxy",
                          "url": f"http://{cfg.addr}:{cfg.prometheus_port}", "isDefault": True}]}))
-    (prov / "dashboards" / "rlwatch.yaml").write_text(render.to_yaml({
+    safefile.write_text(prov / "dashboards" / "rlwatch.yaml", render.to_yaml({
         "apiVersion": 1,
         "providers": [{"name": "rlwatch", "folder": "rlwatch", "type": "file",
                        "options": {"path": str(dash_dir)}}]}))
@@ -165,13 +165,13 @@ def write_configs(cfg: StackConfig) -> None:
 
     cfg.directory.mkdir(parents=True, exist_ok=True)
     cfg.sd_dir.mkdir(exist_ok=True)
-    (cfg.directory / render.RULES_FILE).write_text(render.rules_yaml(cfg.runbook_base()))
-    (cfg.directory / render.RUNBOOK_FILE).write_text(resources.runbook_markdown())
+    safefile.write_text(cfg.directory / render.RULES_FILE, render.rules_yaml(cfg.runbook_base()))
+    safefile.write_text(cfg.directory / render.RUNBOOK_FILE, resources.runbook_markdown())
     cfg.runbook_site.mkdir(exist_ok=True)
-    (cfg.runbook_site / "index.html").write_text(resources.runbook_html())
-    (cfg.runbook_site / render.RUNBOOK_FILE).write_text(resources.runbook_markdown())
-    (cfg.directory / "prometheus.yml").write_text(render.to_yaml(prometheus_config(cfg)))
-    (cfg.directory / "alertmanager.yml").write_text(render.to_yaml(alertmanager_config(cfg)))
+    safefile.write_text(cfg.runbook_site / "index.html", resources.runbook_html())
+    safefile.write_text(cfg.runbook_site / render.RUNBOOK_FILE, resources.runbook_markdown())
+    safefile.write_text(cfg.directory / "prometheus.yml", render.to_yaml(prometheus_config(cfg)))
+    safefile.write_text(cfg.directory / "alertmanager.yml", render.to_yaml(alertmanager_config(cfg)))
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, addr: str, port: int, timeout: float = 30.0) -> None:
@@ -193,9 +193,12 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, addr: str, port: in
 
 def _start(args: list[str], log: Path, started: dict, name: str, url: str, directory: Path) -> subprocess.Popen:
     """Start ``args`` and record it in ``started`` and pids.json: PID, URL and its identity (procinfo)."""
-    with open(log, "ab") as handle:
+    handle = safefile.open_append(log)           # never through a link already in the directory
+    try:
         # A new session: the servers outlive the `rlwatch up` command, and `down` stops them by PID.
         proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        os.close(handle)
     started[name] = {"pid": proc.pid, "url": url, **(procinfo.identity(proc.pid) or {})}
     _save(directory, started)
     return proc
@@ -295,7 +298,7 @@ def up(cfg: StackConfig) -> dict[str, dict]:
             home = next((p for p in ("/usr/share/grafana", "/usr/local/share/grafana") if os.path.isdir(p)), None)
             args += [f"--homepath={home}"] if home else []
             env_cfg = cfg.directory / "grafana" / "grafana.ini"
-            env_cfg.write_text(f"[server]\nhttp_addr = {cfg.addr}\nhttp_port = {cfg.grafana_port}\n"
+            safefile.write_text(env_cfg, f"[server]\nhttp_addr = {cfg.addr}\nhttp_port = {cfg.grafana_port}\n"
                                f"[paths]\nprovisioning = {prov}\ndata = {cfg.directory / 'grafana' / 'data'}\n")
             _start(args + [f"--config={env_cfg}"], cfg.directory / "grafana.log", started, "grafana",
                    f"http://{cfg.addr}:{cfg.grafana_port}", cfg.directory)
@@ -307,7 +310,7 @@ def up(cfg: StackConfig) -> dict[str, dict]:
 
 
 def _save(directory: Path, started: dict) -> None:
-    (directory / "pids.json").write_text(json.dumps(started, indent=2))
+    safefile.write_text(directory / "pids.json", json.dumps(started, indent=2))
 
 
 def _ours(info: object) -> bool:
@@ -317,7 +320,7 @@ def _ours(info: object) -> bool:
 
 def _recorded(directory: Path) -> dict[str, dict]:
     try:
-        recorded = json.loads((Path(directory) / "pids.json").read_text())
+        recorded = json.loads(safefile.read_text(Path(directory) / "pids.json"))
     except (OSError, ValueError):
         return {}
     return recorded if isinstance(recorded, dict) else {}
@@ -379,7 +382,8 @@ def _register(directory: Path) -> None:
     try:
         entry = _entry(directory)
         entry.parent.mkdir(parents=True, exist_ok=True)
-        entry.write_text(json.dumps({"directory": os.path.abspath(directory), "host": socket.gethostname()}))
+        listed = {"directory": os.path.abspath(directory), "host": socket.gethostname()}
+        safefile.write_text(entry, json.dumps(listed))
     except OSError:
         pass             # the stack runs all the same; `down` then needs --dir
 
@@ -434,7 +438,7 @@ def running_stacks() -> dict[Path, dict[str, dict]]:
     entries = sorted((state_dir() / "stacks").glob("*.json"), key=_mtime, reverse=True)
     for entry in entries:
         try:
-            listed = json.loads(entry.read_text())
+            listed = json.loads(safefile.read_text(entry))
             if listed.get("host", socket.gethostname()) != socket.gethostname():
                 continue                 # a shared state directory: another host's stack is not ours to judge
             directory = Path(listed["directory"])
