@@ -11,7 +11,7 @@ strict mode) and dropped; the rest of the record is still used.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
@@ -34,6 +34,8 @@ TOKEN_FIELDS = ("sampler_logp", "trainer_logp", "entropy")
 MAX_LABEL_LENGTH = 120
 DEFAULT_LABEL = "default"
 OTHER_LABEL = "other"
+#: Longest phase label; a longer name is cut and ends in ``~`` and 8 hex digits of its hash.
+PHASE_NAME_LENGTH = 40
 
 
 def clean_text(value: Any) -> str:
@@ -121,6 +123,43 @@ def map_labels(items: list[Any], registry: LabelRegistry) -> tuple[list[str], li
     return labels, index, list(names), bad_label, overflow
 
 
+def phase_label(name: Any, registry: LabelRegistry, bad: Callable[[str, str, str], None]) -> str:
+    """A phase name's label: escaped like every label, a name over :data:`PHASE_NAME_LENGTH`
+    characters cut with a hash of the whole name (two names never merge), the run's first
+    ``registry.cap`` names kept and later ones ``other`` (counted through ``bad``)."""
+    text, _ = registry.clean(name)
+    if len(text) > PHASE_NAME_LENGTH:
+        import hashlib
+
+        whole = name if isinstance(name, str) else text
+        digest = hashlib.sha1(whole.encode("utf-8", "backslashreplace")).hexdigest()[:8]
+        text = text[:PHASE_NAME_LENGTH - 9] + "~" + digest
+    label, over = registry.map(text)
+    if not isinstance(name, str):
+        bad("phases", "label", f"phase name of type {type(name).__name__} converted to {text!r}")
+    if over:
+        bad("phases", "label_cap", f"more than {registry.cap} distinct phase names; the rest are counted as "
+                                   f"'{OTHER_LABEL}'")
+    return label
+
+
+def whole_step(value: Any) -> int:
+    """A step number as an int64: ints (numpy's too), whole floats (``3.0``) and digit strings;
+    ValueError for a fraction (``1.5`` is not step 1), NaN, infinity or a number outside int64."""
+    import operator
+
+    try:
+        step = operator.index(value)
+    except TypeError:
+        number = int(value) if isinstance(value, str) else float(value)
+        if isinstance(number, float) and not number.is_integer():
+            raise ValueError(f"{value!r} is not a whole number") from None
+        step = int(number)
+    if not -2 ** 63 <= step < 2 ** 63:
+        raise ValueError(f"{step} is outside int64")
+    return step
+
+
 class LabelFields:
     """The label-valued fields of a step (``env``, ``failed``) checked and capped per run: a label that is
     not a string, cannot be encoded or is too long is converted, and labels past a cap become
@@ -183,12 +222,14 @@ class RecordBuilder:
     """Builds :class:`StepRecord` objects for one run, keeping label caps across steps."""
 
     def __init__(self, errors: HookErrors, env_cap: int = 64, detector_cap: int = 32,
-                 failure_kind_cap: int = 32) -> None:
+                 failure_kind_cap: int = 32, phase_cap: int = 32) -> None:
         self.errors = errors
         self.labels = LabelFields(errors, env_cap, failure_kind_cap)
         self.envs = self.labels.envs                 # the TRL integration reads its cap
         self.detectors = LabelRegistry(detector_cap)
-        self.rollout = RolloutParser(self._bad, lambda items: map_labels(items, self.envs)[0])
+        self.phases = LabelRegistry(phase_cap)
+        self.rollout = RolloutParser(self._bad, lambda items: map_labels(items, self.envs)[0],
+                                     lambda name: phase_label(name, self.phases, self._bad))
 
     def _bad(self, field_name: str, kind: str, message: str) -> None:
         self.errors.report("validate", kind, message, field=field_name)
@@ -203,9 +244,7 @@ class RecordBuilder:
         for name in fields.unknown:
             self._bad(name, "unknown_field", f"unknown field (known: {', '.join(sorted(FIELDS))})")
         try:
-            step = int(step.item() if isinstance(step, torch.Tensor) else step)
-            if not -2 ** 63 <= step < 2 ** 63:
-                raise ValueError(f"{step} is outside int64")
+            step = whole_step(step.item() if isinstance(step, torch.Tensor) else step)
         except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
             self._bad("step", "type", f"step must be an int, got {type(step).__name__} ({exc})")
             return None

@@ -59,9 +59,11 @@ class RolloutParser:
     """Validates the rollout fields; a bad one is reported through ``bad(field, kind, message)`` and
     dropped (the rest of the step is kept)."""
 
-    def __init__(self, bad: Callable[[str, str, str], None], env_label: Callable[[list[Any]], list[str]]) -> None:
+    def __init__(self, bad: Callable[[str, str, str], None], env_label: Callable[[list[Any]], list[str]],
+                 phase_label: Callable[[Any], str] = str) -> None:
         self._bad = bad
         self._env_label = env_label     # raw environment values -> capped labels (the run's registry)
+        self._phase_label = phase_label     # a phase name -> its capped label (the run's registry)
 
     def parse(self, fields: Any, B: int, device: torch.device) -> RolloutInputs:
         from ..signals.inputs import RolloutInputs
@@ -99,7 +101,8 @@ class RolloutParser:
             if not (math.isfinite(s) and s >= 0):
                 self._bad("phases", "value", f"phase {str(name)[:40]!r}: {s} is not a finite duration")
                 continue
-            out[str(name)[:40]] = s
+            label = self._phase_label(name)
+            out[label] = out.get(label, 0.0) + s        # phases past the cap add up in ``other``
         return out
 
     def _dropped(self, fields: Any, device: torch.device) -> Dropped | None:
@@ -152,9 +155,15 @@ class PhaseClock:
         finally:
             self.add(name, time.perf_counter() - start)
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: Any, seconds: float) -> None:
+        """Add ``seconds`` to phase ``name``; never raises (a name that is not a string, even an
+        unhashable one, is timed under its text, checked when the step is observed)."""
+        try:
+            key = name if isinstance(name, str) else str(name)
+        except Exception:  # noqa: BLE001 - a __str__ that raises still times the block
+            key = f"<{type(name).__name__}>"
         with self._lock:
-            self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+            self._seconds[key] = self._seconds.get(key, 0.0) + seconds
 
     def take(self, given: Any = None) -> Any:
         """The accumulated phases merged under ``given`` (a step's own ``phases``, which win for the
