@@ -351,6 +351,10 @@ def test_console_alert_lines_escape_control_characters(caplog):
     line = caplog.records[-1].getMessage()
     assert "\x1b" not in line and "\x07" not in line and "\n" not in line
     assert "x\\x1b]8;;http://e\\x07y\\x0aFAKE LINE" in line
+    log_event(AlertEvent("A", "warning", "firing", "run\x1b[2J\rOK\nFAKE", 1, {}, 1.0, "s", "d", "u"))
+    line = caplog.records[-1].getMessage()                 # the run name too (Watch(run=...) is user text)
+    assert "\x1b" not in line and "\r" not in line and "\n" not in line
+    assert "run=run\\x1b[2J\\x0dOK\\x0aFAKE" in line
 
 
 def test_pushgateway_credentials_never_reach_logs_or_errors(caplog):

@@ -308,5 +308,5 @@ def log_event(event: AlertEvent) -> None:
     # The k3 context of a mismatch alert (x its baseline; steps left to kl_k3_max at this trend), when known.
     trend = "".join(_K3_CONTEXT.findall(event.description))
     logger.log(level, "rlwatch alert %s %s [%s] run=%s step=%s%s%s%s - %s (%s)", event.state.upper(), event.name,
-               event.severity, event.run, event.step, f" {labels}" if labels else "", value, trend, event.summary,
-               event.runbook_url)
+               event.severity, _printable(event.run), event.step, f" {labels}" if labels else "", value, trend,
+               _printable(event.summary), _printable(event.runbook_url))
