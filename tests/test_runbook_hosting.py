@@ -1,5 +1,6 @@
-"""Where the rules' runbook links point (no server started): the stack's own runbook server by default,
-a team's copy when a runbook URL is configured at `rlwatch up` or render time."""
+"""Where the rules' runbook links point: the stack's own runbook server by default, a team's copy
+when a runbook URL is configured at `rlwatch up` or render time; and the stack's runbook server
+against idle clients (a real server process on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,51 @@ def test_a_team_hosted_copy_replaces_the_stack_runbook_server(tmp_path, monkeypa
     # at render time, for rules a team deploys itself
     assert render.main(["--dir", str(tmp_path / "mine"), "--runbook-url", "https://wiki.example/x"]) == 0
     assert "https://wiki.example/x#rlwatchklspike" in (tmp_path / "mine" / render.RULES_FILE).read_text()
+
+
+def test_the_runbook_server_cuts_idle_connections_and_bounds_its_threads(tmp_path):
+    """200 connections that never send a byte to `rlwatch up`'s runbook server: it holds at most
+    MAX_THREADS threads for them, cuts each after its idle timeout, and then serves the runbook."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from rlwatch.runs.runbook_server import IDLE_TIMEOUT_S, MAX_THREADS
+    from rlwatch.runs.stack import runbook_command
+
+    from tests.conftest import ROOT, free_port, wait_http
+
+    cfg = StackConfig(tmp_path / "stack", runbook_port=free_port())
+    write_configs(cfg)
+    server = subprocess.Popen(runbook_command(cfg), cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    idle: list[socket.socket] = []
+    try:
+        url = f"http://127.0.0.1:{cfg.runbook_port}/index.html"
+        wait_http(url, proc=server)
+        for _ in range(200):
+            idle.append(socket.create_connection(("127.0.0.1", cfg.runbook_port), timeout=5))
+        time.sleep(1.0)
+        with open(f"/proc/{server.pid}/status") as status:
+            threads = int(next(line.split()[1] for line in status if line.startswith("Threads:")))
+        assert threads <= MAX_THREADS + 2, threads
+        time.sleep(IDLE_TIMEOUT_S + 2)
+        cut = 0
+        for sock in idle:
+            sock.settimeout(2)
+            try:
+                cut += sock.recv(1024) in (b"", b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                                 b"Connection: close\r\n\r\n")
+            except (TimeoutError, OSError):
+                pass
+        assert cut == len(idle)
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            assert resp.status == 200 and b"RLWatch" in resp.read()
+    finally:
+        for sock in idle:
+            sock.close()
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()

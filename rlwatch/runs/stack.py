@@ -12,7 +12,7 @@ so that ``rlwatch down`` run from any other directory finds it, and so does a Wa
 with it by default (:func:`sd_directory`).
 
 The runbook: unless a runbook URL is configured (``--runbook-url``, $RLWATCH_RUNBOOK_URL), ``up`` also
-starts a static server of the runbook (``python -m http.server`` over ``<dir>/runbook-site``, default
+starts a static server of the runbook (:mod:`rlwatch.runs.runbook_server` over ``<dir>/runbook-site``, default
 port :data:`RUNBOOK_PORT`) and the rules it loads link there, so that a page that arrives after the run
 ended still opens its runbook section; ``down`` stops it with the rest.
 
@@ -159,6 +159,13 @@ def _grafana_provisioning(cfg: StackConfig) -> Path:
     return prov
 
 
+def runbook_command(cfg: StackConfig) -> list[str]:
+    """The command of the stack's runbook server (:mod:`rlwatch.runs.runbook_server`: idle
+    connections cut, threads bounded)."""
+    return [sys.executable, "-m", "rlwatch.runs.runbook_server", str(cfg.runbook_port), "--bind", cfg.addr,
+            "--directory", str(cfg.runbook_site)]
+
+
 def write_configs(cfg: StackConfig) -> None:
     from . import resources
     from ..alerts import render
@@ -274,9 +281,8 @@ def up(cfg: StackConfig) -> dict[str, dict]:
     try:
         if cfg.serves_runbook:       # a static server of the runbook: the alerts' links work after the run
             url = cfg.runbook_base()
-            runbook = _start([sys.executable, "-m", "http.server", str(cfg.runbook_port), "--bind", cfg.addr,
-                              "--directory", str(cfg.runbook_site)], cfg.directory / "runbook.log", started,
-                             "runbook", url, cfg.directory)
+            runbook = _start(runbook_command(cfg), cfg.directory / "runbook.log", started, "runbook", url,
+                             cfg.directory)
             _wait_ready(f"http://{cfg.addr}:{cfg.runbook_port}/index.html", runbook, cfg.directory / "runbook.log",
                         cfg.addr, cfg.runbook_port)
         url = f"http://{cfg.addr}:{cfg.alertmanager_port}"
