@@ -273,3 +273,56 @@ def test_a_malformed_request_target_is_the_clients_error_never_the_hooks(caplog)
             assert 'stage="export"' not in exposition
             errors = [line for line in exposition.splitlines() if line.startswith("rlwatch_http_client_errors_total")]
             assert len(errors) == 1 and 'code="400"' in errors[0] and errors[0].endswith(f" {len(targets)}.0"), errors
+
+
+BIG_ANSWER = textwrap.dedent("""
+    import sys
+    from rlwatch.exporters.http import MetricsServer
+    big = b"x" * (4 << 20)                     # one cached 4 MB answer, as the exposition cache holds it
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Length", str(len(big)))])
+        return [big]
+    server = MetricsServer(None, "127.0.0.1", 0, app=app, timeout=30.0)
+    print(server.port, flush=True)
+    sys.stdin.readline()
+    server.close()
+""")
+
+
+def test_never_reading_clients_on_a_large_answer_hold_bounded_memory():
+    """Three rounds of 32 clients asking for a 4 MB answer with a 1 KB receive window and never
+    reading: the server's process grows by far less than one copy of the answer per client (the
+    answer is handed to each connection a slice at a time as it drains)."""
+    server = subprocess.Popen([sys.executable, "-c", BIG_ANSWER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    hostile: list[socket.socket] = []
+    try:
+        port = int(server.stdout.readline())
+
+        def rss_mib() -> float:
+            with open(f"/proc/{server.pid}/status") as status:
+                return int(next(line.split()[1] for line in status if line.startswith("VmRSS:"))) / 1024
+
+        before, peak = rss_mib(), 0.0
+        for _ in range(3):
+            for _ in range(32):
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+                sock.connect(("127.0.0.1", port))
+                sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+                hostile.append(sock)
+            time.sleep(1.0)
+            peak = max(peak, rss_mib())
+        status, body = _scrape(port, "/metrics", timeout=5)
+        print(f"\nRSS {before:.0f} MiB -> peak {peak:.0f} MiB with {len(hostile)} never-reading clients")
+        assert status == 200 and len(body) == 4 << 20
+        assert peak - before < 32, (before, peak)          # one copy per client would be 384 MiB
+    finally:
+        for sock in hostile:
+            sock.close()
+        server.stdin.close()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(server.pid, 9)
+            server.wait()

@@ -22,24 +22,20 @@ the port.
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import errno
-import hmac
-import io
 import logging
 import os
 import socket
 import ssl
-import sys
 import threading
 import time
 import weakref
-from typing import Callable, Iterable
-from urllib.parse import urlsplit
-from wsgiref.simple_server import WSGIRequestHandler
+from typing import Callable
 
 from ..core.errors import PortInUseError
+from .requests_wsgi import (_count_client_error, _never_raise, _Request, _status_only, _with_basic_auth,
+                            head_complete)
 
 logger = logging.getLogger("rlwatch")
 
@@ -48,6 +44,8 @@ MAX_HEAD = 16384
 #: Reads a request head may take: a client sends its head in one or a few writes; one trickling it
 #: byte by byte is no longer read (it waits for its deadline) once it has had this many.
 MAX_HEAD_READS = 32
+#: Bytes of an answer handed to a connection's transport at once (the rest waits until it drains).
+WRITE_SLICE = 65536
 #: Seconds that answers still being written get to finish when the server closes.
 CLOSE_GRACE = 1.0
 #: Share of one core (and of the trainer's GIL) the server may spend answering, on average, and the
@@ -65,93 +63,6 @@ def _close_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_close_in_child)
-
-
-def head_complete(head: bytes) -> bool:
-    """Whether a request head is whole: its blank line arrived, or its request line is not of the
-    ``METHOD target HTTP/x.y`` form (an HTTP/0.9 ``GET /metrics`` has no headers; a malformed line
-    is answered 400 at once)."""
-    line, newline, _ = head.partition(b"\n")
-    if not newline:
-        return False
-    if len(line.split()) != 3:
-        return True
-    return b"\r\n\r\n" in head or b"\n\n" in head
-
-
-class _Request(WSGIRequestHandler):
-    """wsgiref's request handling over a head already read, answering into memory (the body of a
-    GET or HEAD is empty): :attr:`answer` holds the bytes to send."""
-
-    def __init__(self, head: bytes, addr: tuple, server: MetricsServer) -> None:
-        self._head = head
-        super().__init__(None, addr, server)
-
-    def setup(self) -> None:
-        self.rfile = io.BytesIO(self._head)
-        self.wfile = io.BytesIO()
-
-    def finish(self) -> None:
-        self.answer = self.wfile.getvalue()
-
-    def parse_request(self) -> bool:
-        if not super().parse_request():
-            return False
-        if not self.path.startswith("/"):      # absolute form (``GET http://host/metrics``): its path
-            try:
-                parts = urlsplit(self.path)
-            except ValueError:                 # ``http://[::1/metrics``: the client's error, a 400
-                self.send_error(400, "Bad request target")
-                return False
-            if parts.scheme and parts.netloc:
-                self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        return True
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - wsgiref's signature
-        pass
-
-    def get_stderr(self) -> "_Discard":
-        return _Discard()
-
-
-class _Discard:
-    """wsgi.errors: application errors are counted by :func:`_never_raise`, not printed."""
-
-    def write(self, text: str) -> None: ...
-
-    def flush(self) -> None: ...
-
-
-def _never_raise(app: Callable, on_error: Callable[[str, BaseException], None] | None) -> Callable:
-    """A WSGI app that answers 500 (counted) instead of raising into wsgiref, which would print a
-    traceback to the trainer's stderr on every request."""
-    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
-        try:
-            return app(environ, start_response)
-        except Exception as exc:  # noqa: BLE001
-            if on_error is not None:
-                on_error("server", exc)
-            start_response("500 Internal Server Error", [("Content-Type", "text/plain")], sys.exc_info())
-            return [b"internal error\n"]
-
-    return guarded
-
-
-def _with_basic_auth(app: Callable, username: str, password: str) -> Callable:
-    expected = base64.b64encode(f"{username}:{password}".encode()).decode().encode("ascii")
-
-    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
-        header = environ.get("HTTP_AUTHORIZATION", "")
-        scheme, _, token = header.partition(" ")
-        # WSGI hands headers over as latin-1 strings: compare bytes (any header, never a TypeError).
-        given = token.strip().encode("latin-1", "replace")
-        if scheme.lower() != "basic" or not hmac.compare_digest(given, expected):
-            start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="rlwatch"'),
-                                                ("Content-Type", "text/plain")])
-            return [b"unauthorized\n"]
-        return app(environ, start_response)
-
-    return guarded
 
 
 def _bind(addr: str, candidates: list[int]) -> tuple[socket.socket | None, OSError | None]:
@@ -175,19 +86,6 @@ def _bind(addr: str, candidates: list[int]) -> tuple[socket.socket | None, OSErr
     return None, last_error
 
 
-def _count_client_error(counts: collections.Counter[str], answer: bytes) -> None:
-    """Count a 4xx answer (``HTTP/1.x 4NN ...`` or a bare status) in ``counts``, by code: a client's
-    bad request is the client's error, never the hook's."""
-    fields = answer[:32].split(None, 2)
-    code = fields[1] if answer.startswith(b"HTTP/") and len(fields) > 1 else fields[0] if fields else b""
-    if len(code) == 3 and code.startswith(b"4") and code.isdigit():
-        counts[code.decode()] += 1
-
-
-def _status_only(status: bytes) -> bytes:
-    return b"HTTP/1.0 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-
-
 class _Connection(asyncio.Protocol):
     """One client: reads its request head under one deadline (from its accept, TLS handshake
     included), answers it, and gives the answer ``timeout`` seconds to be read before aborting."""
@@ -197,6 +95,8 @@ class _Connection(asyncio.Protocol):
         self.deadline = server._loop.time() + server.header_timeout       # accepted now
         self.head = bytearray()
         self.reads = 0
+        self.pending: collections.deque[memoryview] = collections.deque()     # the answer not yet written
+        self.paused = False
         self.answered_at: float | None = None                              # None: still reading its head
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -230,13 +130,33 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         cpu = time.thread_time()
-        answer = self.server._respond(bytes(self.head), self.transport.get_extra_info("peername"))
-        _count_client_error(self.server.client_errors, answer)
-        self.transport.write(answer)
+        parts = self.server._respond(bytes(self.head), self.transport.get_extra_info("peername"))
+        _count_client_error(self.server.client_errors, parts[0] if parts else b"")
+        self.pending = collections.deque(memoryview(part) for part in parts if part)
         self.head = bytearray()
         self.server._pace(time.thread_time() - cpu)
-        self.transport.close()                     # once the answer is written
         self.timer = self.server._loop.call_later(self.server.timeout, self.transport.abort)
+        self.send_more()
+
+    def send_more(self) -> None:
+        """Hand the answer to the transport a slice at a time while it is not full: a client that
+        reads slowly or never holds at most one slice and the transport's buffer, whatever the size."""
+        while self.pending and not self.paused and not self.transport.is_closing():
+            part = self.pending[0]
+            self.transport.write(part[:WRITE_SLICE])
+            if len(part) > WRITE_SLICE:
+                self.pending[0] = part[WRITE_SLICE:]
+            else:
+                self.pending.popleft()
+        if not self.pending and not self.transport.is_closing():
+            self.transport.close()                 # once the answer is written
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self.send_more()
 
     def drop(self, status: bytes = b"") -> None:
         """Close a connection that has not sent its head, with a one-line answer."""
@@ -342,14 +262,14 @@ class MetricsServer:
     def get_app(self) -> Callable:
         return self._app
 
-    def _respond(self, head: bytes, addr: tuple | None) -> bytes:
-        """The answer's bytes for a whole request head (parsed and answered by wsgiref, in memory)."""
+    def _respond(self, head: bytes, addr: tuple | None) -> list[bytes]:
+        """The answer's parts for a whole request head (parsed and answered by wsgiref, in memory)."""
         try:
             return _Request(head, addr or ("", 0), self).answer
         except Exception as exc:  # noqa: BLE001 - a request costs its own connection only
             if self.on_error is not None:
                 self.on_error("server", exc)
-            return _status_only(b"500 Internal Server Error")
+            return [_status_only(b"500 Internal Server Error")]
 
     async def _start(self) -> None:
         self._mark = self._loop.time()
