@@ -169,3 +169,25 @@ def test_without_lag_the_recommendation_keeps_the_chapters_default_bound(tmp_pat
     result = build(load(str(tmp_path / "run.db")))
     assert result.recommended.design.eta <= 2
     assert "records no mismatch by version lag" in result.advice[0]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--train-s", "nan"], "--train-s nan"), (["--sync-s", "1e308"], "--sync-s 1e+308"),
+    (["--train-s", "-1"], "--train-s -1"), (["--batch-size", "1e9"], "--batch-size 1e+09"),
+    (["--batch-size", "1000000000"], "--batch-size 1e+09"), (["--steps", "1e9"], "--steps 1e+09"),
+    (["--slots", "0"], "--slots 0"), (["--steps", "2.5"], "--steps 2.5"), (["--k3-bound", "inf"], "--k3-bound inf"),
+    (["--steps", "100000", "--batch-size", "1000"], "100,000 steps of 1,000 episodes"),
+])
+def test_absurd_flags_are_refused_in_one_line_with_status_2(tmp_path, capsys, flags, named):
+    write_run(tmp_path / "run.db", steps=4)
+    assert main(["whatif", str(tmp_path / "run.db"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("rlwatch whatif: ") and named in err
+
+
+def test_the_pipeline_refuses_non_finite_seconds():
+    for seconds in (math.nan, math.inf, 1e308 * 10):
+        with pytest.raises(ValueError, match="finite"):
+            Pipeline(train_s=seconds)
+        with pytest.raises(ValueError, match="finite"):
+            Pipeline(sync_s=seconds)

@@ -22,10 +22,17 @@ THROUGHPUT_TIE = 0.05
 DEFAULT_MAX_ETA = 2
 #: Steps simulated: the run's own count, kept within these.
 MIN_STEPS, MAX_STEPS = 20, 200
+#: The most episodes one design may start in a simulation (about a second of simulation per 10^6 episodes
+#: on one core; every design is simulated): larger requests are refused, not allocated.
+MAX_EPISODES = 2_000_000
 
 
 class NoDurations(ValueError):
     """The run records no episode durations: nothing to simulate."""
+
+
+class TooLarge(ValueError):
+    """A simulation that would start more than :data:`MAX_EPISODES` episodes in one design."""
 
 
 @dataclass
@@ -95,6 +102,9 @@ def build(m: Measured, *, slots: int | None = None, batch_size: int | None = Non
     own = _own_design(m)
     runs = list(designs) + ([own] if own is not None and own not in designs else [])
     needed = max(episodes_needed(pipeline, d) for d in runs)
+    if needed > MAX_EPISODES:
+        raise TooLarge(f"{pipeline.steps:,} steps of {pipeline.batch_size:,} episodes would simulate {needed:,} "
+                       f"episodes per design, more than {MAX_EPISODES:,}: lower --steps or --batch-size")
     drawn = pool[torch.randint(len(pool), (needed,), generator=torch.Generator().manual_seed(seed))].tolist()
     outcomes = [simulate(drawn, pipeline, d) for d in runs]
     bound = k3_bound if k3_bound is not None else m.k3_bound if m.k3_bound is not None else \
