@@ -169,6 +169,8 @@ def text_report(report: Report) -> str:
     lines += concurrent_lines(report)
     if report.steps:
         lines.append(f"steps {report.steps[0]}..{report.steps[1]}")
+    if report.missing_steps:
+        lines.append(safe(report.missing_steps.text()))
     if report.peak:
         lines.append(f"peak {report.quality_signal} {_fmt(report.peak[1])} at step {report.peak[0]}")
     lines.append(cause_line(report))
@@ -269,6 +271,8 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
     point, coverage, the comparison with a good run and the plots (``images``). Returns its path."""
     lines = [f"# Post-mortem: {md(report.run)}", "", f"**{md(headline(report))}.**", "",
              f"Source: {md(report.source)}.", ""]
+    if report.missing_steps:
+        lines += [f"**{md(report.missing_steps.text().capitalize())}.**", ""]
     lines += _md_cause(report) + _md_changes(report) + _md_alerts(report) + _md_hacks(report) + _md_probe(report)
     if concurrent := concurrent_lines(report, bullet=""):
         lines += ["", "## Concurrent writers", "", md(concurrent[0]), ""] + [f"- {md(x)}" for x in concurrent[1:]]
