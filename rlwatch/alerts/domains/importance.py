@@ -24,6 +24,7 @@ def _ess_low(h: History) -> Verdicts:
 IS_TRUNCATION_HIGH = Alert(
     roles=("importance",),
     name="RLWatchISTruncationHigh", severity="warning", for_steps=3,
+    value_format="{:.1%} of tokens above the TIS cap",
     params=("tis_truncated_max", "evidence_z", "hold_fraction", "clear_steps"),
     summary="Many tokens have an importance weight above the TIS cap.",
     description=("Run {{ $labels.run }}: {{ $value | humanizePercentage }} of tokens have pi_old/mu above "
@@ -49,6 +50,7 @@ IS_TRUNCATION_HIGH = Alert(
 ESS_LOW = Alert(
     roles=("importance",),
     name="RLWatchESSLow", severity="critical", for_steps=2, intermittent=True,
+    value_format="normalised ESS {:.4g} (1 = uniform weights)",
     params=("ess_min", "intermittent_hits", "intermittent_steps", "hold_fraction", "clear_steps"),
     summary="Importance-sampling effective sample size is low.",
     description=("Run {{ $labels.run }}: normalised ESS of the truncated weights is "

@@ -33,6 +33,7 @@ def length_bias(h: History) -> Verdicts:
 
 ROLLOUT_LENGTH_BIAS = Alert(
     name="RLWatchRolloutLengthBias", severity="warning", for_steps=3,
+    value_format="trained/launched episode duration {:.3g}x",
     params=("length_bias_max", "hold_fraction", "clear_steps"),
     summary="The trained episodes are shorter than the launched ones.",
     description=("Run {{ $labels.run }}: trained episodes last {{ $value | printf \"%.3g\" }} x the mean "

@@ -25,6 +25,7 @@ def _lag_far(h: History) -> Verdicts:
 STALENESS_BOUND_EXCEEDED = Alert(
     roles=("lag",),
     name="RLWatchStalenessBoundExceeded", severity="warning", for_steps=3,
+    value_format="{:.1%} of tokens over the staleness bound",
     params=("staleness_over_bound_max", "evidence_z", "clear_steps"),
     summary="Tokens older than the staleness bound are being trained on.",
     description=("Run {{ $labels.run }}: {{ $value | humanizePercentage }} of tokens exceed the staleness "
@@ -52,6 +53,7 @@ STALENESS_BOUND_EXCEEDED = Alert(
 VERSION_LAG_FAR_ABOVE_BOUND = Alert(
     roles=("lag",),
     name="RLWatchVersionLagFarAboveBound", severity="critical", for_steps=2, intermittent=True,
+    value_format="oldest token {:g} versions stale",
     params=("lag_critical_factor", "intermittent_hits", "intermittent_steps", "clear_steps"),
     summary="Maximum version lag is far above the staleness bound.",
     description=("Run {{ $labels.run }}: the oldest token trained is {{ $value }} updates stale."),
