@@ -93,12 +93,13 @@ def headline(report: Report) -> str:
 
 
 def _confidence(report: Report) -> str:
-    """The confidence of a diagnosed cause, with the tuning split's accuracy it stands for."""
+    """The confidence of a diagnosed cause, with the accuracy it stands for on the labelled evaluation."""
     if report.cause != report.diagnosis.cause:
         return ""
     accuracy = report.diagnosis.accuracy
     return f" ({report.diagnosis.confidence} confidence" + (
-        f": {accuracy:.0%} of alike verdicts right in the evaluation's tuning split)" if accuracy is not None else ")")
+        f": {accuracy:.0%} of alike verdicts right in the labelled evaluation runs, docs/diagnosis-evaluation.md)"
+        if accuracy is not None else ")")
 
 
 def cause_line(report: Report) -> str:

@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k3-bound", type=_number, help="k3 a design may reach at its mean staleness (default: the run's "
                    "kl_k3_max alert threshold)")
     p.add_argument("--chapter", action="store_true",
-                   help="instead: the reference chapter's figures, recomputed with its duration model")
+                   help="instead: the figures of chapter 13 of the Agent RL tutorial ('Rollout Systems and Off-Policy "
+                        "Correction', agent-rl.tacetai.com), recomputed with its duration model")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 

@@ -123,7 +123,7 @@ def build(m: Measured, *, slots: int | None = None, batch_size: int | None = Non
     if not m.launched_durations:
         raise NoDurations(f"run {m.run!r} records no episode durations (episode_duration_sample_seconds): pass "
                           "durations to Watch.observe (docs/rollout-system.md); `rlwatch whatif --chapter` runs "
-                          "the simulation on the reference chapter's duration model")
+                          "the simulation on the duration model of chapter 13 of the Agent RL tutorial")
     pipeline, notes = _inputs(m, slots, batch_size, train_s, sync_s, steps)
     pool = torch.tensor(m.launched_durations, dtype=torch.float64)
     own, basis = _own_design(m)

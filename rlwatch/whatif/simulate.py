@@ -1,4 +1,5 @@
-"""A discrete-event simulation of a rollout pipeline (the reference chapter, section 13.3).
+"""A discrete-event simulation of a rollout pipeline (section 13.3 of chapter 13 of the Agent RL tutorial,
+"Rollout Systems and Off-Policy Correction", agent-rl.tacetai.com).
 
 ``slots`` generation slots run episodes concurrently; one trainer takes the ``batch_size`` oldest
 finished episodes whenever it is free and trains for ``train_s`` seconds; then the new weights are

@@ -35,8 +35,8 @@ IS_TRUNCATION_HIGH = Alert(
                    lambda k: k),
     runbook=Runbook(
         meaning="A truncated-IS correction now caps many weights, so it leaves bias behind; read it next to "
-                "the raw mismatch, since a capped fraction alone misleads (in the reference, weights below "
-                "1, not the cap, did the work).",
+                "the raw mismatch, since a capped fraction alone misleads (in the Agent RL tutorial's chapter 13 "
+                "experiments, weights below 1, not the cap, did the work).",
         causes=["Growing staleness or a sampler change.", "A policy sharpening fast."],
         look=["rlwatch_is_tis_low_ratio and rlwatch_is_ess_ratio.", "rlwatch_mismatch_kl_k3."],
         do=["Reduce staleness; consider MIS (masking) if outliers dominate, or a lower learning rate."]),
@@ -61,7 +61,7 @@ ESS_LOW = Alert(
     runbook=Runbook(
         meaning="A few tokens carry most of the importance weight: the corrected gradient rests on a "
                 "small part of the batch and its variance explodes (full IS at a large mismatch had 10x "
-                "the squared gradient as variance in the reference's one-step problem).",
+                "the squared gradient as variance in the one-step problem of the Agent RL tutorial's chapter 13).",
         causes=["A large sampler-learner mismatch (see the KL alert).", "Very stale data."],
         look=["rlwatch_mismatch_chi2_token (ESS ~ 1/(1+chi2) for raw weights).",
               "rlwatch_is_tis_high_ratio and rlwatch_is_tis_low_ratio."],

@@ -222,7 +222,8 @@ MISMATCH_DRIFT = Alert(
     condition=_mismatch_drift,
     runbook=Runbook(
         meaning="k3 or the 99th percentile of |log pi_old - log mu| has risen steadily relative to this "
-                "run's own history. In the reference experiment the mismatch told of the collapse long "
+                "run's own history. In the Agent RL tutorial's mismatched-sampler experiment (chapter 13, "
+                "agent-rl.tacetai.com) the mismatch told of the collapse long "
                 "before the reward did.",
         causes=["Staleness creeping up in an asynchronous pipeline.",
                 "The policy sharpening (entropy falling) so that each update moves it further.",

@@ -9,7 +9,7 @@ from ..model import Alert, Param, Runbook, StepExample, const, with_step
 #: The thresholds only this domain's alerts read (the shared ones: rlwatch.alerts.params.COMMON).
 PARAMS: dict[str, Param] = {
     "length_bias_max": Param(0.07, "How much shorter the trained episodes may be than the launched ones, as 1 - "
-                             "the mean trained/launched duration ratio over 10 steps (chosen on the tuning split "
+                             "the mean trained/launched duration ratio over 10 steps (chosen on the tuning runs "
                              "of evaluation.rollout_bias, alerts/length-bias-acceptance.md).", high=1.0),
 }
 

@@ -62,8 +62,9 @@ VERSION_LAG_FAR_ABOVE_BOUND = Alert(
             "syncs); holds while it stays above the bound.",
     condition=_lag_far,
     runbook=Runbook(
-        meaning="Some data is many updates older than the pipeline allows. In the reference experiment "
-                "lag 8 without correction destroyed the skill while lag 2 was harmless.",
+        meaning="Some data is many updates older than the pipeline allows. In the staleness experiment "
+                "of chapter 13 of the Agent RL tutorial (agent-rl.tacetai.com) lag 8 without correction "
+                "destroyed the skill while lag 2 was harmless.",
         causes=["Weight sync not happening: the lag grows by one every step (trl#5312).",
                 "A stuck rollout worker whose episodes finish much later.",
                 "A replay buffer that keeps old episodes."],
