@@ -65,8 +65,8 @@ def _own_design(m: Measured) -> tuple[Design | None, str]:
     ``async eta=ceil(mean lag)``, the design whose simulation gives that lag; a run whose lag never
     left 0 is synchronous; partial rollouts when any sequence spanned versions."""
     partial = bool(m.partial)
-    lag = (f"measured lag mean {m.staleness_mean:.2f}, max {m.staleness_max:g}"
-           if m.staleness_mean is not None and m.staleness_max is not None else "")
+    lag = "" if m.staleness_mean is None else f"measured lag mean {m.staleness_mean:.2f}" + (
+        f", max {m.staleness_max:g}" if m.staleness_max is not None else "")
     bound = round(m.staleness_bound) if m.staleness_bound is not None and m.staleness_bound >= 0 else None
     if m.staleness_max == 0:
         return SYNCHRONOUS, "its " + (lag or "measured lag 0")
