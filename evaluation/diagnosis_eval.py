@@ -167,7 +167,7 @@ def render_report(tuning: list[dict], test: list[dict], tuning_best: float) -> s
              "| scenario | injected |", "|---|---|"]
     lines += [f"| {name} | {' + '.join(causes)} ({', '.join(f'{k}={v}' for k, v in settings.items()) or 'as is'}) |"
               for name, (causes, settings) in SCENARIOS.items()]
-    lines += ["", f"Thresholds chosen on the tuning split (tuning accuracy {tuning_best:.1%}): "
+    lines += ["", f"Thresholds chosen on the tuning seeds (their accuracy {tuning_best:.1%}): "
               + ", ".join(f"`{k}` {v:g}" for k, v in diagnosis.THRESHOLDS.items()) + ".", "",
               f"## Test split: {right}/{len(test)} right ({right / len(test):.1%}); cause named on "
               f"{clean_named} of {sum(v['truth'] == 'none' for v in test)} clean runs", "",
@@ -177,9 +177,9 @@ def render_report(tuning: list[dict], test: list[dict], tuning_best: float) -> s
               for t in labels if any(counts.get((t, d)) for d in labels)]
     tuning_right = sum(v["right"] for v in tuning)
     by_label = {label: [v["right"] for v in test if v["confidence"] == label] for label in ("high", "medium", "low")}
-    lines += ["", f"Tuning split with the same thresholds: {tuning_right}/{len(tuning)} right.", "",
-              "Confidence (the tuning split's accuracy on verdicts of the same causes and margin bin) against "
-              "the test split: " + "; ".join(f"{label}: {sum(r)}/{len(r)} right" for label, r in by_label.items()
+    lines += ["", f"Tuning seeds with the same thresholds: {tuning_right}/{len(tuning)} right.", "",
+              "Confidence (the tuning seeds' accuracy on verdicts of the same causes and margin bin) against "
+              "the test seeds: " + "; ".join(f"{label}: {sum(r)}/{len(r)} right" for label, r in by_label.items()
                                                if r) + ".", "",
               "How the verdict is reached (rlwatch/analyses/diagnosis.py): a missing weight sync where the maximum lag "
               "still grows about one per update over the last third of the window; none below the floor of "

@@ -12,7 +12,7 @@ Quick start::
 Importing the package is cheap: torch and the exporters load on first use of ``Watch``,
 ``compute`` or ``SignalConfig`` (the zero-code bootstrap imports rlwatch in every process).
 
-The distribution is ``rlwatch-llm`` (``pip install rlwatch-llm``); the import name is ``rlwatch``.
+The distribution is ``rlwatch-llm`` (installed from a clone or its wheel: README.md); the import name is ``rlwatch``.
 """
 
 from typing import Any

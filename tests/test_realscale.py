@@ -39,7 +39,7 @@ def test_the_description_carries_the_forecast_only_when_known():
     from rlwatch.alerts.domains.mismatch import KL_DEPARTURE
 
     known = render(KL_DEPARTURE.description, {"run": "r"}, 0.012, {"baseline_ratio": 12.0, "forecast_steps": 60.4})
-    assert "k3 0.012, 12x its baseline; at this rate kl_k3_max in ~60 steps;" in known
+    assert "k3 0.012 nats, 12x its baseline; at this rate kl_k3_max in ~60 steps;" in known
     bare = render(KL_DEPARTURE.description, {"run": "r"}, 0.012, {})
     assert "baseline;" not in bare and "at this rate" not in bare and "{{" not in bare
 

@@ -84,11 +84,11 @@ LAG_K3 = {"0": 0.002, "1": 0.012, "2": 0.022, "3": 0.032}
 
 
 def write_run(path, steps: int = 12, batch: int = 16, durations: bool = True, lag: bool = True,
-              bound_in_meta: bool = False) -> None:
+              bound_in_meta: bool = False, lag_mean: float = 1.4, lag_max: float = 3.0, scale: float = 0.1) -> None:
     """A store of an asynchronous run (eta 2, partial rollouts), batch of ``batch`` episodes, 2 s
-    training, 1 s sync, episodes from the chapter's duration model scaled by 1/10; k3 rising by 0.01
-    per version of lag."""
-    pool = (DurationModel().sample(steps * batch, seed=11) / 10).tolist()
+    training, 1 s sync, episodes from the chapter's duration model scaled by ``scale``; k3 rising by
+    0.01 per version of lag; version lag mean ``lag_mean``, max ``lag_max`` (5 at step 7)."""
+    pool = (DurationModel().sample(steps * batch, seed=11) * scale).tolist()
     store = RunStore(str(path))
     store.submit_run("async-run", {"framework": "custom", "config": {"staleness_bound": 2}} if bound_in_meta
                      else {"framework": "custom"})
@@ -101,7 +101,8 @@ def write_run(path, steps: int = 12, batch: int = 16, durations: bool = True, la
             values["episode_duration_sample_seconds"] = {
                 ("trained", "math", str(i)): pool[step * batch + i] for i in range(batch)}
         if lag:
-            values.update({"version_lag_mean": {(): 1.4}, "version_lag_max": {(): 5.0 if step == 7 else 3.0},
+            values.update({"version_lag_mean": {(): lag_mean},
+                           "version_lag_max": {(): max(lag_max, 5.0 if step == 7 else lag_max)},
                            "partial_rollout_ratio": {(): 0.2},
                            "mismatch_kl_k3_by_lag": {(k,): v for k, v in LAG_K3.items()},
                            "mismatch_tokens_by_lag": {(k,): 1000.0 for k in LAG_K3}})
@@ -169,3 +170,46 @@ def test_without_lag_the_recommendation_keeps_the_chapters_default_bound(tmp_pat
     result = build(load(str(tmp_path / "run.db")))
     assert result.recommended.design.eta <= 2
     assert "records no mismatch by version lag" in result.advice[0]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--train-s", "nan"], "--train-s nan"), (["--sync-s", "1e308"], "--sync-s 1e+308"),
+    (["--train-s", "-1"], "--train-s -1"), (["--batch-size", "1e9"], "--batch-size 1e+09"),
+    (["--batch-size", "1000000000"], "--batch-size 1e+09"), (["--steps", "1e9"], "--steps 1e+09"),
+    (["--slots", "0"], "--slots 0"), (["--steps", "2.5"], "--steps 2.5"), (["--k3-bound", "inf"], "--k3-bound inf"),
+    (["--steps", "100000", "--batch-size", "1000"], "100,000 steps of 1,000 episodes"),
+])
+def test_absurd_flags_are_refused_in_one_line_with_status_2(tmp_path, capsys, flags, named):
+    write_run(tmp_path / "run.db", steps=4)
+    assert main(["whatif", str(tmp_path / "run.db"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("rlwatch whatif: ") and named in err
+
+
+def test_the_pipeline_refuses_non_finite_seconds():
+    for seconds in (math.nan, math.inf, 1e308 * 10):
+        with pytest.raises(ValueError, match="finite"):
+            Pipeline(train_s=seconds)
+        with pytest.raises(ValueError, match="finite"):
+            Pipeline(sync_s=seconds)
+
+
+def test_the_runs_design_is_named_from_its_measured_lag_not_from_a_bound_it_exceeds(tmp_path, capsys):
+    write_run(tmp_path / "run.db", lag_mean=7.64, lag_max=8.0)          # bound 2, a sampler 8 versions behind
+    result = build(load(str(tmp_path / "run.db")))
+    assert result.own == asynchronous(8, partial=True)
+    assert "measured lag mean 7.64, max 8" in result.own_basis and "bound 2 does not hold" in result.own_basis
+    assert main(["whatif", str(tmp_path / "run.db")]) == 0
+    out = capsys.readouterr().out
+    assert "own design: async eta=8, partial (from its measured lag mean 7.64" in out and "eta=2, partial (" not in out
+    write_run(tmp_path / "held.db")                                     # lag mean 1.4 within the bound 2
+    held = build(load(str(tmp_path / "held.db")))
+    assert held.own == asynchronous(2, partial=True) and held.own_basis.startswith("its staleness bound 2")
+
+
+def test_durations_of_a_toy_are_said_to_be_a_toys(tmp_path):
+    write_run(tmp_path / "toy.db", scale=1e-4)              # the chapter's ~100 s episodes as ~10 ms
+    toy = build(load(str(tmp_path / "toy.db")))
+    assert any("a toy's durations" in note for note in toy.notes)
+    write_run(tmp_path / "real.db")                          # ~10 s episodes
+    assert not any("toy" in note for note in build(load(str(tmp_path / "real.db"))).notes)

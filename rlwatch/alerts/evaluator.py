@@ -139,7 +139,7 @@ class AlertEvaluator:
     @staticmethod
     def _with_value(event: AlertEvent, value: float, step: int | None) -> AlertEvent:
         return AlertEvent(event.name, event.severity, event.state, event.run, step, event.labels, value,
-                          event.summary, event.description, event.runbook_url, event.time)
+                          event.summary, event.description, event.runbook_url, event.time, event.value_format)
 
     def _emit(self, alert: Alert, state: str, step: int | None, labels: dict, value: float | None,
               context: Mapping[str, float | None] | None = None) -> None:
@@ -148,7 +148,7 @@ class AlertEvaluator:
                            labels=dict(labels), value=value, summary=alert.summary,
                            description=render(alert.description, full, value, context),
                            runbook_url=f"{self.runbook_base}#{alert.name.lower()}" if self.runbook_base
-                           else alert.runbook_url, time=self.clock())
+                           else alert.runbook_url, time=self.clock(), value_format=alert.value_format)
         key = (alert.name, tuple(sorted(labels.items())))
         if state == "firing":
             self._firing[key] = event

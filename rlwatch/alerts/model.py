@@ -139,7 +139,7 @@ class Alert:
     ``for_steps`` consecutive raise steps or, when ``intermittent``, after ``intermittent_hits`` raise
     steps among the last ``intermittent_steps``. ``prom_expr``: a wall-clock alert's own rule.
     ``more_examples``: further step-window examples its promtool tests replay. ``roles``: what the
-    alert indicates (:data:`ROLES`), read by the post-mortem."""
+    alert indicates (:data:`ROLES`), read by the post-mortem. ``value_format``: its value named, with its unit."""
 
     name: str
     severity: str
@@ -159,8 +159,13 @@ class Alert:
     intermittent: bool = False
     more_examples: tuple[StepExample, ...] = ()
     roles: tuple[str, ...] = ()
+    #: The value of its events in one phrase with its name and unit, a ``str.format`` of the value
+    #: ("k3 {:.4g} nats"): what the console, the trainer's log, chat and the landing page print.
+    value_format: str = "value {:.4g}"
 
     def __post_init__(self) -> None:
+        if self.value_format and self.value_format.count("{") != 1:
+            raise ValueError(f"alert {self.name}: value_format names the value around exactly one {{}}")
         unknown = [role for role in self.roles if role not in ROLES]
         if unknown:
             raise ValueError(f"alert {self.name}: unknown role(s) {unknown} (known: {', '.join(ROLES)})")

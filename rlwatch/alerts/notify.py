@@ -40,6 +40,17 @@ class AlertEvent:
     description: str
     runbook_url: str
     time: float = field(default_factory=time.time)
+    value_format: str = "value {:.4g}"       # the alert's (Alert.value_format): the value named, with its unit
+
+    @property
+    def value_text(self) -> str:
+        """The value in one phrase with its name and unit ("k3 0.2304 nats"); "" without a value."""
+        if self.value is None:
+            return ""
+        try:
+            return self.value_format.format(self.value)
+        except (ValueError, TypeError, IndexError, KeyError):
+            return f"value {self.value:.4g}"
 
     @property
     def key(self) -> tuple:
@@ -137,7 +148,7 @@ class SlackNotifier:
         for e in events:
             icon = ":rotating_light:" if e.state == "firing" and e.severity == "critical" else (
                 ":warning:" if e.state == "firing" else ":white_check_mark:")
-            value = "" if e.value is None else f" (value {e.value:.4g}, step {e.step})"
+            value = "" if e.value is None else f" ({slack_escape(e.value_text)}, step {e.step})"
             lines.append(f"{icon} [{e.state.upper()}] {slack_escape(e.name)} - {slack_escape(e.description)}"
                          f"{value} <{slack_escape(e.runbook_url).replace('|', '%7C')}|runbook>")
         return "\n".join(lines)
@@ -304,7 +315,7 @@ def log_event(event: AlertEvent) -> None:
     resolution is too."""
     level = logging.WARNING
     labels = ", ".join(f"{k}={_printable(v)}" for k, v in sorted(event.labels.items()))
-    value = "" if event.value is None else f" value={event.value:.4g}"
+    value = "" if event.value is None else f": {event.value_text}"
     # The k3 context of a mismatch alert (x its baseline; steps left to kl_k3_max at this trend), when known.
     trend = "".join(_K3_CONTEXT.findall(event.description))
     logger.log(level, "rlwatch alert %s %s [%s] run=%s step=%s%s%s%s - %s (%s)", event.state.upper(), event.name,

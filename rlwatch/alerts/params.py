@@ -27,17 +27,19 @@ COMMON: dict[str, Param] = {
     "evidence_z": Param(2.33, "Standard normal quantile of the evidence bars: Wilson lower bounds of rates and "
                         "standard errors of means (2.33: one-sided 99%)."),
     "hold_fraction": Param(0.5, "An open alert holds while its statistic stays beyond this fraction of the "
-                           "raise threshold (hysteresis; 0.8 let k3 hovering around the bound re-page on the "
-                           "tuning split).", above=0.0, high=1.0),
+                           "raise threshold (hysteresis; at 0.8, k3 hovering around the bound re-paged in the "
+                           "acceptance runs, alerts/acceptance.md).", above=0.0, high=1.0),
     "intermittent_hits": Param(2.0, "An intermittent critical alert also opens when its raise condition held on "
                                "this many of the last `intermittent_steps` steps (a fault on every second or "
                                "third step, e.g. one replica of several).", low=1.0),
     "intermittent_steps": Param(4.0, "Steps of the window in which `intermittent_hits` raise steps open an "
                                 "intermittent critical alert (2 of 4: the most sensitive window with no healthy "
-                                "page on the matrix's tuning split, alerts/acceptance.md). At most 1000: the "
+                                "page in the acceptance runs the thresholds were chosen on, alerts/acceptance.md). "
+                                "At most 1000: the "
                                 "window is kept per alert and label set.", low=1.0, high=1000.0),
     "clear_steps": Param(15.0, "Steps without the hold condition before an open alert resolves: a fault that "
-                         "comes back within them is the same incident (10 left re-pages on the tuning split).",
+                         "comes back within them is the same incident (with 10, faults re-paged in the acceptance "
+                         "runs, alerts/acceptance.md).",
                          low=1.0),
 }
 

@@ -69,8 +69,8 @@ pages on 162 healthy runs and 0 flaps; all 36 runs that collapsed paged before i
 steps, 0.80 of the steps to the collapse), every intermittent fault (a bad sampler on every second or
 third step) critical within 10 steps, every semantic fault critical, the reward-hack alert on the
 hacked environment only in the 10 runs where the hack took hold and never on a sound grader, and the
-process and Prometheus fired the same alerts with a step every 1 s, 10 s and 10 min. Seeds 9-11 were
-trained after the tuning rule was fixed and meet every bar on their own. Warnings are not pages: the
+process and Prometheus fired the same alerts with a step every 1 s, 10 s and 10 min. Seeds 9-11 alone
+meet every bar too. Warnings are not pages: the
 same healthy runs raised 372, mostly entropy collapse, drift and zero-variance groups of toy policies
 that sharpen fast.
 """

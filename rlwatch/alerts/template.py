@@ -128,6 +128,8 @@ K3_FRAGMENTS: dict[str, tuple[str, str]] = {
                        'printf "%.0f" }} steps{{ end }}', "; at this rate kl_k3_max in ~{:.0f} steps"),
 }
 K3_CONTEXT = "".join(template for template, _ in K3_FRAGMENTS.values())
+#: The baseline part only: for an alert that fires above kl_k3_max, where a forecast to it is moot.
+K3_BASELINE = K3_FRAGMENTS["baseline_ratio"][0]
 
 
 def render(template: str, labels: Mapping[str, str], value: float | None,

@@ -6,8 +6,9 @@ measured against where the run started. It persists across steps in :class:`Hist
 step windows keep only the last 130 steps).
 
 The forecast fits ln k3 = a + b t over the last :data:`TREND_STEPS` steps by least squares; when the
-slope is positive by ``evidence_z`` standard errors and the fitted level is below ``kl_k3_max``, the
-steps left are (ln kl_k3_max - fitted level now) / b, kept when at most :data:`FORECAST_MAX_STEPS`.
+slope is positive by ``evidence_z`` standard errors and the fitted level, the latest k3 and its
+5-step median are all below ``kl_k3_max`` (a bound already passed is never forecast), the steps
+left are (ln kl_k3_max - fitted level now) / b, kept when at most :data:`FORECAST_MAX_STEPS`.
 No trend (flat, falling, or not distinguishable from noise): no forecast.
 """
 
@@ -58,7 +59,8 @@ def smoothed(h: History) -> float | None:
 
 def forecast_steps(h: History, bound: float) -> float | None:
     """Steps until k3 reaches ``bound`` at its log-linear trend over the last :data:`TREND_STEPS`
-    steps; None without a significant upward trend, above the bound, or beyond FORECAST_MAX_STEPS."""
+    steps; None without a significant upward trend, with the fitted level, the latest k3 or its 5-step
+    median at or above the bound, or beyond FORECAST_MAX_STEPS."""
     points = [(t, math.log(v)) for t, values in h.steps[-TREND_STEPS:]
               if (v := values.get(K3, {}).get(())) is not None and v == v and v > 0]
     if len(points) < TREND_STEPS // 2:
@@ -75,6 +77,9 @@ def forecast_steps(h: History, bound: float) -> float | None:
     now = mean_y + slope * (points[-1][0] - mean_t)
     if slope <= 0 or slope - h.p("evidence_z") * stderr <= 0 or now >= math.log(bound):
         return None
+    latest, recent = h.latest(K3), smoothed(h)
+    if any(v is not None and v >= bound for v in (latest, recent)):
+        return None                                   # already passed: nothing left to forecast
     steps = (math.log(bound) - now) / slope
     return steps if steps <= FORECAST_MAX_STEPS else None
 

@@ -93,7 +93,7 @@ class LiveView:
     def firing_line(self, event: Any) -> str:
         """An open alert: name, severity, labels, latest value and the step it opened at."""
         labels = "".join(f" {k}={v}" for k, v in sorted(event.labels.items()))
-        value = "" if event.value is None else f" = {event.value:.4g}"
+        value = "" if event.value is None else f": {event.value_text}"
         opened = self.opened.get(self._key(event), event.step)
         return f"{event.name} ({event.severity}){labels}{value} since step {opened}"
 
@@ -115,7 +115,7 @@ class LiveView:
     def alert(self, event: Any) -> None:
         """One line per transition (the evaluator emits each transition once)."""
         labels = "".join(f" {k}={v}" for k, v in sorted(event.labels.items()))
-        value = "" if event.value is None else f" value {event.value:.4g}"
+        value = "" if event.value is None else f": {event.value_text}"
         line = f"step {event.step}: {event.state.upper()} {event.name} ({event.severity}){labels}{value}"
         if event.state == "firing":
             self.opened[self._key(event)] = event.step

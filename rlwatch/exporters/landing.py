@@ -65,7 +65,7 @@ def _alert_item(snapshot: Any, event: Any) -> str:
     left = held_steps_left(snapshot, event)
     head = (f'<a href="{_esc(event.runbook_url)}">{_esc(event.name)}</a> ({_esc(event.severity)})'
             f"{' ' + _esc(labels) if labels else ''}")
-    now = f"value {_esc(_number(event.value))} at step {_esc(event.step)}"
+    now = f"{_esc(getattr(event, 'value_text', None) or 'value ' + _number(event.value))} at step {_esc(event.step)}"
     if left is None:
         state = f"firing, {now}"
     else:

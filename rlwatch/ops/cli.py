@@ -231,7 +231,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     missing = [name for name in ("safetensors", "matplotlib") if importlib.util.find_spec(name) is None]
     if missing:       # checkpoints (safetensors) and the post-mortem's plots (matplotlib)
-        print(f"rlwatch demo: needs {' and '.join(missing)}: pip install 'rlwatch-llm[report]'", file=sys.stderr)
+        print(f"rlwatch demo: needs {' and '.join(missing)}: pip install {' '.join(missing)} (rlwatch's report extra)",
+              file=sys.stderr)
         return 1
     from ..demo.app import run_demo
     from ..runs.stack import StackError

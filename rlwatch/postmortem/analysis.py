@@ -13,6 +13,7 @@ from ..alerts.catalogue import with_role
 from ..analyses.diagnosis import Diagnosis, diagnose
 from .changes import Change, detect_change, scanned_series
 from .compare import Comparison
+from .gaps import MissingSteps
 from .sources import QUALITY_KEYS, RunData
 
 __all__ = ["CAUSE_SIGNALS", "COLLAPSE_FRACTION", "COLLAPSE_HOLD", "COLLAPSE_TAIL", "MISMATCH_ALERTS", "NO_CAUSE",
@@ -177,6 +178,7 @@ class Report:
     superseded_checkpoints: list[dict[str, Any]] = field(default_factory=list)
     correction_held: str | None = None            # see correction_held()
     concurrent_writers: list[list[dict[str, Any]]] = field(default_factory=list)      # see RunData
+    missing_steps: MissingSteps | None = None                                         # see RunData
 
     @property
     def explanation(self) -> str | None:
@@ -213,6 +215,7 @@ class Report:
             "run": self.run,
             "source": self.source,
             "steps": list(self.steps) if self.steps else None,
+            "missing_steps": self.missing_steps.as_json() if self.missing_steps else None,
             "quality_signal": self.quality_signal,
             "collapse_step": self.collapse_step,
             "peak": {"step": self.peak[0], "value": self.peak[1]} if self.peak else None,
@@ -405,6 +408,7 @@ def analyse(data: RunData) -> Report:
                   coverage=coverage(data, quality_key), cause=cause,
                   superseded_alerts=[a for a in data.superseded_alerts if a.get("state", "firing") == "firing"],
                   superseded_checkpoints=data.superseded_checkpoints, concurrent_writers=data.concurrent_writers,
+                  missing_steps=data.missing_steps,
                   correction_held=correction_held(data, alerts, collapse, quality_key))
 
 

@@ -93,12 +93,13 @@ def headline(report: Report) -> str:
 
 
 def _confidence(report: Report) -> str:
-    """The confidence of a diagnosed cause, with the tuning split's accuracy it stands for."""
+    """The confidence of a diagnosed cause, with the accuracy it stands for on the labelled evaluation."""
     if report.cause != report.diagnosis.cause:
         return ""
     accuracy = report.diagnosis.accuracy
     return f" ({report.diagnosis.confidence} confidence" + (
-        f": {accuracy:.0%} of alike verdicts right in the evaluation's tuning split)" if accuracy is not None else ")")
+        f": {accuracy:.0%} of alike verdicts right in the labelled evaluation runs, docs/diagnosis-evaluation.md)"
+        if accuracy is not None else ")")
 
 
 def cause_line(report: Report) -> str:
@@ -169,6 +170,8 @@ def text_report(report: Report) -> str:
     lines += concurrent_lines(report)
     if report.steps:
         lines.append(f"steps {report.steps[0]}..{report.steps[1]}")
+    if report.missing_steps:
+        lines.append(safe(report.missing_steps.text()))
     if report.peak:
         lines.append(f"peak {report.quality_signal} {_fmt(report.peak[1])} at step {report.peak[0]}")
     lines.append(cause_line(report))
@@ -269,6 +272,8 @@ def markdown(report: Report, images: list[Path], directory: Path) -> Path:
     point, coverage, the comparison with a good run and the plots (``images``). Returns its path."""
     lines = [f"# Post-mortem: {md(report.run)}", "", f"**{md(headline(report))}.**", "",
              f"Source: {md(report.source)}.", ""]
+    if report.missing_steps:
+        lines += [f"**{md(report.missing_steps.text().capitalize())}.**", ""]
     lines += _md_cause(report) + _md_changes(report) + _md_alerts(report) + _md_hacks(report) + _md_probe(report)
     if concurrent := concurrent_lines(report, bullet=""):
         lines += ["", "## Concurrent writers", "", md(concurrent[0]), ""] + [f"- {md(x)}" for x in concurrent[1:]]

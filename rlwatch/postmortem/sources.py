@@ -19,6 +19,7 @@ from typing import Any, Callable
 from ..core.values import Values
 from .attempts import Lineage, lineage
 from .downsample import MAX_POINTS, Buckets, bucket_width, downsample_scalars, row_stride
+from .gaps import MissingSteps, missing_steps
 
 # Framework scalars that measure the policy's real quality, best first.
 QUALITY_KEYS = ("heldout_true_reward", "eval/true_reward", "eval_reward", "eval/reward", "val/test_score",
@@ -43,6 +44,8 @@ class RunData:
     #: Groups of processes that wrote the run at the same time (store only; not attempts of each other),
     #: each a list of ``{id, pid, host, first_step, last_step, started, last_time}``, oldest first.
     concurrent_writers: list[list[dict[str, Any]]] = field(default_factory=list)
+    #: Steps the run observed that the store does not hold (store only; see :mod:`.gaps`).
+    missing_steps: MissingSteps | None = None
 
     def series(self, name: str, labels: tuple[str, ...] = ()) -> list[tuple[int, float]]:
         out = [(s, v) for s, values in self.steps if (v := values.get(name, {}).get(labels)) is not None]
@@ -197,6 +200,7 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str],
             f"{count} steps analysed in buckets of {width} steps (at most {MAX_POINTS} points per series: means, "
             "maxima for *_max signals" + (f", over every {stride}th step" if stride > 1 else "")
             + "); changes are dated to their bucket's first step")})
+    data.missing_steps = missing_steps(store._conn, run, set(kinds))
     if superseded:
         data.events.append({"time": None, "kind": "superseded", "detail": (
             f"{superseded} steps of attempts that a later attempt resumed before are left out of the timeline")})

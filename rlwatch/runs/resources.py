@@ -30,7 +30,7 @@ def root() -> Path:
         if _complete(base):
             return base
     raise FileNotFoundError(f"rlwatch's data files are missing (looked in {PACKAGED} and {SOURCE}): "
-                            f"reinstall the package (pip install --force-reinstall rlwatch-llm)")
+                            f"reinstall rlwatch-llm (pip install -e . in a clone, or its wheel)")
 
 
 def path(*parts: str) -> Path:

@@ -1,4 +1,5 @@
-"""The reference chapter's figures (sections 13.2, 13.3, 13.7), recomputed with this package's
+"""The figures of chapter 13 of the Agent RL tutorial ("Rollout Systems and Off-Policy Correction",
+agent-rl.tacetai.com; sections 13.2, 13.3, 13.7), recomputed with this package's
 duration model and simulator next to the printed ones: ``rlwatch whatif --chapter``.
 
 Every figure is recomputed on the chapter's pool (:func:`~rlwatch.whatif.model.chapter_durations`)

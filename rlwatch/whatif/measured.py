@@ -13,6 +13,7 @@ output directory) and ``run`` picks the run in a store of several.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,7 +111,7 @@ def _durations(data: RunData, env: str | None) -> tuple[list[float], list[float]
         rows = values.get(DURATION_SAMPLES, {})
         here = []
         for labels, seconds in rows.items():
-            if seconds is None or seconds < 0 or len(labels) < 2:
+            if seconds is None or not 0 <= seconds < math.inf or len(labels) < 2:
                 continue
             envs.add(str(labels[1]))
             if env is not None and labels[1] != env:

@@ -1,4 +1,4 @@
-"""The reference chapter's episode-duration model (section 13.2) and the figures it derives from a
+"""The episode-duration model of chapter 13 of the Agent RL tutorial (section 13.2) and the figures it derives from a
 pool of durations: the straggler ratio of a synchronous batch, the length bias of dropping
 failures under a constant hazard (section 13.7).
 

@@ -22,10 +22,22 @@ THROUGHPUT_TIE = 0.05
 DEFAULT_MAX_ETA = 2
 #: Steps simulated: the run's own count, kept within these.
 MIN_STEPS, MAX_STEPS = 20, 200
+#: The largest staleness bound a run's own design is simulated with (named from its measured lag).
+MAX_OWN_ETA = 64
+#: Episodes shorter than this on average (seconds) are a toy's: a language model's episode generates
+#: at least tens of tokens, which takes longer than 0.1 s on any engine.
+PLAUSIBLE_EPISODE_S = 0.1
+#: The most episodes one design may start in a simulation (about a second of simulation per 10^6 episodes
+#: on one core; every design is simulated): larger requests are refused, not allocated.
+MAX_EPISODES = 2_000_000
 
 
 class NoDurations(ValueError):
     """The run records no episode durations: nothing to simulate."""
+
+
+class TooLarge(ValueError):
+    """A simulation that would start more than :data:`MAX_EPISODES` episodes in one design."""
 
 
 @dataclass
@@ -37,6 +49,7 @@ class WhatIf:
     outcomes: list[Outcome]
     own: Design | None
     k3_bound: float
+    own_basis: str = ""                   # what names the run's own design (its bound, its measured lag)
     recommended: Outcome | None = None
     advice: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -46,15 +59,36 @@ class WhatIf:
         return self.measured.lag_cost.at(lag)
 
 
-def _own_design(m: Measured) -> Design | None:
-    """The run's own design, when its signals tell it: its staleness bound and whether any sequence
-    spanned versions (partial rollouts); a run whose lag never left 0 is synchronous."""
-    if m.staleness_bound is not None and m.staleness_bound >= 0:
-        eta = round(m.staleness_bound)
-        return SYNCHRONOUS if eta == 0 else asynchronous(eta, partial=bool(m.partial))
+def _own_design(m: Measured) -> tuple[Design | None, str]:
+    """The run's own design and what names it. The measured lag wins over the configured bound:
+    a run whose mean per-token lag exceeds its staleness bound (a bound not enforced) is named
+    ``async eta=ceil(mean lag)``, the design whose simulation gives that lag; a run whose lag never
+    left 0 is synchronous; partial rollouts when any sequence spanned versions."""
+    partial = bool(m.partial)
+    lag = "" if m.staleness_mean is None else f"measured lag mean {m.staleness_mean:.2f}" + (
+        f", max {m.staleness_max:g}" if m.staleness_max is not None else "")
+    bound = round(m.staleness_bound) if m.staleness_bound is not None and m.staleness_bound >= 0 else None
     if m.staleness_max == 0:
-        return SYNCHRONOUS
-    return None
+        return SYNCHRONOUS, "its " + (lag or "measured lag 0")
+    if m.staleness_mean is not None and (bound is None or m.staleness_mean > bound):
+        eta = math.ceil(m.staleness_mean)
+        held = f"; its staleness bound {bound} does not hold" if bound is not None else ""
+        if eta > MAX_OWN_ETA:
+            return None, f"{lag}, beyond any design simulated{held}"
+        return (SYNCHRONOUS if eta == 0 else asynchronous(eta, partial)), f"from its {lag}{held}"
+    if bound is not None:
+        return (SYNCHRONOUS if bound == 0 else asynchronous(bound, partial)), \
+            f"its staleness bound {bound}" + (f", {lag}" if lag else "")
+    return None, "no staleness bound and no measured lag"
+
+
+def _toy_note(m: Measured) -> list[str]:
+    """A note when the run's episodes are shorter than any language model's (a toy's durations)."""
+    mean = statistics.fmean(m.launched_durations)
+    if mean >= PLAUSIBLE_EPISODE_S:
+        return []
+    return [f"episodes last {mean * 1000:.3g} ms on average, below {PLAUSIBLE_EPISODE_S:g} s, shorter than any "
+            "language model's episode: these are a toy's durations, and the episodes/hour below are the toy's"]
 
 
 def _inputs(m: Measured, slots: int | None, batch_size: int | None, train_s: float | None,
@@ -89,17 +123,21 @@ def build(m: Measured, *, slots: int | None = None, batch_size: int | None = Non
     if not m.launched_durations:
         raise NoDurations(f"run {m.run!r} records no episode durations (episode_duration_sample_seconds): pass "
                           "durations to Watch.observe (docs/rollout-system.md); `rlwatch whatif --chapter` runs "
-                          "the simulation on the reference chapter's duration model")
+                          "the simulation on the duration model of chapter 13 of the Agent RL tutorial")
     pipeline, notes = _inputs(m, slots, batch_size, train_s, sync_s, steps)
     pool = torch.tensor(m.launched_durations, dtype=torch.float64)
-    own = _own_design(m)
+    own, basis = _own_design(m)
+    notes = _toy_note(m) + notes
     runs = list(designs) + ([own] if own is not None and own not in designs else [])
     needed = max(episodes_needed(pipeline, d) for d in runs)
+    if needed > MAX_EPISODES:
+        raise TooLarge(f"{pipeline.steps:,} steps of {pipeline.batch_size:,} episodes would simulate {needed:,} "
+                       f"episodes per design, more than {MAX_EPISODES:,}: lower --steps or --batch-size")
     drawn = pool[torch.randint(len(pool), (needed,), generator=torch.Generator().manual_seed(seed))].tolist()
     outcomes = [simulate(drawn, pipeline, d) for d in runs]
     bound = k3_bound if k3_bound is not None else m.k3_bound if m.k3_bound is not None else \
         PARAMS["kl_k3_max"].default
-    result = WhatIf(m, pipeline, outcomes, own, bound, notes=notes)
+    result = WhatIf(m, pipeline, outcomes, own, bound, own_basis=basis, notes=notes)
     _recommend(result)
     return result
 
@@ -194,7 +232,7 @@ def render(result: WhatIf) -> str:
              f"(mean {statistics.fmean(m.launched_durations):.3g} s, max {max(m.launched_durations):.3g} s)",
              f"simulated: {p.slots} slots, {p.batch_size} episodes per step, {p.train_s:.3g} s training, "
              f"{p.sync_s:.3g} s sync, {p.steps} steps; the run's own design: "
-             f"{result.own.name if result.own else 'unknown (no staleness_bound, lag above 0)'}"]
+             f"{result.own.name if result.own else 'unknown'} ({result.own_basis})"]
     lines += [f"note: {n}" for n in result.notes]
     head = (f"{'design':<24} | episodes/hour | slots busy | staleness mean, max | trained episode mean (s) | "
             f"k3 at mean lag")
@@ -228,6 +266,7 @@ def as_json(result: WhatIf) -> dict[str, Any]:
 
     p = result.pipeline
     return {"measured": describe(result.measured), "pipeline": p.__dict__, "notes": result.notes,
-            "own_design": result.own.name if result.own else None, "k3_bound": result.k3_bound,
+            "own_design": result.own.name if result.own else None, "own_design_basis": result.own_basis,
+            "k3_bound": result.k3_bound,
             "designs": [row(o) for o in result.outcomes],
             "recommended": result.recommended.design.name if result.recommended else None, "advice": result.advice}

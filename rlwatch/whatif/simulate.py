@@ -1,4 +1,5 @@
-"""A discrete-event simulation of a rollout pipeline (the reference chapter, section 13.3).
+"""A discrete-event simulation of a rollout pipeline (section 13.3 of chapter 13 of the Agent RL tutorial,
+"Rollout Systems and Off-Policy Correction", agent-rl.tacetai.com).
 
 ``slots`` generation slots run episodes concurrently; one trainer takes the ``batch_size`` oldest
 finished episodes whenever it is free and trains for ``train_s`` seconds; then the new weights are
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -42,8 +44,8 @@ class Pipeline:
     def __post_init__(self) -> None:
         if self.slots < 1 or self.batch_size < 1 or self.steps < 1:
             raise ValueError(f"slots, batch_size and steps must be positive: {self}")
-        if self.train_s < 0 or self.sync_s < 0:
-            raise ValueError(f"train_s and sync_s must be non-negative: {self}")
+        if not (0 <= self.train_s < math.inf and 0 <= self.sync_s < math.inf):
+            raise ValueError(f"train_s and sync_s must be finite and non-negative: {self}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ PARAMS: dict[str, Param] = {
 
 ZERO_VARIANCE_GROUPS_HIGH = Alert(
     name="RLWatchZeroVarianceGroupsHigh", severity="warning", for_steps=5,
+    value_format="{:.1%} of groups without reward variance",
     params=("zero_variance_max", "evidence_z", "hold_fraction", "clear_steps"),
     labels=("run", "kind"),
     summary="Many GRPO groups carry no gradient.",
@@ -42,6 +43,7 @@ ZERO_VARIANCE_GROUPS_HIGH = Alert(
 
 TRUNCATION_RATE_HIGH = Alert(
     name="RLWatchTruncationRateHigh", severity="warning", for_steps=5,
+    value_format="{:.1%} of responses truncated",
     params=("truncated_max", "evidence_z", "hold_fraction", "clear_steps"),
     summary="Many responses hit the length limit or a timeout.",
     description="Run {{ $labels.run }}: {{ $value | humanizePercentage }} of responses were truncated.",

@@ -29,6 +29,7 @@ def _entropy_collapse(h: History) -> Verdicts:
 
 ENTROPY_COLLAPSE = Alert(
     name="RLWatchEntropyCollapse", severity="warning", for_steps=3,
+    value_format="mean entropy {:.4g} nats",
     params=("entropy_collapse_ratio", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="Policy entropy collapsed.",
     description="Run {{ $labels.run }}: mean token entropy fell to {{ $value | printf \"%.4g\" }} nats.",
@@ -50,6 +51,7 @@ ENTROPY_COLLAPSE = Alert(
 NON_FINITE_LOG_PROBS = Alert(
     roles=("mismatch",),
     name="RLWatchNonFiniteLogProbs", severity="warning", for_steps=3,
+    value_format="{:.2%} of tokens with a non-finite log-prob",
     params=("nonfinite_ratio_max", "evidence_z", "hold_fraction", "clear_steps"),
     summary="Log-probs are NaN or infinite.",
     description=("Run {{ $labels.run }}: {{ $value | humanizePercentage }} of response tokens have a "

@@ -39,6 +39,7 @@ def _hack_rising(h: History) -> Verdicts:
 
 REWARD_HACK_RATE_RISING = Alert(
     name="RLWatchRewardHackRateRising", severity="critical", for_steps=1,
+    value_format="{:.1%} of judged episodes flagged",
     params=("hack_ratio_max", "hack_jump_factor", "hack_baseline_steps", "evidence_z", "hold_fraction",
             "clear_steps"),
     labels=("run", "env", "detector"),
@@ -70,6 +71,7 @@ REWARD_HACK_RATE_RISING = Alert(
 
 INFRA_FAILURE_RATE_HIGH = Alert(
     name="RLWatchInfraFailureRateHigh", severity="warning", for_steps=3,
+    value_format="{:.1%} of episodes failed",
     params=("failure_ratio_max", "evidence_z", "hold_fraction", "clear_steps"),
     labels=("run", "env", "kind"),
     summary="Episodes fail for infrastructure reasons.",

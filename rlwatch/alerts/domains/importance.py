@@ -24,6 +24,7 @@ def _ess_low(h: History) -> Verdicts:
 IS_TRUNCATION_HIGH = Alert(
     roles=("importance",),
     name="RLWatchISTruncationHigh", severity="warning", for_steps=3,
+    value_format="{:.1%} of tokens above the TIS cap",
     params=("tis_truncated_max", "evidence_z", "hold_fraction", "clear_steps"),
     summary="Many tokens have an importance weight above the TIS cap.",
     description=("Run {{ $labels.run }}: {{ $value | humanizePercentage }} of tokens have pi_old/mu above "
@@ -34,8 +35,8 @@ IS_TRUNCATION_HIGH = Alert(
                    lambda k: k),
     runbook=Runbook(
         meaning="A truncated-IS correction now caps many weights, so it leaves bias behind; read it next to "
-                "the raw mismatch, since a capped fraction alone misleads (in the reference, weights below "
-                "1, not the cap, did the work).",
+                "the raw mismatch, since a capped fraction alone misleads (in the Agent RL tutorial's chapter 13 "
+                "experiments, weights below 1, not the cap, did the work).",
         causes=["Growing staleness or a sampler change.", "A policy sharpening fast."],
         look=["rlwatch_is_tis_low_ratio and rlwatch_is_ess_ratio.", "rlwatch_mismatch_kl_k3."],
         do=["Reduce staleness; consider MIS (masking) if outliers dominate, or a lower learning rate."]),
@@ -49,6 +50,7 @@ IS_TRUNCATION_HIGH = Alert(
 ESS_LOW = Alert(
     roles=("importance",),
     name="RLWatchESSLow", severity="critical", for_steps=2, intermittent=True,
+    value_format="normalised ESS {:.4g} (1 = uniform weights)",
     params=("ess_min", "intermittent_hits", "intermittent_steps", "hold_fraction", "clear_steps"),
     summary="Importance-sampling effective sample size is low.",
     description=("Run {{ $labels.run }}: normalised ESS of the truncated weights is "
@@ -59,7 +61,7 @@ ESS_LOW = Alert(
     runbook=Runbook(
         meaning="A few tokens carry most of the importance weight: the corrected gradient rests on a "
                 "small part of the batch and its variance explodes (full IS at a large mismatch had 10x "
-                "the squared gradient as variance in the reference's one-step problem).",
+                "the squared gradient as variance in the one-step problem of the Agent RL tutorial's chapter 13).",
         causes=["A large sampler-learner mismatch (see the KL alert).", "Very stale data."],
         look=["rlwatch_mismatch_chi2_token (ESS ~ 1/(1+chi2) for raw weights).",
               "rlwatch_is_tis_high_ratio and rlwatch_is_tis_low_ratio."],

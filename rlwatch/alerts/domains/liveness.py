@@ -23,6 +23,7 @@ def stalled(h: History, now: float) -> list[tuple[LabelSet, float]]:
 
 TRAINER_STALLED = Alert(
     name="RLWatchTrainerStalled", severity="critical", for_minutes=0,
+    value_format="no step for {:.0f} s",
     prom_expr=("time() - rlwatch_last_step_timestamp_seconds > on(run, run_instance) group_left() "
                f"({threshold_expr('stall_seconds', PARAMS['stall_seconds'].default)})"),
     params=("stall_seconds",),
@@ -46,6 +47,7 @@ TRAINER_STALLED = Alert(
 
 EXPORTER_DOWN = Alert(
     name="RLWatchExporterDown", severity="critical", for_minutes=0, keep_firing_minutes=2,
+    value_format="up {:g}",
     prom_expr=('up{job=~"rlwatch.*"} == 0\n'
                'and on(job, instance) max_over_time(up{job=~"rlwatch.*"}[1m]) == 0\n'
                'and on(job, instance) max_over_time(up{job=~"rlwatch.*"}[1h]) == 1'),
@@ -74,6 +76,7 @@ EXPORTER_DOWN = Alert(
 
 HOOK_ERRORS = Alert(
     name="RLWatchHookErrors", severity="warning", for_minutes=9,
+    value_format="hook errors {:.3g}/s",
     prom_expr="sum by (run, run_instance, stage, kind) (rate(rlwatch_hook_errors_total[10m])) > 0",
     labels=("run", "stage", "kind"),
     summary="rlwatch is discarding bad input or failing to export.",
@@ -96,6 +99,7 @@ HOOK_ERRORS = Alert(
 
 WATCHDOG = Alert(
     name="RLWatchWatchdog", severity="none", for_minutes=0,
+    value_format="watchdog {:g} (always 1)",
     prom_expr="vector(1)",
     labels=(),
     summary="Always firing: proves the alerting pipeline works end to end.",

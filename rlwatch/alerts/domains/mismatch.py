@@ -7,7 +7,7 @@ import math
 from ..conditions import one
 from ..history import History, Verdicts
 from ..model import Alert, Param, Runbook, StepExample, const, with_step
-from ..template import K3_CONTEXT
+from ..template import K3_BASELINE, K3_CONTEXT
 from ..trend import k3_trend, run_baseline, smoothed
 
 
@@ -109,10 +109,11 @@ def _onpolicy(h: History) -> Verdicts:
 KL_SPIKE = Alert(
     roles=("kl",),
     name="RLWatchKLSpike", severity="critical", for_steps=2, intermittent=True,
+    value_format="k3 {:.4g} nats",
     params=("kl_k3_max", "intermittent_hits", "intermittent_steps", "hold_fraction", "clear_steps"),
     summary="Sampler-learner KL is above the absolute bound.",
-    description=("Run {{ $labels.run }}: k3 = KL(mu||pi_old) is {{ $value | printf \"%.4g\" }}, above the "
-                 "absolute bound on consecutive steps or on several of the last steps" + K3_CONTEXT + "."),
+    description=("Run {{ $labels.run }}: k3 = KL(mu||pi_old) is {{ $value | printf \"%.4g\" }} nats, above the "
+                 "absolute bound on consecutive steps or on several of the last steps" + K3_BASELINE + "."),
     windows="k3 above `kl_k3_max` for 2 consecutive steps, or on `intermittent_hits` of the last "
             "`intermittent_steps` steps (a fault on every second or third step), opens it; it holds while k3 "
             "stays above `hold_fraction` x the bound. A relative jump without that magnitude is RLWatchKLJump, "
@@ -148,9 +149,10 @@ KL_SPIKE = Alert(
 KL_JUMP = Alert(
     roles=("kl",),
     name="RLWatchKLJump", severity="warning", for_steps=2,
+    value_format="k3 {:.4g} nats",
     params=("kl_jump_factor", "kl_jump_floor", "baseline_steps", "evidence_z", "clear_steps"),
     summary="Sampler-learner KL jumped above its own baseline.",
-    description=("Run {{ $labels.run }}: k3 = {{ $value | printf \"%.4g\" }} is several times its trailing "
+    description=("Run {{ $labels.run }}: k3 = {{ $value | printf \"%.4g\" }} nats is several times its trailing "
                  "baseline and outside the baseline's step-to-step spread, but below the absolute bound"
                  + K3_CONTEXT + "."),
     windows="Baseline: the mean and standard deviation of k3 over the 30 steps ending 5 steps ago, at "
@@ -173,10 +175,11 @@ KL_JUMP = Alert(
 KL_DEPARTURE = Alert(
     roles=("mismatch",),
     name="RLWatchKLDeparture", severity="critical", for_steps=3,
+    value_format="k3 {:.2g} nats",
     params=("kl_departure_factor", "kl_departure_floor", "kl_k3_max", "baseline_steps", "hold_fraction",
             "clear_steps"),
     summary="Sampler-learner KL has left this run's own baseline.",
-    description=("Run {{ $labels.run }}: k3 {{ $value | printf \"%.2g\" }}" + K3_CONTEXT + "; it left this run's "
+    description=("Run {{ $labels.run }}: k3 {{ $value | printf \"%.2g\" }} nats" + K3_CONTEXT + "; it left this run's "
                  "baseline, the climb that comes before a collapse."),
     windows="Run baseline: the lowest 20-step median of k3 so far (from `baseline_steps` steps on; it never "
             "follows k3 up). Opens when the 5-step median of k3 exceeds the larger of `kl_departure_factor` x "
@@ -206,11 +209,12 @@ KL_DEPARTURE = Alert(
 MISMATCH_DRIFT = Alert(
     roles=("kl",),
     name="RLWatchMismatchDrift", severity="warning", for_steps=1,
+    value_format="drift score {:.4g} robust standard deviations (CUSUM)",
     params=("drift_score_max", "kl_drift_factor", "kl_departure_floor", "hold_fraction", "clear_steps"),
     labels=("run", "signal"),
     summary="Sampler-learner mismatch is drifting up.",
     description=("Run {{ $labels.run }}: {{ $labels.signal }} has drifted above its own baseline (drift score "
-                 "{{ $value | printf \"%.4g\" }})" + K3_CONTEXT + "."),
+                 "{{ $value | printf \"%.4g\" }} robust standard deviations, a CUSUM)" + K3_CONTEXT + "."),
     windows="The drift score rlwatch computes per step (a CUSUM of robust z-scores against a trailing "
             "baseline, no score before 15 steps) above `drift_score_max`, while the 5-step median of k3 is "
             "above the larger of `kl_drift_factor` x the run baseline (see RLWatchKLDeparture) and "
@@ -218,7 +222,8 @@ MISMATCH_DRIFT = Alert(
     condition=_mismatch_drift,
     runbook=Runbook(
         meaning="k3 or the 99th percentile of |log pi_old - log mu| has risen steadily relative to this "
-                "run's own history. In the reference experiment the mismatch told of the collapse long "
+                "run's own history. In the Agent RL tutorial's mismatched-sampler experiment (chapter 13, "
+                "agent-rl.tacetai.com) the mismatch told of the collapse long "
                 "before the reward did.",
         causes=["Staleness creeping up in an asynchronous pipeline.",
                 "The policy sharpening (entropy falling) so that each update moves it further.",
@@ -239,6 +244,7 @@ MISMATCH_DRIFT = Alert(
 ON_POLICY_RATIO_NOT_ONE = Alert(
     roles=("mismatch",),
     name="RLWatchOnPolicyRatioNotOne", severity="critical", for_steps=1,
+    value_format="mean log-ratio {:.4g} nats",
     params=("onpolicy_log_ratio_max", "onpolicy_steps", "evidence_z", "clear_steps"),
     summary="On-policy log-ratio is not 1 at the start of the run.",
     description=("Run {{ $labels.run }}: the mean signed log-ratio is {{ $value | printf \"%.4g\" }} nats "

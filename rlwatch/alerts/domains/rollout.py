@@ -9,7 +9,7 @@ from ..model import Alert, Param, Runbook, StepExample, const, with_step
 #: The thresholds only this domain's alerts read (the shared ones: rlwatch.alerts.params.COMMON).
 PARAMS: dict[str, Param] = {
     "length_bias_max": Param(0.07, "How much shorter the trained episodes may be than the launched ones, as 1 - "
-                             "the mean trained/launched duration ratio over 10 steps (chosen on the tuning split "
+                             "the mean trained/launched duration ratio over 10 steps (chosen on the tuning runs "
                              "of evaluation.rollout_bias, alerts/length-bias-acceptance.md).", high=1.0),
 }
 
@@ -33,6 +33,7 @@ def length_bias(h: History) -> Verdicts:
 
 ROLLOUT_LENGTH_BIAS = Alert(
     name="RLWatchRolloutLengthBias", severity="warning", for_steps=3,
+    value_format="trained/launched episode duration {:.3g}x",
     params=("length_bias_max", "hold_fraction", "clear_steps"),
     summary="The trained episodes are shorter than the launched ones.",
     description=("Run {{ $labels.run }}: trained episodes last {{ $value | printf \"%.3g\" }} x the mean "

@@ -25,6 +25,7 @@ def _lag_far(h: History) -> Verdicts:
 STALENESS_BOUND_EXCEEDED = Alert(
     roles=("lag",),
     name="RLWatchStalenessBoundExceeded", severity="warning", for_steps=3,
+    value_format="{:.1%} of tokens over the staleness bound",
     params=("staleness_over_bound_max", "evidence_z", "clear_steps"),
     summary="Tokens older than the staleness bound are being trained on.",
     description=("Run {{ $labels.run }}: {{ $value | humanizePercentage }} of tokens exceed the staleness "
@@ -52,6 +53,7 @@ STALENESS_BOUND_EXCEEDED = Alert(
 VERSION_LAG_FAR_ABOVE_BOUND = Alert(
     roles=("lag",),
     name="RLWatchVersionLagFarAboveBound", severity="critical", for_steps=2, intermittent=True,
+    value_format="oldest token {:g} versions stale",
     params=("lag_critical_factor", "intermittent_hits", "intermittent_steps", "clear_steps"),
     summary="Maximum version lag is far above the staleness bound.",
     description=("Run {{ $labels.run }}: the oldest token trained is {{ $value }} updates stale."),
@@ -60,8 +62,9 @@ VERSION_LAG_FAR_ABOVE_BOUND = Alert(
             "syncs); holds while it stays above the bound.",
     condition=_lag_far,
     runbook=Runbook(
-        meaning="Some data is many updates older than the pipeline allows. In the reference experiment "
-                "lag 8 without correction destroyed the skill while lag 2 was harmless.",
+        meaning="Some data is many updates older than the pipeline allows. In the staleness experiment "
+                "of chapter 13 of the Agent RL tutorial (agent-rl.tacetai.com) lag 8 without correction "
+                "destroyed the skill while lag 2 was harmless.",
         causes=["Weight sync not happening: the lag grows by one every step (trl#5312).",
                 "A stuck rollout worker whose episodes finish much later.",
                 "A replay buffer that keeps old episodes."],
