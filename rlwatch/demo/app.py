@@ -29,6 +29,8 @@ HEADLINE = [("heldout_true_reward", "held-out true reward", "{:.2f}"), ("mismatc
             ("entropy_mean", "entropy", "{:.3f}")]
 #: With --with-prometheus, each step waits this long so that the 1 s scrapes see every few steps.
 PROMETHEUS_PACE_S = 0.5
+#: Seconds the hack scenario waits, at most, for one step's reward-hack verdicts before the next step.
+DETECTOR_WAIT_S = 30.0
 #: After the run, how long the demo waits for Alertmanager to send every resolution: the shipped
 #: rules keep an alert firing 1 m after its condition clears (keep_firing_for), then Prometheus'
 #: resend delay and Alertmanager's group interval.
@@ -334,6 +336,11 @@ def _train(watch: Any, view: LiveView, config: Any, scenario: str, directory: Pa
     def on_step(info: Any) -> None:
         values = watch.observe(info.step, **info.fields,
                                **({"episodes": info.episodes} if scenario == "hack" else {}))
+        if watch.hacks is not None:
+            # The toy's steps take milliseconds, a real one's minutes: wait for this step's verdicts (the
+            # detectors run in their own process) so that they reach the next step, as in a real run,
+            # whatever the machine's load.
+            watch.hacks.flush(timeout=DETECTOR_WAIT_S)
         watch.log_scalars(info.step, info.metrics)
         shown = {k: v for k, v in info.metrics.items() if isinstance(v, (int, float))}
         for key, _, _ in HEADLINE:
