@@ -9,9 +9,11 @@ second pass.
 The sampler/trainer signals (k3, |dlogp|, ESS, TIS fractions) need the sampler's log-probs, which
 TRL has only from vLLM or a ``rollout_func``; without a GPU this example samples in a
 ``rollout_func`` (the policy itself generates and reports its log-probs, as vLLM would), from
-weights that are ``--stale-sampler`` updates old (0 = in sync: a tiny mismatch; try 4 for a
-sampler that misses weight syncs). ``--trl-generate`` uses TRL's own generation instead, and says
-which signals that leaves out.
+weights synced every ``--stale-sampler`` updates (0 = in sync: a tiny mismatch; try 4 for a
+sampler that misses weight syncs: its weights are 0-3 updates old). The ``rollout_func`` returns
+``policy_version``, the step whose weights sampled, so that rlwatch's version lag is the sampler's
+own staleness (plus TRL's reuse of a generation batch with ``--num-iterations`` above 1).
+``--trl-generate`` uses TRL's own generation instead, and says which signals that leaves out.
 
 Open http://127.0.0.1:9400/metrics while it trains (or ``rlwatch up`` first: each step is paced to
 ``--pace`` seconds, 0.5 by default, so that 5 s scrapes see it). The headline signals also appear
@@ -76,9 +78,11 @@ def reward_keyword(completions: list[str], environment: list[str], **kwargs) -> 
 
 
 def make_rollout_func(stale_steps: int):
-    """A TRL ``rollout_func`` that samples with the policy's weights of ``stale_steps`` optimizer steps
-    ago (0: the current ones) and returns each sampled token's log-prob under the sampling
-    distribution, as vLLM reports them: what rlwatch compares with TRL's recomputed log-probs."""
+    """A TRL ``rollout_func`` that samples with the policy's weights of up to ``stale_steps - 1``
+    optimizer steps ago (a weight sync every ``stale_steps`` steps; 0: the current weights) and returns
+    each sampled token's log-prob under the sampling distribution, as vLLM reports them (what rlwatch
+    compares with TRL's recomputed log-probs), and ``policy_version``: the step whose weights sampled
+    each completion (what rlwatch's version lag counts from)."""
     sampler: dict = {"model": None, "step": None}
 
     @torch.no_grad()
@@ -86,11 +90,11 @@ def make_rollout_func(stale_steps: int):
         policy = trainer.accelerator.unwrap_model(trainer.model)
         step = trainer.state.global_step
         if stale_steps == 0:
-            model = policy
+            model, version = policy, step
         else:
             if sampler["model"] is None or step - sampler["step"] >= stale_steps:
                 sampler["model"], sampler["step"] = copy.deepcopy(policy), step      # a weight sync
-            model = sampler["model"]
+            model, version = sampler["model"], sampler["step"]
         tokenizer, args = trainer.processing_class, trainer.args
         was_training = model.training
         model.eval()
@@ -107,7 +111,8 @@ def make_rollout_func(stale_steps: int):
             completion_ids.append(new)
             logprobs.append(logps)
         model.train(was_training)
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs,
+                rlwatch.integrations.trl.POLICY_VERSION_KEY: [version] * len(completion_ids)}
 
     return rollout
 
@@ -132,7 +137,7 @@ def main() -> None:
     parser.add_argument("--pace", type=float, default=0.5,
                         help="minimum seconds per step, so that scrapes see the run (default 0.5; 0: no pacing)")
     parser.add_argument("--stale-sampler", type=int, default=0,
-                        help="the rollout_func samples from weights this many steps old (default 0: in sync)")
+                        help="the rollout_func's sampler syncs its weights every this many steps (default 0: in sync)")
     parser.add_argument("--trl-generate", action="store_true",
                         help="TRL's own generation instead of the rollout_func (no sampler log-probs on CPU)")
     parser.add_argument("--port", type=int, default=9400,
@@ -167,12 +172,17 @@ def main() -> None:
               "k3, |dlogp| p99, ESS and the TIS fraction are not computed; lag, zero-variance groups, rewards and "
               "truncation are. Run without --trl-generate for all of them.")
     else:
-        print(f"rlwatch: sampling in a rollout_func from weights {opts.stale_sampler} step(s) old; "
-              f"{opts.steps} steps, at least {opts.pace:g} s each")
+        print("rlwatch: sampling in a rollout_func " + (
+              f"whose weights sync every {opts.stale_sampler} steps (0-{opts.stale_sampler - 1} updates old)"
+              if opts.stale_sampler > 1 else "with the current weights") + f"; {opts.steps} steps, at least "
+              f"{opts.pace:g} s each")
     trainer.train()
     last = next((h for h in reversed(trainer.state.log_history) if "rlwatch/version_lag_max" in h), {})
     print("rlwatch: headline signals of the last logged step (in TRL's logs under rlwatch/): "
           + ", ".join(f"{k[len('rlwatch/'):]}={v:.4g}" for k, v in last.items() if k.startswith("rlwatch/")))
+    lags = [h["rlwatch/version_lag_max"] for h in trainer.state.log_history if "rlwatch/version_lag_max" in h]
+    print("rlwatch: max version lag per step (updates between the sampler's weights and the update): "
+          + " ".join(f"{lag:.0f}" for lag in lags))
     rlwatch.integrations.trl.unwatch(trainer)      # restores the trainer and closes the Watch
 
 
