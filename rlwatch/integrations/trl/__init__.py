@@ -94,9 +94,9 @@ def _watch_new_trainer(module: Any) -> None:
         original(self, *args, **kwargs)
         try:
             from ...core.config import env_watch_options
-            from .callback import watch
+            from .callback import watch_zero_code
 
-            announce(watch(self, **env_watch_options()), "trl")
+            announce(watch_zero_code(self, **env_watch_options()), "trl")
         except Exception as exc:  # noqa: BLE001 - never stop the user's trainer from being built
             logger.warning("rlwatch: could not watch this GRPOTrainer: %s", exc)
 
