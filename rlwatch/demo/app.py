@@ -404,7 +404,7 @@ def next_steps(path: str | None = None) -> str:
         hint = (f"`rlwatch` is not on your PATH: first run `source {activate}`" if activate.exists()
                 else f"`rlwatch` is not on your PATH: first run `export PATH={scripts}:$PATH`") + "; then "
     return (f"Next: {hint}`rlwatch up` (a local Prometheus + Alertmanager that your runs register with), "
-            f"and in another shell `rlwatch run -- python train.py` (or rlwatch.Watch in your loop).")
+            f"and in another shell `rlwatch run -- python your_script.py` (a TRL, verl or OpenRLHF script; or rlwatch.Watch in your loop).")
 
 
 def _count(n: int, noun: str) -> str:

@@ -112,7 +112,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        print("rlwatch run: give the command after --, e.g. rlwatch run -- python train.py", file=sys.stderr)
+        print("rlwatch run: give the command after --, e.g. rlwatch run -- python your_script.py", file=sys.stderr)
         return 2
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
