@@ -30,7 +30,6 @@ stop training cleanly.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import tempfile
 import time
@@ -83,38 +82,53 @@ def make_rollout_func(stale_steps: int):
     each sampled token's log-prob under the sampling distribution, as vLLM reports them (what rlwatch
     compares with TRL's recomputed log-probs), and ``policy_version``: the step whose weights sampled
     each completion (what rlwatch's version lag counts from)."""
-    sampler: dict = {"model": None, "step": None}
+    sampler: dict = {"weights": None, "step": None}
 
     @torch.no_grad()
     def rollout(prompts: list[str], trainer: GRPOTrainer) -> dict[str, list]:
         policy = trainer.accelerator.unwrap_model(trainer.model)
         step = trainer.state.global_step
-        if stale_steps == 0:
-            model, version = policy, step
-        else:
-            if sampler["model"] is None or step - sampler["step"] >= stale_steps:
-                sampler["model"], sampler["step"] = copy.deepcopy(policy), step      # a weight sync
-            model, version = sampler["model"], sampler["step"]
-        tokenizer, args = trainer.processing_class, trainer.args
-        was_training = model.training
-        model.eval()
-        prompt_ids, completion_ids, logprobs = [], [], []
-        for prompt in prompts:                     # the prompts arrive repeated num_generations times
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            out = model.generate(torch.tensor([ids]), do_sample=True, max_new_tokens=args.max_completion_length,
-                                 temperature=args.temperature, top_p=1.0, top_k=0, output_scores=True,
-                                 return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
-            new = out.sequences[0, len(ids):].tolist()
-            logps = [torch.log_softmax(scores[0].float(), -1)[token].item() for scores, token in zip(out.scores, new)]
-            prompt_ids.append(ids)
-            completion_ids.append(new)
-            logprobs.append(logps)
-        model.train(was_training)
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs,
-                rlwatch.integrations.trl.POLICY_VERSION_KEY: [version] * len(completion_ids)}
+        current = None
+        if stale_steps > 0:
+            if sampler["weights"] is None or step - sampler["step"] >= stale_steps:       # a weight sync
+                sampler["weights"] = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+                sampler["step"] = step
+            # The policy module itself samples, with the old weights loaded for the call: the same code and
+            # precision as the trainer's forward (TRL trains under bf16 autocast by default, even on CPU). A
+            # deep copy of the module sampled apart from it even with equal weights (k3 0.002 at lag 0);
+            # this way k3 is round-off at lag 0 and measures the staleness alone.
+            current = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+            policy.load_state_dict(sampler["weights"])
+        try:
+            out = _sample(policy, prompts, trainer)
+        finally:
+            if current is not None:
+                policy.load_state_dict(current)
+        return {**out, rlwatch.integrations.trl.POLICY_VERSION_KEY: [sampler["step"] if current is not None else step]
+                * len(out["completion_ids"])}
 
     return rollout
+
+
+def _sample(model, prompts: list[str], trainer: GRPOTrainer) -> dict[str, list]:
+    """Sample one completion per prompt with ``model``; token ids and the sampling distribution's log-probs."""
+    tokenizer, args = trainer.processing_class, trainer.args
+    was_training = model.training
+    model.eval()
+    prompt_ids, completion_ids, logprobs = [], [], []
+    for prompt in prompts:                     # the prompts arrive repeated num_generations times
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        out = model.generate(torch.tensor([ids]), do_sample=True, max_new_tokens=args.max_completion_length,
+                             temperature=args.temperature, top_p=1.0, top_k=0, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        new = out.sequences[0, len(ids):].tolist()
+        logps = [torch.log_softmax(scores[0].float(), -1)[token].item() for scores, token in zip(out.scores, new)]
+        prompt_ids.append(ids)
+        completion_ids.append(new)
+        logprobs.append(logps)
+    model.train(was_training)
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
 
 class Pace(TrainerCallback):

@@ -109,5 +109,9 @@ def test_trl_example_with_a_stale_sampler_shows_the_samplers_lag(tmp_path):
     from rlwatch.runs.store import StoreReader
 
     with StoreReader(str(tmp_path / "run" / "out" / "rlwatch.db")) as store:
-        lags = [v for _, v in store.series(store.runs()[-1], "version_lag_max")]
+        run = store.runs()[-1]
+        lags = [v for _, v in store.series(run, "version_lag_max")]
+        k3 = [v for _, v in store.series(run, "mismatch_kl_k3")]
     assert lags == [0, 1, 2, 3, 0, 1, 2, 3], lags
+    # Just after a weight sync the sampler is the trainer (round-off); a stale sampler's k3 is above it.
+    assert max(k3[0], k3[4]) < 1e-9 and min(k3[1:4] + k3[5:]) > 1e-5, k3
