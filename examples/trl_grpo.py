@@ -9,9 +9,11 @@ second pass.
 The sampler/trainer signals (k3, |dlogp|, ESS, TIS fractions) need the sampler's log-probs, which
 TRL has only from vLLM or a ``rollout_func``; without a GPU this example samples in a
 ``rollout_func`` (the policy itself generates and reports its log-probs, as vLLM would), from
-weights that are ``--stale-sampler`` updates old (0 = in sync: a tiny mismatch; try 4 for a
-sampler that misses weight syncs). ``--trl-generate`` uses TRL's own generation instead, and says
-which signals that leaves out.
+weights synced every ``--stale-sampler`` updates (0 = in sync: a tiny mismatch; try 4 for a
+sampler that misses weight syncs: its weights are 0-3 updates old). The ``rollout_func`` returns
+``policy_version``, the step whose weights sampled, so that rlwatch's version lag is the sampler's
+own staleness (plus TRL's reuse of a generation batch with ``--num-iterations`` above 1).
+``--trl-generate`` uses TRL's own generation instead, and says which signals that leaves out.
 
 Open http://127.0.0.1:9400/metrics while it trains (or ``rlwatch up`` first: each step is paced to
 ``--pace`` seconds, 0.5 by default, so that 5 s scrapes see it). The headline signals also appear
@@ -28,7 +30,6 @@ stop training cleanly.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import tempfile
 import time
@@ -76,40 +77,58 @@ def reward_keyword(completions: list[str], environment: list[str], **kwargs) -> 
 
 
 def make_rollout_func(stale_steps: int):
-    """A TRL ``rollout_func`` that samples with the policy's weights of ``stale_steps`` optimizer steps
-    ago (0: the current ones) and returns each sampled token's log-prob under the sampling
-    distribution, as vLLM reports them: what rlwatch compares with TRL's recomputed log-probs."""
-    sampler: dict = {"model": None, "step": None}
+    """A TRL ``rollout_func`` that samples with the policy's weights of up to ``stale_steps - 1``
+    optimizer steps ago (a weight sync every ``stale_steps`` steps; 0: the current weights) and returns
+    each sampled token's log-prob under the sampling distribution, as vLLM reports them (what rlwatch
+    compares with TRL's recomputed log-probs), and ``policy_version``: the step whose weights sampled
+    each completion (what rlwatch's version lag counts from)."""
+    sampler: dict = {"weights": None, "step": None}
 
     @torch.no_grad()
     def rollout(prompts: list[str], trainer: GRPOTrainer) -> dict[str, list]:
         policy = trainer.accelerator.unwrap_model(trainer.model)
         step = trainer.state.global_step
-        if stale_steps == 0:
-            model = policy
-        else:
-            if sampler["model"] is None or step - sampler["step"] >= stale_steps:
-                sampler["model"], sampler["step"] = copy.deepcopy(policy), step      # a weight sync
-            model = sampler["model"]
-        tokenizer, args = trainer.processing_class, trainer.args
-        was_training = model.training
-        model.eval()
-        prompt_ids, completion_ids, logprobs = [], [], []
-        for prompt in prompts:                     # the prompts arrive repeated num_generations times
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            out = model.generate(torch.tensor([ids]), do_sample=True, max_new_tokens=args.max_completion_length,
-                                 temperature=args.temperature, top_p=1.0, top_k=0, output_scores=True,
-                                 return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
-            new = out.sequences[0, len(ids):].tolist()
-            logps = [torch.log_softmax(scores[0].float(), -1)[token].item() for scores, token in zip(out.scores, new)]
-            prompt_ids.append(ids)
-            completion_ids.append(new)
-            logprobs.append(logps)
-        model.train(was_training)
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+        current = None
+        if stale_steps > 0:
+            if sampler["weights"] is None or step - sampler["step"] >= stale_steps:       # a weight sync
+                sampler["weights"] = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+                sampler["step"] = step
+            # The policy module itself samples, with the old weights loaded for the call: the same code and
+            # precision as the trainer's forward (TRL trains under bf16 autocast by default, even on CPU). A
+            # deep copy of the module sampled apart from it even with equal weights (k3 0.002 at lag 0);
+            # this way k3 is round-off at lag 0 and measures the staleness alone.
+            current = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+            policy.load_state_dict(sampler["weights"])
+        try:
+            out = _sample(policy, prompts, trainer)
+        finally:
+            if current is not None:
+                policy.load_state_dict(current)
+        return {**out, rlwatch.integrations.trl.POLICY_VERSION_KEY: [sampler["step"] if current is not None else step]
+                * len(out["completion_ids"])}
 
     return rollout
+
+
+def _sample(model, prompts: list[str], trainer: GRPOTrainer) -> dict[str, list]:
+    """Sample one completion per prompt with ``model``; token ids and the sampling distribution's log-probs."""
+    tokenizer, args = trainer.processing_class, trainer.args
+    was_training = model.training
+    model.eval()
+    prompt_ids, completion_ids, logprobs = [], [], []
+    for prompt in prompts:                     # the prompts arrive repeated num_generations times
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        out = model.generate(torch.tensor([ids]), do_sample=True, max_new_tokens=args.max_completion_length,
+                             temperature=args.temperature, top_p=1.0, top_k=0, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        new = out.sequences[0, len(ids):].tolist()
+        logps = [torch.log_softmax(scores[0].float(), -1)[token].item() for scores, token in zip(out.scores, new)]
+        prompt_ids.append(ids)
+        completion_ids.append(new)
+        logprobs.append(logps)
+    model.train(was_training)
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
 
 class Pace(TrainerCallback):
@@ -132,7 +151,7 @@ def main() -> None:
     parser.add_argument("--pace", type=float, default=0.5,
                         help="minimum seconds per step, so that scrapes see the run (default 0.5; 0: no pacing)")
     parser.add_argument("--stale-sampler", type=int, default=0,
-                        help="the rollout_func samples from weights this many steps old (default 0: in sync)")
+                        help="the rollout_func's sampler syncs its weights every this many steps (default 0: in sync)")
     parser.add_argument("--trl-generate", action="store_true",
                         help="TRL's own generation instead of the rollout_func (no sampler log-probs on CPU)")
     parser.add_argument("--port", type=int, default=9400,
@@ -167,12 +186,17 @@ def main() -> None:
               "k3, |dlogp| p99, ESS and the TIS fraction are not computed; lag, zero-variance groups, rewards and "
               "truncation are. Run without --trl-generate for all of them.")
     else:
-        print(f"rlwatch: sampling in a rollout_func from weights {opts.stale_sampler} step(s) old; "
-              f"{opts.steps} steps, at least {opts.pace:g} s each")
+        print("rlwatch: sampling in a rollout_func " + (
+              f"whose weights sync every {opts.stale_sampler} steps (0-{opts.stale_sampler - 1} updates old)"
+              if opts.stale_sampler > 1 else "with the current weights") + f"; {opts.steps} steps, at least "
+              f"{opts.pace:g} s each")
     trainer.train()
     last = next((h for h in reversed(trainer.state.log_history) if "rlwatch/version_lag_max" in h), {})
     print("rlwatch: headline signals of the last logged step (in TRL's logs under rlwatch/): "
           + ", ".join(f"{k[len('rlwatch/'):]}={v:.4g}" for k, v in last.items() if k.startswith("rlwatch/")))
+    lags = [h["rlwatch/version_lag_max"] for h in trainer.state.log_history if "rlwatch/version_lag_max" in h]
+    print("rlwatch: max version lag per step (updates between the sampler's weights and the update): "
+          + " ".join(f"{lag:.0f}" for lag in lags))
     rlwatch.integrations.trl.unwatch(trainer)      # restores the trainer and closes the Watch
 
 

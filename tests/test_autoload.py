@@ -84,3 +84,34 @@ def test_zero_code_trl_run_gets_watched(tmp_path):
         run = store.runs()[0]
         assert run == "out" and store.meta(run)["framework"] == "trl"
         assert [r.step for r in store.steps(run)] == [1, 2]
+
+
+def test_the_scripts_own_watch_call_wins_under_rlwatch_run(tmp_path):
+    """A script that calls `watch(trainer, run=..., guard=...)` itself, under `rlwatch run`: its run name
+    and guard are used (not `rlwatch run`'s Watch, named after the output directory, without a guard),
+    and stderr says what replaced what."""
+    need_module("trl")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import rlwatch.integrations.trl as rt
+        from tests._trl_tiny import build_tiny_model, make_trainer
+        trainer = make_trainer(build_tiny_model({str(tmp_path)!r}), {str(tmp_path / "out")!r}, max_steps=1)
+        w = rt.watch(trainer, run="mine", guard=(rt.stop_on_critical,))
+        print(json.dumps(dict(run=w.run, guard=[g.__name__ for g in w.watch_config.guard])))
+        trainer.train()
+    """))
+    result = rlwatch_run(sys.executable, str(script), extra=("--port", "0"), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith('{"run": ')]
+    info = json.loads(line)
+    assert info == {"run": "mine", "guard": ["stop_on_critical"]}
+    assert "replaces the Watch that `rlwatch run` attached when the trainer was built: run 'out' -> 'mine'" \
+        in result.stderr
+    assert "rlwatch run: watched trl run 'mine'" in result.stderr
+    assert "watched trl run 'out'" not in result.stderr
+    from rlwatch.runs.store import StoreReader
+
+    with StoreReader(str(tmp_path / "out" / "rlwatch.db")) as store:
+        assert store.runs()[-1] == "mine" and [r.step for r in store.steps("mine")] == [1]

@@ -263,7 +263,7 @@ def test_the_demo_says_how_to_reach_the_rlwatch_command(tmp_path):
         pytest.skip("no rlwatch script beside this Python (not an installed environment)")
     elsewhere = next_steps(path=str(tmp_path))                          # a PATH without the environment
     assert "`rlwatch` is not on your PATH: first run `source" in elsewhere or f"export PATH={scripts}" in elsewhere
-    assert "`rlwatch up`" in elsewhere and "rlwatch run -- python train.py" in elsewhere
+    assert "`rlwatch up`" in elsewhere and "rlwatch run -- python your_script.py" in elsewhere
     assert "not on your PATH" not in next_steps(path=f"{tmp_path}{os.pathsep}{scripts}")
     readme = (ROOT / "README.md").read_text()
     assert "source .venv/bin/activate" in readme

@@ -94,3 +94,24 @@ def test_trl_example_in_sync_post_mortem_names_no_cause(tmp_path):
                 cwd=tmp_path)
     text = postmortem(tmp_path / "run" / "out")
     assert "cause: numeric_noise" not in text and "cause: no cause found" in text, text[:2000]
+
+
+@pytest.mark.slow
+def test_trl_example_with_a_stale_sampler_shows_the_samplers_lag(tmp_path):
+    """The rollout_func's sampler syncs its weights every 4 steps and says which weights sampled
+    (``policy_version``): the version lag is the sampler's own, 0 1 2 3 0 1 2 3, in TRL's logs and
+    in the store (TRL alone would show 0 at every step: each batch is used once)."""
+    need_module("trl")
+    result = run_example("trl_grpo.py", "--steps", "8", "--stale-sampler", "4", "--num-iterations", "1", "--pace",
+                         "0", "--port", "0", "--output-dir", str(tmp_path / "run"), cwd=tmp_path)
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("rlwatch: max version lag per step")]
+    assert line.split(": ")[-1] == "0 1 2 3 0 1 2 3", line
+    from rlwatch.runs.store import StoreReader
+
+    with StoreReader(str(tmp_path / "run" / "out" / "rlwatch.db")) as store:
+        run = store.runs()[-1]
+        lags = [v for _, v in store.series(run, "version_lag_max")]
+        k3 = [v for _, v in store.series(run, "mismatch_kl_k3")]
+    assert lags == [0, 1, 2, 3, 0, 1, 2, 3], lags
+    # Just after a weight sync the sampler is the trainer (round-off); a stale sampler's k3 is above it.
+    assert max(k3[0], k3[4]) < 1e-9 and min(k3[1:4] + k3[5:]) > 1e-5, k3

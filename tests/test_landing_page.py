@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 import rlwatch
 
@@ -128,3 +129,20 @@ def test_the_page_in_a_real_browser(tmp_path):
     assert image.size == (1100, 900)
     dark = sum(image.histogram()[:128])                          # text drawn: not a blank or an error page
     assert dark > 2000, dark
+
+
+def test_a_signal_at_zero_this_step_shows_the_window_its_firing_alert_reads():
+    """Truncated episodes in every step, then a step with none: the row's 0.0% is the latest step's,
+    and it says what the truncation alert, still firing, reads over its window."""
+    with rlwatch.Watch(run="trunc", port=0, store=None, alerts=True) as watch:
+        for step in range(9):
+            fields = make_step(seed=step, noise=0.0)
+            fields["truncated"] = torch.arange(16) < (8 if step < 8 else 0)
+            watch.observe(step, **fields)
+        assert "RLWatchTruncationRateHigh" in {e.name for e in watch.evaluator.firing()}
+        window = watch.state.snapshot().gauges["alert_value"][("RLWatchTruncationRateHigh", "", "", "", "")]
+        text = _text(_page(watch))
+    row = re.search(r"truncated episodes (.*?\))", text).group(1)
+    assert row == (f"0.0% at the latest step; {window:.1%} over the window of RLWatchTruncationRateHigh "
+                   "(firing)"), row
+    assert window > 0.3

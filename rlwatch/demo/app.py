@@ -29,6 +29,15 @@ HEADLINE = [("heldout_true_reward", "held-out true reward", "{:.2f}"), ("mismatc
             ("entropy_mean", "entropy", "{:.3f}")]
 #: With --with-prometheus, each step waits this long so that the 1 s scrapes see every few steps.
 PROMETHEUS_PACE_S = 0.5
+#: The demo's own thresholds on top of WATCH_CONFIG (which the toy acceptance matrix also replays).
+#: Each prompt has one right answer, so a policy that learns it becomes nearly deterministic: the mean
+#: token entropy of every scenario, healthy first, falls below the shipped 20% of its maximum (measured
+#: with seeds 0-3: healthy to 1.6-2.6% of it; at seed 0 the lowest of the nine scenarios, hack, to 1.3%).
+#: No scenario's fault is an entropy collapse, so the demo sets the ratio below all of them; a run of
+#: yours keeps the shipped 0.2.
+DEMO_ALERT_OVERRIDES = {"entropy_collapse_ratio": 0.005}
+#: Seconds the hack scenario waits, at most, for one step's reward-hack verdicts before the next step.
+DETECTOR_WAIT_S = 30.0
 #: After the run, how long the demo waits for Alertmanager to send every resolution: the shipped
 #: rules keep an alert firing 1 m after its condition clears (keep_firing_for), then Prometheus'
 #: resend delay and Alertmanager's group interval.
@@ -284,7 +293,7 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
         print(f"Prometheus {urls['prometheus']}  Alertmanager {urls['alertmanager']}", flush=True)
     watch = Watch(run=run, port=port, port_fallback=True, store=str(directory / "run.db"), framework="rlwatch-demo",
                   metadata={"scenario": scenario, "correction": config.correction, "scenario_config": config.__dict__},
-                  sd_dir=str(stack[0].sd_dir) if stack is not None else None, **WATCH_CONFIG)
+                  sd_dir=str(stack[0].sd_dir) if stack is not None else None, **demo_watch_config(WATCH_CONFIG))
     view = None
     quiet = _NoAlertLog()
     logging.getLogger("rlwatch").addFilter(quiet)
@@ -315,6 +324,11 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
     return document
 
 
+def demo_watch_config(config: dict) -> dict:
+    """``config`` (WATCH_CONFIG) with :data:`DEMO_ALERT_OVERRIDES` added to its alert overrides."""
+    return {**config, "alert_overrides": {**config.get("alert_overrides", {}), **DEMO_ALERT_OVERRIDES}}
+
+
 def _what_the_stack_did(stack: tuple, prometheus_url: str, watch: Any, run: str) -> tuple[list[str], dict]:
     """After the run: what Prometheus fired, then (the run's exporter closed, so its alerts resolve)
     every notification Alertmanager sent, resolutions included."""
@@ -334,6 +348,11 @@ def _train(watch: Any, view: LiveView, config: Any, scenario: str, directory: Pa
     def on_step(info: Any) -> None:
         values = watch.observe(info.step, **info.fields,
                                **({"episodes": info.episodes} if scenario == "hack" else {}))
+        if watch.hacks is not None:
+            # The toy's steps take milliseconds, a real one's minutes: wait for this step's verdicts (the
+            # detectors run in their own process) so that they reach the next step, as in a real run,
+            # whatever the machine's load.
+            watch.hacks.flush(timeout=DETECTOR_WAIT_S)
         watch.log_scalars(info.step, info.metrics)
         shown = {k: v for k, v in info.metrics.items() if isinstance(v, (int, float))}
         for key, _, _ in HEADLINE:
@@ -397,7 +416,8 @@ def next_steps(path: str | None = None) -> str:
         hint = (f"`rlwatch` is not on your PATH: first run `source {activate}`" if activate.exists()
                 else f"`rlwatch` is not on your PATH: first run `export PATH={scripts}:$PATH`") + "; then "
     return (f"Next: {hint}`rlwatch up` (a local Prometheus + Alertmanager that your runs register with), "
-            f"and in another shell `rlwatch run -- python train.py` (or rlwatch.Watch in your loop).")
+            f"and in another shell `rlwatch run -- python your_script.py` (a TRL, verl or OpenRLHF script; or "
+            f"rlwatch.Watch in your loop).")
 
 
 def _count(n: int, noun: str) -> str:

@@ -33,6 +33,16 @@ HEADLINE: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("truncated_ratio", (), "truncated episodes", "{:.1%}"),
 )
 
+#: Headline signals an alert reads pooled over a window of steps, with that alert: a row shows the
+#: latest step's value, and next to an alert firing on it the alert's own window value (a step with no
+#: truncated episode does not read "0.0%" alone beside an alert on the last steps' truncation).
+WINDOWED_ALERTS: dict[str, str] = {
+    "is_tis_high_ratio": "RLWatchISTruncationHigh",
+    "version_lag_over_bound_ratio": "RLWatchStalenessBoundExceeded",
+    "zero_variance_groups_ratio": "RLWatchZeroVarianceGroupsHigh",
+    "truncated_ratio": "RLWatchTruncationRateHigh",
+}
+
 #: The label names of the per-alert families (alert_quiet_steps, alert_value), in their order.
 _ALERT_LABELS = next(spec.labels for spec in CATALOGUE if spec.name == "alert_quiet_steps")
 
@@ -52,12 +62,30 @@ def held_steps_left(snapshot: Any, event: Any) -> int | None:
     (``clear_steps`` of the run's thresholds minus the quiet steps exported for it); None while its
     condition still holds, or when the snapshot has no window for it."""
     gauges = snapshot.gauges if snapshot is not None else {}
-    key = (event.name, *[str(event.labels.get(label, "")) for label in _ALERT_LABELS[1:]])
+    key = _alert_key(event)
     quiet = (gauges.get("alert_quiet_steps") or {}).get(key)
     clear = (gauges.get("alert_threshold") or {}).get(("clear_steps",))
     if quiet is None or clear is None or quiet <= 0:
         return None
     return max(0, int(math.ceil(clear - quiet)))
+
+
+def _alert_key(event: Any) -> tuple[str, ...]:
+    return (event.name, *[str(event.labels.get(label, "")) for label in _ALERT_LABELS[1:]])
+
+
+def _headline_value(snapshot: Any, firing: list | None, name: str, labels: tuple[str, ...], fmt: str) -> str:
+    """The latest step's value; with an alert firing on the signal, also that alert's window value."""
+    gauges = snapshot.gauges
+    text = _number((gauges.get(name) or {}).get(labels), fmt)
+    alert = WINDOWED_ALERTS.get(name)
+    for event in firing or []:
+        if event.name != alert or (labels and str(event.labels.get("kind", "")) != labels[0]):
+            continue
+        window = (gauges.get("alert_value") or {}).get(_alert_key(event), event.value)
+        state = "holding until clear" if held_steps_left(snapshot, event) is not None else "firing"
+        text += f" at the latest step; {_number(window, fmt)} over the window of {event.name} ({state})"
+    return text
 
 
 def _alert_item(snapshot: Any, event: Any) -> str:
@@ -91,10 +119,11 @@ def index_html(snapshot: Any, firing: list | None, refresh_seconds: int = REFRES
              f"<p>Run <strong>{_esc(run) if run is not None else '-'}</strong>: "
              + (f"step {_esc(step)}{_esc(when)}" if step is not None else "no step observed yet")
              + f". This page refreshes every {refresh_seconds} s.</p>"]
-    rows = [(title, _number((gauges.get(name) or {}).get(labels), fmt)) for name, labels, title, fmt in HEADLINE
+    rows = [(title, _headline_value(snapshot, firing, name, labels, fmt)) for name, labels, title, fmt in HEADLINE
             if (gauges.get(name) or {}).get(labels) is not None]
     lines.append("<h2>Headline signals</h2>")
     if rows:
+        lines.append("<p>The latest step's values.</p>")
         lines.append('<table class="signals">' + "".join(f"<tr><th>{_esc(title)}</th><td>{_esc(value)}</td></tr>"
                                                          for title, value in rows) + "</table>")
     else:

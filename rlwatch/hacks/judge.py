@@ -45,8 +45,9 @@ def sampled(detector: Detector, ep: Episode) -> bool:
 
 @dataclass
 class BatchResult:
-    """What the detectors found in one step's episodes."""
+    """What the detectors found in one step's episodes (``step``: the step they came from)."""
 
+    step: int | None = None
     judged: dict[tuple[str, str], float] = field(default_factory=dict)
     hacked: dict[tuple[str, str], float] = field(default_factory=dict)
     errors: list[tuple[str, str]] = field(default_factory=list)       # (kind, message)
@@ -57,7 +58,7 @@ def judge_batch(detectors: list[Detector], step: int, raw: list[Any], env: list[
                 max_examples: int = 20, cooperative: bool = False) -> BatchResult:
     """Run every applicable detector on one step's episodes. ``cooperative`` yields the GIL after
     each call (the thread worker shares it with the training loop)."""
-    result = BatchResult()
+    result = BatchResult(step=step)
     try:
         batch = [Episode.coerce(ep, step=step, index=i, env=env[i] if env and i < len(env) else None)
                  for i, ep in enumerate(raw)]

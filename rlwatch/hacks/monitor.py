@@ -13,9 +13,12 @@ work instead. A detector that hangs holds up its worker; the queue then fills an
 are dropped and counted, the trainer never waits, and ``close()`` waits a bounded time (the
 queued batches up to its ``timeout``, then a few seconds for the worker; a child still running is
 killed).
-``collect()`` hands the verdicts finished since the last call to the Watch, which exports them
-with the next step: ``episodes_judged_total`` / ``episodes_hacked_total`` per environment and
-detector (the step pipeline derives ``env_hack_ratio`` from them, ``rlwatch.core.values.derive_hack_ratios``).
+``collect_by_step()`` hands the verdicts finished since the last call to the Watch, keyed by the step
+their episodes came from (never by the step that collects them, so that a detector slowed by the
+machine's load changes when a verdict arrives, not which step it counts for): ``episodes_judged_total``
+/ ``episodes_hacked_total`` per environment and detector. The Watch adds them to the next step's
+counters (Prometheus sees totals) and stores them under their own step (the run store's
+``hack_counts``), from which the post-mortem derives ``env_hack_ratio`` step by step.
 A few flagged episodes are kept (text truncated) for the post-mortem.
 
 The batch-level reward/length detector is a per-environment signal computed with the other
@@ -54,6 +57,17 @@ def _importable(functions: Iterable[Any]) -> bool:
     return True
 
 
+def sum_counts(parts: Iterable[Values]) -> Values | None:
+    """Counter increments ({family: {labels: n}}) added family by family (None when there are none)."""
+    out: Values = {}
+    for part in parts:
+        for family, counts in part.items():
+            into = out.setdefault(family, {})
+            for key, n in counts.items():
+                into[key] = into.get(key, 0.0) + n
+    return out or None
+
+
 class HackMonitor:
     """Background hack detection for one run (in a child process when it can, else a thread)."""
 
@@ -67,8 +81,8 @@ class HackMonitor:
         self.examples: list[Example] = []
         self.max_examples = max_examples
         self._lock = threading.Lock()
-        self._judged: dict[tuple[str, str], float] = {}
-        self._hacked: dict[tuple[str, str], float] = {}
+        self._judged: dict[int | None, dict[tuple[str, str], float]] = {}    # by source step
+        self._hacked: dict[int | None, dict[tuple[str, str], float]] = {}
         self._submitted = self._done = 0
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         checkers = dict(_CHECKERS)
@@ -158,28 +172,34 @@ class HackMonitor:
         for kind, message in result.errors:
             self.errors.report("hacks" if kind != "episodes" else "validate", kind, message, raise_in_strict=False)
         with self._lock:
-            for key, n in result.judged.items():
-                self._judged[key] = self._judged.get(key, 0.0) + n
-            for key, n in result.hacked.items():
-                self._hacked[key] = self._hacked.get(key, 0.0) + n
+            for mine, theirs in ((self._judged, result.judged), (self._hacked, result.hacked)):
+                counts = mine.setdefault(result.step, {})
+                for key, n in theirs.items():
+                    counts[key] = counts.get(key, 0.0) + n
             room = self.max_examples - len(self.examples)
             self.examples.extend(result.examples[:max(0, room)])
             self._done += 1
 
-    def collect(self) -> Values | None:
-        """Counts of the verdicts finished since the last call, as step values (None when there are none):
-        counter increments, which the step pipeline adds to the step's own (StepValues.merge)."""
+    def collect_by_step(self) -> dict[int | None, Values]:
+        """The verdicts finished since the last call, as counter increments keyed by the step their
+        episodes came from: {source step: {"episodes_judged_total": {(env, detector): n},
+        "episodes_hacked_total": {...}}} (empty when there are none)."""
         with self._lock:
             judged, hacked = self._judged, self._hacked
             self._judged, self._hacked = {}, {}
-        if not judged:
-            return None
-        judged = _clean_keys(judged)
-        hacked = _clean_keys(hacked)
-        return {
-            "episodes_judged_total": {(env, det): n for (env, det), n in judged.items()},
-            "episodes_hacked_total": {(env, det): hacked.get((env, det), 0.0) for env, det in judged},
-        }
+        out: dict[int | None, Values] = {}
+        for step, counts in judged.items():
+            if not counts:
+                continue
+            clean_judged, clean_hacked = _clean_keys(counts), _clean_keys(hacked.get(step, {}))
+            out[step] = {"episodes_judged_total": clean_judged,
+                         "episodes_hacked_total": {key: clean_hacked.get(key, 0.0) for key in clean_judged}}
+        return out
+
+    def collect(self) -> Values | None:
+        """The verdicts finished since the last call, all source steps summed, as step values (None
+        when there are none): counter increments, which the step pipeline adds to the step's own."""
+        return sum_counts(self.collect_by_step().values())
 
     def take_examples(self) -> list[Example]:
         """The flagged episodes kept since the last call (detector and env names label-safe)."""

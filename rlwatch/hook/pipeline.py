@@ -127,6 +127,7 @@ class StepPipeline:
         self.hacks: Any = None                # the HackMonitor, started with the first episodes
         self.hack_detectors = hack_detectors
         self._last_time: float | None = None
+        self._hack_counts: list[tuple[int, dict]] = []    # (source step, counter increments) for the store
 
     def run(self, step: int, fields: StepFields, on_training_thread: bool) -> tuple[StepRecord, StepValues] | None:
         """Every stage for one observed step; (record, values), or None when the step was unusable."""
@@ -153,9 +154,11 @@ class StepPipeline:
         return None if computed is None else StepValues.of(computed)
 
     def derive(self, step: int, values: StepValues, timing: StepTiming) -> None:
+        # The detectors' counts add to the step's own (its ``hacked`` flags), then one ratio over both; the
+        # store also keeps both under the step the episodes came from (_store_hack_counts).
+        self._hack_counts = [(step, {family: dict(values.get(family) or {}) for family in HACK_COUNTERS})]
         if self.hacks is not None:
-            # The detectors' counts add to the step's own (its ``hacked`` flags), then one ratio over both.
-            guard(self.errors, "hacks", None, lambda: values.merge(self.hacks.collect()))
+            guard(self.errors, "hacks", None, lambda: self._merge_verdicts(values))
         derive_hack_ratios(values)
         values.set("hook_compute_seconds", timing.compute)
         values.set("hook_compute_seconds_total", timing.compute)
@@ -166,6 +169,13 @@ class StepPipeline:
         report_value_errors(self.errors, values, self.signals.group_size)
         for phase, listener in self.listeners.phased():
             self._listen(phase, listener, step, values)
+
+    def _merge_verdicts(self, values: StepValues) -> None:
+        from ..hacks.monitor import sum_counts
+
+        by_step = self.hacks.collect_by_step()
+        values.merge(sum_counts(by_step.values()))
+        self._hack_counts.extend(sorted((source, counts) for source, counts in by_step.items() if source is not None))
 
     def evaluate(self, step: int, values: StepValues) -> None:
         if self.evaluator is not None:
@@ -180,8 +190,17 @@ class StepPipeline:
         guard(self.errors, "export", None, lambda: self.state.apply(values))
         if self.store is not None:
             guard(self.errors, "store", None, lambda: self.store.submit_step(self.run_name, step, values, timing.now))
+        if self.store is not None:
+            guard(self.errors, "store", None, self._store_hack_counts)
         if self.hacks is not None:
             guard(self.errors, "hacks", None, self._store_hack_examples)
+
+    def _store_hack_counts(self) -> None:
+        for source, counts in self._hack_counts:
+            judged = counts.get("episodes_judged_total") or {}
+            if judged:
+                self.store.submit_hack_counts(self.run_name, source, judged, counts.get("episodes_hacked_total") or {})
+        self._hack_counts = []
 
     def _store_hack_examples(self) -> None:
         examples = self.hacks.take_examples()
@@ -203,6 +222,17 @@ class StepPipeline:
             guard(self.errors, stage, "close", listener.close)
         if self.hacks is not None:
             guard(self.errors, "hacks", "close", self.hacks.close)
+            if self.store is not None:      # the verdicts that came after the last step, under their own steps
+                guard(self.errors, "store", None, self._store_late_verdicts)
+
+    def _store_late_verdicts(self) -> None:
+        self._hack_counts = sorted((s, c) for s, c in self.hacks.collect_by_step().items() if s is not None)
+        self._store_hack_counts()
+        self._store_hack_examples()
+
+
+#: The counters of judged and flagged episodes, per (env, detector).
+HACK_COUNTERS = ("episodes_judged_total", "episodes_hacked_total")
 
 
 def report_value_errors(errors: HookErrors, values: StepValues, group_size: int | None) -> None:

@@ -112,7 +112,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        print("rlwatch run: give the command after --, e.g. rlwatch run -- python train.py", file=sys.stderr)
+        print("rlwatch run: give the command after --, e.g. rlwatch run -- python your_script.py", file=sys.stderr)
         return 2
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
@@ -167,7 +167,12 @@ def _read_report(path: str) -> list[dict]:
 
 def _run_summary(events: list[dict], frameworks: str) -> str:
     """What ``rlwatch run`` says after the command: the runs it watched, or why nothing was watched."""
-    watched = [e for e in events if e.get("event") == "watching" and e.get("active", True)]
+    watched: list[dict] = []
+    for e in events:          # a Watch the script's own watch() replaced is not listed
+        if e.get("event") == "replaced":
+            watched = [w for w in watched if (w.get("pid"), w.get("run")) != (e.get("pid"), e.get("run"))]
+        elif e.get("event") == "watching" and e.get("active", True):
+            watched.append(e)
     announced = {(e.get("pid"), e.get("run")) for e in watched}
     own = [e for e in events if e.get("event") == "created" and (e.get("pid"), e.get("run")) not in announced]
     if watched or own:

@@ -197,7 +197,9 @@ class Report:
         """Why the cause was named (or none was): the diagnosis' evidence, the hack rates."""
         if self.cause == self.diagnosis.cause:
             return list(self.diagnosis.evidence)
-        lines = [f"hack rate of {h['env']} / {h['detector']} rose from {h['early_rate']:.1%} to {h['late_rate']:.1%}"
+        lines = [f"hack rate of {h['env']} / {h['detector']} " + (
+                 f"rose from {h['early_rate']:.1%} to {h['late_rate']:.1%}" if h["late_rate"] > 2 * h["early_rate"]
+                 else f"high from the first steps: {h['early_rate']:.1%}, then {h['late_rate']:.1%}")
                  + (f" from step {h['step']}" if h.get("step") is not None else "")
                  for h in self.hacks] if self.cause == "reward_hacking" else []
         return lines + [f"sampler-learner mismatch: {e}" for e in self.diagnosis.evidence]
@@ -390,8 +392,8 @@ def analyse(data: RunData) -> Report:
     window_end = collapse if collapse is not None else (steps[1] if steps else 0)
     window = [values for step, values in data.steps if step <= window_end] or [values for _, values in data.steps]
     diagnosis = diagnose(window)
-    hacks = summarize_hacks(data, changes)
     alerts = [a for a in data.alerts if a.get("state", "firing") == "firing"]
+    hacks = summarize_hacks(data, changes, alerts)
     # A cause is named where the run degraded or an alert on the mismatch fired; otherwise the
     # diagnosis only explains a mismatch that stayed below alert levels (Report.explanation).
     suffered = collapse is not None or any(a.get("name") in MISMATCH_ALERTS for a in alerts)
@@ -412,10 +414,19 @@ def analyse(data: RunData) -> Report:
                   correction_held=correction_held(data, alerts, collapse, quality_key))
 
 
-def summarize_hacks(data: RunData, changes: list[Change] = ()) -> list[dict[str, Any]]:
-    """Environments and detectors whose hack rate rose, with a few example episodes. The rates are
-    the change test's levels before and after the change where it dated one (the first-movers table
-    shows the same numbers), else the first and last quarters' means."""
+def summarize_hacks(data: RunData, changes: list[Change] = (), alerts: list[dict[str, Any]] = ()
+                    ) -> list[dict[str, Any]]:
+    """Environments and detectors with a reward hack, with a few example episodes: a hack rate that
+    rose (the last quarter's mean above twice the first quarter's and 5%), one already high (the last
+    quarter's mean at least the hack alert's ``hack_ratio_max``: a hack present from the first steps
+    does not rise), or one whose hack alert fired. The rates are the change test's levels before and
+    after the change where it dated a rise (the first-movers table shows the same numbers), else the
+    first and last quarters' means."""
+    from ..alerts.domains.hacks import PARAMS, REWARD_HACK_RATE_RISING
+
+    high = PARAMS["hack_ratio_max"].default
+    paged = {(str(a.get("labels", {}).get("env")), str(a.get("labels", {}).get("detector"))) for a in alerts
+             if a.get("name") == REWARD_HACK_RATE_RISING.name and isinstance(a.get("labels"), dict)}
     out = []
     dated = {c.labels: c for c in changes if c.signal == "env_hack_ratio"}
     for labels in sorted(data.label_sets("env_hack_ratio")):
@@ -425,7 +436,7 @@ def summarize_hacks(data: RunData, changes: list[Change] = ()) -> list[dict[str,
         quarter = max(1, len(series) // 4)
         early = statistics.mean(v for _, v in series[:quarter])
         late = statistics.mean(v for _, v in series[-quarter:])
-        if late > max(0.05, 2 * early):
+        if late > max(0.05, 2 * early) or late >= high or tuple(labels) in paged:
             change = dated.get(labels)
             if change is None or change.after <= change.before:
                 change = None

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from ..core.values import Values
 from .attempts import Lineage, lineage
+from .verdicts import apply_hack_counts, read_hack_counts
 from .downsample import MAX_POINTS, Buckets, bucket_width, downsample_scalars, row_stride
 from .gaps import MissingSteps, missing_steps
 
@@ -64,7 +65,7 @@ class PostmortemInputError(ValueError):
 
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
-STORE_TABLES = ("runs", "steps", "scalars", "alerts", "checkpoints", "events", "hack_examples")
+STORE_TABLES = ("runs", "steps", "scalars", "alerts", "checkpoints", "events", "hack_examples", "hack_counts")
 #: A read that takes longer than this is stopped (a crafted store could make a query run forever).
 READ_DEADLINE_S = 60.0
 PROGRESS_EVERY = 10_000    # SQLite VM instructions between deadline checks
@@ -216,6 +217,8 @@ def _read_store(store: Any, path: Path, run: str | None, kinds: dict[str, str],
             data.events.append(dict(time=_number(row["time"]), kind=str(row["kind"]), detail=str(row["detail"])))
     if "hack_examples" in kinds:
         data.hack_examples = _read_hack_examples(store, run, note)
+    if "hack_counts" in kinds and width == 1:      # the verdicts under the steps their episodes came from
+        apply_hack_counts(data.steps, read_hack_counts(store, run, note))
     try:
         data.meta = store.meta(run)
     except _READ_ERRORS:

@@ -16,6 +16,9 @@ Tables:
 - ``checkpoints``: which checkpoint directory belongs to which step, and the attempt that saved it.
 - ``events``: notes about the run itself (data loss, errors), for the post-mortem.
 - ``hack_examples``: a few episodes a reward-hack detector flagged (text truncated).
+- ``hack_counts``: episodes judged and flagged per step, environment and detector, keyed by the step
+  the episodes came from (a detector's verdicts arrive later, with whichever step collects them; the
+  step rows hold that collected view, as Prometheus sees it; the post-mortem reads this table).
 
 Writes go through a bounded queue to one writer thread, which commits after every batch; a
 process killed at any moment leaves a store that opens and holds every committed step. Readers
@@ -63,6 +66,9 @@ CREATE INDEX IF NOT EXISTS step_history_run_step ON step_history (run, step);
 CREATE TABLE IF NOT EXISTS attempts (id TEXT PRIMARY KEY, run TEXT, started REAL, pid INTEGER, host TEXT);
 CREATE TABLE IF NOT EXISTS hack_examples (id INTEGER PRIMARY KEY AUTOINCREMENT, run TEXT, step INTEGER, env TEXT,
                                           detector TEXT, reason TEXT, prompt TEXT, response TEXT, reward REAL);
+CREATE TABLE IF NOT EXISTS hack_counts (run TEXT NOT NULL, step INTEGER NOT NULL, env TEXT NOT NULL,
+                                        detector TEXT NOT NULL, judged REAL, hacked REAL,
+                                        PRIMARY KEY (run, step, env, detector));
 """
 
 #: Tables whose rows name the attempt (``attempts.id``) that wrote them; older stores gain the column.
@@ -219,6 +225,18 @@ class RunStore:
         if rows:
             self._put(("INSERT INTO hack_examples (run, step, env, detector, reason, prompt, response, reward) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows, "many"))
+
+    def submit_hack_counts(self, run: str, step: int, judged: dict[tuple[str, ...], float],
+                           hacked: dict[tuple[str, ...], float]) -> None:
+        """Add episodes judged / flagged per (env, detector) to the counts of ``step``, the step the
+        episodes came from (verdicts of one step may arrive in several parts)."""
+        run = bindable(run)
+        rows = [(run, bindable(int(step)), bindable(str(key[0])), bindable(str(key[1])), _finite(n) or 0.0,
+                 _finite(hacked.get(key)) or 0.0) for key, n in judged.items() if len(key) == 2]
+        if rows:
+            self._put(("INSERT INTO hack_counts (run, step, env, detector, judged, hacked) VALUES (?, ?, ?, ?, ?, ?) "
+                       "ON CONFLICT (run, step, env, detector) DO UPDATE SET judged = judged + excluded.judged, "
+                       "hacked = hacked + excluded.hacked", rows, "many"))
 
     def submit_event(self, run: str, kind: str, detail: str) -> None:
         self._put(("INSERT INTO events (run, time, kind, detail) VALUES (?, ?, ?, ?)",

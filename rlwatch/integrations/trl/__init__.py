@@ -30,7 +30,10 @@ training, per optimizer step. TRL keeps no per-episode duration (a batch is gene
 **Steps and versions.** ``step`` is ``state.global_step`` after the update (the step TRL logs and
 names checkpoints by); ``trainer_version`` is ``state.global_step`` when the loss was computed and
 each sample is stamped with ``state.global_step`` at generation (``VERSION_KEY``), so ``lag``
-counts the optimizer updates between generation and use.
+counts the optimizer updates between generation and use. A ``rollout_func`` whose sampler holds
+older weights says which with a ``policy_version`` entry in its output (``POLICY_VERSION_KEY``: one
+int per completion, or one for the batch: the ``global_step`` of the weights that sampled); the
+samples are stamped with it instead, and the lag is the sampler's own staleness.
 
 Multi-process runs: a rank captures token-level data only if its Watch exports and observes its own
 micro-batches; every rank takes part in the gathers of episode-level data (and of the hack
@@ -57,9 +60,10 @@ _LAZY: dict[str, tuple[str, ...]] = {
     "callback": ("RLWatchCallback", "attach", "mirror_into_log", "save_on_critical", "stop_on_critical",
                  "trainer_device", "trainer_metadata", "unwatch", "watch"),
     "generation": ("ENV_COLUMNS", "GENERATION_FAMILIES", "MAX_ENV_SCALARS", "PROBE_ROWS", "STEP_EPISODE_FAMILIES",
-                   "UNSCORABLE", "VERSION_KEY", "AuditedReward", "Generation", "GenerationSignals", "audit_verdicts",
+                   "UNSCORABLE", "VERSION_KEY", "POLICY_VERSION_KEY",
+                   "AuditedReward", "Generation", "GenerationSignals", "audit_verdicts",
                    "audited", "env_labels", "env_labels_present", "eos_and_pad", "episodes", "truncation_flags",
-                   "hack_episode_inputs", "judges_hacks"),
+                   "hack_episode_inputs", "judges_hacks", "reported_versions", "sampler_versions"),
     "grpo": ("GATHER_ONLY", "PATCHES", "SUPPORTED", "GRPOInstrumentor", "MicroBatch", "sampling_fields"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
@@ -90,9 +94,9 @@ def _watch_new_trainer(module: Any) -> None:
         original(self, *args, **kwargs)
         try:
             from ...core.config import env_watch_options
-            from .callback import watch
+            from .callback import watch_zero_code
 
-            announce(watch(self, **env_watch_options()), "trl")
+            announce(watch_zero_code(self, **env_watch_options()), "trl")
         except Exception as exc:  # noqa: BLE001 - never stop the user's trainer from being built
             logger.warning("rlwatch: could not watch this GRPOTrainer: %s", exc)
 

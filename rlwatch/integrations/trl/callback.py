@@ -237,6 +237,9 @@ def watch(trainer: Any, **watch_options: Any):
 
     existing = _attached.get(trainer)
     if existing is not None:
+        zero_code = _zero_code.pop(trainer, None)
+        if zero_code is not None and watch_options:
+            return _replace_zero_code(trainer, existing.watch, zero_code, watch_options)
         logger.warning("rlwatch: this trainer is already watched; returning its Watch")
         return existing.watch
     version = _instrumentor.installed_version("trl") or ""
@@ -259,6 +262,44 @@ def watch(trainer: Any, **watch_options: Any):
     w = Watch(metadata=metadata, **watch_options)
     attach(trainer, w, owns_watch=True, sync_guard=bool(watch_options.get("guard")), probe_rollouts=probe_rollouts,
            trainer_logs=trainer_logs)
+    return w
+
+
+#: Trainers that ``rlwatch run`` watched when they were built, with the options it used (RLWATCH_*).
+_zero_code: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def watch_zero_code(trainer: Any, **env_options: Any) -> Any:
+    """``rlwatch run``'s Watch for a trainer as it is built; a later :func:`watch` call of the script
+    itself, with options, replaces it (the script's run name, guard, port... win)."""
+    w = watch(trainer, **env_options)
+    if _attached.get(trainer) is not None and _attached[trainer].watch is w:
+        _zero_code[trainer] = dict(env_options)
+    return w
+
+
+def _replace_zero_code(trainer: Any, auto: Any, env_options: dict, options: dict) -> Any:
+    """The script's own ``watch(trainer, ...)`` under ``rlwatch run``: its options win over the Watch
+    that ``rlwatch run`` attached when the trainer was built (``rlwatch run``'s settings fill the rest),
+    and it says so on stderr; once that Watch has observed a step it is kept, and that is said too."""
+    import sys
+
+    from ..registry import announce
+    from ...core.run_report import report
+
+    given = ", ".join(sorted(options))
+    if auto.state.snapshot().step is not None:
+        print(f"rlwatch: watch(trainer, {given}=...) came after this trainer's first step: the Watch that `rlwatch "
+              f"run` attached (run {auto.run!r}) is kept and these options are not used", file=sys.stderr, flush=True)
+        return auto
+    unwatch(trainer)
+    w = watch(trainer, **{**env_options, **options})
+    report("replaced", run=auto.run, by=w.run)
+    guard = " and its guard" if options.get("guard") else ""
+    print(f"rlwatch: the script's own watch(trainer, {given}=...) replaces the Watch that `rlwatch run` attached "
+          f"when the trainer was built: run {auto.run!r} -> {w.run!r}; the script's options{guard} are used",
+          file=sys.stderr, flush=True)
+    announce(w, "trl")
     return w
 
 

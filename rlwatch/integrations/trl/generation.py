@@ -25,6 +25,12 @@ ENV_COLUMNS = ("environment", "env", "data_source")
 UNSCORABLE = "unscorable"
 #: Key added to TRL's generation batch (one entry per sample, so it survives shuffling/splitting).
 VERSION_KEY = "rlwatch_version"
+#: What a ``rollout_func`` (or any sampler behind one) returns next to ``completion_ids`` to say which
+#: policy sampled: per completion (a list) or for the whole batch (one int), the trainer's
+#: ``state.global_step`` whose weights the sampler held. TRL forwards it to the reward functions as a
+#: column (they take ``**kwargs``); rlwatch stamps the samples with it instead of the step at generation,
+#: so that the version lag shows the sampler's own staleness (a sampler that missed weight syncs).
+POLICY_VERSION_KEY = "policy_version"
 #: Per-environment per-function reward scalars kept per run (the Watch keeps 256 scalar names).
 MAX_ENV_SCALARS = 64
 #: Sequences of the first generation batch kept for ``rlwatch postmortem --probe``.
@@ -165,7 +171,7 @@ class Generation:
     """Episode-level data of one whole generation batch, gathered over processes (N rows, host)."""
 
     serial: int                           # 1-based count of this run's generation batches
-    version: int                          # state.global_step when it was generated
+    version: int                          # state.global_step when generated, or the oldest policy_version
     rewards: torch.Tensor                 # [N] float64, weighted sum over reward functions (NaN: unscorable)
     per_func: torch.Tensor                # [N, F] float64, NaN where a function returned None
     func_names: list[str]
@@ -290,8 +296,10 @@ class GenerationPath:
             return
         completion_ids = output["completion_ids"]
         B = int(completion_ids.shape[0])
-        version = int(trainer.state.global_step)
-        output[VERSION_KEY] = torch.full((B,), version, dtype=torch.int64, device=completion_ids.device)
+        sampled = sampler_versions(captured.get("policy_version"), B, self.watch.errors)
+        version = int(trainer.state.global_step) if sampled is None else int(sampled.min())
+        output[VERSION_KEY] = (torch.full((B,), version, dtype=torch.int64) if sampled is None else sampled
+                               ).to(completion_ids.device)
         per_func = captured["per_func"]
         if "gathered" in captured:
             table, env = captured["gathered"]
@@ -395,6 +403,30 @@ class GenerationPath:
                     if _put_mean(out, key, values):
                         self._env_scalars.add(key)
         return out
+
+
+def reported_versions(inputs: list[dict]) -> list | None:
+    """The ``policy_version`` a ``rollout_func`` returned, as TRL forwarded it into each sample's inputs
+    (None when it returned none)."""
+    versions = [inp.get(POLICY_VERSION_KEY) if isinstance(inp, dict) else None for inp in inputs]
+    return versions if any(v is not None for v in versions) else None
+
+
+def sampler_versions(versions: list | None, B: int, errors: Any) -> torch.Tensor | None:
+    """[B] int64: the policy version that sampled each completion, from a ``rollout_func``'s
+    ``policy_version`` (None without one, or when it is not one whole number per completion: counted)."""
+    if versions is None:
+        return None
+    try:
+        out = torch.tensor([int(v) for v in versions], dtype=torch.int64)
+        if len(versions) != B or any(float(v) != int(v) for v in versions):
+            raise ValueError(f"{len(versions)} values for {B} completions")
+        return out
+    except (TypeError, ValueError, OverflowError) as exc:
+        errors.report("validate", "policy_version", f"the rollout_func's {POLICY_VERSION_KEY!r} is not one whole "
+                      f"number per completion ({exc}); the step at generation is used", field=POLICY_VERSION_KEY,
+                      raise_in_strict=False)
+        return None
 
 
 def _put_mean(out: dict[str, float], name: str, values: list[float]) -> bool:

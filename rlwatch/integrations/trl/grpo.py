@@ -15,7 +15,8 @@ from ...core.rollout import PhaseClock
 from .._instrumentor import Call, Hook, Instrumentor, Patch, guarded
 from .._tensors import pad_cat
 from .generation import (PROBE_ROWS, VERSION_KEY, Generation, GenerationPath, GenerationSignals, audit_verdicts,
-                         env_labels, eos_and_pad, episodes, hack_episode_inputs, judges_hacks, truncation_flags)
+                         env_labels, eos_and_pad, episodes, hack_episode_inputs, judges_hacks, reported_versions,
+                         truncation_flags)
 
 SUPPORTED = ">=1.15,<1.17"
 
@@ -195,7 +196,8 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
         truncated = truncation_flags(completion_ids_list, eos_and_pad(trainer))
         env = env_labels(inputs)
         self.capture.rewards = {"per_func": per_func, "truncated": truncated, "env": env, "start": start,
-                                "lengths": [len(ids) for ids in completion_ids_list]}
+                                "lengths": [len(ids) for ids in completion_ids_list],
+                                "policy_version": reported_versions(inputs)}
         if prompts is not None and completions is not None and self._processes > 1:
             if judges_hacks(self.watch):     # every rank: gathered by _gather_hack_episodes, judged once
                 self.capture.rewards["episode_inputs"] = hack_episode_inputs(
