@@ -211,3 +211,12 @@ def test_reward_slide_reads_the_heldout_score_when_logged():
     opened = judge({"reward_mean": rising + [0.5] * 20, "heldout_score": rising + [0.1] * 20})
     assert "RLWatchRewardSlide" in opened
     assert math.isclose(opened["RLWatchRewardSlide"], 43, abs_tol=1)
+
+
+def test_the_docs_table_lists_every_recognised_name():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "trainer-dynamics.md").read_text()
+    for entry in TRAINER_KEYS:
+        assert f"`{entry.key or entry.pattern}`" in text, entry
+        assert f"`{BY_NAME[entry.signal].full_name}`" in text
