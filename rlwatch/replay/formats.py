@@ -118,8 +118,8 @@ def parse_jsonl(text: str, name: str) -> Rows:
             raise ReplayInputError(f"{name}: line {lineno} is not JSON") from None
         if not isinstance(entry, dict):
             raise ReplayInputError(f"{name}: line {lineno} is not a JSON object")
-        if isinstance(entry.get("data"), dict):
-            _add(rows, entry.get("step"), entry["data"])
+        if isinstance(entry.get("data"), dict):       # orjson writes NaN and infinities as null
+            _add(rows, entry.get("step"), {k: math.nan if v is None else v for k, v in entry["data"].items()})
         else:
             step_key = next((k for k in STEP_COLUMNS if k in entry), None)
             if step_key is not None:
@@ -209,7 +209,7 @@ def detect(text: str, name: str) -> str:
         return "verl-console"
     if _OPENRLHF.search(text):
         return "openrlhf"
-    header = [h.strip() for h in first.split(",")]
+    header = [h.strip() for h in next(csv.reader([first]), [])]
     if header[:3] == ["Wall time", "Step", "Value"]:
         return "tensorboard-csv"
     if len(header) > 1 and any(h in STEP_COLUMNS for h in header):
