@@ -72,21 +72,21 @@ def from_rows(rows: Rows, source: str, fmt: str, reward_key: str | None = None) 
                      reward_key=_reward_key(keys, reward_key, source), nonfinite=nonfinite)
 
 
-def _parse(path: Path, fmt: str | None) -> tuple[str, Rows]:
+def _parse(path: Path, fmt: str | None) -> tuple[str, str, Rows]:
     if fmt is not None and fmt not in FORMATS:
         raise ReplayInputError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
     path = resolve(path)
     text = read_text(path)
     fmt = fmt or detect(text, str(path))
-    return fmt, PARSERS[fmt](text, str(path))
+    return str(path), fmt, PARSERS[fmt](text, str(path))
 
 
 def load(path: str | Path, *, reward_key: str | None = None, fmt: str | None = None) -> LoggedRun:
     """Read one logged run from ``path`` (format detected from the content unless ``fmt`` names one
     of :data:`~rlwatch.replay.formats.FORMATS`). Raises :class:`ReplayInputError` (one line) on a
     missing, empty, malformed or unknown file."""
-    fmt, rows = _parse(Path(path), fmt)
-    return from_rows(rows, str(path), fmt, reward_key)
+    source, fmt, rows = _parse(Path(path), fmt)
+    return from_rows(rows, source, fmt, reward_key)
 
 
 def load_all(paths: list[str], *, reward_key: str | None = None, fmt: str | None = None
@@ -99,13 +99,13 @@ def load_all(paths: list[str], *, reward_key: str | None = None, fmt: str | None
     tag_files: list[str] = []
     for path in paths:
         try:
-            kind, rows = _parse(Path(path), fmt)
+            source, kind, rows = _parse(Path(path), fmt)
             if kind == "tensorboard-csv":
                 for step, row in rows.items():
                     tags.setdefault(step, {}).update(row)
                 tag_files.append(path)
                 continue
-            out.append(from_rows(rows, path, kind, reward_key))
+            out.append(from_rows(rows, source, kind, reward_key))
         except ReplayInputError as exc:
             out.append(exc)
     if tag_files:
