@@ -3,8 +3,8 @@
 trainer needed. docs/replay.md."""
 
 from .formats import FORMATS, ReplayInputError
-from .logged import REWARD_KEYS, LoggedRun, load, load_all
+from .logged import LoggedRun, load, load_all, reward_keys
 from .run import AlertEntry, ReplayResult, replay
 
-__all__ = ["FORMATS", "REWARD_KEYS", "AlertEntry", "LoggedRun", "ReplayInputError", "ReplayResult", "load",
-           "load_all", "replay"]
+__all__ = ["FORMATS", "AlertEntry", "LoggedRun", "ReplayInputError", "ReplayResult", "load", "load_all", "replay",
+           "reward_keys"]

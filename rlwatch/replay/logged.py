@@ -10,10 +10,15 @@ from pathlib import Path
 
 from .formats import FORMATS, PARSERS, ReplayInputError, Rows, detect, read_text, resolve, tensorboard_key
 
-#: The trainers' own names for the training reward (the score the collapse is dated on), best first:
-#: TRL's and OpenRLHF's ``reward``, verl's ``critic/score/mean`` (the score before KL or length
-#: penalties) and ``critic/rewards/mean``. ``--reward KEY`` names any other.
-REWARD_KEYS = ("reward", "critic/score/mean", "critic/rewards/mean", "reward_mean", "rewards/mean", "train/reward")
+
+def reward_keys() -> tuple[str, ...]:
+    """The trainers' own names for the training reward, best first (the ``reward_mean`` rows of
+    :data:`rlwatch.core.trainer_keys.TRAINER_KEYS`, each also after a tracker's ``train/`` prefix);
+    ``--reward KEY`` names any other."""
+    from ..core.trainer_keys import PREFIXES, keys_for
+
+    names = [k.key for k in keys_for("reward_mean") if k.key]
+    return tuple(names + [p + n for n in names for p in PREFIXES])
 
 
 @dataclass
@@ -35,6 +40,23 @@ class LoggedRun:
         """``[(step, value)]`` of ``key`` where it was logged."""
         return [(s, row[key]) for s, row in zip(self.steps, self.rows) if key in row]
 
+    def fed_rows(self) -> list[dict[str, float]]:
+        """The rows as replay feeds them to ``log_scalars``: the non-finite values put back (a NaN loss
+        or gradient norm is a signal), and a ``reward_key`` that is not a recognised reward name also
+        given under TRL's ``reward`` (so that it is the run's reward, in the alerts and the post-mortem)."""
+        bad: dict[int, dict[str, float]] = {}
+        for key, steps in self.nonfinite.items():
+            for step in steps:
+                bad.setdefault(step, {})[key] = math.nan
+        alias = self.reward_key is not None and self.reward_key not in reward_keys()
+        out = []
+        for step, row in zip(self.steps, self.rows):
+            fed = {**row, **bad.get(step, {})}
+            if alias and self.reward_key in row:
+                fed = {"reward": row[self.reward_key], **{k: v for k, v in fed.items() if k != "reward"}}
+            out.append(fed)
+        return out
+
     @property
     def keys(self) -> list[str]:
         return sorted({k for row in self.rows for k in row})
@@ -52,7 +74,7 @@ def _reward_key(keys: set[str], reward_key: str | None, source: str) -> str | No
             raise ReplayInputError(f"{source}: no key {reward_key!r} logged"
                                    + (f" (reward-like keys: {', '.join(near)})" if near else ""))
         return reward_key
-    return next((k for k in REWARD_KEYS if k in keys), None)
+    return next((k for k in reward_keys() if k in keys), None)
 
 
 def from_rows(rows: Rows, source: str, fmt: str, reward_key: str | None = None) -> LoggedRun:

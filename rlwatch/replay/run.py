@@ -77,7 +77,7 @@ def _feed(run: LoggedRun, name: str, store: Path, overrides: Mapping[str, float]
                   background=False, alert_overrides=dict(overrides or {}), framework="replay",
                   metadata={"replay": {"source": run.source, "format": run.fmt, "log_every": run.log_every}})
     try:
-        for step, row in zip(run.steps, run.rows):
+        for step, row in zip(run.steps, run.fed_rows()):
             watch.log_scalars(step, row)
     finally:
         watch.close()
@@ -99,12 +99,11 @@ def replay(run: LoggedRun, *, store_dir: str | Path, overrides: Mapping[str, flo
     _feed(run, name, store, overrides)
     data = load_store(str(store), run=name)
     data.source = f"replay of {run.source}"
-    injected = quality_series(data)[0] is None and run.reward_key is not None
-    if injected:                    # the store has no reward series of its own: the logged reward, by its name
-        data.scalars["reward_mean"] = run.series(run.reward_key)
+    if quality_series(data)[0] is None and run.reward_key is not None:
+        data.scalars["reward_mean"] = run.series(run.reward_key)     # a store without the judged reward
     report = analyse(data)
-    if injected:
-        report.quality_signal = run.reward_key
+    if report.quality_signal == "reward_mean" and run.reward_key is not None:
+        report.quality_signal = run.reward_key          # the reward, by the name the run logged it under
     if report.steps is None:
         report.steps = (run.steps[0], run.steps[-1])
     alerts = [AlertEntry(a.get("step"), str(a["name"]), str(a.get("severity") or ""),
