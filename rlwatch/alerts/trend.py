@@ -56,11 +56,12 @@ def smoothed(h: History) -> float | None:
     return statistics.median(recent) if recent else None
 
 
-def forecast_steps(h: History, bound: float) -> float | None:
-    """Steps until k3 reaches ``bound`` at its log-linear trend over the last :data:`TREND_STEPS`
-    steps; None without a significant upward trend, above the bound, or beyond FORECAST_MAX_STEPS."""
+def forecast_steps(h: History, bound: float, signal: str = K3) -> float | None:
+    """Steps until ``signal`` (k3 by default) reaches ``bound`` at its log-linear trend over the last
+    :data:`TREND_STEPS` steps; None without a significant upward trend, above the bound,
+    or beyond FORECAST_MAX_STEPS."""
     points = [(t, math.log(v)) for t, values in h.steps[-TREND_STEPS:]
-              if (v := values.get(K3, {}).get(())) is not None and v == v and v > 0]
+              if (v := values.get(signal, {}).get(())) is not None and v == v and v > 0]
     if len(points) < TREND_STEPS // 2:
         return None
     n = len(points)
