@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from .corpus import SPLITS, runs
+from .corpus import MANIFEST, SPLITS, runs
 from .score import RunScore, Summary, score_run, summarise
 
 
@@ -52,13 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evaluation.realruns", description=__doc__.splitlines()[0])
     parser.add_argument("--split", choices=(*SPLITS, "all"), default="all")
     parser.add_argument("--out", help="directory for realruns.json and the replay stores")
+    parser.add_argument("--manifest", default=str(MANIFEST), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     splits = SPLITS if args.split == "all" else (args.split,)
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="rlwatch-realruns-"))
     stores = work / "stores"
     report: dict[str, dict] = {}
     for split in splits:
-        scores = [score_run(entry, stores) for entry in runs(split)]
+        scores = [score_run(entry, stores) for entry in runs(split, Path(args.manifest))]
         summary = summarise(split, scores)
         print("\n".join(_figures(summary)))
         print("\n".join(_run_line(s) for s in scores))
