@@ -84,7 +84,7 @@ def load_run(entry: CorpusRun) -> LoggedRun:
     """The logged run of ``entry`` under the frameworks' key names (one file per run)."""
     if len(entry.files) != 1:
         raise ValueError(f"{entry.id}: one file per run expected, got {len(entry.files)}")
-    fmt = None if entry.format in ("auto", "wandb_csv") else entry.format
+    fmt = "csv" if entry.format == "wandb_csv" else None if entry.format == "auto" else entry.format
     if not entry.key_map:
         return load(entry.paths()[0], reward_key=entry.reward_key, fmt=fmt)
     raw = load(entry.paths()[0], fmt=fmt)
