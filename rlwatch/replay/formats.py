@@ -36,8 +36,8 @@ STEP_COLUMNS = ("train/global_step", "global_step", "step", "Step", "_step", "tr
 TRL_SUMMARY_KEY = "train_runtime"
 MAX_BYTES = 512 << 20
 
-_VERL_STEP = re.compile(r"(?:^|\s|\))step:(\d+) - (.*)$")
-_OPENRLHF = re.compile(r"Global step (\d+): (\{.*\})\s*$")
+_VERL_STEP = re.compile(r"(?:^|\s|\))step:(\d+) - (.*)$", re.M)
+_OPENRLHF = re.compile(r"Global step (\d+): (\{.*\})[ \t\r]*$", re.M)
 _NUMPY_SCALAR = re.compile(r"\b(?:np|numpy)\.(?:float|int|uint)\d*\(([^()]*)\)")
 _TB_TAG = re.compile(r"^run[-_].*?[-_]tag[-_](.+)$")
 
