@@ -30,6 +30,7 @@ def test_json_is_the_postmortem_document_with_the_replay(collapsed, capsys, tmp_
     doc = json.loads(capsys.readouterr().out)
     assert doc["collapse_step"] == DROP and doc["quality_signal"] == "reward"
     assert doc["replay"]["collapse_step"] == DROP and doc["replay"]["log_every"] == 1
+    assert doc["replay"]["recognised"] == {"reward": "reward_mean", "entropy": "entropy_mean", "loss": "loss"}
     assert doc["replay"]["store"].startswith(str(tmp_path / "stores"))
     assert (tmp_path / "stores" / "replay-trainer_state.db").exists()
 

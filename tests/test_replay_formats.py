@@ -111,3 +111,20 @@ def test_nan_values_are_counted_not_replayed(tmp_path):
     for writer in (write_verl_console, write_verl_jsonl):
         run = load(writer(tmp_path / f"{writer.__name__}.log", rows))
         assert run.nonfinite == {"loss": [11]} and "loss" not in run.rows[10]
+
+
+def test_the_alerts_the_logged_values_trip_are_replayed(tmp_path):
+    """A run whose logged entropy falls to a tenth at step 30, ten steps before its reward collapses:
+    the entropy alert fires from the logged values alone, before the collapse, in the result, the
+    JSON and the table; the same run with the entropy steady fires nothing."""
+    from rlwatch.replay import report
+
+    rows = [(s, {**v, "entropy": 1.0 if s < 30 else 0.1}) for s, v in collapsed_rows()]
+    result = replay(load(write_trl(tmp_path / "trainer_state.json", rows)), store_dir=tmp_path / "a")
+    fired = [a for a in result.alerts if a.state == "fired"]
+    assert [a.name for a in fired] == ["RLWatchEntropyCollapse"] and fired[0].severity == "warning"
+    assert 30 <= result.first_warning_step < DROP == result.collapse_step
+    assert result.as_json()["replay"]["first_warning_step"] == result.first_warning_step
+    assert f"RLWatchEntropyCollapse fired at {result.first_warning_step}" in report.text(result)
+    steady = replay(load(write_trl(tmp_path / "steady.json", collapsed_rows())), store_dir=tmp_path / "b")
+    assert "RLWatchEntropyCollapse" not in {a.name for a in steady.alerts}

@@ -57,6 +57,28 @@ class LoggedRun:
             out.append(fed)
         return out
 
+    def recognised(self) -> dict[str, str]:
+        """``{logged key: rlwatch signal}`` for the keys :mod:`rlwatch.core.trainer_keys` reads as
+        rlwatch's signals (the first key of a signal in the table's order wins, as there); the others
+        are kept as framework scalars under their own names. A ``--reward`` key reads as the reward."""
+        from ..core.trainer_keys import PREFIXES, TRAINER_KEYS
+
+        keys = self.keys
+        plain = {k: next((k[len(p):] for p in PREFIXES if k.startswith(p)), k) for k in keys}
+        out: dict[str, str] = {}
+        taken: set[str] = set()
+        if self.reward_key is not None and self.reward_key not in reward_keys():
+            out[self.reward_key] = "reward_mean"
+            taken.add("reward_mean")
+        for entry in TRAINER_KEYS:
+            if entry.signal in taken:
+                continue
+            found = [k for k in keys if entry.matches(plain[k]) and k not in out]
+            if found:
+                out.update({k: entry.signal for k in (found if entry.pattern else found[:1])})
+                taken.add(entry.signal)
+        return out
+
     @property
     def keys(self) -> list[str]:
         return sorted({k for row in self.rows for k in row})
