@@ -43,11 +43,14 @@ def _verl(tmp_path, writer, rows):
 
 WRITERS = {
     "trl": lambda tmp, rows: write_trl(tmp / "trainer_state.json", rows),
+    "verl-console-ray": lambda tmp, rows: _verl(tmp, lambda p, r: write_verl_console(p, r, "(TaskRunner pid=4242) "),
+                                                rows),
     "verl-console": lambda tmp, rows: _verl(tmp, write_verl_console, rows),
     "verl-jsonl": lambda tmp, rows: _verl(tmp, write_verl_jsonl, rows),
     "csv": lambda tmp, rows: write_wandb_csv(tmp / "wandb_export.csv", rows),
 }
-REWARD = {"trl": "reward", "verl-console": "critic/score/mean", "verl-jsonl": "critic/score/mean", "csv": "reward"}
+REWARD = {"trl": "reward", "verl-console": "critic/score/mean", "verl-console-ray": "critic/score/mean",
+          "verl-jsonl": "critic/score/mean", "csv": "reward"}
 
 
 @pytest.mark.parametrize("fmt", sorted(WRITERS))
@@ -56,7 +59,7 @@ def test_each_format_parses_to_the_logged_rows(tmp_path, fmt):
         need_module("verl")
     rows = collapsed_rows(REWARD[fmt])
     run = load(WRITERS[fmt](tmp_path, rows))
-    assert run.fmt == fmt
+    assert run.fmt == fmt.removesuffix("-ray")
     assert run.steps == [s for s, _ in rows]
     logged = [{k: v for k, v in row.items() if k != "epoch"} for row in run.rows]      # TRL logs the epoch too
     assert logged == [pytest.approx(values) for _, values in rows]
