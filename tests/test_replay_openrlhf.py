@@ -28,6 +28,9 @@ def test_openrlhf_log_parses_to_the_logged_rows(openrlhf_log):
     assert run.steps == [s for s, _ in rows]
     assert run.rows[0] == pytest.approx(rows[0][1])
     assert run.nonfinite == {"loss": [rows[5][0]]}
+    evaluated = {s: row["eval_gsm8k_pass1"] for s, row in zip(run.steps, run.rows) if "eval_gsm8k_pass1" in row}
+    assert evaluated == pytest.approx({s: v["reward"] for s, v in rows if s % 20 == 0})     # its eval lines
+    assert run.recognised()["eval_gsm8k_pass1"] == "heldout_score"
 
 
 def test_a_collapsed_openrlhf_run_names_the_collapse(openrlhf_log, tmp_path):
