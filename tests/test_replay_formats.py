@@ -131,3 +131,17 @@ def test_the_alerts_the_logged_values_trip_are_replayed(tmp_path):
     assert f"RLWatchEntropyCollapse fired at {result.first_warning_step}" in report.text(result)
     steady = replay(load(write_trl(tmp_path / "steady.json", collapsed_rows())), store_dir=tmp_path / "b")
     assert "RLWatchEntropyCollapse" not in {a.name for a in steady.alerts}
+
+
+def test_mismatch_aggregates_map_where_the_definition_is_rlwatchs(tmp_path):
+    """verl's rollout_corr/k3_kl is rlwatch's k3 and is read as it; its other mismatch aggregates are
+    kept under their own names and listed as such."""
+    need_module("verl")
+    rows = [(s, {**v, "rollout_corr/k3_kl": 0.001, "training/rollout_probs_diff_mean": 0.01,
+                 "actor/ppo_kl": 0.002}) for s, v in collapsed_rows("critic/score/mean")]
+    run = load(write_verl_console(tmp_path / "verl.log", rows))
+    assert run.recognised()["rollout_corr/k3_kl"] == "mismatch_kl_k3"
+    assert run.recognised()["actor/ppo_kl"] == "policy_kl"
+    assert run.kept_mismatch_aggregates() == ["training/rollout_probs_diff_mean"]
+    result = replay(run, store_dir=tmp_path)
+    assert result.as_json()["replay"]["kept_mismatch_aggregates"] == ["training/rollout_probs_diff_mean"]

@@ -49,7 +49,7 @@ class ReplayResult:
         return {**self.postmortem, "replay": {
             "source": run.source, "format": run.fmt, "logged_rows": len(run.steps),
             "steps": [run.steps[0], run.steps[-1]], "log_every": run.log_every, "reward_key": run.reward_key,
-            "recognised": run.recognised(),
+            "recognised": run.recognised(), "kept_mismatch_aggregates": run.kept_mismatch_aggregates(),
             "treatment": treatment(run.log_every),
             "first_page_step": self.first_page_step, "first_warning_step": self.first_warning_step,
             "collapse_step": self.collapse_step,
