@@ -1,6 +1,7 @@
 """``rlwatch replay`` of OpenRLHF's console log, written by OpenRLHF's own logger
 (``openrlhf.utils.logging_utils.init_logger``, the message of ``PPOTrainer.fit``) in OpenRLHF's
-environment (``.venv-openrlhf``, a subprocess): skipped where that environment is not set up."""
+environment (``.venv-openrlhf``, a subprocess): skipped where that environment is not set up (failed
+under RLWATCH_REQUIRE_FRAMEWORKS=1, as in CI, where ``make test`` sets it up first)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import pytest
 from rlwatch.replay import load, replay
 
 from ._replay_helpers import DROP, collapsed_rows, openrlhf_python, write_openrlhf_log
+from .conftest import REQUIRE_FRAMEWORKS
 
 
 @pytest.fixture(scope="module")
 def openrlhf_log(tmp_path_factory):
     python = openrlhf_python()
     if python is None:
-        pytest.skip("OpenRLHF's environment (.venv-openrlhf) is not set up")
+        missing = "OpenRLHF's environment (.venv-openrlhf, `make openrlhf-venv`) is not set up"
+        pytest.fail(missing) if REQUIRE_FRAMEWORKS else pytest.skip(missing)
     rows = collapsed_rows()
     rows[5][1]["loss"] = float("nan")
     return rows, write_openrlhf_log(tmp_path_factory.mktemp("openrlhf") / "train.log", rows, python)
