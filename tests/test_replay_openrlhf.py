@@ -12,6 +12,8 @@ from rlwatch.replay import load, replay
 from ._replay_helpers import DROP, collapsed_rows, openrlhf_python, write_openrlhf_log
 from .conftest import REQUIRE_FRAMEWORKS
 
+pytestmark = pytest.mark.slow          # OpenRLHF's environment starts in a subprocess (10-20 s)
+
 
 @pytest.fixture(scope="module")
 def openrlhf_log(tmp_path_factory):
