@@ -37,15 +37,22 @@ def write_trl(path: Path, rows: list[tuple[int, dict]]) -> Path:
     return path
 
 
-def write_verl_console(path: Path, rows: list[tuple[int, dict]]) -> Path:
-    """verl's console logger (``LocalLogger``, what ``Tracking(default_backend="console")`` prints)."""
+def write_verl_console(path: Path, rows: list[tuple[int, dict]], ray_prefix: str = "") -> Path:
+    """verl's console logger (``LocalLogger``, what ``Tracking(default_backend="console")`` prints), the
+    values numpy scalars as verl's metric reductions return them; ``ray_prefix`` put before each line
+    as Ray's log forwarding does for a line printed in an actor (``(TaskRunner pid=4242) ``)."""
+    import io
+
+    import numpy as np
     from verl.utils.logger.aggregate_logger import LocalLogger
 
     logger = LocalLogger(print_to_console=True)
-    with open(path, "w") as out, contextlib.redirect_stdout(out):
-        print("(TaskRunner pid=4242) Training Progress:   0%|          | 0/60")      # a line of another kind
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print("Training Progress:   0%|          | 0/60")      # a line of another kind
         for step, values in rows:
-            logger.log(values, step=step)
+            logger.log({k: np.float64(v) for k, v in values.items()}, step=step)
+    path.write_text("".join(ray_prefix + line + "\n" for line in printed.getvalue().splitlines()))
     return path
 
 
@@ -120,6 +127,9 @@ for global_step, status in json.load(open(sys.argv[1])):
     status = {k: (np.float64(v) if k == "reward" else v) for k, v in status.items()}
     log_status = {k: v for k, v in status.items() if k not in ["generated_samples"]}
     logger.info(f"\\u2728 Global step {global_step}: {log_status}")
+    if global_step % 20 == 0:
+        time_str, logs = "0:00:12", {"eval_gsm8k_pass1": status["reward"], "eval_num_samples": 64.0}
+        logger.info(f"\\u2728 Evaluation completed in {time_str}, global_step {global_step}, eval_metrics: {logs}")
 """
 
 

@@ -43,11 +43,14 @@ def _verl(tmp_path, writer, rows):
 
 WRITERS = {
     "trl": lambda tmp, rows: write_trl(tmp / "trainer_state.json", rows),
+    "verl-console-ray": lambda tmp, rows: _verl(tmp, lambda p, r: write_verl_console(p, r, "(TaskRunner pid=4242) "),
+                                                rows),
     "verl-console": lambda tmp, rows: _verl(tmp, write_verl_console, rows),
     "verl-jsonl": lambda tmp, rows: _verl(tmp, write_verl_jsonl, rows),
     "csv": lambda tmp, rows: write_wandb_csv(tmp / "wandb_export.csv", rows),
 }
-REWARD = {"trl": "reward", "verl-console": "critic/score/mean", "verl-jsonl": "critic/score/mean", "csv": "reward"}
+REWARD = {"trl": "reward", "verl-console": "critic/score/mean", "verl-console-ray": "critic/score/mean",
+          "verl-jsonl": "critic/score/mean", "csv": "reward"}
 
 
 @pytest.mark.parametrize("fmt", sorted(WRITERS))
@@ -56,7 +59,7 @@ def test_each_format_parses_to_the_logged_rows(tmp_path, fmt):
         need_module("verl")
     rows = collapsed_rows(REWARD[fmt])
     run = load(WRITERS[fmt](tmp_path, rows))
-    assert run.fmt == fmt
+    assert run.fmt == fmt.removesuffix("-ray")
     assert run.steps == [s for s, _ in rows]
     logged = [{k: v for k, v in row.items() if k != "epoch"} for row in run.rows]      # TRL logs the epoch too
     assert logged == [pytest.approx(values) for _, values in rows]
@@ -111,3 +114,34 @@ def test_nan_values_are_counted_not_replayed(tmp_path):
     for writer in (write_verl_console, write_verl_jsonl):
         run = load(writer(tmp_path / f"{writer.__name__}.log", rows))
         assert run.nonfinite == {"loss": [11]} and "loss" not in run.rows[10]
+
+
+def test_the_alerts_the_logged_values_trip_are_replayed(tmp_path):
+    """A run whose logged entropy falls to a tenth at step 30, ten steps before its reward collapses:
+    the entropy alert fires from the logged values alone, before the collapse, in the result, the
+    JSON and the table; the same run with the entropy steady fires nothing."""
+    from rlwatch.replay import report
+
+    rows = [(s, {**v, "entropy": 1.0 if s < 30 else 0.1}) for s, v in collapsed_rows()]
+    result = replay(load(write_trl(tmp_path / "trainer_state.json", rows)), store_dir=tmp_path / "a")
+    fired = [a for a in result.alerts if a.state == "fired"]
+    assert [a.name for a in fired] == ["RLWatchEntropyCollapse"] and fired[0].severity == "warning"
+    assert 30 <= result.first_warning_step < DROP == result.collapse_step
+    assert result.as_json()["replay"]["first_warning_step"] == result.first_warning_step
+    assert f"RLWatchEntropyCollapse fired at {result.first_warning_step}" in report.text(result)
+    steady = replay(load(write_trl(tmp_path / "steady.json", collapsed_rows())), store_dir=tmp_path / "b")
+    assert "RLWatchEntropyCollapse" not in {a.name for a in steady.alerts}
+
+
+def test_mismatch_aggregates_map_where_the_definition_is_rlwatchs(tmp_path):
+    """verl's rollout_corr/k3_kl is rlwatch's k3 and is read as it; its other mismatch aggregates are
+    kept under their own names and listed as such."""
+    need_module("verl")
+    rows = [(s, {**v, "rollout_corr/k3_kl": 0.001, "training/rollout_probs_diff_mean": 0.01,
+                 "actor/ppo_kl": 0.002}) for s, v in collapsed_rows("critic/score/mean")]
+    run = load(write_verl_console(tmp_path / "verl.log", rows))
+    assert run.recognised()["rollout_corr/k3_kl"] == "mismatch_kl_k3"
+    assert run.recognised()["actor/ppo_kl"] == "policy_kl"
+    assert run.kept_mismatch_aggregates() == ["training/rollout_probs_diff_mean"]
+    result = replay(run, store_dir=tmp_path)
+    assert result.as_json()["replay"]["kept_mismatch_aggregates"] == ["training/rollout_probs_diff_mean"]

@@ -177,6 +177,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("loss_nonfinite", "1 when the trainer's latest logged loss was NaN or infinite, else 0.", "dynamics"),
     _g("clip_fraction", "Fraction of tokens the PPO ratio clip cut at the latest step (the trainer's "
        "pg_clipfrac / clip_ratio).", "dynamics"),
+    _g("learning_rate", "Learning rate the trainer logged at the latest step (RLWatchKLDeparture reads a warm-up "
+       "from it).", "dynamics"),
     _g("heldout_score", "Held-out (validation) score the trainer logged, mean over its data sources.", "dynamics"),
     # --- version lag ------------------------------------------------------------------------
     MetricSpec("token_version_lag", "histogram",

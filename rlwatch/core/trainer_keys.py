@@ -84,6 +84,10 @@ TRAINER_KEYS: tuple[TrainerKey, ...] = (
     _T("heldout_score", "TRL", "eval_reward"),
     _T("heldout_score", "verl", pattern=r"val-core/[^/]+/[^/]+/mean@\d+", note="mean over data sources"),
     _T("heldout_score", "OpenRLHF", pattern=r"eval_(?:.+_)?pass1", note="mean over data sources"),
+    # --- the optimiser's learning rate (a warm-up moves the mismatch with it) ---
+    _T("learning_rate", "TRL", "learning_rate", note="transformers Trainer"),
+    _T("learning_rate", "verl", "actor/lr", note="the actor worker's lr, renamed under actor/"),
+    _T("learning_rate", "OpenRLHF", "actor_lr"),
     # --- sampler-learner mismatch aggregates with rlwatch's definition ---
     _T("mismatch_kl_k3", "verl", "rollout_corr/k3_kl", note="mean exp(r) - r - 1, r = log pi_old - log mu"),
     _T("mismatch_kl_k1", "verl", "rollout_corr/kl", note="mean (log mu - log pi_old)"),

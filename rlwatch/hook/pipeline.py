@@ -145,7 +145,8 @@ class StepPipeline:
         if trainer and self.windows is not None:
             self.windows.rollback(record.step)
         observed = frozenset(values)
-        self.join.add_trainer(values, trainer)
+        for name, value in trainer.items():                   # rlwatch's own value wins
+            values.setdefault(name, {(): float(value)})
         self.derive(record.step, values, timing)
         self.evaluate(record.step, values)
         self.sinks(record.step, values, timing, replace=bool(trainer))

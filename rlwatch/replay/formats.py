@@ -36,8 +36,10 @@ STEP_COLUMNS = ("train/global_step", "global_step", "step", "Step", "_step", "tr
 TRL_SUMMARY_KEY = "train_runtime"
 MAX_BYTES = 512 << 20
 
-_VERL_STEP = re.compile(r"(?:^|\s|\))step:(\d+) - (.*)$")
-_OPENRLHF = re.compile(r"Global step (\d+): (\{.*\})\s*$")
+_VERL_STEP = re.compile(r"(?:^|\s|\))step:(\d+) - (.*)$", re.M)
+_OPENRLHF = re.compile(r"Global step (\d+): (\{.*\})[ \t\r]*$", re.M)
+_OPENRLHF_EVAL = re.compile(r"Evaluation completed in .*?, global_step (\d+), eval_metrics: (\{.*\})[ \t\r]*$", re.M)
+_REPR_PAIR = re.compile(r"'([^']+)':\s*(?:(?:np|numpy)\.\w+\(|tensor\()?(-?(?:[0-9.]+(?:[eE][-+]?\d+)?|nan|inf))")
 _NUMPY_SCALAR = re.compile(r"\b(?:np|numpy)\.(?:float|int|uint)\d*\(([^()]*)\)")
 _TB_TAG = re.compile(r"^run[-_].*?[-_]tag[-_](.+)$")
 
@@ -127,21 +129,28 @@ def parse_jsonl(text: str, name: str) -> Rows:
     return rows
 
 
+def _status(text: str) -> dict[str, Any]:
+    """A logged status dict's repr as a dict: a Python literal (numpy scalars, nan, inf included),
+    else its ``'key': number`` pairs (a value that is no literal, a tensor's repr, costs only itself)."""
+    literal = _NUMPY_SCALAR.sub(r"\1", text)
+    literal = re.sub(r"(?<![\w'\"])(-?)(nan|inf)(?![\w'\"])", r"'\1\2'", literal)
+    try:
+        status = ast.literal_eval(literal)
+        if isinstance(status, dict):
+            return status
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        pass
+    return dict(_REPR_PAIR.findall(text))
+
+
 def parse_openrlhf(text: str, name: str) -> Rows:
-    """OpenRLHF's ``Global step N: {...}`` lines (a Python dict's repr, numpy scalars included)."""
+    """OpenRLHF's ``Global step N: {...}`` lines and its ``Evaluation completed ..., global_step N,
+    eval_metrics: {...}`` lines (held-out metrics, merged into step N's row)."""
     rows: Rows = {}
     for line in text.splitlines():
-        match = _OPENRLHF.search(line)
-        if not match:
-            continue
-        literal = _NUMPY_SCALAR.sub(r"\1", match.group(2))
-        literal = re.sub(r"(?<![\w'\"])(nan|inf)(?![\w'\"])", r"'\1'", literal)
-        try:
-            status = ast.literal_eval(literal)
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
-            continue                   # a value that is not a literal (a tensor's repr): the line is skipped
-        if isinstance(status, dict):
-            _add(rows, match.group(1), status)
+        match = _OPENRLHF.search(line) or _OPENRLHF_EVAL.search(line)
+        if match:
+            _add(rows, match.group(1), _status(match.group(2)))
     return rows
 
 

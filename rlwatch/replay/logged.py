@@ -4,11 +4,19 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .formats import FORMATS, PARSERS, ReplayInputError, Rows, detect, read_text, resolve, tensorboard_key
+
+#: Sampler-learner mismatch aggregates trainers log (verl's ``rollout_corr/*`` and
+#: ``training/rollout_probs_diff_*``, OpenRLHF's ``vllm_kl``, ``token_mult_prob_error``, slime's
+#: ``*_logprob*_abs_diff*``): the ones :mod:`rlwatch.core.trainer_keys` does not map onto an rlwatch
+#: signal have another definition and are kept under their own names; replay lists them.
+MISMATCH_AGGREGATE = re.compile(r"(?:^|/)(?:rollout_corr/|rollout_probs_diff|vllm_kl|token_mult_prob_error)"
+                                r"|logprobs?.*abs_diff")
 
 
 def reward_keys() -> tuple[str, ...]:
@@ -56,6 +64,33 @@ class LoggedRun:
                 fed = {"reward": row[self.reward_key], **{k: v for k, v in fed.items() if k != "reward"}}
             out.append(fed)
         return out
+
+    def recognised(self) -> dict[str, str]:
+        """``{logged key: rlwatch signal}`` for the keys :mod:`rlwatch.core.trainer_keys` reads as
+        rlwatch's signals (the first key of a signal in the table's order wins, as there); the others
+        are kept as framework scalars under their own names. A ``--reward`` key reads as the reward."""
+        from ..core.trainer_keys import PREFIXES, TRAINER_KEYS
+
+        keys = self.keys
+        plain = {k: next((k[len(p):] for p in PREFIXES if k.startswith(p)), k) for k in keys}
+        out: dict[str, str] = {}
+        taken: set[str] = set()
+        if self.reward_key is not None and self.reward_key not in reward_keys():
+            out[self.reward_key] = "reward_mean"
+            taken.add("reward_mean")
+        for entry in TRAINER_KEYS:
+            if entry.signal in taken:
+                continue
+            found = [k for k in keys if entry.matches(plain[k]) and k not in out]
+            if found:
+                out.update({k: entry.signal for k in (found if entry.pattern else found[:1])})
+                taken.add(entry.signal)
+        return out
+
+    def kept_mismatch_aggregates(self) -> list[str]:
+        """The logged mismatch aggregates (:data:`MISMATCH_AGGREGATE`) not read as an rlwatch signal."""
+        recognised = self.recognised()
+        return [k for k in self.keys if MISMATCH_AGGREGATE.search(k) and k not in recognised]
 
     @property
     def keys(self) -> list[str]:

@@ -26,6 +26,14 @@ def _header(result: ReplayResult) -> list[str]:
         lines.append("  reward: no recognised reward key (name it with --reward KEY); the collapse cannot be dated")
     else:
         lines.append(f"  reward: {_safe(run.reward_key)}")
+    recognised = run.recognised()
+    shown = ", ".join(f"{_safe(k)} as {signal}" for k, signal in recognised.items())
+    lines.append(f"  read as rlwatch signals: {shown or 'none'}; {len(run.keys) - len(recognised)} other keys kept "
+                 "as framework scalars")
+    kept = run.kept_mismatch_aggregates()
+    if kept:
+        lines.append(f"  mismatch aggregates kept under their own names (not rlwatch's definitions, not judged): "
+                     f"{_safe(', '.join(kept[:8]))}{', ...' if len(kept) > 8 else ''}")
     for key, steps in sorted(run.nonfinite.items())[:6]:
         lines.append(f"  {_safe(key)} logged non-finite at {len(steps)} step{'s' if len(steps) > 1 else ''} "
                      f"(first {steps[0]})")

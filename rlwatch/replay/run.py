@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ class ReplayResult:
         return {**self.postmortem, "replay": {
             "source": run.source, "format": run.fmt, "logged_rows": len(run.steps),
             "steps": [run.steps[0], run.steps[-1]], "log_every": run.log_every, "reward_key": run.reward_key,
+            "recognised": run.recognised(), "kept_mismatch_aggregates": run.kept_mismatch_aggregates(),
             "treatment": treatment(run.log_every),
             "first_page_step": self.first_page_step, "first_warning_step": self.first_warning_step,
             "collapse_step": self.collapse_step,
@@ -70,7 +72,23 @@ def _fresh_store(store_dir: str | Path, name: str) -> Path:
     return path
 
 
+class _NoAlertLog(logging.Filter):
+    """Drops the evaluator's per-event log lines: the replay prints the alerts against the reward curve."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("rlwatch alert ")
+
+
 def _feed(run: LoggedRun, name: str, store: Path, overrides: Mapping[str, float] | None) -> None:
+    quiet = _NoAlertLog()
+    logging.getLogger("rlwatch").addFilter(quiet)
+    try:
+        _feed_watch(run, name, store, overrides)
+    finally:
+        logging.getLogger("rlwatch").removeFilter(quiet)
+
+
+def _feed_watch(run: LoggedRun, name: str, store: Path, overrides: Mapping[str, float] | None) -> None:
     from ..hook.watch import Watch
 
     watch = Watch(run=name, port=None, store=str(store), alerts=True, sd_dir="", hack_detectors=False,

@@ -12,6 +12,7 @@ baseline with it while a climb over a few tens of steps stands out; the compared
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from ..conditions import one
@@ -138,10 +139,15 @@ def _reward_slide(h: History) -> Verdicts:
         if memory["seen"] >= SMOOTH and (memory["peak"] is None or now > memory["peak"]):
             memory["peak"] = now
     start, peak = memory["start"], memory["peak"]
-    if start is None or memory["seen"] < h.p("baseline_steps") or peak <= start:
+    earlier = h.window(name, (), last=BASELINE_STEPS, skip=SMOOTH)
+    if start is None or memory["seen"] < h.p("baseline_steps") or len(earlier) < 3:
+        return {}
+    # the reward's step-to-step noise, free of its trend: the spread of consecutive differences / sqrt 2
+    band = h.p("evidence_z") * statistics.stdev(b - a for a, b in zip(earlier, earlier[1:])) / math.sqrt(2)
+    if peak - start <= band:                                  # no gain beyond the noise: nothing to slide from
         return {}
     h.stats[("baseline", name)] = peak
-    drop, bound = peak - now, h.p("reward_slide_fraction") * (peak - start)
+    drop, bound = peak - now, max(h.p("reward_slide_fraction") * (peak - start), band)
     return {(name,): (now, drop > bound, drop > h.p("hold_fraction") * bound)}
 
 
@@ -276,13 +282,15 @@ LENGTH_RUNAWAY = Alert(
 
 REWARD_SLIDE = Alert(
     name="RLWatchRewardSlide", severity="warning", for_steps=3, labels=("run", "signal"),
-    params=("reward_slide_fraction", "baseline_steps", "hold_fraction", "clear_steps"),
+    params=("reward_slide_fraction", "baseline_steps", "evidence_z", "hold_fraction", "clear_steps"),
     summary="The reward is sliding from its peak: the collapse is under way.",
     description="Run {{ $labels.run }}: {{ $labels.signal }} is {{ $value | printf \"%.4g\" }}, down from its "
                 "running peak.",
     windows="The reward's 5-step median (the held-out score when one is logged) below its running peak of 5-step "
-            "medians by `reward_slide_fraction` of the run's gain (the peak minus its first 5-step median), after "
-            "`baseline_steps` steps, 3 steps running.",
+            "medians by `reward_slide_fraction` of the run's gain (the peak minus its first 5-step median) and by "
+            "`evidence_z` standard deviations of the reward's step-to-step noise "
+            "(a gain within that noise is no peak), "
+            "after `baseline_steps` steps, 3 steps running.",
     condition=_reward_slide,
     runbook=_runbook(
         "The last line: the run is losing what it learned. The precursors above (entropy, policy KL, gradient, "
