@@ -56,7 +56,7 @@ def collapsing_rows(steps: int = 90, collapse: int = 60, seed: int = 0) -> list[
     for s in range(steps):
         drift = max(0, s - (collapse - 15))
         score = min(0.7, 0.2 + 0.01 * s) if s < collapse else max(0.05, 0.7 - 0.05 * (s - collapse))
-        rows.append({"actor/ppo_kl": 0.004 * (1 + 0.1 * rng.random()) * (1.25 ** drift),
+        rows.append({"actor/ppo_kl": 0.02 * (1 + 0.1 * rng.random()) * (1.25 ** drift),
                      "actor/entropy": 0.6 * (1 + 0.05 * rng.random()) * (1.06 ** drift),
                      "actor/grad_norm": 0.3 * (1 + 0.1 * rng.random()) * (8 if drift > 5 and s % 2 else 1),
                      "critic/score/mean": score + 0.01 * rng.random(),
@@ -183,9 +183,9 @@ def test_no_condition_raises_without_its_baseline():
 
 
 def test_a_single_precursor_warns_and_two_together_page():
-    base = [0.004, 0.005] * 20
-    assert judge({"policy_kl": base + [0.05] * 10}) == {"RLWatchPolicyKLDeparture": 44}
-    both = judge({"policy_kl": base + [0.05] * 10, "grad_norm": [0.5, 0.6] * 20 + [5.0] * 10})
+    base = [0.02, 0.025] * 20
+    assert judge({"policy_kl": base + [0.25] * 10}) == {"RLWatchPolicyKLDeparture": 44}
+    both = judge({"policy_kl": base + [0.25] * 10, "grad_norm": [0.5, 0.6] * 20 + [5.0] * 10})
     assert both["RLWatchCollapsePrecursors"] <= both["RLWatchPolicyKLDeparture"]
 
 

@@ -30,8 +30,9 @@ PARAMS: dict[str, Param] = {
                                   "surge (RLWatchEntropySurge).", above=1.0),
     "policy_kl_factor": Param(4.0, "The policy KL's 5-step median this many times its trailing baseline, and "
                               "above policy_kl_floor, is a departure (RLWatchPolicyKLDeparture).", above=1.0),
-    "policy_kl_floor": Param(0.02, "No policy-KL departure while its 5-step median stays below this (nats).",
-                             above=0.0),
+    "policy_kl_floor": Param(0.1, "No policy-KL departure while its 5-step median stays below this (nats): "
+                             "healthy public runs (docs/real-runs.md) pass 4x their early level while the entropy "
+                             "falls, below 0.1.", above=0.0),
     "policy_kl_max": Param(0.1, "Policy KL (nats) the forecast counts the steps to (window_forecast_steps).",
                            above=0.0),
     "grad_spike_factor": Param(5.0, "A gradient norm this many times its trailing baseline median is a spike "
@@ -213,7 +214,7 @@ POLICY_KL = Alert(
         ["rlwatch_policy_kl and rlwatch_window_forecast_steps{signal=\"policy_kl\"}.",
          "rlwatch_clip_fraction and rlwatch_grad_norm over the same steps."],
         ["Lower the learning rate; raise the KL coefficient; tighten the PPO clip range.", RESUME]),
-    example=StepExample(series=with_step(50, policy_kl={(): [0.004, 0.005] * 20 + const(0.05, 10)}),
+    example=StepExample(series=with_step(50, policy_kl={(): [0.02, 0.025] * 20 + const(0.25, 10)}),
                         fires_at=44, labels={}, value=11.11),
 )
 
@@ -323,7 +324,7 @@ PRECURSORS = Alert(
         ["Checkpoint now (the guard can do this).", "Lower the learning rate and raise the KL coefficient.",
          RESUME]),
     example=StepExample(series=with_step(50, entropy_mean={(): [0.5, 0.52] * 20 + const(1.2, 10)},
-                                         policy_kl={(): [0.004, 0.005] * 20 + const(0.05, 10)}),
+                                         policy_kl={(): [0.02, 0.025] * 20 + const(0.25, 10)}),
                         fires_at=42, labels={}, value=2.0),
 )
 
