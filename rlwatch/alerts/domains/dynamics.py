@@ -24,6 +24,9 @@ from ..trend import forecast_steps
 BASELINE_STEPS, BASELINE_GAP = 30, 10
 #: Steps of the median compared with the baseline.
 SMOOTH = 5
+#: The reward slide: steps of the median whose running maximum is the peak, and of the median compared with it
+#: (a peak of 5-step medians over a long flat run is noise's maximum, not a level the run reached).
+SLIDE_PEAK, SLIDE_NOW = 20, 10
 
 PARAMS: dict[str, Param] = {
     "entropy_surge_factor": Param(1.5, "Entropy's 5-step median this many times its trailing baseline is a "
@@ -42,9 +45,9 @@ PARAMS: dict[str, Param] = {
     "clipped_ratio_rise": Param(0.1, "The truncated (clipped-response) ratio's 5-step median this far above its "
                                 "trailing baseline (absolute fraction) is a surge (RLWatchLengthRunaway).",
                                 above=0.0, high=1.0),
-    "reward_slide_fraction": Param(0.3, "The reward's 5-step median below its running peak by this fraction of "
-                                   "the run's gain (peak minus its first 5-step median) is a slide "
-                                   "(RLWatchRewardSlide).", above=0.0, high=1.0),
+    "reward_slide_fraction": Param(0.3, "The reward's 10-step median below its running peak of 20-step medians "
+                                   "by this fraction of the run's gain (the peak minus its first 20-step median) is a "
+                                   "slide (RLWatchRewardSlide).", above=0.0, high=1.0),
     "precursor_steps": Param(10.0, "Steps within which two different precursors raising page "
                              "(RLWatchCollapsePrecursors).", low=1.0),
 }
@@ -129,18 +132,19 @@ def _reward_signal(h: History) -> str:
 
 def _reward_slide(h: History) -> Verdicts:
     name = _reward_signal(h)
-    now = _median(h, name)
+    now = _median(h, name, last=SLIDE_NOW)
     memory = h.memory.setdefault(("reward_peak", name), {"step": None, "start": None, "peak": None, "seen": 0})
     if h.latest(name) is None or now is None:
         return {}
     if memory["step"] != h.step:
         memory["step"], memory["seen"] = h.step, memory["seen"] + 1
-        if memory["seen"] == SMOOTH:
-            memory["start"] = now
-        if memory["seen"] >= SMOOTH and (memory["peak"] is None or now > memory["peak"]):
-            memory["peak"] = now
+        level = _median(h, name, last=SLIDE_PEAK)
+        if memory["seen"] == SLIDE_PEAK:
+            memory["start"] = level
+        if memory["seen"] >= SLIDE_PEAK and (memory["peak"] is None or level > memory["peak"]):
+            memory["peak"] = level
     start, peak = memory["start"], memory["peak"]
-    earlier = h.window(name, (), last=BASELINE_STEPS, skip=SMOOTH)
+    earlier = h.window(name, (), last=BASELINE_STEPS, skip=SLIDE_NOW)
     if start is None or memory["seen"] < h.p("baseline_steps") or len(earlier) < 3:
         return {}
     # the reward's step-to-step noise, free of its trend: the spread of consecutive differences / sqrt 2
@@ -287,8 +291,8 @@ REWARD_SLIDE = Alert(
     summary="The reward is sliding from its peak: the collapse is under way.",
     description="Run {{ $labels.run }}: {{ $labels.signal }} is {{ $value | printf \"%.4g\" }}, down from its "
                 "running peak.",
-    windows="The reward's 5-step median (the held-out score when one is logged) below its running peak of 5-step "
-            "medians by `reward_slide_fraction` of the run's gain (the peak minus its first 5-step median) and by "
+    windows="The reward's 10-step median (the held-out score when one is logged) below its running peak of 20-step "
+            "medians by `reward_slide_fraction` of the run's gain (the peak minus its first 20-step median) and by "
             "`evidence_z` standard deviations of the reward's step-to-step noise "
             "(a gain within that noise is no peak), "
             "after `baseline_steps` steps, 3 steps running.",
@@ -302,7 +306,7 @@ REWARD_SLIDE = Alert(
         ["Stop and resume from the last checkpoint at or before the peak (`rlwatch postmortem` names it) with "
          "the learning rate halved or the KL coefficient raised."]),
     example=StepExample(series=with_step(50, reward_mean={(): [0.1 + 0.02 * i for i in range(30)] + const(0.3, 20)}),
-                        fires_at=34, labels={"signal": "reward_mean"}, value=0.3),
+                        fires_at=37, labels={"signal": "reward_mean"}, value=0.3),
 )
 
 PRECURSORS = Alert(
