@@ -224,3 +224,25 @@ def test_the_docs_table_lists_every_recognised_name():
     for entry in TRAINER_KEYS:
         assert f"`{entry.key or entry.pattern}`" in text, entry
         assert f"`{BY_NAME[entry.signal].full_name}`" in text
+
+
+# --- RLWatchKLDeparture and a learning-rate warm-up -----------------------------------------------------
+
+def warmup_series(collapse_at: int | None = None, steps: int = 400) -> dict[str, list[float]]:
+    """k3 rising 15x with a 100-step linear warm-up (the update size squared), then steady; from
+    ``collapse_at`` k3 climbs 8% a step."""
+    rng = random.Random(5)
+    lr = [1e-6 * (1 / 15 ** 0.5 + (1 - 1 / 15 ** 0.5) * min(1.0, s / 100)) for s in range(steps)]
+    k3 = [2e-4 * (lr[s] / lr[0]) ** 2 * (1.08 ** max(0, s - collapse_at) if collapse_at else 1.0)
+          * (1 + 0.1 * rng.gauss(0, 1)) for s in range(steps)]
+    return {"mismatch_kl_k3": [min(k, 0.09) for k in k3], "learning_rate": lr}
+
+
+def test_a_warm_up_is_no_kl_departure_when_the_learning_rate_is_logged():
+    from rlwatch.alerts.domains.mismatch import KL_DEPARTURE
+
+    series = warmup_series()
+    assert judge(series, alerts=[KL_DEPARTURE]) == {}
+    assert "RLWatchKLDeparture" in judge({"mismatch_kl_k3": series["mismatch_kl_k3"]}, alerts=[KL_DEPARTURE])
+    # after the warm-up, a departure from the steady level still pages
+    assert 200 < judge(warmup_series(collapse_at=200), alerts=[KL_DEPARTURE])["RLWatchKLDeparture"] < 240
