@@ -95,6 +95,20 @@ def test_a_collapse_logged_only_through_log_scalars_is_stored_exported_and_paged
     assert "RLWatchRewardSlide" in fired and fired["RLWatchRewardSlide"] > 60
 
 
+def test_the_postmortem_dates_the_collapse_on_the_logged_heldout_score(tmp_path):
+    from rlwatch.postmortem import analyse, load
+
+    rows = collapsing_rows()
+    for step, row in enumerate(rows):          # a held-out score every 5 steps, falling with the training score
+        if step % 5 == 0:
+            row["val-core/math/acc/mean@4"] = row["critic/score/mean"] - 0.05
+    replay(rows, str(tmp_path / "run.db")).close()
+    report = analyse(load(str(tmp_path / "run.db")))
+    assert report.quality_signal == "heldout_score"
+    assert 60 <= report.collapse_step <= 70
+    assert report.first_critical is not None and report.first_critical["step"] < report.collapse_step
+
+
 def test_a_healthy_logged_run_raises_nothing(tmp_path):
     watch = replay(healthy_rows(), str(tmp_path / "run.db"), run="healthy")
     watch.close()
