@@ -48,6 +48,8 @@ PARAMS: dict[str, Param] = {
     "reward_slide_fraction": Param(0.3, "The reward's 10-step median below its running peak of 20-step medians "
                                    "by this fraction of the run's gain (the peak minus its first 20-step median) is a "
                                    "slide (RLWatchRewardSlide).", above=0.0, high=1.0),
+    "reward_slide_z": Param(3.0, "RLWatchRewardSlide needs the drop to exceed this many standard deviations of the "
+                            "reward's step-to-step noise too.", above=0.0),
     "precursor_steps": Param(10.0, "Steps within which two different precursors raising page "
                              "(RLWatchCollapsePrecursors).", low=1.0),
 }
@@ -148,10 +150,9 @@ def _reward_slide(h: History) -> Verdicts:
     if start is None or memory["seen"] < h.p("baseline_steps") or len(earlier) < 3:
         return {}
     # the reward's step-to-step noise, free of its trend: the spread of consecutive differences / sqrt 2
-    band = h.p("evidence_z") * statistics.stdev(b - a for a, b in zip(earlier, earlier[1:])) / math.sqrt(2)
-    if peak - start <= band:                                  # no gain beyond the noise: nothing to slide from
-        return {}
+    band = h.p("reward_slide_z") * statistics.stdev(b - a for a, b in zip(earlier, earlier[1:])) / math.sqrt(2)
     h.stats[("baseline", name)] = peak
+    # a fraction of what the run gained, and beyond the noise (a run that gained nothing: the noise alone)
     drop, bound = peak - now, max(h.p("reward_slide_fraction") * (peak - start), band)
     return {(name,): (now, drop > bound, drop > h.p("hold_fraction") * bound)}
 
@@ -287,14 +288,13 @@ LENGTH_RUNAWAY = Alert(
 
 REWARD_SLIDE = Alert(
     name="RLWatchRewardSlide", severity="warning", for_steps=3, labels=("run", "signal"),
-    params=("reward_slide_fraction", "baseline_steps", "evidence_z", "hold_fraction", "clear_steps"),
+    params=("reward_slide_fraction", "reward_slide_z", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="The reward is sliding from its peak: the collapse is under way.",
     description="Run {{ $labels.run }}: {{ $labels.signal }} is {{ $value | printf \"%.4g\" }}, down from its "
                 "running peak.",
     windows="The reward's 10-step median (the held-out score when one is logged) below its running peak of 20-step "
             "medians by `reward_slide_fraction` of the run's gain (the peak minus its first 20-step median) and by "
-            "`evidence_z` standard deviations of the reward's step-to-step noise "
-            "(a gain within that noise is no peak), "
+            "`reward_slide_z` standard deviations of the reward's step-to-step noise, "
             "after `baseline_steps` steps, 3 steps running.",
     condition=_reward_slide,
     runbook=_runbook(
