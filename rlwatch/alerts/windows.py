@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping
 
 from .catalogue import ALERT_LABELS, ALERTS, Alert, History, evaluate, thresholds
@@ -107,8 +107,16 @@ class AlertWindows:
         self._before = None
         return True
 
+    def _snapshot(self) -> tuple:
+        """What :meth:`rollback` restores: each alert's state (an open incident is shared: only its
+        resolution time changes, and a step judged again sets it again), the incident counts, the
+        resolved incidents kept, the conditions' memory."""
+        state = {key: replace(s, recent=deque(s.recent)) for key, s in self._state.items()}
+        resolved = {key: deque(kept, maxlen=kept.maxlen) for key, kept in self._resolved.items()}
+        return state, dict(self._opened), resolved, copy.deepcopy(self._memory)
+
     def on_step(self, step: int, values: Mapping) -> dict:
-        self._before = (step, copy.deepcopy((self._state, self._opened, self._resolved, self._memory)))
+        self._before = (step, self._snapshot())
         self._steps.append((step, {**self.static, **values} if self.static else dict(values)))
         history = History(list(self._steps), self.params, self._memory)
         out: dict[str, dict] = {name: {} for name in EXPORTED}
