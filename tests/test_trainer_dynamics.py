@@ -260,3 +260,16 @@ def test_a_warm_up_is_no_kl_departure_when_the_learning_rate_is_logged():
     assert "RLWatchKLDeparture" in judge({"mismatch_kl_k3": series["mismatch_kl_k3"]}, alerts=[KL_DEPARTURE])
     # after the warm-up, a departure from the steady level still pages
     assert 200 < judge(warmup_series(collapse_at=200), alerts=[KL_DEPARTURE])["RLWatchKLDeparture"] < 240
+
+
+def test_an_alert_opened_on_the_first_source_fires_once_when_the_step_is_judged_again(tmp_path):
+    path = str(tmp_path / "run.db")
+    watch = rlwatch.Watch(run="once", port=None, store=path, background=False, strict=True)
+    for step in range(1, 8):
+        watch.log_scalars(step, {"grad_norm": 0.0})       # judged alone: the dead gradient opens at step 3
+        watch.observe(step, **fields(step))                # then judged again with observe's values
+    watch.close()
+    with StoreReader(path) as reader:
+        events = [(a["name"], a["state"], a["step"]) for a in reader.alerts("once")]
+    assert events.count(("RLWatchGradNormDead", "firing", 3)) == 1
+    assert [e for e in events if e[0] == "RLWatchGradNormDead"] == [("RLWatchGradNormDead", "firing", 3)]
