@@ -273,3 +273,10 @@ def test_an_alert_opened_on_the_first_source_fires_once_when_the_step_is_judged_
         events = [(a["name"], a["state"], a["step"]) for a in reader.alerts("once")]
     assert events.count(("RLWatchGradNormDead", "firing", 3)) == 1
     assert [e for e in events if e[0] == "RLWatchGradNormDead"] == [("RLWatchGradNormDead", "firing", 3)]
+
+
+def test_a_trainer_logging_every_ten_steps_is_judged_row_by_row():
+    rows = [0.02, 0.025] * 20 + [0.25] * 10                       # the policy KL of 50 logged rows
+    sparse = [v if step % 10 == 0 else None for step in range(500) for v in [rows[step // 10]]]
+    assert judge({"policy_kl": sparse}, alerts=dynamics.ALERTS) == {"RLWatchPolicyKLDeparture": 440}
+    assert judge({"policy_kl": [v if s % 10 == 0 else None for s, v in enumerate([0.02] * 500)]}) == {}

@@ -4,10 +4,12 @@ running away or the clipped ratio surging, and the reward (the held-out score wh
 from its running peak. Each is a warning on its own; several moving together within a few steps page
 (RLWatchCollapsePrecursors). Entropy falling is RLWatchEntropyCollapse (the distribution domain).
 
-Every baseline is the run's own: the median of a signal over the 30 steps ending 10 steps before the
+Every baseline is the run's own: the median of a signal over the 30 logged values ending 10 before the
 latest (at least ``baseline_steps`` of them), so a slow change such as a learning-rate warm-up moves the
-baseline with it while a climb over a few tens of steps stands out; the compared level is the signal's
-5-step median, so one noisy step does not raise. No condition raises without its baseline.
+baseline with it while a climb over a few tens of values stands out; the compared level is the median of
+the last 5 values, so one noisy value does not raise. No condition raises without its baseline. The
+conditions count logged values, not steps (:func:`rows`): a trainer that logs every k steps (TRL's
+``logging_steps``) is judged on its rows, each verdict standing until the next row.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from ..trend import forecast_steps
 
 #: Steps of the trailing baseline, and the steps before the latest at which it ends.
 BASELINE_STEPS, BASELINE_GAP = 30, 10
-#: Steps of the median compared with the baseline.
+#: Logged values of the median compared with the baseline.
 SMOOTH = 5
+#: Logged values kept per signal (the baseline reads the 40 before the latest 0).
+KEPT = 60
 #: The reward slide: steps of the median whose running maximum is the peak, and of the median compared with it
 #: (a peak of 5-step medians over a long flat run is noise's maximum, not a level the run reached).
 SLIDE_PEAK, SLIDE_NOW = 20, 10
@@ -55,20 +59,54 @@ PARAMS: dict[str, Param] = {
 }
 
 
+def _series(h: History, name: str) -> list[float]:
+    """The signal's logged values, oldest first (the last :data:`KEPT`), one per step that carries it: a
+    trainer that logs every k steps (TRL: ``logging_steps``) is judged row by row."""
+    memory = h.memory.setdefault(("series", name), {"step": None, "values": []})
+    if memory["step"] != h.step:
+        memory["step"] = h.step
+        value = h.latest(name)
+        if value is not None:
+            memory["values"] = (memory["values"] + [value])[-KEPT:]
+    return memory["values"]
+
+
 def _median(h: History, name: str, last: int = SMOOTH, skip: int = 0) -> float | None:
-    values = h.window(name, (), last=last, skip=skip)
-    return statistics.median(values) if values else None
+    values = _series(h, name)
+    chosen = values[max(0, len(values) - skip - last):max(0, len(values) - skip)]
+    return statistics.median(chosen) if chosen else None
 
 
 def _baseline(h: History, name: str) -> float | None:
-    """The trailing baseline (the median of the 30 steps ending 10 before the latest); None before
+    """The trailing baseline (the median of the 30 logged values ending 10 before the latest); None before
     ``baseline_steps`` of them."""
-    values = h.window(name, (), last=BASELINE_STEPS, skip=BASELINE_GAP)
+    values = _series(h, name)
+    values = values[max(0, len(values) - BASELINE_GAP - BASELINE_STEPS):max(0, len(values) - BASELINE_GAP)]
     if len(values) < min(BASELINE_STEPS, h.p("baseline_steps")):
         return None
     base = statistics.median(values)
     h.stats[("baseline", name)] = base
     return base
+
+
+def rows(key: str, signals: tuple[str, ...], hits: int = 3, of: int = 3):
+    """Judge a condition once per logged row of ``signals``: it raises when its raw raise held on ``hits`` of
+    the last ``of`` rows; on a step that logs none of them the last row's verdict stands (a trainer that
+    logs every k steps is judged on its rows, not on the steps between them)."""
+    def wrap(condition):
+        def judged(h: History) -> Verdicts:
+            memory = h.memory.setdefault(("rows", key), {"step": None, "last": {}, "recent": {}})
+            if memory["step"] == h.step or all(h.latest(s) is None for s in signals):
+                return dict(memory["last"])
+            out: Verdicts = {}
+            for labels, (value, raise_, hold) in condition(h).items():
+                recent = memory["recent"][labels] = (memory["recent"].get(labels, []) + [raise_])[-of:]
+                out[labels] = (value, sum(recent) >= hits, hold or raise_)
+            memory["step"], memory["last"] = h.step, out
+            return out
+        judged.raw = condition
+        return judged
+    return wrap
 
 
 def _ratio_rise(h: History, name: str, factor: float, floor: float = 0.0) -> Verdicts:
@@ -89,10 +127,12 @@ def _remember(h: History, name: str, verdicts: Verdicts) -> Verdicts:
     return verdicts
 
 
+@rows("entropy", ("entropy_mean",))
 def _entropy_surge(h: History) -> Verdicts:
     return _remember(h, "entropy", _ratio_rise(h, "entropy_mean", h.p("entropy_surge_factor")))
 
 
+@rows("policy_kl", ("policy_kl",))
 def _policy_kl(h: History) -> Verdicts:
     steps = forecast_steps(h, h.p("policy_kl_max"), "policy_kl")
     if steps is not None:
@@ -100,6 +140,7 @@ def _policy_kl(h: History) -> Verdicts:
     return _remember(h, "policy_kl", _ratio_rise(h, "policy_kl", h.p("policy_kl_factor"), h.p("policy_kl_floor")))
 
 
+@rows("grad_norm", ("grad_norm",), hits=2, of=4)
 def _grad_spike(h: History) -> Verdicts:
     g = h.latest("grad_norm")
     base = _baseline(h, "grad_norm")
@@ -109,6 +150,7 @@ def _grad_spike(h: History) -> Verdicts:
     return _remember(h, "grad_norm", one(g / base, g > bound, g > base + h.p("hold_fraction") * (bound - base)))
 
 
+@rows("grad_dead", ("grad_norm_zero", "grad_norm_nonfinite", "loss_nonfinite"))
 def _grad_dead(h: History) -> Verdicts:
     flags = [h.latest(name) for name in ("grad_norm_zero", "grad_norm_nonfinite", "loss_nonfinite")]
     if all(flag is None for flag in flags):
@@ -117,6 +159,7 @@ def _grad_dead(h: History) -> Verdicts:
     return _remember(h, "grad_dead", one(1.0 if dead else 0.0, dead, dead))
 
 
+@rows("length", ("response_length_mean", "truncated_ratio"))
 def _length_runaway(h: History) -> Verdicts:
     out: Verdicts = {}
     for value in _ratio_rise(h, "response_length_mean", h.p("length_runaway_factor")).values():
@@ -129,9 +172,10 @@ def _length_runaway(h: History) -> Verdicts:
 
 
 def _reward_signal(h: History) -> str:
-    return "heldout_score" if h.window("heldout_score", (), last=BASELINE_STEPS) else "reward_mean"
+    return "heldout_score" if _series(h, "heldout_score") else "reward_mean"
 
 
+@rows("reward", ("reward_mean", "heldout_score"))
 def _reward_slide(h: History) -> Verdicts:
     name = _reward_signal(h)
     now = _median(h, name, last=SLIDE_NOW)
@@ -146,7 +190,8 @@ def _reward_slide(h: History) -> Verdicts:
         if memory["seen"] >= SLIDE_PEAK and (memory["peak"] is None or level > memory["peak"]):
             memory["peak"] = level
     start, peak = memory["start"], memory["peak"]
-    earlier = h.window(name, (), last=BASELINE_STEPS, skip=SLIDE_NOW)
+    values = _series(h, name)
+    earlier = values[max(0, len(values) - SLIDE_NOW - BASELINE_STEPS):max(0, len(values) - SLIDE_NOW)]
     if start is None or memory["seen"] < h.p("baseline_steps") or len(earlier) < 3:
         return {}
     # the reward's step-to-step noise, free of its trend: the spread of consecutive differences / sqrt 2
@@ -179,12 +224,12 @@ RESUME = ("If the reward has started to fall: stop, and resume from the last che
           "precursor (`rlwatch postmortem` names it) with the learning rate halved.")
 
 ENTROPY_SURGE = Alert(
-    name="RLWatchEntropySurge", severity="warning", for_steps=3,
+    name="RLWatchEntropySurge", severity="warning", for_steps=1,
     params=("entropy_surge_factor", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="Policy entropy surged above this run's baseline.",
     description="Run {{ $labels.run }}: mean token entropy is {{ $value | printf \"%.2g\" }}x its trailing baseline.",
     windows="Entropy's 5-step median over its trailing baseline (the median of the 30 steps ending 10 steps "
-            "before, at least `baseline_steps` of them) above `entropy_surge_factor`, 3 steps running.",
+            "before, at least `baseline_steps` of them) above `entropy_surge_factor`, 3 logged values running.",
     condition=_entropy_surge,
     runbook=_runbook(
         "The policy is becoming more random: updates are destroying what it learned rather than sharpening it. "
@@ -201,14 +246,14 @@ ENTROPY_SURGE = Alert(
 )
 
 POLICY_KL = Alert(
-    name="RLWatchPolicyKLDeparture", severity="warning", for_steps=3,
+    name="RLWatchPolicyKLDeparture", severity="warning", for_steps=1,
     params=("policy_kl_factor", "policy_kl_floor", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="The KL between consecutive policies left this run's baseline.",
     description="Run {{ $labels.run }}: the policy KL per update is {{ $value | printf \"%.2g\" }}x its trailing "
                 "baseline.",
     windows="The policy KL's 5-step median above the larger of `policy_kl_factor` x its trailing baseline and "
-            "`policy_kl_floor`, 3 steps running; rlwatch_window_forecast_steps{signal=\"policy_kl\"} counts the "
-            "steps to `policy_kl_max` at its log-linear trend.",
+            "`policy_kl_floor`, 3 logged values running; rlwatch_window_forecast_steps{signal=\"policy_kl\"} "
+            "counts the steps to `policy_kl_max` at its log-linear trend.",
     condition=_policy_kl,
     runbook=_runbook(
         "Each update moves the policy further than it did: the step size is growing. The policy KL has passed "
@@ -224,13 +269,12 @@ POLICY_KL = Alert(
 )
 
 GRAD_SPIKE = Alert(
-    name="RLWatchGradNormSpike", severity="warning", for_steps=2, intermittent=True,
-    params=("grad_spike_factor", "baseline_steps", "intermittent_hits", "intermittent_steps", "hold_fraction",
-            "clear_steps"),
+    name="RLWatchGradNormSpike", severity="warning", for_steps=1,
+    params=("grad_spike_factor", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="The gradient norm is spiking.",
     description="Run {{ $labels.run }}: the gradient norm is {{ $value | printf \"%.2g\" }}x its trailing baseline.",
-    windows="The gradient norm above `grad_spike_factor` x its trailing baseline median on `intermittent_hits` of "
-            "the last `intermittent_steps` steps.",
+    windows="The gradient norm above `grad_spike_factor` x its trailing baseline median on 2 of the last 4 "
+            "logged values.",
     condition=_grad_spike,
     runbook=_runbook(
         "Repeated gradient spikes precede divergence: a few sequences or tokens dominate the update.",
@@ -244,12 +288,13 @@ GRAD_SPIKE = Alert(
 )
 
 GRAD_DEAD = Alert(
-    name="RLWatchGradNormDead", severity="critical", for_steps=3,
+    name="RLWatchGradNormDead", severity="critical", for_steps=1,
     params=("clear_steps",),
     summary="No usable gradient: its norm is 0, or it or the loss is NaN or infinite.",
     description="Run {{ $labels.run }}: the gradient norm has been 0 or non-finite (or the loss non-finite) for "
                 "several steps.",
-    windows="rlwatch_grad_norm_zero, rlwatch_grad_norm_nonfinite or rlwatch_loss_nonfinite at 1, 3 steps running.",
+    windows="rlwatch_grad_norm_zero, rlwatch_grad_norm_nonfinite or rlwatch_loss_nonfinite at 1, 3 logged values "
+            "running.",
     condition=_grad_dead,
     runbook=_runbook(
         "The trainer is not learning: a zero gradient means no learning signal (every group has zero reward "
@@ -266,13 +311,14 @@ GRAD_DEAD = Alert(
 )
 
 LENGTH_RUNAWAY = Alert(
-    name="RLWatchLengthRunaway", severity="warning", for_steps=3, labels=("run", "signal"),
+    name="RLWatchLengthRunaway", severity="warning", for_steps=1, labels=("run", "signal"),
     params=("length_runaway_factor", "clipped_ratio_rise", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="Responses are running away in length, or the clipped ratio surged.",
     description="Run {{ $labels.run }}: {{ $labels.signal }} is {{ $value | printf \"%.3g\" }} (its trailing "
                 "baseline: rlwatch_window_baseline).",
     windows="The mean response length's 5-step median above `length_runaway_factor` x its trailing baseline, or "
-            "the truncated ratio's 5-step median `clipped_ratio_rise` above its trailing baseline, 3 steps running.",
+            "the truncated ratio's 5-step median `clipped_ratio_rise` above its trailing baseline, 3 logged values "
+            "running.",
     condition=_length_runaway,
     runbook=_runbook(
         "Responses grow until the length limit cuts them: the clipped responses carry no final answer, the reward "
@@ -287,7 +333,7 @@ LENGTH_RUNAWAY = Alert(
 )
 
 REWARD_SLIDE = Alert(
-    name="RLWatchRewardSlide", severity="warning", for_steps=3, labels=("run", "signal"),
+    name="RLWatchRewardSlide", severity="warning", for_steps=1, labels=("run", "signal"),
     params=("reward_slide_fraction", "reward_slide_z", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="The reward is sliding from its peak: the collapse is under way.",
     description="Run {{ $labels.run }}: {{ $labels.signal }} is {{ $value | printf \"%.4g\" }}, down from its "
@@ -295,7 +341,7 @@ REWARD_SLIDE = Alert(
     windows="The reward's 10-step median (the held-out score when one is logged) below its running peak of 20-step "
             "medians by `reward_slide_fraction` of the run's gain (the peak minus its first 20-step median) and by "
             "`reward_slide_z` standard deviations of the reward's step-to-step noise, "
-            "after `baseline_steps` steps, 3 steps running.",
+            "after `baseline_steps` logged values, 3 logged values running.",
     condition=_reward_slide,
     runbook=_runbook(
         "The last line: the run is losing what it learned. The precursors above (entropy, policy KL, gradient, "
