@@ -125,7 +125,8 @@ def test_the_alerts_the_logged_values_trip_are_replayed(tmp_path):
     rows = [(s, {**v, "entropy": 1.0 if s < 30 else 0.1}) for s, v in collapsed_rows()]
     result = replay(load(write_trl(tmp_path / "trainer_state.json", rows)), store_dir=tmp_path / "a")
     fired = [a for a in result.alerts if a.state == "fired"]
-    assert [a.name for a in fired] == ["RLWatchEntropyCollapse"] and fired[0].severity == "warning"
+    assert fired[0].name == "RLWatchEntropyCollapse" and fired[0].severity == "warning"
+    assert all(a.step >= DROP for a in fired[1:])          # the reward's slide: at the collapse, not before
     assert 30 <= result.first_warning_step < DROP == result.collapse_step
     assert result.as_json()["replay"]["first_warning_step"] == result.first_warning_step
     assert f"RLWatchEntropyCollapse fired at {result.first_warning_step}" in report.text(result)
