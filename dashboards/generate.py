@@ -411,6 +411,28 @@ def details() -> dict:
         target(f"rlwatch_length_bias_length_ratio{{{RUN}}}", "{{run}} length ratio (trained/launched)", "C")],
         describe("trained_episode_duration_mean_seconds", "trained episodes shorter than launched ones.")))
 
+    lay.row("Trainer dynamics: collapse precursors (what the trainer logs, docs/trainer-dynamics.md)")
+    lay.add(threshold_panel("Policy KL between consecutive policies", f"rlwatch_policy_kl{{{RUN}}}", "{{run}}",
+                            "policy_kl_floor", "policy_kl", "a climb away from the run's own level.",
+                            "RLWatchPolicyKLDeparture", log=True))
+    lay.add(timeseries("Gradient norm (0 or non-finite flagged)", [
+        target(f"rlwatch_grad_norm{{{RUN}}}", "{{run}} grad norm"),
+        target(f"rlwatch_grad_norm_zero{{{RUN}}} + rlwatch_grad_norm_nonfinite{{{RUN}}}", "{{run}} dead (0/NaN)",
+               "B"),
+        target(f"rlwatch_loss_nonfinite{{{RUN}}}", "{{run}} loss non-finite", "C")],
+        describe("grad_norm", "spikes several times the run's level, or a norm stuck at 0 or NaN.",
+                 "RLWatchGradNormSpike"), log=True))
+    lay.add(timeseries("PPO clip fraction and loss", [
+        target(f"rlwatch_clip_fraction{{{RUN}}}", "{{run}} clip fraction"),
+        target(f"rlwatch_loss{{{RUN}}}", "{{run}} loss", "B")],
+        describe("clip_fraction", "a clip fraction climbing with the policy KL: updates too large.")))
+    lay.add(timeseries("Reward, held-out score and entropy", [
+        target(f"rlwatch_reward_mean{{{RUN}}}", "{{run}} reward"),
+        target(f"rlwatch_heldout_score{{{RUN}}}", "{{run}} held-out", "B"),
+        target(f"rlwatch_entropy_mean{{{RUN}}}", "{{run}} entropy", "C")],
+        describe("heldout_score", "the score sliding from its peak after entropy or the policy KL moved.",
+                 "RLWatchRewardSlide")))
+
     lay.row("Throughput and the hook itself")
     lay.add(timeseries("Steps per hour and tokens per step", [
         target(f"rate(rlwatch_steps_total{{{RUN}}}[$__rate_interval]) * 3600", "{{run}} steps/h"),

@@ -39,6 +39,8 @@ HEALTHY_STEPS = 600
 MAX_S2 = 2.0
 #: Departure: k3 passes this many times its baseline for good.
 DEPARTURE_FACTOR = 10.0
+#: The learning rate every run logs (a warm-up run reaches it after its warm-up).
+LR_PEAK = 1e-6
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class Shape:
     ``growth``: how k3 leaves its baseline before a collapse ("loglinear" over ``warning`` steps
     from 10x to ~1 nat, "step" a jump to ``jump`` x at ``depart``, "regression" a 30-step ramp to
     ``jump`` x then log-linear); ``depart``: designed departure step; ``warning``: designed steps
-    from departure to the reward collapse. ``lag``: maximum async lag."""
+    from departure to the reward collapse. ``lag``: maximum async lag. ``warmup``: (steps, rise) a
+    learning-rate warm-up over which k3 rises ``rise`` x (the update size squared) to a steady level."""
 
     name: str
     kind: str
@@ -63,6 +66,16 @@ class Shape:
     warning: int = 0
     jump: float = 1.0
     lag: int = 1
+    warmup: tuple[int, float] | None = None
+
+    def learning_rate(self, t: int) -> float:
+        """The learning rate at step ``t``: :data:`LR_PEAK`, or with ``warmup`` = (steps, k3 rise) a linear
+        warm-up from LR_PEAK / sqrt(rise) to LR_PEAK over ``steps`` (k3 grows with the update size squared)."""
+        if self.warmup is None:
+            return LR_PEAK
+        steps, rise = self.warmup
+        start = 1.0 / math.sqrt(rise)
+        return LR_PEAK * (start + (1.0 - start) * min(1.0, t / steps))
 
     @property
     def collapse(self) -> int | None:
@@ -74,7 +87,7 @@ class Shape:
 
     def multiplier(self, t: int) -> float:
         """k3 over its baseline at step ``t`` (before noise)."""
-        m = self.drift ** (t / HEALTHY_STEPS)
+        m = self.drift ** (t / HEALTHY_STEPS) * (self.learning_rate(t) / self.learning_rate(0)) ** 2
         for at, factor in self.spikes:
             if t == at:
                 m *= factor
@@ -127,6 +140,7 @@ TUNING: tuple[Shape, ...] = (
     Shape("bf16_spikes", "healthy", *BF16, spikes=((150, 30.0), (320, 60.0), (480, 20.0)), lag=2),
     Shape("bf16_recovery", "healthy", *BF16, bump=(200, 60, 3.0, 1.4), lag=1),
     Shape("fp16_rise", "healthy", *FP16, drift=10.0, lag=1),
+    Shape("bf16_warmup", "healthy", *BF16, warmup=(80, 12.0), lag=2),
     _collapse_loglinear("bf16_fast", *BF16, warning=150, lag=2),
     _collapse_loglinear("bf16_slow", *BF16, warning=500, lag=1),
     Shape("bf16_syncbug", "collapse", *BF16, growth="step", depart=300, warning=80, jump=30.0, lag=1),
@@ -142,6 +156,7 @@ TEST: tuple[Shape, ...] = (
           lag=3),
     Shape("moeb_recovery", "healthy", *MOE_B, bump=(300, 80, 3.5, 1.5), lag=2),
     Shape("fp16_rise_fast", "healthy", *FP16, drift=12.0, spikes=((400, 20.0),), lag=4),
+    Shape("bf16low_warmup", "healthy", *BF16_LOW, warmup=(150, 18.0), lag=3),
     _collapse_loglinear("fp8_fast", *FP8, warning=110, lag=3),
     _collapse_loglinear("bf16low_mid", *BF16_LOW, warning=300, lag=2),
     _collapse_loglinear("moeb_slow", *MOE_B, warning=550, lag=1),
@@ -232,7 +247,9 @@ def collect(run: RealRun, cache: str | None = None) -> dict:
     try:
         for t in range(run.shape.steps):
             values = watch.observe(t, **step_fields(run.shape, t, generator))
+            watch.log_scalars(t, {"learning_rate": run.shape.learning_rate(t)})     # as TRL logs it
             if values is not None:
+                values = watch.pipeline.join.values          # the step's values joined to the trainer's
                 steps.append((t, {k: dict(v) for k, v in values.items() if not derived(k)}))
     finally:
         watch.close()

@@ -118,7 +118,8 @@ def drive_full_run(watch: Watch, steps: int = 34) -> None:
         if step == steps // 2:
             watch.observe(step, mask=torch.ones(2, 2), sampler_logp=torch.zeros(2, 3))   # a hook error
         watch.observe(step, **record)
-        watch.log_scalars(step, {"timing_s/gen": 0.5 + 0.01 * step, "actor/grad_norm": 1.0})
+        watch.log_scalars(step, {"timing_s/gen": 0.5 + 0.01 * step, "actor/grad_norm": 1.0, "actor/ppo_kl": 0.01,
+                                 "actor/pg_clipfrac": 0.1, "actor/pg_loss": 0.2, "val-core/math/acc/mean@4": 0.5})
         time.sleep(0.35)
 
 

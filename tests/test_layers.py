@@ -16,7 +16,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runs",),                                 # the run store, registration, the local stack
     ("exporters",),                            # Prometheus, OpenTelemetry, push, landing page
     ("hook",),                                 # Watch, compute, the step pipeline and lifecycle
-    ("postmortem", "whatif", "demo"),          # the commands beside the hook
+    ("postmortem", "whatif", "demo", "replay"),  # the commands beside the hook
     ("integrations",),                         # TRL, verl, OpenRLHF
     ("ops",),                                  # the command line, autoload, the child process
 )

@@ -29,9 +29,10 @@ below ``clear_steps`` = open): one computation, one verdict, whatever the time b
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping
 
 from .catalogue import ALERT_LABELS, ALERTS, Alert, History, evaluate, thresholds
@@ -88,12 +89,34 @@ class AlertWindows:
         self._opened: dict[tuple[str, ...], int] = {}             # incidents so far per family key
         self._resolved: dict[tuple[str, ...], deque[_Incident]] = {}
         self._memory: dict = {}                                   # the conditions' run-long state
+        self._before: tuple | None = None                         # (step, state before it): rollback()
 
     @property
     def clear_steps(self) -> float:
         return self.params["clear_steps"]
 
+    def rollback(self, step: int) -> bool:
+        """Undo the latest step when it is ``step``: its history entry, every alert's state and the
+        incidents it opened or resolved, so that the same step can be judged again on more values (the
+        trainer's logged scalars joined to an observed step): one verdict per step. False when the latest
+        step is another one (nothing undone)."""
+        if self._before is None or self._before[0] != step or not self._steps or self._steps[-1][0] != step:
+            return False
+        self._steps.pop()
+        self._state, self._opened, self._resolved, self._memory = self._before[1]
+        self._before = None
+        return True
+
+    def _snapshot(self) -> tuple:
+        """What :meth:`rollback` restores: each alert's state (an open incident is shared: only its
+        resolution time changes, and a step judged again sets it again), the incident counts, the
+        resolved incidents kept, the conditions' memory."""
+        state = {key: replace(s, recent=deque(s.recent)) for key, s in self._state.items()}
+        resolved = {key: deque(kept, maxlen=kept.maxlen) for key, kept in self._resolved.items()}
+        return state, dict(self._opened), resolved, copy.deepcopy(self._memory)
+
     def on_step(self, step: int, values: Mapping) -> dict:
+        self._before = (step, self._snapshot())
         self._steps.append((step, {**self.static, **values} if self.static else dict(values)))
         history = History(list(self._steps), self.params, self._memory)
         out: dict[str, dict] = {name: {} for name in EXPORTED}

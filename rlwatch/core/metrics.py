@@ -165,6 +165,24 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("run_info", "info", "Run metadata.", ("framework", "framework_version", "rlwatch_version"), "step"),
     _g("framework_metric", "A scalar the training framework logged itself (grad norm, loss, ...), by name.",
        "framework", ("name",)),
+    # --- the trainer's dynamics (what it logs: rlwatch.core.trainer_keys) ----------------------
+    _g("policy_kl", "KL between consecutive policies over the update's tokens (what trainers log as ppo_kl or "
+       "approx_kl; nats).", "dynamics"),
+    _g("ref_kl", "KL between the policy and the reference policy the trainer logs (its KL penalty term; nats).",
+       "dynamics"),
+    _g("grad_norm", "Gradient norm the trainer logged at the latest step (before clipping; finite values only).",
+       "dynamics"),
+    _g("grad_norm_nonfinite", "1 when the trainer's latest logged gradient norm was NaN or infinite, else 0.",
+       "dynamics"),
+    _g("grad_norm_zero", "1 when the trainer's latest logged gradient norm was exactly 0 (no learning signal), "
+       "else 0.", "dynamics"),
+    _g("loss", "Policy loss the trainer logged at the latest step (finite values only).", "dynamics"),
+    _g("loss_nonfinite", "1 when the trainer's latest logged loss was NaN or infinite, else 0.", "dynamics"),
+    _g("clip_fraction", "Fraction of tokens the PPO ratio clip cut at the latest step (the trainer's "
+       "pg_clipfrac / clip_ratio).", "dynamics"),
+    _g("learning_rate", "Learning rate the trainer logged at the latest step (RLWatchKLDeparture reads a warm-up "
+       "from it).", "dynamics"),
+    _g("heldout_score", "Held-out (validation) score the trainer logged, mean over its data sources.", "dynamics"),
     # --- version lag ------------------------------------------------------------------------
     MetricSpec("token_version_lag", "histogram",
                "Per-token policy-version lag (trainer version minus the version that generated the token).",

@@ -278,6 +278,7 @@ class Services:
         the ``alerts`` phase (after drift and diagnosis, before the user's listeners), the store and the
         evaluator are its sinks."""
         pipeline.listeners.add(self.windows, "alerts")
+        pipeline.windows = self.windows
         pipeline.store = self.store
         pipeline.evaluator = self.evaluator
 

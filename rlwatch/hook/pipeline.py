@@ -37,6 +37,7 @@ from ..core.record import RecordBuilder
 from ..core.state import MetricState
 from ..core.threads import few_threads_for
 from ..core.values import StepValues
+from .join import StepJoin, gauges_only, judged_afresh
 
 __all__ = ["LISTENER_PHASES", "StepListener", "StepListeners", "StepPipeline", "StepTiming", "derive_hack_ratios",
            "report_value_errors", "standard_listeners"]
@@ -123,6 +124,8 @@ class StepPipeline:
         self.workspace = Workspace(compile=compile_variable())
         self.listeners = listeners            # the Watch's: integrations add theirs
         self.evaluator: StepListener | None = None
+        self.windows: Any = None              # the alert step windows (rolled back when a step is judged again)
+        self.join = StepJoin()                # the latest step, to join observe and the trainer's scalars
         self.store: Any = None
         self.hacks: Any = None                # the HackMonitor, started with the first episodes
         self.hack_detectors = hack_detectors
@@ -139,10 +142,45 @@ class StepPipeline:
         if values is None:
             return None
         timing = StepTiming(time.perf_counter() - started, time.time())
+        trainer = self.join.pending_trainer(record.step)     # the trainer's scalars logged before observe
+        if trainer and self.windows is not None:
+            self.windows.rollback(record.step)
+        observed = frozenset(values)
+        for name, value in trainer.items():                   # rlwatch's own value wins
+            values.setdefault(name, {(): float(value)})
         self.derive(record.step, values, timing)
         self.evaluate(record.step, values)
-        self.sinks(record.step, values, timing)
+        self.sinks(record.step, values, timing, replace=bool(trainer))
+        self.join.remember(record.step, values, observed, trainer)
         return record, values
+
+    def run_trainer(self, step: int, trainer: dict[str, float]) -> StepValues | None:
+        """Judge ``step`` with the trainer's recognised scalars (``{signal: value}``): joined to the step's
+        observed values when that step was the latest judged (judged again, the verdict replaced), else a
+        step of its own (the alert windows, the evaluator, the exported state and the store; the drift,
+        diagnosis and user listeners read observed steps only)."""
+        join = self.join
+        if join.step is not None and step < join.step:      # an older step's log: kept as framework scalars
+            return None
+        if join.step == step and join.values is not None:
+            values = judged_afresh(join.values)
+            if self.windows is not None:
+                self.windows.rollback(step)
+            replace = True
+        else:
+            values = StepValues({"step": {(): float(step)}})
+            values.set("last_step_timestamp_seconds", time.time())
+            replace = False
+        join.remember(step, values, None, trainer)
+        join.add_trainer(values, join.trainer)
+        if self.windows is not None:
+            self._listen("alerts", self.windows, step, values)
+        self.evaluate(step, values)
+        guard(self.errors, "export", None, lambda: self.state.apply(gauges_only(values) if replace else values))
+        if self.store is not None:
+            guard(self.errors, "store", None, lambda: self.store.submit_step(self.run_name, step, values,
+                                                                             time.time(), replace=replace))
+        return values
 
     def build(self, step: int, fields: StepFields) -> StepRecord | None:
         return guard(self.errors, "validate", None, lambda: self.builder.build(step, fields, self.workspace))
@@ -186,11 +224,11 @@ class StepPipeline:
         if extra:
             values.merge(extra)
 
-    def sinks(self, step: int, values: StepValues, timing: StepTiming) -> None:
+    def sinks(self, step: int, values: StepValues, timing: StepTiming, replace: bool = False) -> None:
         guard(self.errors, "export", None, lambda: self.state.apply(values))
         if self.store is not None:
-            guard(self.errors, "store", None, lambda: self.store.submit_step(self.run_name, step, values, timing.now))
-        if self.store is not None:
+            guard(self.errors, "store", None, lambda: self.store.submit_step(self.run_name, step, values, timing.now,
+                                                                             replace=replace))
             guard(self.errors, "store", None, self._store_hack_counts)
         if self.hacks is not None:
             guard(self.errors, "hacks", None, self._store_hack_examples)

@@ -35,6 +35,7 @@ from ..core.record import RecordBuilder
 from ..core.rollout import PhaseClock
 from ..core.state import MetricState
 from ..core.threads import one_intra_op_thread_here
+from ..core.trainer_keys import recognise
 from ..core.values import StepValues
 
 logger = logging.getLogger("rlwatch")
@@ -137,9 +138,21 @@ class Watch:
             guard(self.errors, "hacks", "submit", lambda: self.pipeline.hack_monitor().submit(step, episodes, env=env))
 
     def log_scalars(self, step: int, mapping: Mapping[str, Any]) -> None:
-        """Record a framework's own scalar metrics (grad norm, loss, ...) next to rlwatch's."""
-        if self.active and not self._closed:
-            guard(self.errors, "export", "log_scalars", lambda: self.services.log_scalars(step, mapping))
+        """Record a framework's own scalar metrics (grad norm, loss, ...) next to rlwatch's. The names the
+        frameworks log for the trainer's dynamics (:mod:`rlwatch.core.trainer_keys`) become the step's
+        values, joined to what ``observe`` gave for the same step (before or after it), or the step's
+        only values when it is not observed: stored, exported and judged by the alerts."""
+        if not self.active or self._closed:
+            return
+        guard(self.errors, "export", "log_scalars", lambda: self.services.log_scalars(step, mapping))
+        recognised = guard(self.errors, "export", "log_scalars", lambda: recognise(mapping))
+        if recognised and not self.services.steps.closing:
+            self.services.steps.run_step(lambda inline: self._judge_trainer(int(step), recognised), {})
+
+    def _judge_trainer(self, step: int, recognised: dict[str, float]) -> None:
+        with self._lock:
+            if not self._closed:
+                guard(self.errors, "alerts", "trainer_scalars", lambda: self.pipeline.run_trainer(step, recognised))
 
     def on_alert(self, callback: Callable[[Any], None]) -> None:
         """Call ``callback(event)`` for every firing and resolved event of the in-process evaluator,

@@ -231,6 +231,12 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from ..replay.command import run_command
+
+    return run_command(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     import importlib.util
 
@@ -437,6 +443,18 @@ def _add_whatif(sub: Any) -> None:
     add_arguments(p)
 
 
+def _add_replay(sub: Any) -> None:
+    """``rlwatch replay`` and its options."""
+    p = _command(sub, "replay", _cmd_replay, "would rlwatch have caught it? the alerts and the post-mortem over a "
+                 "run's logged metrics, no trainer needed",
+                 "Feed each logged step of a run (TRL trainer_state.json, verl console or JSONL log, OpenRLHF log, "
+                 "W&B or TensorBoard CSV) to the alert evaluator at the shipped thresholds: what would have fired "
+                 "and when, against the run's reward curve, then the post-mortem. docs/replay.md")
+    from ..replay.command import add_arguments
+
+    add_arguments(p)
+
+
 def _add_files(sub: Any) -> None:
     """``rlwatch files`` and its options."""
     p = _command(sub, "files", _cmd_files, "where the shipped rules, runbook, dashboards and examples are")
@@ -460,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_postmortem(sub)
     _add_whatif(sub)
+    _add_replay(sub)
     _add_files(sub)
     return parser
 

@@ -130,7 +130,7 @@ def coverage(data: RunData, quality_key: str | None) -> Coverage:
                          f"log one of {', '.join(QUALITY_KEYS[:3])} to date collapses a hacked reward hides)")
     else:
         out.carried.append({"family": "run quality", "signals": [quality_key],
-                            "steps": len(data.scalars.get(quality_key, []))})
+                            "steps": len(data.scalars.get(quality_key, [])) or len(data.series(quality_key))})
     if not data.checkpoints:
         out.notes.append("no checkpoints recorded (Watch.record_checkpoint, or the integrations): no resume point")
     for event in data.events:
@@ -255,12 +255,16 @@ class Report:
 
 
 def quality_series(data: RunData) -> tuple[str | None, list[tuple[int, float]]]:
-    """The best available measure of real policy quality: a held-out/eval scalar, else reward."""
+    """The best available measure of real policy quality: a held-out/eval scalar (or the held-out score a
+    trainer logs under a recognised name, docs/trainer-dynamics.md), else reward."""
     for key in QUALITY_KEYS:
         if data.scalars.get(key):
             return key, sorted(data.scalars[key])
-    series = data.series("reward_mean")
-    return ("reward_mean", series) if series else (None, [])
+    for name in ("heldout_score", "reward_mean"):     # the trainer's logged held-out score, else the reward
+        series = data.series(name)
+        if series:
+            return name, series
+    return None, []
 
 
 #: A collapse is dated at the first evaluation where the quality falls below COLLAPSE_FRACTION of its

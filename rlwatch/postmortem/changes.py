@@ -69,6 +69,10 @@ LEADING_SIGNALS: dict[str, SignalSpec] = {
     "env_hack_ratio": SignalSpec("up", 0.05),
     "reward_mean": SignalSpec("down", 0.05, relative=0.1),
     "response_length_mean": SignalSpec("either", 0.5, "tokens", relative=0.1),
+    # The trainer's own dynamics (docs/trainer-dynamics.md): the update's size, the gradient, the clip.
+    "policy_kl": SignalSpec("up", 1e-3, "nats", relative=0.1),
+    "grad_norm": SignalSpec("up", 0.0, relative=0.2),
+    "clip_fraction": SignalSpec("up", 0.05),
     # The rollout system (docs/rollout-system.md): the duration tail, the straggler wait, the sync pause.
     "episode_duration_p95_seconds": SignalSpec("up", 0.0, "s", relative=0.2, compared=False),
     "straggler_wait_seconds": SignalSpec("up", 0.0, "s", relative=0.2, compared=False),

@@ -195,9 +195,11 @@ class RunStore:
                    (self.attempt, run, time.time(), os.getpid(), bindable(socket.gethostname()))))
 
     def submit_step(self, run: str, step: int, values: dict[str, dict[tuple[str, ...], float | None]],
-                    when: float | None = None) -> None:
+                    when: float | None = None, replace: bool = False) -> None:
+        """Store one step's row. ``replace``: the same process's row of this step, completed (the
+        trainer's logged scalars joined to it), replaces the earlier one with no conflict counted."""
         self._put(("step", (bindable(run), bindable(int(step)), float(when or time.time()), encode_values(values),
-                            self.attempt), "step"))
+                            self.attempt), "step_replace" if replace else "step"))
 
     def submit_scalars(self, run: str, step: int, mapping: dict[str, float]) -> None:
         run = bindable(run)
@@ -372,6 +374,9 @@ class _StoreWriter:
                 conn.execute("INSERT OR REPLACE INTO steps (run, step, time, data, attempt) VALUES (?, ?, ?, ?, ?)",
                              params)
                 steps += 1
+            elif kind == "step_replace":
+                conn.execute("INSERT OR REPLACE INTO steps (run, step, time, data, attempt) VALUES (?, ?, ?, ?, ?)",
+                             params)
             elif kind == "sync":
                 continue
             else:
@@ -417,5 +422,5 @@ def _is_many(item: tuple) -> bool:
 
 
 def _step_rows(item: tuple) -> Iterable[None]:
-    if item is not _STOP and len(item) > 2 and item[2] == "step":
+    if item is not _STOP and len(item) > 2 and item[2] in ("step", "step_replace"):
         yield None

@@ -1,0 +1,260 @@
+"""The logged-metrics formats ``rlwatch replay`` reads, each parsed into ``(step, {key: value})`` rows
+under the framework's own key names (docs/replay.md lists them with an example line of each).
+
+- ``trl``: TRL's / transformers' ``trainer_state.json`` (``log_history``: one dict per logging step,
+  ``step`` in it; the final summary entry, with ``train_runtime``, is left out).
+- ``verl-console``: verl's console logger lines, ``step:N - key:value - ...``
+  (``verl.utils.logger.aggregate_logger.LocalLogger``; values as ``pprint`` writes them, numpy
+  scalars included), anywhere in a line (Ray's ``(TaskRunner pid=...)`` prefix, other lines skipped).
+- ``verl-jsonl``: verl's ``file`` logger, one ``{"step": N, "data": {...}}`` per line; a flat
+  ``{"step": N, key: value, ...}`` line (``_step`` too) reads the same.
+- ``openrlhf``: OpenRLHF's console log, ``✨ Global step N: {'key': value, ...}`` (``ppo_trainer.py``).
+- ``csv``: a W&B or TensorBoard export with one column per key: the step column is the first of
+  :data:`STEP_COLUMNS` present; W&B's ``<key>__MIN`` / ``<key>__MAX`` and ``_runtime``-like columns
+  are ignored, a ``<run name> - `` prefix shared by every column is removed, and the ``train/`` prefix
+  TRL's and OpenRLHF's W&B / TensorBoard loggers put on every training key is removed (``eval/`` kept).
+- ``tensorboard-csv``: TensorBoard's own per-tag export (``Wall time,Step,Value``), the key from the
+  file name (``run-<run>-tag-<tag>.csv``); several such files are one run.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import io
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+Rows = dict[int, dict[str, float]]
+
+FORMATS = ("trl", "verl-console", "verl-jsonl", "openrlhf", "csv", "tensorboard-csv")
+STEP_COLUMNS = ("train/global_step", "global_step", "step", "Step", "_step", "trainer/global_step")
+#: The key of TRL's final ``log_history`` entry (the run's totals, at the last step), not a step's metrics.
+TRL_SUMMARY_KEY = "train_runtime"
+MAX_BYTES = 512 << 20
+
+_VERL_STEP = re.compile(r"(?:^|\s|\))step:(\d+) - (.*)$", re.M)
+_OPENRLHF = re.compile(r"Global step (\d+): (\{.*\})[ \t\r]*$", re.M)
+_OPENRLHF_EVAL = re.compile(r"Evaluation completed in .*?, global_step (\d+), eval_metrics: (\{.*\})[ \t\r]*$", re.M)
+_REPR_PAIR = re.compile(r"'([^']+)':\s*(?:(?:np|numpy)\.\w+\(|tensor\()?(-?(?:[0-9.]+(?:[eE][-+]?\d+)?|nan|inf))")
+_NUMPY_SCALAR = re.compile(r"\b(?:np|numpy)\.(?:float|int|uint)\d*\(([^()]*)\)")
+_TB_TAG = re.compile(r"^run[-_].*?[-_]tag[-_](.+)$")
+
+
+class ReplayInputError(ValueError):
+    """A file replay cannot read: said in one line, never a traceback."""
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a float (booleans and non-numbers: None; NaN and infinities kept)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        match = _NUMPY_SCALAR.fullmatch(text)
+        text = match.group(1) if match else text
+        try:
+            return float(text)
+        except ValueError:
+            return None
+    return None
+
+
+def _add(rows: Rows, step: Any, mapping: dict[str, Any], skip: Iterable[str] = ()) -> None:
+    """Merge ``mapping``'s numeric values into ``rows[step]`` (a later value of a key wins)."""
+    s = number(step)
+    if s is None or not math.isfinite(s) or s != int(s) or s < 0:
+        return
+    skipped = set(skip)
+    values = {str(k): v for k, v in ((k, number(v)) for k, v in mapping.items()) if v is not None and k not in skipped}
+    if values:
+        rows.setdefault(int(s), {}).update(values)
+
+
+def parse_trl(text: str, name: str) -> Rows:
+    """``trainer_state.json``: ``log_history``'s entries by their ``step``."""
+    try:
+        state = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReplayInputError(f"{name}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise ReplayInputError(f"{name}: no log_history list (not a trainer_state.json)")
+    rows: Rows = {}
+    for entry in history:
+        if isinstance(entry, dict) and TRL_SUMMARY_KEY not in entry:
+            _add(rows, entry.get("step"), entry, skip=("step",))
+    return rows
+
+
+def parse_verl_console(text: str, name: str) -> Rows:
+    """verl's ``step:N - key:value - ...`` lines; other lines are skipped."""
+    rows: Rows = {}
+    for line in text.splitlines():
+        match = _VERL_STEP.search(line)
+        if not match:
+            continue
+        pairs = {}
+        for part in match.group(2).split(" - "):
+            key, sep, value = part.partition(":")
+            if sep:
+                pairs[key.strip()] = value.strip()
+        _add(rows, match.group(1), pairs)
+    return rows
+
+
+def parse_jsonl(text: str, name: str) -> Rows:
+    """verl's file logger (``{"step": N, "data": {...}}``) or flat JSON lines with a step key."""
+    rows: Rows = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            raise ReplayInputError(f"{name}: line {lineno} is not JSON") from None
+        if not isinstance(entry, dict):
+            raise ReplayInputError(f"{name}: line {lineno} is not a JSON object")
+        if isinstance(entry.get("data"), dict):       # orjson writes NaN and infinities as null
+            _add(rows, entry.get("step"), {k: math.nan if v is None else v for k, v in entry["data"].items()})
+        else:
+            step_key = next((k for k in STEP_COLUMNS if k in entry), None)
+            if step_key is not None:
+                _add(rows, entry[step_key], entry, skip=(step_key,))
+    return rows
+
+
+def _status(text: str) -> dict[str, Any]:
+    """A logged status dict's repr as a dict: a Python literal (numpy scalars, nan, inf included),
+    else its ``'key': number`` pairs (a value that is no literal, a tensor's repr, costs only itself)."""
+    literal = _NUMPY_SCALAR.sub(r"\1", text)
+    literal = re.sub(r"(?<![\w'\"])(-?)(nan|inf)(?![\w'\"])", r"'\1\2'", literal)
+    try:
+        status = ast.literal_eval(literal)
+        if isinstance(status, dict):
+            return status
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        pass
+    return dict(_REPR_PAIR.findall(text))
+
+
+def parse_openrlhf(text: str, name: str) -> Rows:
+    """OpenRLHF's ``Global step N: {...}`` lines and its ``Evaluation completed ..., global_step N,
+    eval_metrics: {...}`` lines (held-out metrics, merged into step N's row)."""
+    rows: Rows = {}
+    for line in text.splitlines():
+        match = _OPENRLHF.search(line) or _OPENRLHF_EVAL.search(line)
+        if match:
+            _add(rows, match.group(1), _status(match.group(2)))
+    return rows
+
+
+def _csv_names(header: list[str]) -> dict[int, str]:
+    """Column index -> key: W&B's bound columns dropped, a shared ``<run> - `` prefix and ``train/`` removed."""
+    kept = {i: h.strip() for i, h in enumerate(header)
+            if h.strip() and not h.strip().endswith(("__MIN", "__MAX")) and not h.strip().startswith("_")}
+    prefixes = {h.split(" - ", 1)[0] for h in kept.values() if " - " in h}
+    if len(prefixes) == 1 and all(" - " in h or h in STEP_COLUMNS for h in kept.values()):
+        kept = {i: h.split(" - ", 1)[1] if " - " in h else h for i, h in kept.items()}
+    names = set(kept.values())
+    return {i: h[len("train/"):] if h.startswith("train/") and h[len("train/"):] not in names else h
+            for i, h in kept.items()}
+
+
+def parse_csv(text: str, name: str) -> Rows:
+    """A W&B / TensorBoard export with a step column and one column per key."""
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, None)
+    if not header:
+        raise ReplayInputError(f"{name}: empty CSV")
+    clean = [h.strip() for h in header]
+    step_col = next((clean.index(c) for c in STEP_COLUMNS if c in clean), None)
+    if step_col is None:
+        raise ReplayInputError(f"{name}: no step column (one of {', '.join(STEP_COLUMNS)})")
+    names = {i: k for i, k in _csv_names(clean).items() if i != step_col}
+    rows: Rows = {}
+    for record in reader:
+        if len(record) > step_col:
+            _add(rows, record[step_col], {names[i]: record[i] for i in names if i < len(record) and record[i] != ""})
+    return rows
+
+
+def tensorboard_key(path: Path) -> str:
+    """The tag of a TensorBoard export ``run-<run>-tag-<tag>.csv`` (its ``_``s as written), else the stem."""
+    match = _TB_TAG.match(path.stem)
+    return match.group(1) if match else path.stem
+
+
+def parse_tensorboard_csv(text: str, name: str) -> Rows:
+    """TensorBoard's per-tag export: ``Wall time,Step,Value``; the key from the file name."""
+    reader = csv.DictReader(io.StringIO(text))
+    key = tensorboard_key(Path(name))
+    rows: Rows = {}
+    for record in reader:
+        _add(rows, record.get("Step"), {key: record.get("Value")})
+    return rows
+
+
+PARSERS: dict[str, Callable[[str, str], Rows]] = {
+    "trl": parse_trl, "verl-console": parse_verl_console, "verl-jsonl": parse_jsonl, "openrlhf": parse_openrlhf,
+    "csv": parse_csv, "tensorboard-csv": parse_tensorboard_csv,
+}
+
+
+def detect(text: str, name: str) -> str:
+    """The format of ``text`` (from its content, not its name)."""
+    head = text.lstrip()[:4096]
+    if head.startswith("{") and '"log_history"' in text:
+        return "trl"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if first.startswith("{") and first.endswith("}"):
+        return "verl-jsonl"
+    if _VERL_STEP.search(text):
+        return "verl-console"
+    if _OPENRLHF.search(text):
+        return "openrlhf"
+    header = [h.strip() for h in next(csv.reader([first]), [])]
+    if header[:3] == ["Wall time", "Step", "Value"]:
+        return "tensorboard-csv"
+    if len(header) > 1 and any(h in STEP_COLUMNS for h in header):
+        return "csv"
+    raise ReplayInputError(f"{name}: not a format replay reads (TRL trainer_state.json, verl console or JSONL log, "
+                           "OpenRLHF log, W&B or TensorBoard CSV); --format names one")
+
+
+def resolve(path: Path) -> Path:
+    """``path``, or for a TRL output directory its ``trainer_state.json`` (the last checkpoint's)."""
+    if not path.is_dir():
+        return path
+    if (path / "trainer_state.json").is_file():
+        return path / "trainer_state.json"
+    checkpoints = [(int(p.name.split("-")[-1]), p) for p in path.glob("checkpoint-*")
+                   if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()]
+    return max(checkpoints)[1] / "trainer_state.json" if checkpoints else path
+
+
+def read_text(path: Path) -> str:
+    """The file's text; a missing, unreadable, binary or oversized file raises :class:`ReplayInputError`."""
+    try:
+        size = path.stat().st_size
+        if path.is_dir():
+            raise ReplayInputError(f"{path}: a directory with no trainer_state.json (give the log file)")
+        if size > MAX_BYTES:
+            raise ReplayInputError(f"{path}: {size >> 20} MiB, over the {MAX_BYTES >> 20} MiB replay reads")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ReplayInputError(f"{path}: not found") from None
+    except OSError as exc:
+        raise ReplayInputError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    if b"\0" in data[:65536]:
+        raise ReplayInputError(f"{path}: a binary file, not a text log (a TensorBoard event file: export its "
+                               "scalars as CSV)")
+    text = data.decode("utf-8", "replace")
+    if not text.strip():
+        raise ReplayInputError(f"{path}: empty")
+    return text

@@ -1,0 +1,175 @@
+"""A run's logged metrics as replay reads them: :class:`LoggedRun` and :func:`load` (the formats are in
+:mod:`.formats`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .formats import FORMATS, PARSERS, ReplayInputError, Rows, detect, read_text, resolve, tensorboard_key
+
+#: Sampler-learner mismatch aggregates trainers log (verl's ``rollout_corr/*`` and
+#: ``training/rollout_probs_diff_*``, OpenRLHF's ``vllm_kl``, ``token_mult_prob_error``, slime's
+#: ``*_logprob*_abs_diff*``): the ones :mod:`rlwatch.core.trainer_keys` does not map onto an rlwatch
+#: signal have another definition and are kept under their own names; replay lists them.
+MISMATCH_AGGREGATE = re.compile(r"(?:^|/)(?:rollout_corr/|rollout_probs_diff|vllm_kl|token_mult_prob_error)"
+                                r"|logprobs?.*abs_diff")
+
+
+def reward_keys() -> tuple[str, ...]:
+    """The trainers' own names for the training reward, best first (the ``reward_mean`` rows of
+    :data:`rlwatch.core.trainer_keys.TRAINER_KEYS`, each also after a tracker's ``train/`` prefix);
+    ``--reward KEY`` names any other."""
+    from ..core.trainer_keys import PREFIXES, keys_for
+
+    names = [k.key for k in keys_for("reward_mean") if k.key]
+    return tuple(names + [p + n for n in names for p in PREFIXES])
+
+
+@dataclass
+class LoggedRun:
+    """One run's logged metrics: ``rows[i]`` holds the finite values logged at ``steps[i]`` (ascending),
+    under the framework's own key names; ``log_every`` the usual distance between logged steps (the
+    most common one); ``nonfinite`` the steps where a key was logged NaN or infinite (left out of
+    the rows); ``reward_key`` the key the reward curve is read from (None: none recognised)."""
+
+    source: str
+    fmt: str
+    steps: list[int]
+    rows: list[dict[str, float]]
+    log_every: int
+    reward_key: str | None = None
+    nonfinite: dict[str, list[int]] = field(default_factory=dict)
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        """``[(step, value)]`` of ``key`` where it was logged."""
+        return [(s, row[key]) for s, row in zip(self.steps, self.rows) if key in row]
+
+    def fed_rows(self) -> list[dict[str, float]]:
+        """The rows as replay feeds them to ``log_scalars``: the non-finite values put back (a NaN loss
+        or gradient norm is a signal), and a ``reward_key`` that is not a recognised reward name also
+        given under TRL's ``reward`` (so that it is the run's reward, in the alerts and the post-mortem)."""
+        bad: dict[int, dict[str, float]] = {}
+        for key, steps in self.nonfinite.items():
+            for step in steps:
+                bad.setdefault(step, {})[key] = math.nan
+        alias = self.reward_key is not None and self.reward_key not in reward_keys()
+        out = []
+        for step, row in zip(self.steps, self.rows):
+            fed = {**row, **bad.get(step, {})}
+            if alias and self.reward_key in row:
+                fed = {"reward": row[self.reward_key], **{k: v for k, v in fed.items() if k != "reward"}}
+            out.append(fed)
+        return out
+
+    def recognised(self) -> dict[str, str]:
+        """``{logged key: rlwatch signal}`` for the keys :mod:`rlwatch.core.trainer_keys` reads as
+        rlwatch's signals (the first key of a signal in the table's order wins, as there); the others
+        are kept as framework scalars under their own names. A ``--reward`` key reads as the reward."""
+        from ..core.trainer_keys import PREFIXES, TRAINER_KEYS
+
+        keys = self.keys
+        plain = {k: next((k[len(p):] for p in PREFIXES if k.startswith(p)), k) for k in keys}
+        out: dict[str, str] = {}
+        taken: set[str] = set()
+        if self.reward_key is not None and self.reward_key not in reward_keys():
+            out[self.reward_key] = "reward_mean"
+            taken.add("reward_mean")
+        for entry in TRAINER_KEYS:
+            if entry.signal in taken:
+                continue
+            found = [k for k in keys if entry.matches(plain[k]) and k not in out]
+            if found:
+                out.update({k: entry.signal for k in (found if entry.pattern else found[:1])})
+                taken.add(entry.signal)
+        return out
+
+    def kept_mismatch_aggregates(self) -> list[str]:
+        """The logged mismatch aggregates (:data:`MISMATCH_AGGREGATE`) not read as an rlwatch signal."""
+        recognised = self.recognised()
+        return [k for k in self.keys if MISMATCH_AGGREGATE.search(k) and k not in recognised]
+
+    @property
+    def keys(self) -> list[str]:
+        return sorted({k for row in self.rows for k in row})
+
+
+def _log_every(steps: list[int]) -> int:
+    gaps = Counter(b - a for a, b in zip(steps, steps[1:]) if b > a)
+    return gaps.most_common(1)[0][0] if gaps else 1
+
+
+def _reward_key(keys: set[str], reward_key: str | None, source: str) -> str | None:
+    if reward_key is not None:
+        if reward_key not in keys:
+            near = sorted(k for k in keys if "reward" in k.lower() or "score" in k.lower())[:6]
+            raise ReplayInputError(f"{source}: no key {reward_key!r} logged"
+                                   + (f" (reward-like keys: {', '.join(near)})" if near else ""))
+        return reward_key
+    return next((k for k in reward_keys() if k in keys), None)
+
+
+def from_rows(rows: Rows, source: str, fmt: str, reward_key: str | None = None) -> LoggedRun:
+    """A :class:`LoggedRun` from ``{step: {key: value}}``; no step logged raises :class:`ReplayInputError`."""
+    if not rows:
+        raise ReplayInputError(f"{source}: no logged step found in this {fmt} file")
+    steps = sorted(rows)
+    nonfinite: dict[str, list[int]] = {}
+    clean = []
+    for step in steps:
+        for key, value in rows[step].items():
+            if not math.isfinite(value):
+                nonfinite.setdefault(key, []).append(step)
+        clean.append({k: v for k, v in rows[step].items() if math.isfinite(v)})
+    keys = {k for row in clean for k in row}
+    return LoggedRun(source=source, fmt=fmt, steps=steps, rows=clean, log_every=_log_every(steps),
+                     reward_key=_reward_key(keys, reward_key, source), nonfinite=nonfinite)
+
+
+def _parse(path: Path, fmt: str | None) -> tuple[str, str, Rows]:
+    if fmt is not None and fmt not in FORMATS:
+        raise ReplayInputError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
+    path = resolve(path)
+    text = read_text(path)
+    fmt = fmt or detect(text, str(path))
+    return str(path), fmt, PARSERS[fmt](text, str(path))
+
+
+def load(path: str | Path, *, reward_key: str | None = None, fmt: str | None = None) -> LoggedRun:
+    """Read one logged run from ``path`` (format detected from the content unless ``fmt`` names one
+    of :data:`~rlwatch.replay.formats.FORMATS`). Raises :class:`ReplayInputError` (one line) on a
+    missing, empty, malformed or unknown file."""
+    source, fmt, rows = _parse(Path(path), fmt)
+    return from_rows(rows, source, fmt, reward_key)
+
+
+def load_all(paths: list[str], *, reward_key: str | None = None, fmt: str | None = None
+             ) -> list[LoggedRun | ReplayInputError]:
+    """Each file its own run, except TensorBoard per-tag exports (``Wall time,Step,Value``), which are
+    the tags of one run and merged into one (their keys from the file names); a file that cannot be
+    read is its :class:`ReplayInputError` in the list, in the files' order."""
+    out: list[LoggedRun | ReplayInputError] = []
+    tags: Rows = {}
+    tag_files: list[str] = []
+    for path in paths:
+        try:
+            source, kind, rows = _parse(Path(path), fmt)
+            if kind == "tensorboard-csv":
+                for step, row in rows.items():
+                    tags.setdefault(step, {}).update(row)
+                tag_files.append(path)
+                continue
+            out.append(from_rows(rows, source, kind, reward_key))
+        except ReplayInputError as exc:
+            out.append(exc)
+    if tag_files:
+        try:
+            source = tag_files[0] if len(tag_files) == 1 else f"{len(tag_files)} TensorBoard tag files " + \
+                f"({', '.join(tensorboard_key(Path(p)) for p in tag_files[:4])}{', ...' if len(tag_files) > 4 else ''})"
+            out.append(from_rows(tags, source, "tensorboard-csv", reward_key))
+        except ReplayInputError as exc:
+            out.append(exc)
+    return out

@@ -1,0 +1,96 @@
+"""The public real-run corpus (evaluation/realruns): every run's files exist and are modest, every run
+cites its source and has a split, the splits are disjoint by source, the collapse statements are
+well formed, the frameworks' key names the files map to are ones rlwatch recognises, and the harness
+replays a run end to end (python -m evaluation.realruns on a one-run manifest)."""
+
+from __future__ import annotations
+
+import json
+import re
+import pytest
+
+from evaluation.realruns import corpus, runs, score_run, summarise
+from evaluation.realruns.__main__ import main
+from rlwatch.core.trainer_keys import recognise
+
+DOC = corpus.read_manifest()
+ENTRIES = DOC["runs"]
+SMALL = "verl-commeff-ef-r1"        # 42 logged steps: the smallest collapsed run
+
+
+def test_every_run_has_files_a_citation_and_a_split():
+    assert len(ENTRIES) >= 6
+    ids = [e["id"] for e in ENTRIES]
+    assert len(ids) == len(set(ids)), "run ids repeat"
+    for e in ENTRIES:
+        assert e["split"] in corpus.SPLITS, e["id"]
+        assert e["outcome"] in corpus.OUTCOMES, e["id"]
+        assert e["source"] in DOC["sources"], f"{e['id']}: source {e['source']!r} is not described"
+        cited = e.get("source_path") and re.fullmatch(r"[0-9a-f]{40}", e.get("source_commit", ""))
+        assert e.get("source_url") or cited, f"{e['id']}: no repository path + commit or URL"
+        assert e.get("collapse_quote") and e.get("quote_where"), f"{e['id']}: the authors' words are not quoted"
+        for f in e["files"]:
+            path = corpus.HERE / f
+            assert path.is_file(), f"{e['id']}: {f} missing"
+            assert 0 < path.stat().st_size < 1_000_000, f"{f}: not a modest file"
+
+
+def test_collapse_steps_as_the_authors_state_them():
+    for e in ENTRIES:
+        if e["outcome"] == "collapsed":
+            assert isinstance(e["collapse_step"], int) and e["collapse_step"] > 0, e["id"]
+            assert str(e["collapse_step"]) in e["collapse_quote"], f"{e['id']}: the step is not in the quote"
+        else:
+            assert e["collapse_step"] is None, e["id"]
+
+
+def test_splits_are_disjoint_by_source():
+    by_source: dict[str, set[str]] = {}
+    for e in ENTRIES:
+        by_source.setdefault(e["source"], set()).add(e["split"])
+    for source, splits in by_source.items():
+        assert len(splits) == 1, f"{source} is in several splits: {sorted(splits)}"
+        assert DOC["sources"][source]["split"] in splits
+    described = {DOC["sources"][s]["repository"] for s in by_source}
+    assert len(described) == len({DOC["sources"][s]["repository"] for s in DOC["sources"]})
+
+
+def test_key_maps_name_keys_rlwatch_recognises():
+    for name, key_map in DOC["key_maps"].items():
+        judged = recognise({key: 1.0 for key in key_map.values()})
+        assert {"entropy_mean", "reward_mean", "grad_norm"} <= judged.keys(), name
+
+
+@pytest.mark.parametrize("entry", runs(), ids=lambda e: e.id)
+def test_each_run_loads_with_its_reward(entry):
+    run = corpus.load_run(entry)
+    assert run.reward_key, entry.id
+    assert len(run.steps) >= 10
+    assert run.steps == sorted(run.steps)
+    if entry.collapse_step is not None:
+        assert run.steps[0] < entry.collapse_step <= run.steps[-1], "the collapse is inside the log"
+
+
+def test_the_harness_replays_a_small_run(tmp_path):
+    entry = next(e for e in runs() if e.id == SMALL)
+    score = score_run(entry, tmp_path / "stores")
+    assert (score.first_step, score.last_step, score.rows) == (1, 42, 42)
+    assert score.collapse_step == 29 and score.outcome == "collapsed"
+    assert score.paged_before == (score.first_page_step is not None and score.first_page_step < 29)
+    for step, name, severity in score.fired:
+        assert name.startswith("RLWatch") and severity in ("warning", "critical") and 1 <= step <= 42
+    summary = summarise("tuning", [score])
+    assert summary.collapses == 1 and summary.paged_before == int(score.paged_before)
+    assert all(row["collapsed_runs"] == 1 and row["healthy_runs"] == 0 for row in summary.alerts.values())
+
+
+def test_the_command_writes_its_figures(tmp_path, capsys):
+    one = {**DOC, "runs": [e for e in ENTRIES if e["id"] == SMALL]}
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps(one), encoding="utf-8")
+    assert main(["--split", "tuning", "--out", str(tmp_path / "out"), "--manifest", str(manifest)]) == 0
+    out = capsys.readouterr().out
+    assert "collapses paged before the authors' step" in out and SMALL in out
+    report = json.loads((tmp_path / "out" / "realruns.json").read_text())
+    assert report["tuning"]["figures"]["collapses"] == 1
+    assert [r["id"] for r in report["tuning"]["runs"]] == [SMALL]
