@@ -225,6 +225,7 @@ RESUME = ("If the reward has started to fall: stop, and resume from the last che
 
 ENTROPY_SURGE = Alert(
     name="RLWatchEntropySurge", severity="warning", for_steps=1,
+    value_format="entropy {:.3g}x its baseline",
     params=("entropy_surge_factor", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="Policy entropy surged above this run's baseline.",
     description="Run {{ $labels.run }}: mean token entropy is {{ $value | printf \"%.2g\" }}x its trailing baseline.",
@@ -247,6 +248,7 @@ ENTROPY_SURGE = Alert(
 
 POLICY_KL = Alert(
     name="RLWatchPolicyKLDeparture", severity="warning", for_steps=1,
+    value_format="policy KL {:.3g}x its baseline",
     params=("policy_kl_factor", "policy_kl_floor", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="The KL between consecutive policies left this run's baseline.",
     description="Run {{ $labels.run }}: the policy KL per update is {{ $value | printf \"%.2g\" }}x its trailing "
@@ -270,6 +272,7 @@ POLICY_KL = Alert(
 
 GRAD_SPIKE = Alert(
     name="RLWatchGradNormSpike", severity="warning", for_steps=1,
+    value_format="gradient norm {:.3g}x its baseline",
     params=("grad_spike_factor", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="The gradient norm is spiking.",
     description="Run {{ $labels.run }}: the gradient norm is {{ $value | printf \"%.2g\" }}x its trailing baseline.",
@@ -289,6 +292,7 @@ GRAD_SPIKE = Alert(
 
 GRAD_DEAD = Alert(
     name="RLWatchGradNormDead", severity="critical", for_steps=1,
+    value_format="unusable gradient {:.0f} (1: zero or non-finite gradient norm or loss)",
     params=("clear_steps",),
     summary="No usable gradient: its norm is 0, or it or the loss is NaN or infinite.",
     description="Run {{ $labels.run }}: the gradient norm has been 0 or non-finite (or the loss non-finite) for "
@@ -312,6 +316,7 @@ GRAD_DEAD = Alert(
 
 LENGTH_RUNAWAY = Alert(
     name="RLWatchLengthRunaway", severity="warning", for_steps=1, labels=("run", "signal"),
+    value_format="length {:.3g} (response length: times its baseline; clipped ratio: fraction of responses)",
     params=("length_runaway_factor", "clipped_ratio_rise", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="Responses are running away in length, or the clipped ratio surged.",
     description="Run {{ $labels.run }}: {{ $labels.signal }} is {{ $value | printf \"%.3g\" }} (its trailing "
@@ -334,6 +339,7 @@ LENGTH_RUNAWAY = Alert(
 
 REWARD_SLIDE = Alert(
     name="RLWatchRewardSlide", severity="warning", for_steps=1, labels=("run", "signal"),
+    value_format="reward {:.4g} (median of the latest logged values)",
     params=("reward_slide_fraction", "reward_slide_z", "baseline_steps", "hold_fraction", "clear_steps"),
     summary="The reward is sliding from its peak: the collapse is under way.",
     description="Run {{ $labels.run }}: {{ $labels.signal }} is {{ $value | printf \"%.4g\" }}, down from its "
@@ -357,6 +363,7 @@ REWARD_SLIDE = Alert(
 
 PRECURSORS = Alert(
     name="RLWatchCollapsePrecursors", severity="critical", for_steps=1,
+    value_format="{:.0f} precursors raised within precursor_steps",
     params=("precursor_steps", "clear_steps"),
     summary="Several collapse precursors moved together.",
     description="Run {{ $labels.run }}: {{ $value }} different precursors (entropy, policy KL, gradient norm, "
