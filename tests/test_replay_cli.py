@@ -93,3 +93,18 @@ def test_a_bad_file_among_good_ones_still_replays_the_good(tmp_path, collapsed, 
     assert main(["replay", str(bad), str(collapsed), "--json"]) == 2
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and json.loads(captured.out)[0]["collapse_step"] == DROP
+
+
+def test_override_changes_a_threshold_for_the_replay(tmp_path, capsys):
+    """The logged entropy falls to a tenth: at the shipped ratio (0.2) the entropy alert fires; with
+    ``--override entropy_collapse_ratio=0.05`` (a fall to a twentieth) it does not."""
+    rows = [(s, {**v, "entropy": 1.0 if s < 30 else 0.1}) for s, v in collapsed_rows()]
+    path = write_trl(tmp_path / "trainer_state.json", rows)
+
+    def fired(*extra: str) -> set[str]:
+        assert main(["replay", str(path), "--json", *extra]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        return {a["name"] for a in doc["replay"]["alerts"] if a["state"] == "fired"}
+
+    assert "RLWatchEntropyCollapse" in fired()
+    assert "RLWatchEntropyCollapse" not in fired("--override", "entropy_collapse_ratio=0.05")

@@ -119,19 +119,49 @@ def test_nan_values_are_counted_not_replayed(tmp_path):
 def test_the_alerts_the_logged_values_trip_are_replayed(tmp_path):
     """A run whose logged entropy falls to a tenth at step 30, ten steps before its reward collapses:
     the entropy alert fires from the logged values alone, before the collapse, in the result, the
-    JSON and the table; the same run with the entropy steady fires nothing."""
+    JSON and the table; the same run with the entropy steady does not raise it."""
     from rlwatch.replay import report
 
     rows = [(s, {**v, "entropy": 1.0 if s < 30 else 0.1}) for s, v in collapsed_rows()]
     result = replay(load(write_trl(tmp_path / "trainer_state.json", rows)), store_dir=tmp_path / "a")
-    fired = [a for a in result.alerts if a.state == "fired"]
-    assert fired[0].name == "RLWatchEntropyCollapse" and fired[0].severity == "warning"
-    assert all(a.step >= DROP for a in fired[1:])          # the reward's slide: at the collapse, not before
-    assert 30 <= result.first_warning_step < DROP == result.collapse_step
+    entropy = [a for a in result.alerts if a.name == "RLWatchEntropyCollapse" and a.state == "fired"]
+    assert len(entropy) == 1 and entropy[0].severity == "warning" and 30 <= entropy[0].step < DROP
+    assert result.first_warning_step == entropy[0].step and result.collapse_step == DROP
     assert result.as_json()["replay"]["first_warning_step"] == result.first_warning_step
-    assert f"RLWatchEntropyCollapse fired at {result.first_warning_step}" in report.text(result)
+    assert f"RLWatchEntropyCollapse fired at {entropy[0].step}" in report.text(result)
     steady = replay(load(write_trl(tmp_path / "steady.json", collapsed_rows())), store_dir=tmp_path / "b")
     assert "RLWatchEntropyCollapse" not in {a.name for a in steady.alerts}
+
+
+def _verl_precursor_rows(moving: bool) -> list[tuple[int, dict]]:
+    """verl's names: the score collapsing at DROP; from step 30 the entropy doubling and the policy KL
+    rising tenfold (``moving``), or both steady."""
+    out = []
+    for step, values in collapsed_rows("critic/score/mean"):
+        late = moving and step >= 30
+        out.append((step, {"critic/score/mean": values["critic/score/mean"], "actor/entropy": 1.2 if late else 0.6,
+                           "actor/ppo_kl": 0.05 if late else 0.005, "actor/pg_loss": values["loss"]}))
+    return out
+
+
+def test_precursors_in_a_verl_log_page_before_the_collapse(tmp_path):
+    """verl's console log, its own names: the entropy surge and the policy-KL departure together page
+    (RLWatchCollapsePrecursors) before the score collapses, marked PAGE in the table; with the two
+    steady, the same collapse is not paged before it."""
+    from rlwatch.replay import report
+
+    need_module("verl")
+    result = replay(load(write_verl_console(tmp_path / "moving.log", _verl_precursor_rows(True))), store_dir=tmp_path)
+    pages = [a for a in result.alerts if a.severity == "critical" and a.state == "fired"]
+    assert pages and pages[0].name == "RLWatchCollapsePrecursors"
+    assert 30 <= result.first_page_step == pages[0].step < DROP == result.collapse_step
+    assert {"RLWatchEntropySurge", "RLWatchPolicyKLDeparture"} <= {a.name for a in result.alerts}
+    assert f"PAGE RLWatchCollapsePrecursors fired at {pages[0].step}" in report.text(result)
+    assert f"({DROP - pages[0].step} steps before the collapse)" in report.text(result)
+    steady = replay(load(write_verl_console(tmp_path / "steady.log", _verl_precursor_rows(False))),
+                    store_dir=tmp_path)
+    assert steady.collapse_step == DROP
+    assert steady.first_page_step is None or steady.first_page_step >= DROP
 
 
 def test_mismatch_aggregates_map_where_the_definition_is_rlwatchs(tmp_path):

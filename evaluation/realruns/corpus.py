@@ -9,12 +9,15 @@ are the file's, unchanged.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlwatch.replay import LoggedRun, load
+from rlwatch.replay.formats import Rows, _add
 from rlwatch.replay.logged import from_rows
 
 HERE = Path(__file__).resolve().parent
@@ -38,6 +41,7 @@ class CorpusRun:
     reward_key: str | None = None
     key_map: dict[str, str] = field(default_factory=dict)
     citation: dict[str, Any] = field(default_factory=dict)
+    step_column: str | None = None
 
     def paths(self) -> list[Path]:
         """The run's data files on disk."""
@@ -65,7 +69,7 @@ def runs(split: str = "all", path: Path = MANIFEST) -> list[CorpusRun]:
         out.append(CorpusRun(id=entry["id"], files=tuple(entry["files"]), format=entry["format"],
                              split=entry["split"], source=entry["source"], outcome=entry["outcome"],
                              collapse_step=entry.get("collapse_step"), reward_key=entry.get("reward_key"),
-                             key_map=dict(key_map), citation=citation))
+                             key_map=dict(key_map), citation=citation, step_column=entry.get("step_column")))
     return out
 
 
@@ -80,10 +84,25 @@ def _renamed(run: LoggedRun, key_map: dict[str, str], reward_key: str | None) ->
     return from_rows(rows, run.source, run.fmt, reward_key)
 
 
+def _csv_by_column(path: Path, step_column: str) -> LoggedRun:
+    """A CSV whose step is in a column of the source's own name (``update``, for instance), each other
+    non-empty cell under its column's name; the values are the file's."""
+    reader = csv.reader(io.StringIO(path.read_text(encoding="utf-8")))
+    header = next(reader)
+    at = header.index(step_column)
+    rows: Rows = {}
+    for record in reader:
+        if len(record) > at:
+            _add(rows, record[at], {h: v for i, (h, v) in enumerate(zip(header, record)) if i != at and v != ""})
+    return from_rows(rows, str(path), "csv")
+
+
 def load_run(entry: CorpusRun) -> LoggedRun:
     """The logged run of ``entry`` under the frameworks' key names (one file per run)."""
     if len(entry.files) != 1:
         raise ValueError(f"{entry.id}: one file per run expected, got {len(entry.files)}")
+    if entry.step_column:
+        return _renamed(_csv_by_column(entry.paths()[0], entry.step_column), entry.key_map, entry.reward_key)
     fmt = "csv" if entry.format == "wandb_csv" else None if entry.format == "auto" else entry.format
     if not entry.key_map:
         return load(entry.paths()[0], reward_key=entry.reward_key, fmt=fmt)

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a W&B or TensorBoard CSV export; each file its own run (TensorBoard per-tag CSVs: one run)")
     p.add_argument("--reward", metavar="KEY", help="the reward key, when the log's is not a recognised name")
     p.add_argument("--format", choices=FORMATS, help="the files' format (default: detected from the content)")
-    p.add_argument("--override", action="append", default=[], metavar="NAME=VALUE",
+    p.add_argument("--override", action="append", metavar="NAME=VALUE",
                    help="an alert threshold for the replay (rlwatch.alerts.catalogue.PARAMS), repeatable")
     p.add_argument("--out", metavar="DIR", help="keep the replay's run stores here (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print the post-mortem's JSON with the replay's alerts "
@@ -55,7 +55,7 @@ def run_command(args: argparse.Namespace) -> int:
     from .logged import load_all
 
     try:
-        overrides = _overrides(args.override)
+        overrides = _overrides(args.override or [])
         from ..alerts.params import validate_overrides
         validate_overrides(overrides)
     except ValueError as exc:
