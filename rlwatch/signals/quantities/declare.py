@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..buckets import LAG_BUCKET_LABELS, PROB_BIN_LABELS, ZERO_VARIANCE_KINDS
+from ..ranges import Ranged
 
 #: Labels of the ``by`` slices.
 BY_LABELS: dict[str, tuple[str, ...]] = {"band": PROB_BIN_LABELS, "lag": LAG_BUCKET_LABELS, "kind": ZERO_VARIANCE_KINDS}
@@ -95,7 +96,7 @@ class GroupRow:
 
 
 @dataclass(frozen=True)
-class Threshold:
+class Threshold(Ranged):
     """A configurable threshold of the signals, declared once. ``name``: its keyword (``SignalConfig``,
     ``WatchConfig``, ``Watch``), its ``RLWATCH_<NAME>`` variable and its config gauge ``rlwatch_<name>``
     (``help``: the gauge's help, default ``doc``); ``doc``: its meaning (the runbook's "Signal
@@ -128,15 +129,7 @@ class Threshold:
         """The values allowed, in interval notation, e.g. ``(1, inf)`` or ``mis_low in (0, 1), ...``."""
         if self.parts:
             return ", ".join(f"{p.name} in {p.allowed}" for p in self.parts)
-        left = f"({self.above:g}" if self.above is not None else f"[{self.low:g}"
-        right = (f"{self.below:g})" if self.below is not None
-                 else f"{self.high:g}{')' if math.isinf(self.high) else ']'}")
-        return f"{left}, {right}"
-
-    def allows(self, value: float) -> bool:
-        floor_ok = value > self.above if self.above is not None else value >= self.low
-        ceiling_ok = value < self.below if self.below is not None else value <= self.high
-        return math.isfinite(value) and floor_ok and ceiling_ok
+        return super().allowed
 
     def check(self, value: Any) -> Any:
         """``value`` as the signals take it (a float, or a tuple of floats for ``parts``); ValueError when it
