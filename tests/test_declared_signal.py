@@ -139,3 +139,29 @@ def test_the_declared_thresholds_are_the_keywords_with_their_defaults_and_checks
     names = q.threshold_names()
     sums = [s.against for s in q.token_sums(False) if s.against]
     assert list(names[names.index(sums[0]):][:len(sums)]) == sums and names[-1] == "edges"
+
+
+@pytest.mark.parametrize("missing", ["help", "section"])
+def test_a_declaration_without_its_catalogue_entry_fails_at_import_naming_the_metric(tmp_path, missing):
+    """A block of tokens.py that forgets ``help=`` (or ``section=``): importing the package raises, naming
+    the metric, instead of computing a value the exposition leaves out."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    entry = {"help": 'help="Tokens far."', "section": 'section="mismatch"'}
+    del entry[missing]
+    tokens = (ROOT / "rlwatch" / "signals" / "quantities" / "tokens.py").read_text()
+    (tmp_path / "tokens.py").write_text(tokens + f'\nMETRICS += (Metric("toy_far_ratio", lambda f: f.n, '
+                                                  f'{", ".join(entry.values())}),)\n')
+    probe = ("import sys, importlib.util as u, rlwatch.signals.quantities\n"       # then the edited module
+             "spec = u.spec_from_file_location('rlwatch.signals.quantities.tokens', sys.argv[1])\n"
+             "sys.modules[spec.name] = m = u.module_from_spec(spec); spec.loader.exec_module(m)\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "tokens.py")], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode != 0
+    assert f"ValueError: metric 'toy_far_ratio' is declared without {missing}" in out.stderr, out.stderr[-2000:]
+    with pytest.raises(ValueError, match="toy_far_ratio"):
+        q.Metric("toy_far_ratio", lambda f: f.n, **({"section": "mismatch"} if missing == "help" else
+                                                     {"help": "Tokens far."}))

@@ -54,9 +54,14 @@ class Metric:
     "rewards", "groups", "envs", "truncated"). ``by``: one value per label, ``fn(f, k)`` for the
     k-th of :data:`BY_LABELS` ("band", "lag", "kind"); "env": ``fn(f)`` per environment with ``f``
     its sums of the ``per_env`` rows; "detector": ``fn(f, detector)`` per environment and detector.
-    ``help`` and ``section``: its catalogue entry (:mod:`rlwatch.core.metrics` makes it from them: a
-    gauge, a counter when the name ends in ``_total``, labelled by ``by``); without ``help`` the entry
-    is written in the catalogue by hand."""
+    ``help`` (what one value is, with its unit: the exposition's HELP) and ``section`` (the catalogue's
+    group: ``"mismatch"``, ``"is"``, ``"lag"``, ``"step"``, ``"groups"``, ``"length"``, ``"env"``, ...; it
+    gives the family's level, :attr:`rlwatch.core.metrics.MetricSpec.level`): its catalogue entry, which
+    :mod:`rlwatch.core.metrics` makes from them: a gauge, a counter when the name ends in ``_total``,
+    labelled by ``by``. Both are required: a declaration without them raises ValueError, naming the
+    metric, when its module is imported. ``kind``: ``"histogram"`` (one value per bucket of ``by``, exported
+    as a Prometheus histogram) or ``"internal"`` (kept in the step's values, no catalogue entry of its
+    own: a histogram's ``_sum``); names starting with ``_`` are internal too (checks)."""
 
     name: str
     fn: Callable[..., float | None]
@@ -64,6 +69,20 @@ class Metric:
     by: str = ""
     help: str = ""
     section: str = ""
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("", "histogram", "internal"):
+            raise ValueError(f"metric {self.name!r}: kind {self.kind!r} is not '', 'histogram' or 'internal'")
+        if self.exported and not (self.help.strip() and self.section.strip()):
+            missing = " and ".join(k for k in ("help", "section") if not getattr(self, k).strip())
+            raise ValueError(f"metric {self.name!r} is declared without {missing}: its catalogue entry is "
+                             f"Metric(..., help=..., section=...) (docs/adding-a-signal.md)")
+
+    @property
+    def exported(self) -> bool:
+        """Whether the family has a catalogue entry (and is exported), made from ``help`` and ``section``."""
+        return self.kind != "internal" and not self.name.startswith("_")
 
 
 @dataclass(frozen=True)
