@@ -61,7 +61,7 @@ test-openrlhf: openrlhf-venv
 
 # Every generated file rewritten by its generator (scripts/generate.py: alert rules, runbook, promtool tests,
 # dashboards, the golden exposition, the demo's output quoted in README.md and docs/results.md).
-generate: $(VENV)/.check
+generate: $(VENV)/.base
 	$(PY) scripts/generate.py
 
 # The fast local loop: lint, the generated files (alert rules, runbook, promtool tests, dashboards, the
