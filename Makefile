@@ -2,6 +2,7 @@
 #   make demo   installs rlwatch (CPU torch when torch is absent) and runs the demo
 #   make check  the fast local loop: lint, the generated files (the demo's block in README.md and docs/results.md
 #               included: scripts/demo_block.py runs the demo), the tests that need no server or framework
+#   make generate  rewrites every generated file (scripts/generate.py; `make check` names a stale one)
 #   make test   also installs the servers and frameworks the tests use, then lints and runs the whole suite
 #               (OpenRLHF's tests in their own environment, .venv-openrlhf: its pins conflict with TRL/verl;
 #               tests/test_packaging.py builds the sdist and wheel and runs them from a fresh venv)
@@ -16,7 +17,7 @@ TORCH_INDEX ?=
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 OPENRLHF_VENV ?= .venv-openrlhf
 
-.PHONY: demo test lint servers check bench clean openrlhf-venv test-openrlhf dist
+.PHONY: demo test lint servers check generate bench clean openrlhf-venv test-openrlhf dist
 
 $(VENV)/.base: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,14 +59,17 @@ openrlhf-venv:
 test-openrlhf: openrlhf-venv
 	RLWATCH_REQUIRE_FRAMEWORKS=1 scripts/loopback-only.sh $(OPENRLHF_VENV)/bin/python -m pytest -q tests/test_openrlhf*.py
 
+# Every generated file rewritten by its generator (scripts/generate.py: alert rules, runbook, promtool tests,
+# dashboards, the golden exposition, the demo's output quoted in README.md and docs/results.md).
+generate: $(VENV)/.base
+	$(PY) scripts/generate.py
+
 # The fast local loop: lint, the generated files (alert rules, runbook, promtool tests, dashboards, the
-# demo's output quoted in README.md and docs/results.md: a demo run, ~10 s of training) match their
-# generators, and every test that needs no server binary and no framework and is not marked slow or perf
+# golden exposition, the demo's output quoted in README.md and docs/results.md: a demo run, ~10 s of
+# training) match their generators (scripts/generate.py --check names the stale ones), and every test that needs no server binary and no framework and is not marked slow or perf
 # (tests/conftest.py marks a test `servers` or `frameworks` from what it calls).
 check: lint
-	$(PY) -m rlwatch.alerts.render --check
-	$(PY) dashboards/generate.py --check
-	$(PY) scripts/demo_block.py --check
+	$(PY) scripts/generate.py --check
 	$(PY) -m pytest -q -m "not servers and not frameworks and not slow and not perf"
 
 # setuptools' PEP 517 hooks directly (no `build` package needed); the wheel carries alerts/, dashboards/

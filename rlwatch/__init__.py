@@ -17,9 +17,8 @@ The distribution is ``rlwatch-llm`` (installed from a clone or its wheel: README
 
 from typing import Any
 
+from ._version import __version__
 from .core.errors import InvalidFieldError, PortInUseError, RLWatchError
-
-__version__ = "0.1.0"           # the distribution's version too (pyproject.toml reads it)
 
 __all__ = ["Watch", "WatchConfig", "SignalConfig", "StepFields", "StepValues", "StoreReader", "compute",
            "InvalidFieldError", "PortInUseError", "RLWatchError", "__version__"]

@@ -99,8 +99,10 @@ def test_a_declared_threshold_reaches_watch_values_exposition_and_overrides(far)
         text = generate_latest(watch.registry).decode()
     want = _want(fields, 1.25)
     assert watch.signal_config.far_nats == watch.watch_config.far_nats == 1.25
+    computed = rlwatch.compute(SignalConfig(far_nats=1.25), **fields)      # the same StepValues as observe
+    assert isinstance(values, rlwatch.StepValues) and isinstance(computed, rlwatch.StepValues)
     for name, x in want.items():
-        assert values.value(name) == pytest.approx(x, rel=1e-6)
+        assert values.value(name) == pytest.approx(x, rel=1e-6) and computed.value(name) == values.value(name)
         assert f'rlwatch_{name}{{run="far",run_instance="{watch.run_instance}"}} ' in text
     assert f'rlwatch_far_nats{{run="far",run_instance="{watch.run_instance}"}} 1.25' in text
     assert "# HELP rlwatch_far_nats |r| above which a token is far." in text
@@ -118,8 +120,13 @@ def test_a_declared_threshold_reaches_watch_values_exposition_and_overrides(far)
     assert "| `far_nats` | 0.5 | (0, 50] | \\|r\\| above which a token is far. |" in signal_settings_md()
 
 
-def test_the_shipped_thresholds_keep_their_keywords_defaults_and_checks():
-    assert SignalConfig().thresholds == {"staleness_bound": 4.0, "is_cap": 2.0, "mis_band": (0.5, 5.0)}
+def test_the_declared_thresholds_are_the_keywords_with_their_defaults_and_checks():
+    declared = {t.name: t.value for t in q.SIGNAL_THRESHOLDS}
+    assert SignalConfig().thresholds == declared
+    assert {name: getattr(WatchConfig(), name) for name in declared} == declared
+    assert {"staleness_bound", "is_cap", "mis_band"} <= set(declared)
+    for t in q.SIGNAL_THRESHOLDS:                 # every default is allowed by its own range
+        assert t.check(t.value) == t.value, t.name
     assert SignalConfig(mis_band=[0.2, 2]).mis_band == (0.2, 2.0)
     for bad in ({"is_cap": 1.0}, {"mis_band": (1.0, 2.0)}, {"mis_band": (0.5, 1.0)}, {"mis_band": (0.5,)},
                 {"staleness_bound": -1}):
@@ -132,3 +139,29 @@ def test_the_shipped_thresholds_keep_their_keywords_defaults_and_checks():
     names = q.threshold_names()
     sums = [s.against for s in q.token_sums(False) if s.against]
     assert list(names[names.index(sums[0]):][:len(sums)]) == sums and names[-1] == "edges"
+
+
+@pytest.mark.parametrize("missing", ["help", "section"])
+def test_a_declaration_without_its_catalogue_entry_fails_at_import_naming_the_metric(tmp_path, missing):
+    """A block of tokens.py that forgets ``help=`` (or ``section=``): importing the package raises, naming
+    the metric, instead of computing a value the exposition leaves out."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    entry = {"help": 'help="Tokens far."', "section": 'section="mismatch"'}
+    del entry[missing]
+    tokens = (ROOT / "rlwatch" / "signals" / "quantities" / "tokens.py").read_text()
+    (tmp_path / "tokens.py").write_text(tokens + f'\nMETRICS += (Metric("toy_far_ratio", lambda f: f.n, '
+                                                  f'{", ".join(entry.values())}),)\n')
+    probe = ("import sys, importlib.util as u, rlwatch.signals.quantities\n"       # then the edited module
+             "spec = u.spec_from_file_location('rlwatch.signals.quantities.tokens', sys.argv[1])\n"
+             "sys.modules[spec.name] = m = u.module_from_spec(spec); spec.loader.exec_module(m)\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "tokens.py")], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode != 0
+    assert f"ValueError: metric 'toy_far_ratio' is declared without {missing}" in out.stderr, out.stderr[-2000:]
+    with pytest.raises(ValueError, match="toy_far_ratio"):
+        q.Metric("toy_far_ratio", lambda f: f.n, **({"section": "mismatch"} if missing == "help" else
+                                                     {"help": "Tokens far."}))

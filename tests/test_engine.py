@@ -381,20 +381,19 @@ def toy_quantity(monkeypatch):
     from rlwatch.signals import quantities as q
     from rlwatch.signals.pending import _div
 
-    specs = (metrics.MetricSpec("toy_r_cubed_mean", "gauge", "Mean r^3 over the valid tokens (nats^3).",
-                                group="mismatch"),
-             metrics.MetricSpec("toy_reward_length_mean", "gauge", "Mean reward x length.", group="length"),
-             metrics.MetricSpec("toy_env_reward_length_mean", "gauge", "Mean reward x length per environment.",
-                                ("env",), group="env"))
     monkeypatch.setitem(q.TERMS, "r3", lambda t: t["r"] ** 3)
     monkeypatch.setattr(q, "TOKEN_SUMS", q.TOKEN_SUMS + (q.TokenSum("sum_r3", "r3"),))
-    monkeypatch.setattr(q, "METRICS", q.METRICS + (q.Metric("toy_r_cubed_mean", lambda f: _div(f.sum_r3, f.n)),))
+    monkeypatch.setattr(q, "METRICS", q.METRICS + (q.Metric(
+        "toy_r_cubed_mean", lambda f: _div(f.sum_r3, f.n), help="Mean r^3 over the valid tokens (nats^3).",
+        section="mismatch"),))
     monkeypatch.setattr(q, "EPISODE_ROWS", q.EPISODE_ROWS + (
         q.EpisodeRow("toy_rl", lambda e: e["r"] * e["length"], "rewards", per_env=True),))
     monkeypatch.setattr(q, "EPISODE_METRICS", q.EPISODE_METRICS + (
-        q.Metric("toy_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards"),
-        q.Metric("toy_env_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards+envs", "env")))
-    patch_catalogue(monkeypatch, specs)
+        q.Metric("toy_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards", help="Mean reward x length.",
+                 section="length"),
+        q.Metric("toy_env_reward_length_mean", lambda f: _div(f.toy_rl, f.ok), "rewards+envs", "env",
+                 help="Mean reward x length per environment.", section="env")))
+    patch_catalogue(monkeypatch, tuple(s for s in metrics.declared_specs() if s.name.startswith("toy_")))
     _forget_compiled()
 
     def want(f: dict) -> dict:

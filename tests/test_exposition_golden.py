@@ -4,7 +4,8 @@
 The steps go through the whole pipeline: validation (one bad field, counted), the signals, drift,
 diagnosis, the alert evaluator, ``log_scalars`` and a per-run alert override. Only the values that
 depend on the clock (compute time, timestamps, intervals) are masked. Regenerate (only when a metric
-is meant to change): ``python -m tests.test_exposition_golden``.
+is meant to change): ``python -m tests.test_exposition_golden`` (``--check``: exit 1 when stale), or
+``make generate`` with every other generator.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def test_exposition_of_fixed_steps_is_unchanged_byte_for_byte():
 
 
 if __name__ == "__main__":
+    import sys
+
     text, openmetrics = render()
-    (DATA / "exposition_golden.txt").write_text(text)
-    (DATA / "exposition_golden.om.txt").write_text(openmetrics)
+    files = {DATA / "exposition_golden.txt": text, DATA / "exposition_golden.om.txt": openmetrics}
+    if "--check" in sys.argv[1:]:
+        stale = [path.name for path, body in files.items() if not path.exists() or path.read_text() != body]
+        if stale:
+            print(f"{', '.join(stale)} stale: run `python -m tests.test_exposition_golden`", file=sys.stderr)
+        sys.exit(1 if stale else 0)
+    for path, body in files.items():
+        path.write_text(body)

@@ -68,6 +68,38 @@ def test_every_import_points_down_or_across():
     assert upward == []
 
 
+def test_nothing_inside_imports_the_package_root():
+    """``rlwatch/__init__.py`` sits above every layer and imports lazily from them (``Watch``, the version
+    check in ``ops.distribution``): a module inside that imported the root back (``from .. import
+    __version__``, ``from .. import Watch``) would close a circle through it. The version is
+    ``rlwatch._version``; the hook's names are imported from their own modules."""
+    root = [f"{path.relative_to(PACKAGE)}" for path in PACKAGE.rglob("*.py")
+            if path.parent != PACKAGE and "rlwatch" in imports(path)]
+    assert root == []
+
+
+def test_the_subpackages_import_each_other_in_no_circle():
+    """Across one layer too (``demo`` and ``postmortem``): no subpackage reaches itself through others'
+    imports (the post-mortem's checkpoint loaders are registered by whoever provides them)."""
+    edges: dict[str, set[str]] = {name: set() for name in LAYER}
+    for path in PACKAGE.rglob("*.py"):
+        here = subpackage(".".join(path.relative_to(PACKAGE.parent).parts))
+        for module in imports(path) if here is not None else ():
+            there = subpackage(module)
+            if there is not None and there != here:
+                edges[here].add(there)
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), list(edges[start])
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo += edges[name]
+        return seen
+    assert [name for name in LAYER if name in reaches(name)] == []
+
+
 def test_the_public_names_stay_where_users_import_them():
     """The restructuring moved modules, not the names users write: ``rlwatch.X`` for the hook's types, the
     integrations' packages, ``python -m rlwatch`` as the ``rlwatch`` command."""

@@ -115,6 +115,23 @@ def test_other_openrlhf_versions_are_refused_with_one_warning(monkeypatch, caplo
     assert not ro.INSTRUMENTOR.is_instrumented and _targets() == originals
 
 
+def test_a_release_without_a_patched_method_is_refused_with_one_warning(monkeypatch, caplog):
+    """As if a release renamed ``SamplesGenerator._dispatch_prompts_to_vllm``: one line names it, nothing is
+    patched and the run goes on unwatched (not with the version stamps missing)."""
+    from openrlhf.trainer.ppo_utils import samples_generator
+
+    originals = _targets()
+    monkeypatch.delattr(samples_generator.SamplesGenerator, "_dispatch_prompts_to_vllm")
+    with caplog.at_level(logging.WARNING, logger="rlwatch"):
+        assert not ro.instrument(watch=Watch(run="renamed", port=None, store=None, alerts=False))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"has no {ro.SAMPLES_GENERATOR}.SamplesGenerator._dispatch_prompts_to_vllm" \
+        in warnings[0] and "unwatched" in warnings[0], warnings
+    assert not ro.INSTRUMENTOR.is_instrumented
+    monkeypatch.undo()
+    assert _targets() == originals
+
+
 def test_errors_are_counted_never_raised():
     """A malformed Experience (trainer log-probs wider than the mask) reaching the wrapper: OpenRLHF
     gets its result back untouched; rlwatch counts the error (default, non-strict Watch)."""

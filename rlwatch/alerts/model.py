@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from ..signals.ranges import Ranged
 from .history import History, LabelSet, Verdicts
 
 #: the runbook every rlwatch exporter serves (the copy shipped in the package); RLWATCH_RUNBOOK_URL
@@ -36,26 +37,17 @@ def runbook_base(explicit: str | None = None) -> str:
 
 
 @dataclass(frozen=True)
-class Param:
+class Param(Ranged):
     """A threshold: its default, its meaning, and the values a run may set: from ``low`` (or
-    strictly above ``above``) to ``high``, finite. Declared in the ``PARAMS`` of the domain module
-    whose alerts read it (the shared ones in :mod:`.params`)."""
+    strictly above ``above``) to ``high`` (or strictly below ``below``), finite (:class:`Ranged`). Declared
+    in the ``PARAMS`` of the domain module whose alerts read it (the shared ones in :mod:`.params`)."""
 
     default: float
     doc: str
     low: float = 0.0
     high: float = math.inf
     above: float | None = None
-
-    @property
-    def allowed(self) -> str:
-        """The allowed range in interval notation, e.g. ``(0, inf)`` or ``[0, 1]``."""
-        left = f"({self.above:g}" if self.above is not None else f"[{self.low:g}"
-        return f"{left}, {self.high:g}{')' if math.isinf(self.high) else ']'}"
-
-    def allows(self, value: float) -> bool:
-        floor_ok = value > self.above if self.above is not None else value >= self.low
-        return math.isfinite(value) and floor_ok and value <= self.high
+    below: float | None = None
 
 
 def threshold_expr(param: str, default: float) -> str:

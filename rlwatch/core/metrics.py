@@ -2,7 +2,11 @@
 
 One place names each signal. Exporters (Prometheus, OpenTelemetry), the run store, the alert
 rules and the dashboards all read their names from here, so a name cannot drift between them.
-Every family carries a ``run`` label in addition to the labels listed here.
+The entry of a declared signal (``rlwatch.signals.quantities``: the lag, mismatch, importance-sampling,
+group, reward, length and environment families) lives with its declaration (``Metric(help=...,
+section=...)``) and is made here by :func:`declared_specs`; the others (the step, the hook, the
+alerts, the rollout system, ...) are written below. Every family carries a ``run`` label in addition
+to the labels listed here.
 
 Kinds:
 - ``gauge``: the value at the latest step (a per-step summary such as a p99 or k3).
@@ -86,31 +90,30 @@ def threshold_specs() -> tuple[MetricSpec, ...]:
 
 
 def declared_specs() -> tuple[MetricSpec, ...]:
-    """The entries of the declared metrics that carry their own (``help``, ``section``): a counter when the
-    name ends in ``_total``, else a gauge, labelled as their ``by`` splits them."""
-    return tuple((_c if m.name.endswith("_total") else _g)(m.name, m.help, m.section, quantities.BY_LABEL_NAMES[m.by])
-                 for m in quantities.METRICS + quantities.EPISODE_METRICS if m.help)
+    """The catalogue entries of the declared metrics (``rlwatch.signals.quantities``), from their ``help`` and
+    ``section``: a histogram when declared so, a counter when the name ends in ``_total``, else a gauge,
+    labelled as their ``by`` splits them (a histogram by its buckets); internal values have none."""
+    out = []
+    for m in quantities.METRICS + quantities.EPISODE_METRICS:
+        if m.kind == "histogram":
+            out.append(MetricSpec(m.name, "histogram", m.help, (), m.section))
+        elif m.exported:
+            out.append((_c if m.name.endswith("_total") else _g)(m.name, m.help, m.section,
+                                                                 quantities.BY_LABEL_NAMES[m.by]))
+    return tuple(out)
 
 
 CATALOGUE: tuple[MetricSpec, ...] = (
     # --- step and hook ---------------------------------------------------------------------
     _g("step", "Training step of the latest observed batch.", "step"),
     _g("trainer_version", "Policy version held by the trainer at the latest step (updates).", "step"),
-    _g("tokens", "Response tokens the trainer trains on in the latest step (mask sum).", "step"),
     _g("sequences", "Sequences (episodes) in the latest step.", "step"),
     _g("entropy_mean", "Mean per-token policy entropy over response tokens (nats).", "step"),
-    _g("reward_mean", "Mean episode reward in the latest step, infrastructure failures excluded.", "step"),
-    _g("nonfinite_rewards", "Episodes (not failed) whose reward is NaN or infinite in the latest step; excluded "
-       "from every reward signal.", "step"),
-    _c("nonfinite_rewards_total", "Episodes whose reward was NaN or infinite, excluded from the reward signals.",
-       "step"),
-    _g("reward_std", "Standard deviation of episode rewards in the latest step, failures excluded.", "step"),
     _g("step_interval_seconds", "Wall time between the two latest observed steps.", "step", unit="seconds"),
     _g("last_step_timestamp_seconds", "Unix time at which the latest step was observed.", "step", unit="seconds"),
     _g("hook_compute_seconds", "rlwatch's own compute time for the latest step (signals and host sync).",
        "hook", unit="seconds"),
     _c("steps_total", "Steps observed.", "step"),
-    _c("tokens_total", "Response tokens observed (mask sum).", "step"),
     _c("sequences_total", "Sequences (episodes) observed.", "step"),
     _c("hook_compute_seconds_total", "rlwatch's own compute time, summed over steps.", "hook", unit="seconds"),
     _c("signal_unavailable_total", "Steps on which a signal family could not be computed from what the "
@@ -183,109 +186,17 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("learning_rate", "Learning rate the trainer logged at the latest step (RLWatchKLDeparture reads a warm-up "
        "from it).", "dynamics"),
     _g("heldout_score", "Held-out (validation) score the trainer logged, mean over its data sources.", "dynamics"),
-    # --- version lag ------------------------------------------------------------------------
-    MetricSpec("token_version_lag", "histogram",
-               "Per-token policy-version lag (trainer version minus the version that generated the token).",
-               (), "lag"),
-    _g("version_lag_mean", "Mean per-token version lag (updates).", "lag"),
-    _g("version_lag_p99", "99th percentile of the per-token version lag (updates).", "lag"),
-    _g("version_lag_max", "Maximum per-token version lag (updates).", "lag"),
-    _g("version_lag_sequence_max_mean", "Mean over sequences of each sequence's maximum token lag (updates).",
-       "lag"),
-    _g("version_lag_over_bound_ratio", "Fraction of tokens whose lag exceeds the staleness bound.", "lag"),
-    _g("partial_rollout_ratio", "Fraction of sequences whose tokens span more than one policy version.", "lag"),
-    _c("tokens_over_staleness_bound_total", "Tokens whose lag exceeded the staleness bound.", "lag"),
-    _c("partial_rollout_sequences_total", "Sequences whose tokens span more than one policy version.", "lag"),
-    _c("negative_lag_tokens_total", "Tokens left out of the lag signals as invalid input: a version newer than the "
-       "trainer's, negative, NaN or infinite.", "lag"),
-    # --- sampler-learner mismatch -----------------------------------------------------------
-    _g("mismatch_tokens", "Tokens with finite sampler and trainer log-probs in the latest step.", "mismatch"),
-    _g("mismatch_log_ratio_mean", "Mean signed log-ratio r = trainer_logp - sampler_logp (nats).", "mismatch"),
-    _g("mismatch_abs_log_ratio_mean", "Mean |r| (nats).", "mismatch"),
-    _g("mismatch_abs_log_ratio_p50", "Median |r| (nats).", "mismatch"),
-    _g("mismatch_abs_log_ratio_p99", "99th percentile of |r| (nats).", "mismatch"),
-    _g("mismatch_abs_log_ratio_max", "Maximum |r| (nats).", "mismatch"),
-    _g("mismatch_kl_k1", "KL(mu||pi_old) estimator k1 = mean(-r) (verl rollout_corr/kl).", "mismatch"),
-    _g("mismatch_kl_k2", "KL(mu||pi_old) estimator k2 = mean(r^2/2).", "mismatch"),
-    _g("mismatch_kl_k3", "KL(mu||pi_old) estimator k3 = mean(exp(r) - 1 - r) (verl rollout_corr/k3_kl).",
-       "mismatch"),
-    _g("mismatch_chi2_token", "Token chi-square mean(w^2) - 1, w = exp(r) (verl rollout_corr/chi2_token).",
-       "mismatch"),
-    _g("mismatch_chi2_sequence", "Sequence chi-square mean(exp(2 sum r)) - 1 (verl rollout_corr/chi2_seq).",
-       "mismatch"),
-    _g("mismatch_log_ratio_slope", "Least-squares slope of r against the sampler log-prob log mu. A sampler "
-       "temperature T_s against the trainer's T_t makes r linear in log mu (slope near T_s/T_t - 1); numeric "
-       "noise and staleness give a slope near 0.", "mismatch"),
-    _g("mismatch_seq_log_ratio_abs_mean", "Mean over sequences of |sum of r over the sequence| (nats).",
-       "mismatch"),
-    _g("mismatch_seq_log_ratio_abs_max", "Maximum over sequences of |sum of r over the sequence| (nats).",
-       "mismatch"),
-    _g("mismatch_abs_log_ratio_by_prob", "Mean |r| by sampler probability of the token (nats).", "mismatch",
-       ("prob_bin",)),
-    _g("mismatch_tokens_by_prob", "Tokens by sampler probability bin in the latest step.", "mismatch",
-       ("prob_bin",)),
-    _g("mismatch_kl_k3_by_lag", "Token-weighted k3 = mean(exp(r) - 1 - r) over the tokens of each version-lag "
-       "bucket (the lag histogram's buckets): the lag-0 level is the numerics floor, growth with lag is staleness.",
-       "mismatch", ("lag",)),
-    _g("mismatch_abs_log_ratio_mean_by_lag", "Mean |r| over the tokens of each version-lag bucket (nats).",
-       "mismatch", ("lag",)),
-    _g("mismatch_tokens_by_lag", "Tokens with finite log-probs and a non-negative version lag, by lag bucket, in "
-       "the latest step.", "mismatch", ("lag",)),
-    _g("nonfinite_tokens", "Response tokens whose sampler or trainer log-prob is NaN or infinite.", "mismatch"),
-    _c("nonfinite_tokens_total", "Response tokens with a NaN or infinite log-prob, excluded from the mismatch.",
-       "mismatch"),
-    # --- importance sampling ----------------------------------------------------------------
-    _g("is_tis_high_ratio", "Fraction of tokens with w > C, which a TIS cap truncates "
-       "(verl rollout_is_ratio_fraction_high).", "is"),
-    _g("is_tis_low_ratio", "Fraction of tokens with w < 1/C (verl rollout_is_ratio_fraction_low).", "is"),
-    _g("is_mis_masked_ratio", "Fraction of tokens with w outside the MIS band [low, high], which MIS masks.",
-       "is"),
-    _g("is_seq_tis_high_ratio", "Fraction of sequences whose weight exp(sum r) exceeds C.", "is"),
-    _g("is_seq_tis_low_ratio", "Fraction of sequences whose weight exp(sum r) is below 1/C.", "is"),
-    _g("is_seq_mis_masked_ratio", "Fraction of sequences whose weight exp(sum r) is outside the MIS band.", "is"),
-    _g("is_ess_ratio", "Normalised effective sample size (sum w)^2 / (N sum w^2) of the TIS-truncated weights "
-       "min(w, C) (verl rollout_is_eff_sample_size).", "is"),
-    _g("is_ess_raw_ratio", "Normalised effective sample size of the raw weights w.", "is"),
-    _g("is_ratio_min", "Minimum token importance ratio w = exp(r) = pi_old / mu, before any truncation or "
-       "masking (TRL sampling/importance_sampling_ratio/min in its token modes when nothing is clipped).", "is"),
-    _g("is_ratio_mean", "Mean token importance ratio w = exp(r), before any truncation or masking.", "is"),
-    _g("is_ratio_max", "Maximum token importance ratio w = exp(r), before any truncation or masking.", "is"),
-    _c("is_tis_truncated_tokens_total", "Tokens with w > C (a TIS cap truncates them).", "is"),
-    _c("is_mis_masked_tokens_total", "Tokens with w outside the MIS band (MIS masks them).", "is"),
-    _c("mismatch_tokens_total", "Tokens with finite sampler and trainer log-probs.", "is"),
-    # --- groups, truncation, rewards ---------------------------------------------------------
-    _g("groups", "GRPO groups (prompts) in the latest step.", "groups"),
-    _g("zero_variance_groups_ratio", "Fraction of groups whose rewards are all equal, by kind.", "groups",
-       ("kind",)),
-    _g("zero_gradient_episodes_ratio", "Fraction of episodes in zero-variance groups (no GRPO gradient).", "groups"),
-    _c("groups_total", "GRPO groups observed.", "groups"),
-    _c("zero_variance_groups_total", "Zero-variance groups observed, by kind.", "groups", ("kind",)),
+    # --- generation batches (the groups, rewards, truncation and lengths: declared, below) --------
     _g("generation", "Serial number (1-based) of the latest generation batch whose episode-level series "
        "(groups, rewards, truncation, lengths, environments) are shown, where an integration computes them once "
        "per generation batch (TRL); repeated until the next batch is scored.", "groups"),
     _g("generation_policy_version", "Policy version (optimizer updates) that generated the batch named by "
        "rlwatch_generation.", "groups"),
-    _g("truncated_ratio", "Fraction of responses cut by the length limit or a timeout.", "length"),
-    _g("response_length_mean", "Mean response length (tokens).", "length"),
-    _g("response_length_p99", "99th percentile of response length (tokens).", "length"),
-    _g("response_length_max", "Maximum response length (tokens).", "length"),
     # --- per environment ---------------------------------------------------------------------
-    _g("env_episodes", "Episodes per environment in the latest step.", "env", ("env",)),
-    _g("env_reward_mean", "Mean reward per environment in the latest step (failures excluded).", "env", ("env",)),
-    _g("env_truncated_ratio", "Truncated fraction per environment.", "env", ("env",)),
-    _g("env_zero_variance_groups_ratio", "Zero-variance group fraction per environment.", "env", ("env",)),
     _g("env_hack_ratio", "Fraction of episodes a reward-hack detector flagged, per environment and detector.",
        "env", ("env", "detector")),
     _g("env_failure_ratio", "Fraction of episodes that failed for an infrastructure reason, per kind.", "env",
        ("env", "kind")),
-    _c("episodes_total", "Episodes observed per environment.", "env", ("env",)),
-    _c("episodes_truncated_total", "Truncated episodes per environment.", "env", ("env",)),
-    _c("episodes_hacked_total", "Episodes flagged as reward hacks, per environment and detector.", "env",
-       ("env", "detector")),
-    _c("episodes_judged_total", "Episodes a reward-hack detector judged (applicable and sampled), per "
-       "environment and detector: the denominator of the hack rate.", "env", ("env", "detector")),
-    _g("env_reward_length_corr", "Correlation of reward with response length within an environment in the "
-       "latest step (batch-level reward/length hack signal).", "env", ("env",)),
     _c("episodes_failed_total", "Episodes with an infrastructure failure, per environment and kind.", "env",
        ("env", "kind")),
     # --- rollout system: durations, phases, launched vs trained (docs/rollout-system.md) ------
@@ -334,7 +245,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("length_bias_duration_ratio", "Trained over launched mean episode duration: below 1, dropping episodes "
        "shortened the trained data.", "rollout"),
     _g("length_bias_length_ratio", "Trained over launched mean response length.", "rollout"),
-    *declared_specs(),      # the declared signals whose catalogue entry is in their declaration
+    # --- the declared signals (rlwatch/signals/quantities/: lag, mismatch, importance sampling, groups,
+    # rewards, lengths, environments): each entry is made from its declaration's help and section ---------
+    *declared_specs(),
 )
 
 #: The level of each section's families (:attr:`MetricSpec.level`), and of those that differ from their section's.

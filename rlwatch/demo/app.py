@@ -269,10 +269,10 @@ def _unresolved(receiver: WebhookReceiver, run: str) -> bool:
 def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0, port: int | None = 9400,
              out: str = "rlwatch-demo", with_prometheus: bool = False, live: bool = True) -> dict:
     """Run one scenario with rlwatch attached; returns the post-mortem document."""
-    from .. import Watch
+    from ..hook.watch import Watch
     from ..postmortem import run_postmortem
     from ..postmortem.probe import ROLLOUTS_FILE
-    from . import WATCH_CONFIG
+    from . import WATCH_CONFIG, checkpoint  # noqa: F401 - checkpoint: the probe's loader of its checkpoints
     from .scenario import SCENARIOS, save_probe_rollouts
 
     if scenario not in SCENARIOS:

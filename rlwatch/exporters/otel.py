@@ -27,7 +27,7 @@ class OTelExporter:
         from opentelemetry import metrics as otel_metrics
         from opentelemetry.metrics import Observation
 
-        from .. import __version__
+        from .._version import __version__
 
         if provider is True or provider is None:
             provider = otel_metrics.get_meter_provider()

@@ -24,7 +24,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from ..core.metrics import CATALOGUE, HISTOGRAM_BUCKETS
+from ..core.metrics import CATALOGUE, HISTOGRAM_BUCKETS, MetricSpec
 from ..core.state import MetricState
 
 logger = logging.getLogger("rlwatch")
@@ -46,36 +46,64 @@ class RLWatchCollector:
             self._refresh()
         snap = self.state.snapshot()
         run = (snap.run, snap.run_instance)          # the run identity every series carries
-        for spec in CATALOGUE:
-            labels = ["run", "run_instance", *spec.labels]
-            if spec.kind in ("gauge", "info"):
-                family = snap.gauges.get(spec.name) if spec.kind == "gauge" else snap.info.get(spec.name)
-                if not family:
-                    continue
-                metric = GaugeMetricFamily(spec.full_name, spec.help, labels=labels, unit="")
-                for label_values, value in sorted(family.items()):
+        held = {"gauge": snap.gauges, "info": snap.info, "counter": snap.counters, "histogram": snap.histograms}
+        for spec in exported():
+            series = held[spec.kind].get(spec.name)
+            if not series:
+                continue
+            metric = family(spec)
+            for label_values, value in sorted(series.items()):
+                if spec.kind == "histogram":             # (per-bucket counts, sum) -> cumulative buckets
+                    counts, total = value
+                    metric.add_metric([*run, *label_values], cumulative(spec.name, counts), sum_value=total)
+                else:
                     metric.add_metric([*run, *label_values], value)
-                yield metric
-            elif spec.kind == "counter":
-                family = snap.counters.get(spec.name)
-                if not family:
-                    continue
-                metric = CounterMetricFamily(spec.full_name, spec.help, labels=labels)
-                for label_values, value in sorted(family.items()):
-                    metric.add_metric([*run, *label_values], value)
-                yield metric
-            elif spec.kind == "histogram":
-                hist = snap.histograms.get(spec.name)
-                if not hist:
-                    continue
-                metric = HistogramMetricFamily(spec.full_name, spec.help, labels=labels)
-                for label_values, (counts, total) in sorted(hist.items()):
-                    cumulative, running = [], 0.0
-                    for bound, count in zip(HISTOGRAM_BUCKETS[spec.name][1], counts):
-                        running += count
-                        cumulative.append((bound, running))
-                    metric.add_metric([*run, *label_values], cumulative, sum_value=total)
-                yield metric
+            yield metric
+
+    def describe(self) -> Iterable[Metric]:
+        """Every family the collector can yield, empty: a registry reads the names at ``register`` and
+        refuses one another collector already yields; two catalogue families that would be exported under
+        one name (a gauge ``x`` beside a counter ``x_total`` is one OpenMetrics family) raise here."""
+        specs = exported()
+        families = [family(spec) for spec in specs]
+        owner: dict[str, str] = {}
+        for spec, metric in zip(specs, families):
+            for name in series_names(metric):
+                if name in owner:
+                    raise ValueError(f"two catalogue families are exported as {name}: {owner[name]!r} and "
+                                     f"{spec.name!r} (rename one in its declaration, or through RENAMED)")
+                owner[name] = spec.name
+        return families
+
+
+_FAMILY_TYPES = {"gauge": GaugeMetricFamily, "info": GaugeMetricFamily, "counter": CounterMetricFamily,
+                 "histogram": HistogramMetricFamily}
+#: The series names a family of each type holds besides its own (prometheus_client's registry reads the same).
+_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}
+
+
+def exported() -> tuple[MetricSpec, ...]:
+    """The catalogue's exported families, in its order (``sample`` entries are kept in the run store only)."""
+    return tuple(spec for spec in CATALOGUE if spec.kind in _FAMILY_TYPES)
+
+
+def family(spec: MetricSpec) -> Metric:
+    """An empty family of a catalogue entry, labelled ``run``, ``run_instance`` and its own labels."""
+    return _FAMILY_TYPES[spec.kind](spec.full_name, spec.help, labels=["run", "run_instance", *spec.labels])
+
+
+def series_names(metric: Metric) -> list[str]:
+    """The family's name and the series names its type adds (``_total``, ``_bucket``, ...)."""
+    return [metric.name, *(metric.name + suffix for suffix in _SUFFIXES.get(metric.type, ()))]
+
+
+def cumulative(name: str, counts: Iterable[float]) -> list[tuple[str, float]]:
+    """Histogram ``name``'s per-bucket counts as Prometheus' cumulative (``le``, count) pairs."""
+    out, running = [], 0.0
+    for bound, count in zip(HISTOGRAM_BUCKETS[name][1], counts):
+        running += count
+        out.append((bound, running))
+    return out
 
 
 #: The exposition formats, by name: (encoder, content type).

@@ -77,7 +77,7 @@ def run_metadata(cfg: WatchConfig, signals: Any, rank: int, world: int) -> dict[
     the versions of rlwatch, torch and Python, the signal settings, rank and world size."""
     import torch
 
-    from .. import __version__
+    from .._version import __version__
 
     metadata = dict(cfg.metadata or {})
     metadata.update(framework=clean_text(cfg.framework), framework_version=clean_text(cfg.framework_version),

@@ -121,6 +121,17 @@ def context_value(variable: contextvars.ContextVar, value: Any) -> Iterator[None
         variable.reset(token)
 
 
+def missing(target: Any, patches: Iterable[Patch], where: str = "") -> list[str]:
+    """The dotted names (``where.Owner.method``) of the rows of ``patches`` whose class or method ``target``
+    (a module or an object) lacks: what a framework release renamed or removed."""
+    absent = []
+    for owner_name, attribute, _ in patches:
+        owner = target if owner_name is None else getattr(target, owner_name, None)
+        if owner is None or getattr(owner, attribute, None) is None:
+            absent.append(".".join(filter(None, (where, owner_name, attribute))))
+    return absent
+
+
 # --- the instrumentor -----------------------------------------------------------------------------
 
 class Instrumentor:
@@ -154,6 +165,10 @@ class Instrumentor:
             logger.warning("rlwatch: the %s integration supports %s %s, found %s; nothing patched",
                            self.package, self.package, self.supported, version)
             return False
+        absent = self._missing()
+        if absent:
+            self.refuse(absent)
+            return False
         try:
             self._instrument(**kwargs)
         except Exception:
@@ -162,6 +177,17 @@ class Instrumentor:
         self._instrumented = True
         logger.info("rlwatch: instrumented %s %s", self.package, version)
         return True
+
+    def _missing(self) -> list[str]:
+        """What the integration would patch now and the installed framework lacks (see :func:`missing`)."""
+        return []
+
+    def refuse(self, absent: list[str]) -> None:
+        """One line naming what the installed framework lacks; nothing is (or stays) patched, so the run
+        goes on unwatched rather than half-watched."""
+        logger.warning("rlwatch: %s %s has no %s, which the rlwatch integration patches; nothing is patched "
+                       "and this run goes on unwatched", self.package, installed_version(self.package),
+                       ", ".join(absent))
 
     def uninstrument(self) -> None:
         """Restore every patched attribute (and, for Ray actors, remove the import hook and close the

@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import Any, Callable, Mapping
 
 from ..core.config import disabled, env_watch_options, rank
-from ._instrumentor import Call, Instrumentor, Patch, installed_version
+from ._instrumentor import Call, Instrumentor, Patch, installed_version, missing
 
 logger = logging.getLogger("rlwatch")
 
@@ -112,14 +112,28 @@ class RayActorInstrumentor(Instrumentor):
         except Exception as exc:  # noqa: BLE001 - an import must never fail because of rlwatch
             logger.warning("rlwatch: could not instrument %s: %s", module.__name__, exc)
 
+    def _missing(self) -> list[str]:
+        """What the table patches in the framework's modules already imported and they lack (the others
+        are checked as they are imported, by :meth:`_patch_module`)."""
+        return [name for module_name, rows in self.patches.items() if module_name in sys.modules
+                for name in missing(sys.modules[module_name], rows, module_name)]
+
     def _patch_module(self, module: ModuleType) -> None:
-        """Patch the table's rows for ``module``; a missing target turns that hook off (one warning)."""
-        for owner_name, attribute, hook in self.patches.get(module.__name__, ()):
-            owner = module if owner_name is None else getattr(module, owner_name, None)
-            current = getattr(owner, attribute, None) if owner is not None else None
-            if current is None or hasattr(owner, "__ray_metadata__"):   # Ray pickles actor classes by value
+        """Patch the table's rows for ``module``. When the module lacks a class or method the table names,
+        nothing is patched anywhere (:meth:`refuse`, one warning): this process goes on unwatched. A Ray
+        actor class (pickled by value) is left alone, that hook off (one warning)."""
+        rows = self.patches.get(module.__name__, ())
+        absent = missing(module, rows, module.__name__)
+        if absent:
+            self.refuse(absent)
+            self.uninstrument()
+            return
+        for owner_name, attribute, hook in rows:
+            owner = module if owner_name is None else getattr(module, owner_name)
+            current = getattr(owner, attribute)
+            if hasattr(owner, "__ray_metadata__"):
                 where = ".".join(filter(None, (module.__name__, owner_name, attribute)))
-                logger.warning("rlwatch: %s not found (or a Ray actor class) in %s %s; that hook is off",
+                logger.warning("rlwatch: %s is a Ray actor class in %s %s; that hook is off",
                                where, self.package, installed_version(self.package))
             elif getattr(current, "__rlwatch_original__", None) is None:
                 self.patch(owner, attribute, hook)

@@ -203,6 +203,7 @@ def _run_summary(events: list[dict], frameworks: str) -> str:
 
 
 def _cmd_postmortem(args: argparse.Namespace) -> int:
+    from ..demo import checkpoint  # noqa: F401 - registers the loader of the demo's checkpoints for --probe
     from ..postmortem import run_postmortem
     from ..postmortem.report import safe
 

@@ -22,7 +22,7 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # rl
 
 def version() -> str:
     """The installed rlwatch-llm version (the package's own when not installed as a distribution)."""
-    from .. import __version__
+    from .._version import __version__
 
     try:
         return importlib.metadata.version(DIST_NAME)

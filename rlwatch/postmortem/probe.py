@@ -7,7 +7,7 @@ Checkpoints are loaded without executing anything they contain: weights come fro
 ``model.safetensors`` (safetensors cannot carry code), or, when a directory has only a pickled
 ``pytorch_model.bin``, through ``torch.load(weights_only=True)``, which refuses any object that
 is not a tensor; the model class comes from ``config.json`` through transformers' own registry
-(never ``trust_remote_code``), or for ``rlwatch demo``'s checkpoints from its ``architecture``,
+(never ``trust_remote_code``), or by a loader registered with :func:`register_loader` (the demo's),
 and the weights are checked against that config on the meta device (no memory) before the model
 is built, so a few-byte checkpoint whose config claims a large model is refused without
 allocating it. A checkpoint that cannot be loaded that way is refused and reported, never
@@ -136,35 +136,17 @@ def _hf_loader(directory: Path, config: dict) -> LogitsFn | None:
     return logits
 
 
-def _demo_loader(directory: Path, config: dict) -> LogitsFn | None:
-    """rlwatch's demo checkpoints (``rlwatch demo``): config.json names the ``architecture`` (gru or
-    transformer) and sizes of :mod:`rlwatch.demo.policy`'s models; weights in model.safetensors."""
-    if config.get("architecture") not in ("gru", "transformer") or "scenario" not in config:
-        return None
-    from ..demo.policy import Policy, TransformerPolicy
-
-    def build() -> torch.nn.Module:
-        if config["architecture"] == "transformer":
-            return TransformerPolicy(int(config["embed_dim"]))
-        return Policy(int(config["embed_dim"]), int(config["hidden_dim"]))
-
-    state = read_state_dict(directory)
-    with torch.device("meta"):
-        skeleton = build()
-    check_weights(skeleton, state, directory)
-    del skeleton
-    model = build()
-    model.load_state_dict(state)
-    model.eval()
-
-    def logits(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        return model.head(model.encode(ids)[0]).float()        # [N, L, V]; left padding is the demo's own
-    return logits
-
-
-LOADERS.append(_hf_loader)
-LOADERS.append(_demo_loader)
 Loader = Callable[[Path, dict], "LogitsFn | None"]
+
+
+def register_loader(loader: Loader) -> None:
+    """Add a built-in loader, tried after ``--probe-loader``'s (once, however often it is registered):
+    whoever provides a kind of checkpoint registers its loader (the demo: :mod:`rlwatch.demo.checkpoint`)."""
+    if loader not in LOADERS:
+        LOADERS.append(loader)
+
+
+register_loader(_hf_loader)
 
 
 def user_loader(spec: str) -> Loader:

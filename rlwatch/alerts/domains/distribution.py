@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..conditions import one, rate
+from ..conditions import past, rate
 from ..history import History, Verdicts
 from ..model import Alert, Param, Runbook, StepExample, const, with_step
 
@@ -23,8 +23,7 @@ def _entropy_collapse(h: History) -> Verdicts:
         return {}
     top = max(recent)
     h.stats[("baseline", "entropy_mean")] = top
-    ratio = h.p("entropy_collapse_ratio")
-    return one(e, e < ratio * top, e < ratio * top / h.p("hold_fraction"))
+    return past(h, e, h.p("entropy_collapse_ratio") * top, below=True)
 
 
 ENTROPY_COLLAPSE = Alert(

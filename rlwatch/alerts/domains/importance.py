@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from ..conditions import one, rate
-from ..history import History, Verdicts
+from ..conditions import latest_past, rate
 from ..model import Alert, Param, Runbook, StepExample, const, with_step
 
 
@@ -14,11 +13,6 @@ PARAMS: dict[str, Param] = {
     "ess_min": Param(0.3, "Normalised effective sample size below which IS weights are degenerate "
                      "(verl flags ESS < 0.3).", high=1.0),
 }
-
-
-def _ess_low(h: History) -> Verdicts:
-    ess, bound = h.latest("is_ess_ratio"), h.p("ess_min")
-    return one(ess, ess is not None and ess < bound, ess is not None and ess < bound / h.p("hold_fraction"))
 
 
 IS_TRUNCATION_HIGH = Alert(
@@ -57,7 +51,7 @@ ESS_LOW = Alert(
                  "{{ $value | printf \"%.4g\" }}."),
     windows="ESS below `ess_min` for 2 steps, or on `intermittent_hits` of the last `intermittent_steps` steps; "
             "holds while below `ess_min` / `hold_fraction`.",
-    condition=_ess_low,
+    condition=latest_past("is_ess_ratio", "ess_min", below=True),
     runbook=Runbook(
         meaning="A few tokens carry most of the importance weight: the corrected gradient rests on a "
                 "small part of the batch and its variance explodes (full IS at a large mismatch had 10x "

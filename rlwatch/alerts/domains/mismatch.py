@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..conditions import one
+from ..conditions import latest_past, one
 from ..history import History, Verdicts
 from ..model import Alert, Param, Runbook, StepExample, const, with_step
 from ..template import K3_BASELINE, K3_CONTEXT
@@ -35,11 +35,6 @@ PARAMS: dict[str, Param] = {
 
 
 DRIFT_SIGNALS = ("mismatch_kl_k3", "mismatch_abs_log_ratio_p99")
-
-
-def _kl_spike(h: History) -> Verdicts:
-    k3, bound = h.latest("mismatch_kl_k3"), h.p("kl_k3_max")
-    return one(k3, k3 is not None and k3 > bound, k3 is not None and k3 > h.p("hold_fraction") * bound)
 
 
 def _kl_jump(h: History) -> Verdicts:
@@ -118,7 +113,7 @@ KL_SPIKE = Alert(
             "`intermittent_steps` steps (a fault on every second or third step), opens it; it holds while k3 "
             "stays above `hold_fraction` x the bound. A relative jump without that magnitude is RLWatchKLJump, "
             "a warning.",
-    condition=_kl_spike,
+    condition=latest_past("mismatch_kl_k3", "kl_k3_max"),
     runbook=Runbook(
         meaning="The data the trainer learns from now comes from a policy far from the one it trains. "
                 "On TinyAgent a behaviour policy 8 updates stale gave a mean |log pi_old - log mu| of 0.70 "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..conditions import past
 from ..history import History, Verdicts
 from ..model import Alert, Param, Runbook, StepExample, const, with_step
 
@@ -27,8 +28,7 @@ def length_bias(h: History) -> Verdicts:
     if len(ratios) < LENGTH_BIAS_MIN_STEPS or h.latest("length_bias_duration_ratio") is None:
         return {}
     mean = sum(ratios) / len(ratios)
-    bound = h.p("length_bias_max")
-    return {(): (mean, 1.0 - mean > bound, 1.0 - mean > h.p("hold_fraction") * bound)}
+    return past(h, 1.0 - mean, h.p("length_bias_max"), shown=mean)
 
 
 ROLLOUT_LENGTH_BIAS = Alert(

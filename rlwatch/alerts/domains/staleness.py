@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..conditions import one, rate
+from ..conditions import past, rate
 from ..history import History, Verdicts
 from ..model import Alert, Param, Runbook, StepExample, const, with_step
 
@@ -19,7 +19,7 @@ def _lag_far(h: History) -> Verdicts:
     lag, bound = h.latest("version_lag_max"), h.latest("staleness_bound")
     if lag is None or bound is None:
         return {}
-    return one(lag, lag > h.p("lag_critical_factor") * bound, lag > bound)
+    return past(h, lag, h.p("lag_critical_factor") * bound, hold=bound)
 
 
 STALENESS_BOUND_EXCEEDED = Alert(

@@ -4,14 +4,15 @@ and the ``datasource`` of each prompt."""
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import os
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
+
+from .._instrumentor import context_value
 
 #: Name of the attribute rlwatch sets on each generated ``Experience`` (OpenRLHF reads dataclass
 #: fields only, so it never sees it; it survives pickling through Ray queues).
@@ -141,7 +142,7 @@ class Filtered:
     def scope(self, call: Any) -> Any:
         """Around ``_generate_vllm``: the Experiences processed during the call are collected."""
         call.state = []
-        return _set(self._seen, call.state)
+        return context_value(self._seen, call.state)
 
     def saw(self, experience: Any) -> None:
         seen = self._seen.get()
@@ -167,11 +168,3 @@ class Filtered:
         return {"dropped_reasons": ["filtered"] * len(dropped), "dropped_env": [env for env, _ in dropped],
                 "dropped_lengths": [length for _, length in dropped]}
 
-
-@contextlib.contextmanager
-def _set(variable: contextvars.ContextVar, value: Any) -> Iterator[None]:
-    token = variable.set(value)
-    try:
-        yield
-    finally:
-        variable.reset(token)

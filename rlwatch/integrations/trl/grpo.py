@@ -12,7 +12,7 @@ import torch
 from ...core.fields import StepFields
 from ...core.record import RecordBuilder
 from ...core.rollout import PhaseClock
-from .._instrumentor import Call, Hook, Instrumentor, Patch, guarded
+from .._instrumentor import Call, Hook, Instrumentor, Patch, guarded, missing
 from .._tensors import pad_cat
 from .generation import (PROBE_ROWS, VERSION_KEY, Generation, GenerationPath, GenerationSignals, audit_verdicts,
                          env_labels, eos_and_pad, episodes, hack_episode_inputs, judges_hacks, reported_versions,
@@ -86,6 +86,9 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
         self.phases = PhaseClock()
 
     # -- patches --
+
+    def _missing(self) -> list[str]:
+        return missing(self.trainer, PATCHES, type(self.trainer).__name__)
 
     def _instrument(self, **kwargs: Any) -> None:
         self._processes = int(getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1) or 1)

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..buckets import LAG_BUCKET_LABELS, PROB_BIN_LABELS, ZERO_VARIANCE_KINDS
+from ..ranges import Ranged
 
 #: Labels of the ``by`` slices.
 BY_LABELS: dict[str, tuple[str, ...]] = {"band": PROB_BIN_LABELS, "lag": LAG_BUCKET_LABELS, "kind": ZERO_VARIANCE_KINDS}
@@ -53,9 +54,14 @@ class Metric:
     "rewards", "groups", "envs", "truncated"). ``by``: one value per label, ``fn(f, k)`` for the
     k-th of :data:`BY_LABELS` ("band", "lag", "kind"); "env": ``fn(f)`` per environment with ``f``
     its sums of the ``per_env`` rows; "detector": ``fn(f, detector)`` per environment and detector.
-    ``help`` and ``section``: its catalogue entry (:mod:`rlwatch.core.metrics` makes it from them: a
-    gauge, a counter when the name ends in ``_total``, labelled by ``by``); without ``help`` the entry
-    is written in the catalogue by hand."""
+    ``help`` (what one value is, with its unit: the exposition's HELP) and ``section`` (the catalogue's
+    group: ``"mismatch"``, ``"is"``, ``"lag"``, ``"step"``, ``"groups"``, ``"length"``, ``"env"``, ...; it
+    gives the family's level, :attr:`rlwatch.core.metrics.MetricSpec.level`): its catalogue entry, which
+    :mod:`rlwatch.core.metrics` makes from them: a gauge, a counter when the name ends in ``_total``,
+    labelled by ``by``. Both are required: a declaration without them raises ValueError, naming the
+    metric, when its module is imported. ``kind``: ``"histogram"`` (one value per bucket of ``by``, exported
+    as a Prometheus histogram) or ``"internal"`` (kept in the step's values, no catalogue entry of its
+    own: a histogram's ``_sum``); names starting with ``_`` are internal too (checks)."""
 
     name: str
     fn: Callable[..., float | None]
@@ -63,6 +69,20 @@ class Metric:
     by: str = ""
     help: str = ""
     section: str = ""
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("", "histogram", "internal"):
+            raise ValueError(f"metric {self.name!r}: kind {self.kind!r} is not '', 'histogram' or 'internal'")
+        if self.exported and not (self.help.strip() and self.section.strip()):
+            missing = " and ".join(k for k in ("help", "section") if not getattr(self, k).strip())
+            raise ValueError(f"metric {self.name!r} is declared without {missing}: its catalogue entry is "
+                             f"Metric(..., help=..., section=...) (docs/adding-a-signal.md)")
+
+    @property
+    def exported(self) -> bool:
+        """Whether the family has a catalogue entry (and is exported), made from ``help`` and ``section``."""
+        return self.kind != "internal" and not self.name.startswith("_")
 
 
 @dataclass(frozen=True)
@@ -95,7 +115,7 @@ class GroupRow:
 
 
 @dataclass(frozen=True)
-class Threshold:
+class Threshold(Ranged):
     """A configurable threshold of the signals, declared once. ``name``: its keyword (``SignalConfig``,
     ``WatchConfig``, ``Watch``), its ``RLWATCH_<NAME>`` variable and its config gauge ``rlwatch_<name>``
     (``help``: the gauge's help, default ``doc``); ``doc``: its meaning (the runbook's "Signal
@@ -128,15 +148,7 @@ class Threshold:
         """The values allowed, in interval notation, e.g. ``(1, inf)`` or ``mis_low in (0, 1), ...``."""
         if self.parts:
             return ", ".join(f"{p.name} in {p.allowed}" for p in self.parts)
-        left = f"({self.above:g}" if self.above is not None else f"[{self.low:g}"
-        right = (f"{self.below:g})" if self.below is not None
-                 else f"{self.high:g}{')' if math.isinf(self.high) else ']'}")
-        return f"{left}, {right}"
-
-    def allows(self, value: float) -> bool:
-        floor_ok = value > self.above if self.above is not None else value >= self.low
-        ceiling_ok = value < self.below if self.below is not None else value <= self.high
-        return math.isfinite(value) and floor_ok and ceiling_ok
+        return super().allowed
 
     def check(self, value: Any) -> Any:
         """``value`` as the signals take it (a float, or a tuple of floats for ``parts``); ValueError when it
