@@ -66,7 +66,7 @@ def _wait_compiled(record, config, ws, exact) -> bool:
     episodes = signals.step.EpisodeInputs(record, config).tensors
     if engine.signature(args, exact, episodes) is None:
         return False
-    engine.run(args, exact, "always", eager=False, wait=True, episodes=episodes)
+    engine.run(args, exact, "always", wait=True, episodes=episodes)
     return engine.signature(args, exact, episodes) in engine.status()["compiled"]
 
 

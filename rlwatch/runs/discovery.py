@@ -34,7 +34,6 @@ from typing import Any
 
 from . import procinfo
 
-SD_ENV = "RLWATCH_SD_DIR"
 #: Seconds a dead process's entry stays after a cleaner first saw it dead (RLWatchExporterDown: for 1m).
 STALE_GRACE_S = 600.0
 _serial = itertools.count()

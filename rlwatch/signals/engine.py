@@ -231,10 +231,10 @@ def _compile(key: tuple, args: tuple[Any, ...], kwargs: dict[str, Any],
             _pending.pop(key, None)
 
 
-def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, eager: bool = True,
-        wait: bool = False, episodes: tuple[Any, ...] | None = None) -> tuple[torch.Tensor | None, bool]:
-    """step_core(*args[:-1], *episodes, exact_quantiles=exact, over_from=args[-1]) and whether the
-    compiled version ran; (None, False) when no compiled version is ready and ``eager`` is False.
+def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, wait: bool = False,
+        episodes: tuple[Any, ...] | None = None) -> torch.Tensor:
+    """step_core(*args[:-1], *episodes, exact_quantiles=exact, over_from=args[-1]), compiled when a
+    compiled version is ready (the vector says which ran: :class:`.plans.TokenLayout`'s ``compiled``).
     ``episodes``: the :data:`EPISODE_INPUTS` (None: the token signals alone). Starts a background
     compilation for the signature on first sight when compiling is wanted; ``wait`` blocks until it
     finishes (tests and benchmarks)."""
@@ -257,10 +257,8 @@ def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, eager
             thread.join()
             fn = _compiled.get(key)
         if fn is not None:
-            return fn(*call_args, **kwargs), True
-    if not eager:
-        return None, False
-    return fused.step_core(*call_args, **kwargs), False
+            return fn(*call_args, **kwargs)
+    return fused.step_core(*call_args, **kwargs)
 
 
 def status() -> dict[str, Any]:
