@@ -46,9 +46,9 @@ def run(fields: dict, *, path: str, exact: bool = True, config: SignalConfig | N
     fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
     ws = Workspace(compile="always" if path == "compiled" else "never")
     record = RecordBuilder(HookErrors(strict=True)).build(0, fields, ws)
-    limits = dict(EXACT_QUANTILE_MAX_TOKENS=10**9 if exact else -1,
-                  FUSED_CHUNK_TOKENS=2 * fields["mask"].shape[-1] - 1 if path == "chunked" else 10**9,
-                  STACK_MAX_TOKENS=0 if path == "chunked" else 10**9)
+    chunk = 2 * fields["mask"].shape[-1] - 1 if path == "chunked" else 10**9
+    limits = dict(EXACT_QUANTILE_MAX_TOKENS=10**9 if exact else -1, FUSED_CHUNK_TOKENS=chunk,
+                  ACCELERATOR_CHUNK_TOKENS=chunk, STACK_MAX_TOKENS=0 if path == "chunked" else 10**9)
     with patched(**limits):
         if path == "compiled":
             with torch.inference_mode():

@@ -8,6 +8,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .settings import engine_plan
+
 # On steps of more than EXACT_QUANTILE_MAX_TOKENS positions, |r| quantiles come from a histogram over
 # the float32 bit pattern of |r| (a sort costs n log n): for non-negative floats the
 # bits are monotone in the value, and bits >> 15 gives 256 equal-width bins per power of two. A bin's
@@ -78,7 +80,7 @@ def count_into(size: int, index: torch.Tensor, weights: torch.Tensor | None = No
     index = index if index.dim() == 1 else index.reshape(-1)          # a reshape is an operation too
     if weights is not None and weights.dim() != 1:
         weights = weights.reshape(-1)
-    if index.device.type == "cpu" and not torch.compiler.is_compiling():         # one operation, no atomics
+    if engine_plan(index.device).bincount:                          # eagerly on CPU: one operation, no atomics
         if weights is not None and weights.dtype in (torch.float16, torch.bfloat16, torch.float32):
             weights = weights.double()                # float64 sums: exact for whole numbers below 2^53
         return torch.bincount(index, weights, size)
