@@ -30,14 +30,14 @@ does not recompile.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from . import quantities as q
 from .lag import LAG_BUCKET_OF_BIN, LAG_SIZE, lag_finish, lag_part
 from .plans import TokenPlan, token_plan
-from .reduce import ABS_FIRST, ABS_NBINS, cached, interpolate, ranks, scalar
+from .reduce import ABS_FIRST, ABS_NBINS, cached, interpolate, ranks, scalar, total
 from .settings import SAFETY_BOUND, EnginePlan, engine_plan, intra_op_threads
 from .valid import abs_sample, band_index, extremes, valid_terms
 
@@ -247,7 +247,7 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
     for term in plan.per_term:
         x = term.make(t)
         for at in term.sums:
-            flat[at] = x.sum(dtype=dtype)
+            flat[at] = total(x, dtype)
         for at in term.squares:
             flat[at] = _sum_of_squares(x, dtype)
         for count in term.counts:
@@ -256,7 +256,7 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
             split = _by_sums(x, labels, plan.by_kinds) if bincount else None
             for j in term.by:
                 kind = plan.by[j].by
-                by[j] = [split[kind]] if split is not None else _by_rows(x, labels[kind], len(q.BY_LABELS[kind]), dtype)
+                by[j] = [split[kind]] if split is not None else _by_rows(x, labels, kind, dtype)
     per_seq = torch.stack([t["keep"].sum(-1), t["r"].sum(-1)])
     if bincount and by:
         return torch.cat([torch.stack(flat).double(), *(sums for [sums] in by)]), per_seq
@@ -267,7 +267,7 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
 def _sum_of_squares(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """sum(x^2) in ``dtype``: compiled a fused reduction, eagerly one dot product (no [B, T] temporary)."""
     if torch.compiler.is_compiling():
-        return (x * x).sum(dtype=dtype)
+        return total(x * x, dtype)
     flat = x.reshape(-1) if x.dtype == dtype else x.reshape(-1).to(dtype)
     return torch.dot(flat, flat)
 
@@ -277,7 +277,7 @@ def _count(x: torch.Tensor, threshold: torch.Tensor, above: bool, dtype: torch.d
     """The tokens where ``x`` > ``threshold`` (``above``) or < it, as a sum in ``dtype``. Eagerly the
     comparison is written as 0/1 into ``row`` (x's shape and dtype): a boolean sum is ~4x slower on CPU."""
     if row is None:
-        return (x > threshold if above else x < threshold).sum(dtype=dtype)
+        return total(x > threshold if above else x < threshold, dtype)
     return (torch.gt if above else torch.lt)(x, threshold, out=row).sum(dtype=dtype)
 
 
@@ -315,9 +315,15 @@ def _by_sums(x: torch.Tensor, labels: dict[str, torch.Tensor], kinds: tuple[str,
     return out
 
 
-def _by_rows(x: torch.Tensor, label: torch.Tensor, width: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """A ``by`` sum as one 0/1 row per label, each reduced to a 0-d sum (compiled, and eagerly off CPU)."""
-    return [torch.where(label == k, x, 0.0).sum(dtype=dtype) for k in range(width)]
+def _by_rows(x: torch.Tensor, labels: dict[str, Any], kind: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A ``by`` sum as one 0/1 row per label, each reduced to a 0-d sum (compiled, and by the accelerator
+    plan). Each label's row is made once per step and kept in ``labels`` for the kind's other terms (eagerly
+    one operation less per term and label)."""
+    label = labels[kind]
+    rows = labels.get(f"{kind}_rows")
+    if rows is None:
+        rows = labels[f"{kind}_rows"] = [label == k for k in range(len(q.BY_LABELS[kind]))]
+    return [total(torch.where(row, x, 0.0), dtype) for row in rows]
 
 
 def _sequence_sums(plan: TokenPlan, per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torch.Tensor]:

@@ -89,6 +89,17 @@ def count_into(size: int, index: torch.Tensor, weights: torch.Tensor | None = No
     return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add(0, index, src)
 
 
+def total(x: torch.Tensor, dtype: torch.dtype | None = None, kind: str = "sum") -> torch.Tensor:
+    """The 0-d sum (``kind`` "sum", in ``dtype``), maximum ("amax") or minimum ("amin") of ``x`` [B, T].
+    Compiled, by sequence first ([B, T] -> [B] -> 0-d): every reduction over the positions runs as B
+    independent rows, which inductor fuses into one kernel of B programs whatever its split heuristics
+    (otherwise a reduction over a step of symbolic size may run as one block over every position)."""
+    if torch.compiler.is_compiling() and x.dim() == 2:
+        rows = x.sum(-1, dtype=dtype) if kind == "sum" else getattr(x, kind)(-1)
+        return getattr(rows, kind)()
+    return x.sum(dtype=dtype) if kind == "sum" else getattr(x, kind)()
+
+
 def ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The order statistics [2, Q] (0-based, float64) that each ``qs``-quantile of ``n`` items lies
     between, and its position between them [Q] (linear interpolation, as ``torch.quantile``; the upper
