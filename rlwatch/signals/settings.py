@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import FrozenInstanceError
-from typing import Any, Iterator, NamedTuple
+from typing import Any, ContextManager, Iterator, NamedTuple
 
 import torch
 
@@ -68,16 +68,19 @@ def engine_plan(device: torch.device) -> EnginePlan:
     return EnginePlan(ACCELERATOR_CHUNK_TOKENS, 0, False, 0)
 
 
+def intra_op_threads(threads: int) -> ContextManager[None]:
+    """``threads`` intra-op threads for the block (0, or the current count: nothing changes; compiled
+    code's plan has 0), the caller's count restored after. Setting the count sets the process-wide
+    default for threads created later too, so only a thread already at ``threads`` (rlwatch's worker)
+    or the training thread calls it with a change."""
+    if not threads or threads == torch.get_num_threads():
+        return contextlib.nullcontext()
+    return _threads(threads)
+
+
 @contextlib.contextmanager
-def intra_op_threads(threads: int) -> Iterator[None]:
-    """``threads`` intra-op threads for the block (0, or the current count: nothing changes), the
-    caller's count restored after. Setting the count sets the process-wide default for threads created
-    later too, so only a thread already at ``threads`` (rlwatch's worker) or the training thread calls it
-    with a change."""
+def _threads(threads: int) -> Iterator[None]:
     before = torch.get_num_threads()
-    if not threads or threads == before:
-        yield
-        return
     torch.set_num_threads(threads)
     try:
         yield
