@@ -115,3 +115,21 @@ def test_compiled_plan_is_traced_at_the_step_size_and_reduces_by_sequence(monkey
     eager, _ = run(make_inputs(48, 80, seed=1), path="fused", exact=True)
     assert_same(eager, values)
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.perf
+def test_the_device_check_runs_on_a_cpu():
+    """bench/gpu_check.py's dry run on the CPU (every part, small sizes, compiling on the CPU): the
+    script a lent GPU runs is the one tested here, and it ends with the side-by-side summary."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu", "--no-cpu-kernels"], cwd=root,
+                          capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "correctness PASSED" in out and "== summary at 64x512" in out, out[-3000:]
+    assert "kernel-launching operations" in out and "compute_step" in out, out[-3000:]
