@@ -1,7 +1,8 @@
-"""The signal engine on a GPU, in one command (sized for under 5 minutes on an H200, not yet run on one;
-needs only torch with CUDA and this repository):
+"""The signal engine on a GPU, in one command (``--quick`` is sized for under 5 minutes on an H100 or
+H200; needs only torch with CUDA and this repository; ``--cpu`` runs every part on the CPU, which
+tests/test_gpu_plan.py does, to check the script itself):
 
-    python bench/gpu_check.py [--rounds 15] [--cases 40] [--quick]
+    python bench/gpu_check.py [--rounds 15] [--cases 40] [--quick] [--cpu] [--no-profile]
 
 1. Correctness: CPU (eager, in chunks) against CUDA (eager in chunks, in one pass, and compiled) on seeded
    random steps: shapes, masks, NaN/inf log-probs, fp32/bf16/fp16/fp64 log-probs, per-token,
@@ -14,13 +15,17 @@ needs only torch with CUDA and this repository):
    launches, cudaMemcpyAsync calls and device-to-host copies; extra peak device memory / inputs.
    Next to the CUDA launches: inductor's generated kernels for one CPU graph of the same step (the
    proxy tests/test_engine.py bounds in CI; one CPU compilation, ``--no-cpu-kernels`` skips it).
+4. bench/gpu_profile.py's tables at 1M tokens (where the time goes, eager and compiled), then a summary
+   at 1M tokens side by side: wall time compiled and eager, kernel launches, device-to-host copies,
+   extra device memory over the inputs, the values that differ from the CPU's, verl's metrics (or the
+   reference), and the operations the eager accelerator plan dispatches (counted on the host).
 
 The compiled engine covers the whole step (token and episode signals, one function, one vector).
 Compilations are bounded so that the script stays under 5 minutes: the speed table's signature is
 compiled first (the speed table and the profile then compile nothing), and the correctness part
 compiles at most MAX_COMPILED_SIGNATURES more, none started COMPILE_BUDGET_S after the script began.
 
-Goals (issue 17): <= 1.0 ms at 1M tokens, <= 3 ms at 16M, <= 40 kernel launches, exactly one
+Goals: <= 1.0 ms compiled and <= 2 ms eager at 1M tokens, <= 3 ms at 16M, <= 40 kernel launches, exactly one
 device-to-host transfer per step, extra device memory <= 1x the inputs. The script prints each
 figure next to its goal and exits non-zero if the correctness comparison fails.
 """
