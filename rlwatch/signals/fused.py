@@ -282,7 +282,7 @@ def _count(x: torch.Tensor, threshold: torch.Tensor, above: bool, dtype: torch.d
 
 
 def _by_labels(plan: TokenPlan, index: dict[str, torch.Tensor | None], bincount: bool) -> dict[str, torch.Tensor]:
-    """What the direct path's ``by`` sums split by. With ``bincount`` (eagerly on CPU): ``joint``, one
+    """What the direct path's ``by`` sums split by. With ``bincount`` (the CPU plan): ``joint``, one
     flat index of each token's (band, lag bin) pair, int32 [B * T]; else each token's label per kind."""
     if not plan.by:
         return {}

@@ -72,15 +72,15 @@ def abs_bin_values(device: torch.device) -> torch.Tensor:
 
 
 def count_into(size: int, index: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Occurrences (or integer ``weights``) of ``index`` values in [0, size): [size], exact. Eagerly on
-    CPU one ``bincount`` (int64 without weights, float64 with them); elsewhere, and in compiled code,
+    """Occurrences (or integer ``weights``) of ``index`` values in [0, size): [size], exact. By the CPU
+    plan one ``bincount`` (int64 without weights, float64 with them); elsewhere, and in compiled code,
     an int64 scatter-add into zeros: ``bincount`` sizes its output from the data (compiled code cannot
     have that shape, and it synchronises on accelerators), and integer atomics are exact and fast
     where float64 ones are slow."""
     index = index if index.dim() == 1 else index.reshape(-1)          # a reshape is an operation too
     if weights is not None and weights.dim() != 1:
         weights = weights.reshape(-1)
-    if engine_plan(index.device).bincount:                          # eagerly on CPU: one operation, no atomics
+    if engine_plan(index.device).bincount:                          # the CPU plan: one operation, no atomics
         if weights is not None and weights.dtype in (torch.float16, torch.bfloat16, torch.float32):
             weights = weights.double()                # float64 sums: exact for whole numbers below 2^53
         return torch.bincount(index, weights, size)
