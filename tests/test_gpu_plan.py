@@ -44,7 +44,8 @@ def test_accelerator_plan_dispatches_the_same_bounded_operations_at_every_size()
     large = count_step(make_inputs(256, 2048))                  # 512k positions: one pass, no chunks
     assert sum(large.values()) == sum(small.values()), (large - small) + (small - large)
     assert sum(large.values()) <= MAX_ACCELERATOR_OPS, large.most_common(20)
-    assert "bincount" not in large                              # on an accelerator it waits for the device
+    # None that waits for an accelerator (an output sized by the data, a value read on the host).
+    assert not set(large) & {"bincount", "nonzero", "masked_select", "unique", "_unique2", "_local_scalar_dense"}
     # The CPU plan runs it in two chunks: every token operation once per chunk.
     assert sum(count_step(make_inputs(256, 2048), "cpu").values()) > sum(large.values())
 
