@@ -217,13 +217,14 @@ def test_compiled_equals_eager_without_graph_breaks():
 
 
 # Generated kernels per compiled graph of a whole step (tokens, mismatch, lag, groups, envs) on CPU:
-# 106 on average over the 3 graphs of this test's signature (torch 2.13, inductor C++): 71 before the
-# per-lag mismatch, whose 36 sums by lag bucket are one reduction each. Inductor's CPU count adds one
-# per reduction even where it fuses many into one loop (stacking the rows into one reduction counts
+# 176 on average over the 3 graphs of this test's signature (torch 2.13, inductor C++): 106 when each sum
+# over the positions was one reduction, before they were reduced by sequence first (reduce.total: a [B]
+# reduction, then its sum; inductor's CPU count adds one per reduction even where it fuses many into one
+# loop, as it does the [B] ones over the same positions). Stacking the rows into one reduction counts
 # fewer but materialises a [B, T, K] float64 buffer, which test_compiled_step_writes_no_per_position_matrix
-# forbids). A regression bound, not the CUDA goal (40 launches), which bench/gpu_check.py measures
+# forbids. A regression bound, not the CUDA goal (40 launches), which bench/gpu_check.py measures
 # with torch.profiler on a GPU.
-MAX_CPU_KERNELS_PER_GRAPH = 112
+MAX_CPU_KERNELS_PER_GRAPH = 180
 
 
 @pytest.mark.slow
