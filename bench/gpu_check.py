@@ -1,7 +1,8 @@
-"""The signal engine on a GPU, in one command (sized for under 5 minutes on an H200, not yet run on one;
-needs only torch with CUDA and this repository):
+"""The signal engine on a GPU, in one command (``--quick`` is sized for under 5 minutes on an H100 or
+H200; needs only torch with CUDA and this repository; ``--cpu`` runs every part on the CPU, which
+tests/test_gpu_plan.py does, to check the script itself):
 
-    python bench/gpu_check.py [--rounds 15] [--cases 40] [--quick]
+    python bench/gpu_check.py [--rounds 15] [--cases 40] [--quick] [--cpu] [--no-profile]
 
 1. Correctness: CPU (eager, in chunks) against CUDA (eager in chunks, in one pass, and compiled) on seeded
    random steps: shapes, masks, NaN/inf log-probs, fp32/bf16/fp16/fp64 log-probs, per-token,
@@ -14,13 +15,17 @@ needs only torch with CUDA and this repository):
    launches, cudaMemcpyAsync calls and device-to-host copies; extra peak device memory / inputs.
    Next to the CUDA launches: inductor's generated kernels for one CPU graph of the same step (the
    proxy tests/test_engine.py bounds in CI; one CPU compilation, ``--no-cpu-kernels`` skips it).
+4. bench/gpu_profile.py's tables at 1M tokens (where the time goes, eager and compiled), then a summary
+   at 1M tokens side by side: wall time compiled and eager, kernel launches, device-to-host copies,
+   extra device memory over the inputs, the values that differ from the CPU's, verl's metrics (or the
+   reference), and the operations the eager accelerator plan dispatches (counted on the host).
 
 The compiled engine covers the whole step (token and episode signals, one function, one vector).
 Compilations are bounded so that the script stays under 5 minutes: the speed table's signature is
 compiled first (the speed table and the profile then compile nothing), and the correctness part
 compiles at most MAX_COMPILED_SIGNATURES more, none started COMPILE_BUDGET_S after the script began.
 
-Goals (issue 17): <= 1.0 ms at 1M tokens, <= 3 ms at 16M, <= 40 kernel launches, exactly one
+Goals: <= 1.0 ms compiled and <= 2 ms eager at 1M tokens, <= 3 ms at 16M, <= 40 kernel launches, exactly one
 device-to-host transfer per step, extra device memory <= 1x the inputs. The script prints each
 figure next to its goal and exits non-zero if the correctness comparison fails.
 """
@@ -152,8 +157,10 @@ def correctness(cases: int, paths: tuple[str, ...] = ("chunked", "fused", "compi
     return failures == 0 and not status["failed"]
 
 
-def speed(rounds: int, sizes) -> None:
+def speed(rounds: int, sizes) -> dict:
+    """The speed table; returns each size's medians (ms) and extra memory, by (B, T)."""
     verl = have_verl()
+    results: dict = {}
     print(f"== speed: medians of {rounds} interleaved rounds (ms); verl {'imported' if verl else 'absent'}")
     cols = ["compiled", "eager", *(["verl IS+RS+debug"] if verl else []), "13-signal reference", "input read"]
     print("  " + " | ".join(["tokens", *cols, "compiled/verl" if verl else "compiled/reference",
@@ -167,14 +174,18 @@ def speed(rounds: int, sizes) -> None:
         runners["input read"] = floor_runner(inputs)
         med = {k: v * 1e3 for k, v in interleaved(runners, rounds, DEVICE).items()}
         versus = med["verl IS+RS+debug"] if verl else med["13-signal reference"]
-        memory = cuda_peak_ratio(runners["compiled"], inputs) if DEVICE == "cuda" else float("nan")
+        memory = {path: cuda_peak_ratio(runners[path], inputs) if DEVICE == "cuda" else float("nan")
+                  for path in ("compiled", "eager")}
         tokens = int(inputs["mask"].sum())
         print("  " + " | ".join([f"{tokens / 2**20:.2f}M ({B}x{T})", *(f"{med[c]:.2f}" for c in cols),
-                                 f"{med['compiled'] / versus:.2f}x", f"{memory:.2f}x"]))
+                                 f"{med['compiled'] / versus:.2f}x",
+                                 f"{memory['compiled']:.2f}x (eager {memory['eager']:.2f}x)"]))
+        results[(B, T)] = {**med, "memory": memory, "versus": "verl IS+RS+debug" if verl else "13-signal reference"}
         del inputs, runners
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     print("  goals: compiled <= 1.0 ms at 1M tokens, <= 3 ms at 16M; extra device memory <= 1x the inputs")
+    return results
 
 
 def cpu_kernel_count(B: int = 16, T: int = 17) -> float | None:
@@ -205,10 +216,11 @@ def cpu_kernel_count(B: int = 16, T: int = 17) -> float | None:
     return (inductor_metrics.generated_kernel_count - kernels) / max(graphs, 1)
 
 
-def profile_counts(B: int = 512, T: int = 2048, cpu_kernels: float | None = None) -> None:
+def profile_counts(B: int = 512, T: int = 2048, cpu_kernels: float | None = None) -> dict:
     """torch.profiler counts of one compute_step (compiled, then eager) on DEVICE: aten ops, kernel
     launches, cudaMemcpyAsync calls and device-to-host copies; and inductor's generated kernels per
-    graph (counted when this call compiles)."""
+    graph (counted when this call compiles). Returns them by path ("compiled", "eager")."""
+    counts: dict = {}
     import torch._inductor.metrics as inductor_metrics
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
@@ -218,6 +230,7 @@ def profile_counts(B: int = 512, T: int = 2048, cpu_kernels: float | None = None
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     inputs = to_device(make_inputs(B, T), DEVICE)
     for mode in ("always", "never"):
+        path = "compiled" if mode == "always" else "eager"
         kernels_before, graphs_before = inductor_metrics.generated_kernel_count, counters["stats"]["unique_graphs"]
         run = rlwatch_runner(inputs, mode)
         run()
@@ -232,6 +245,7 @@ def profile_counts(B: int = 512, T: int = 2048, cpu_kernels: float | None = None
         dtoh = sum(1 for e in events if "DtoH" in e.name or "Device -> Pageable" in e.name
                    or "Device -> Pinned" in e.name)
         aten = sum(1 for e in events if e.name.startswith("aten::"))
+        counts[path] = {"launches": launches, "dtoh": dtoh, "memcpy": memcpy, "aten": aten}
         line = (f"== profile of one compute_step at {B}x{T}, {'compiled' if mode == 'always' else 'eager'}: "
                 f"{aten} aten ops, {launches} kernel launches (goal <= 40"
                 + (f"; CPU inductor proxy: {cpu_kernels:.0f} kernels per graph" if cpu_kernels is not None else "")
@@ -242,6 +256,31 @@ def profile_counts(B: int = 512, T: int = 2048, cpu_kernels: float | None = None
             line += (f"; inductor generated {(inductor_metrics.generated_kernel_count - kernels_before) / graphs:.0f}"
                      f" kernels per graph ({graphs} graphs compiled here)")
         print(line)
+    return counts
+
+
+def values_at(B: int, T: int) -> dict:
+    """How many values of one B x T step differ from the CPU's (eager), by path on DEVICE."""
+    fields = make_inputs(B, T)
+    cpu, _ = values_of(fields, "cpu", "fused", False)
+    return {path: len(differences(cpu, values_of(fields, DEVICE, path, False)[0])) for path in ("fused", "compiled")}
+
+
+def summary(B: int, T: int, speeds: dict, counts: dict, wrong: dict) -> None:
+    """The figures of the done-when at B x T side by side, each next to its goal."""
+    from bench._dispatch import count_step
+
+    med = speeds[(B, T)]
+    ops = sum(count_step(make_inputs(B, T), "accelerator").values())
+    print(f"== summary at {B}x{T} ({DEVICE}, torch {torch.__version__}): path | wall ms | launches | "
+          f"device-to-host copies | extra memory / inputs | values differing from the CPU's")
+    for path, key, goal in (("compiled", "compiled", "<= 1.0 ms, <= 40 launches"), ("eager", "fused", "<= 2 ms")):
+        c = counts.get(path, {})
+        print(f"  {path} | {med[path]:.2f} | {c.get('launches', 'n/a')} | {c.get('dtoh', 'n/a')} | "
+              f"{med['memory'][path]:.2f}x | {wrong[key]}    (goal {goal}, 1 copy, <= 1x, 0 differing)")
+    print(f"  {med['versus']} | {med[med['versus']]:.2f} |   ;  input read {med['input read']:.2f} ms")
+    print(f"  eager accelerator plan: {ops} kernel-launching operations dispatched (counted on the host, "
+          f"bench/_dispatch.py; tests/test_gpu_plan.py bounds it)")
 
 
 def main() -> None:
@@ -249,8 +288,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--cases", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="10 cases, 5 rounds, sizes up to 4M tokens")
-    parser.add_argument("--dry-run-on-cpu", action="store_true",
-                        help="run every part on CPU (tiny sizes, no profile): checks the script, not the GPU")
+    parser.add_argument("--dry-run-on-cpu", "--cpu", action="store_true",
+                        help="run every part on CPU (small sizes): checks the script, not the GPU")
+    parser.add_argument("--no-profile", action="store_true", help="skip bench/gpu_profile.py's tables at 1M tokens")
     parser.add_argument("--no-cpu-kernels", action="store_true",
                         help="skip compiling one CPU graph for the CPU kernel count printed next to the launches")
     parser.add_argument("--verl-path", help="a directory to put on sys.path for verl (e.g. unpacked wheels)")
@@ -263,18 +303,26 @@ def main() -> None:
         DEVICE = "cpu"
         print(f"DRY RUN ON CPU (torch {torch.__version__}): checks the script, measures nothing about GPUs")
         ok = correctness(3, ("chunked", "fused"))
-        speed(2, ((16, 64), (64, 512)))
-        profile_counts(16, 64, cpu_kernel_count())   # on CPU: no launches or copies to count, the code runs
+        at = (64, 512)
+        speeds = speed(2, ((16, 64), at))
+        counts = profile_counts(*at, cpu_kernel_count())   # on CPU: no launches or copies to count, the code runs
     else:
         if not torch.cuda.is_available():
             sys.exit("gpu_check: CUDA is not available (torch " + torch.__version__ + ")")
         print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
         compile_start = time.perf_counter()
-        rlwatch_runner(to_device(make_inputs(64, 512), DEVICE), "always")    # the speed table's signature
+        at = (512, 2048)                # the speed table's signature, traced first at 1M tokens as a run would
+        rlwatch_runner(to_device(make_inputs(*at), DEVICE), "always")
         print(f"compiled the speed table's signature in {time.perf_counter() - compile_start:.0f} s")
         ok = correctness(10 if args.quick else args.cases)
-        speed(5 if args.quick else args.rounds, SIZES[:3] if args.quick else SIZES)
-        profile_counts(cpu_kernels=None if args.no_cpu_kernels else cpu_kernel_count())
+        speeds = speed(5 if args.quick else args.rounds, SIZES[:3] if args.quick else SIZES)
+        counts = profile_counts(*at, cpu_kernels=None if args.no_cpu_kernels else cpu_kernel_count())
+    wrong = values_at(*at)
+    ok = ok and not any(wrong.values())
+    if not args.no_profile:
+        from bench.gpu_profile import profile_step
+        profile_step(*at, DEVICE, top=10)
+    summary(*at, speeds, counts, wrong)
     print(f"total {time.perf_counter() - start:.0f} s; correctness {'PASSED' if ok else 'FAILED'}")
     sys.exit(0 if ok else 1)
 

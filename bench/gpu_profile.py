@@ -1,10 +1,11 @@
 """Where one compute_step's time goes on a GPU: the record build against the step, and the top
 operations by self device time and by self host time (torch.profiler), eager and compiled.
 
-    python bench/gpu_profile.py [--B 512 --T 2048] [--top 15] [--dry-run-on-cpu]
+    python bench/gpu_profile.py [--B 512 --T 2048] [--top 15] [--cpu]
 
-A companion of bench/gpu_check.py (which checks correctness and prints the speed table): this one
-says why a size is slow.
+A companion of bench/gpu_check.py (which checks correctness, prints the speed table and ends with these
+tables at 1M tokens): this one says why a size is slow. Also prints the kernel-launching operations
+one eager step dispatches by the accelerator plan, counted on the host (bench/_dispatch.py).
 """
 
 from __future__ import annotations
@@ -37,18 +38,18 @@ def median_ms(fn, sync, rounds: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--B", type=int, default=512)
-    parser.add_argument("--T", type=int, default=2048)
-    parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--dry-run-on-cpu", action="store_true")
-    args = parser.parse_args()
-    device = "cpu" if args.dry_run_on_cpu else "cuda"
+def profile_step(B: int, T: int, device: str, top: int = 15) -> None:
+    """Record build and compute_step medians and torch.profiler's top operations of one B x T step on
+    ``device``, eager then compiled; and the accelerator plan's dispatched operations."""
+    from bench._dispatch import count_step
+
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    inputs = to_device(make_inputs(args.B, args.T), device)
+    ops = count_step(make_inputs(B, T), "accelerator")
+    print(f"== {B}x{T}: the eager accelerator plan dispatches {sum(ops.values())} kernel-launching operations "
+          f"(counted on the host): {', '.join(f'{n} {k}' for k, n in ops.most_common(8))}, ...")
+    inputs = to_device(make_inputs(B, T), device)
     for mode in ("never", "always"):
         ws = signals.Workspace(compile=mode)
         builder, config = RecordBuilder(HookErrors(strict=True)), signals.SignalConfig()
@@ -59,16 +60,26 @@ def main() -> int:
         signals.compute_step(builder.build(0, inputs, ws), config, ws)
         build_ms = median_ms(lambda: builder.build(0, inputs, ws), sync)
         step_ms = median_ms(lambda: signals.compute_step(record, config, ws), sync)
-        print(f"== {args.B}x{args.T} {device} {'compiled' if mode == 'always' else 'eager'}: "
+        print(f"== {B}x{T} {device} {'compiled' if mode == 'always' else 'eager'}: "
               f"record build {build_ms:.2f} ms, compute_step {step_ms:.2f} ms, compiled steps {ws.compiled_steps}")
         with profile(activities=activities) as prof:
             signals.compute_step(record, config, ws)
             sync()
         key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
         if device == "cuda":
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top,
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top,
                                             max_name_column_width=60))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--B", type=int, default=512)
+    parser.add_argument("--T", type=int, default=2048)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--dry-run-on-cpu", "--cpu", action="store_true")
+    args = parser.parse_args()
+    profile_step(args.B, args.T, "cpu" if args.dry_run_on_cpu else "cuda", args.top)
     return 0
 
 

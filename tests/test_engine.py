@@ -46,9 +46,9 @@ def run(fields: dict, *, path: str, exact: bool = True, config: SignalConfig | N
     fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
     ws = Workspace(compile="always" if path == "compiled" else "never")
     record = RecordBuilder(HookErrors(strict=True)).build(0, fields, ws)
-    limits = dict(EXACT_QUANTILE_MAX_TOKENS=10**9 if exact else -1,
-                  FUSED_CHUNK_TOKENS=2 * fields["mask"].shape[-1] - 1 if path == "chunked" else 10**9,
-                  STACK_MAX_TOKENS=0 if path == "chunked" else 10**9)
+    chunk = 2 * fields["mask"].shape[-1] - 1 if path == "chunked" else 10**9
+    limits = dict(EXACT_QUANTILE_MAX_TOKENS=10**9 if exact else -1, FUSED_CHUNK_TOKENS=chunk,
+                  ACCELERATOR_CHUNK_TOKENS=chunk, STACK_MAX_TOKENS=0 if path == "chunked" else 10**9)
     with patched(**limits):
         if path == "compiled":
             with torch.inference_mode():
@@ -66,7 +66,7 @@ def _wait_compiled(record, config, ws, exact) -> bool:
     episodes = signals.step.EpisodeInputs(record, config).tensors
     if engine.signature(args, exact, episodes) is None:
         return False
-    engine.run(args, exact, "always", eager=False, wait=True, episodes=episodes)
+    engine.run(args, exact, "always", wait=True, episodes=episodes)
     return engine.signature(args, exact, episodes) in engine.status()["compiled"]
 
 
@@ -217,13 +217,14 @@ def test_compiled_equals_eager_without_graph_breaks():
 
 
 # Generated kernels per compiled graph of a whole step (tokens, mismatch, lag, groups, envs) on CPU:
-# 106 on average over the 3 graphs of this test's signature (torch 2.13, inductor C++): 71 before the
-# per-lag mismatch, whose 36 sums by lag bucket are one reduction each. Inductor's CPU count adds one
-# per reduction even where it fuses many into one loop (stacking the rows into one reduction counts
+# 176 on average over the 3 graphs of this test's signature (torch 2.13, inductor C++): 106 when each sum
+# over the positions was one reduction, before they were reduced by sequence first (reduce.total: a [B]
+# reduction, then its sum; inductor's CPU count adds one per reduction even where it fuses many into one
+# loop, as it does the [B] ones over the same positions). Stacking the rows into one reduction counts
 # fewer but materialises a [B, T, K] float64 buffer, which test_compiled_step_writes_no_per_position_matrix
-# forbids). A regression bound, not the CUDA goal (40 launches), which bench/gpu_check.py measures
+# forbids. A regression bound, not the CUDA goal (40 launches), which bench/gpu_check.py measures
 # with torch.profiler on a GPU.
-MAX_CPU_KERNELS_PER_GRAPH = 112
+MAX_CPU_KERNELS_PER_GRAPH = 180
 
 
 @pytest.mark.slow
@@ -261,7 +262,7 @@ def test_compiled_step_is_one_graph_without_recompiles_and_bounded_kernels():
     assert kernels >= graphs
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert not engine.status()["failed"]
-    assert 1 <= graphs <= len(engine.EXAMPLE_SIZES)
+    assert 1 <= graphs <= len(engine.EXAMPLE_SIZES) + 1           # the step's own size first
     assert kernels / graphs <= MAX_CPU_KERNELS_PER_GRAPH, (kernels, graphs)
     for B, T, seed, envs in ((3, 4, 1, ["math"]), (9, 40, 2, ["a", "b", "c", "d", "e"]), (31, 17, 3, ["x"]),
                              (3, 700, 4, ["math", "code"]), (5, 1000, 5, ["math"]), (3, 30000, 6, ["a", "b"]),

@@ -367,7 +367,7 @@ def test_every_signal_is_in_the_catalogue():
 
 def test_pending_finishes_formulas_on_the_host_with_one_transfer():
     out = Pending()
-    out.put("count", torch.tensor(3))
+    out.derive("count", lambda x: x, torch.tensor(3))
     out.ratio("mean", torch.tensor(6.0), torch.tensor(3.0, dtype=torch.float64))
     out.ratio("empty", torch.tensor(0.0), torch.tensor(0.0))
     out.derive("max_if_any", lambda m, n: m if n > 0 else None, torch.tensor(2.5), torch.tensor(0.0))

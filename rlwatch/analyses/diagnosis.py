@@ -29,8 +29,6 @@ from typing import Iterable, Mapping
 from .diagnosis_tuned import CALIBRATION, THRESHOLDS
 from ..core.values import Values, value_of as _get
 
-CAUSES = ("none", "numeric_noise", "stale_weights", "weight_sync_missing", "temperature_mismatch",
-          "top_p_truncation")
 #: Edges of the margin bins the confidence is calibrated on (decades between a feature and its threshold).
 MARGIN_BINS = (0.25, 0.75)
 

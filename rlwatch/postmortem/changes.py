@@ -153,10 +153,6 @@ class Change:
                 "direction": self.direction, "concerning": self.concerning}
 
 
-# Kept for callers of the old name.
-FirstSignal = Change
-
-
 def _clean_zero(x: float) -> float:
     return 0.0 if x == 0 else x
 

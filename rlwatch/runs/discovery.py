@@ -37,7 +37,6 @@ from typing import Any
 from ..core.run_report import report
 from . import procinfo, safefile
 
-SD_ENV = "RLWATCH_SD_DIR"
 #: Seconds a dead process's entry stays after a cleaner first saw it dead (RLWatchExporterDown: for 1m).
 STALE_GRACE_S = 600.0
 _serial = itertools.count()

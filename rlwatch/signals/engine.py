@@ -35,6 +35,9 @@ _lock = threading.Lock()
 _compiled: dict[tuple, Callable[..., torch.Tensor]] = {}     # ready to run
 _pending: dict[tuple, threading.Thread] = {}                 # compiling in the background
 _failed: dict[tuple, str] = {}                               # signature -> why it stays eager
+_traced: dict[tuple, list[tuple[int, int]]] = {}             # signature -> the [B, T] sizes compiled, in order
+#: The torch.compile backend (tests trace with a lighter one).
+BACKEND = "inductor"
 
 
 def compile_mode(override: str | None = None) -> str:
@@ -113,10 +116,14 @@ def _fresh_core() -> Callable[..., torch.Tensor]:
 EXAMPLE_SIZES = ((13, 17), (14, 700), (14, 3000), (14, 40000), (4500, 20))
 
 
-def _example_sizes(args: tuple[Any, ...], episodes: tuple[Any, ...] | None) -> tuple[list[tuple[int, int]], int]:
-    """EXAMPLE_SIZES and the example's number of environment slots, each moved off the sizes of
-    the fixed inputs (thresholds, constants, bounds, hack detectors), so that no equality between
-    them is guarded."""
+def _example_sizes(args: tuple[Any, ...], episodes: tuple[Any, ...] | None,
+                   own: tuple[int, int] | None = None) -> tuple[list[tuple[int, int]], int]:
+    """The sizes compiled for a signature: ``own`` first (the size of the step that asked for it:
+    inductor sizes its kernels, the reductions' splits and blocks, by the hints of the first trace of
+    a graph, so the graph the steps of that size run is traced at their size), then EXAMPLE_SIZES
+    (steps whose size fails its graph's guards); and the example's number of environment slots. Each
+    is moved off the sizes of the fixed inputs (thresholds, constants, bounds, hack detectors), so that
+    no equality between them is guarded."""
     taken = {t.shape[0] for t in args[4:] if isinstance(t, torch.Tensor) and t.dim() == 1} | {2, 3}
     if episodes is not None and episodes[EPISODE_INPUTS.index("hacked")] is not None:
         taken.add(episodes[EPISODE_INPUTS.index("hacked")][3])
@@ -125,7 +132,7 @@ def _example_sizes(args: tuple[Any, ...], episodes: tuple[Any, ...] | None) -> t
         slots += 1
     taken.add(slots)
     sizes = []
-    for B, T in EXAMPLE_SIZES:
+    for B, T in ((own,) if own else ()) + EXAMPLE_SIZES:
         while B in taken:
             B += 1
         while T in taken or T == B:
@@ -208,10 +215,12 @@ def _example_spec(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _compile(key: tuple, args: tuple[Any, ...], kwargs: dict[str, Any],
-             episodes: tuple[Any, ...] | None = None) -> None:
+             episodes: tuple[Any, ...] | None = None, own: tuple[int, int] | None = None) -> None:
     try:
-        fn = torch.compile(_fresh_core(), dynamic=True, fullgraph=True)
-        sizes, slots = _example_sizes(args, episodes)
+        fn = torch.compile(_fresh_core(), dynamic=True, fullgraph=True, backend=BACKEND)
+        sizes, slots = _example_sizes(args, episodes, own)
+        with _lock:
+            _traced[key] = sizes
         for B, T in sizes:
             example = (*_example(args, B, T), *_example_episodes(episodes, B, slots))
             with torch.inference_mode():         # as compute_step runs
@@ -231,10 +240,10 @@ def _compile(key: tuple, args: tuple[Any, ...], kwargs: dict[str, Any],
             _pending.pop(key, None)
 
 
-def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, eager: bool = True,
-        wait: bool = False, episodes: tuple[Any, ...] | None = None) -> tuple[torch.Tensor | None, bool]:
-    """step_core(*args[:-1], *episodes, exact_quantiles=exact, over_from=args[-1]) and whether the
-    compiled version ran; (None, False) when no compiled version is ready and ``eager`` is False.
+def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, wait: bool = False,
+        episodes: tuple[Any, ...] | None = None) -> torch.Tensor:
+    """step_core(*args[:-1], *episodes, exact_quantiles=exact, over_from=args[-1]), compiled when a
+    compiled version is ready (the vector says which ran: :class:`.plans.TokenLayout`'s ``compiled``).
     ``episodes``: the :data:`EPISODE_INPUTS` (None: the token signals alone). Starts a background
     compilation for the signature on first sight when compiling is wanted; ``wait`` blocks until it
     finishes (tests and benchmarks)."""
@@ -249,7 +258,8 @@ def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, eager
             start = fn is None and thread is None and key not in _failed
             if start:
                 thread = _pending[key] = threading.Thread(
-                    target=_compile, args=(key, _example_spec(args[:-1]), kwargs, _episode_spec(episodes)),
+                    target=_compile, args=(key, _example_spec(args[:-1]), kwargs, _episode_spec(episodes),
+                                           tuple(mask.shape)),
                     name="rlwatch-compile")
         if start:
             thread.start()
@@ -257,16 +267,16 @@ def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, eager
             thread.join()
             fn = _compiled.get(key)
         if fn is not None:
-            return fn(*call_args, **kwargs), True
-    if not eager:
-        return None, False
-    return fused.step_core(*call_args, **kwargs), False
+            return fn(*call_args, **kwargs)
+    return fused.step_core(*call_args, **kwargs)
 
 
 def status() -> dict[str, Any]:
-    """Signatures compiled, compiling and failed (with the reason), for diagnostics and tests."""
+    """Signatures compiled, compiling and failed (with the reason), and the [B, T] sizes each was
+    compiled at, in order (``traced``), for diagnostics and tests."""
     with _lock:
-        return {"compiled": list(_compiled), "compiling": list(_pending), "failed": dict(_failed)}
+        return {"compiled": list(_compiled), "compiling": list(_pending), "failed": dict(_failed),
+                "traced": dict(_traced)}
 
 
 def wait(timeout: float | None = None) -> None:

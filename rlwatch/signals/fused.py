@@ -8,16 +8,18 @@ host transfer; :func:`~.quantities.finish_tokens` applies the host formulas.
 
 It has no host synchronisation, no data-dependent shape and no Python branch on tensor values:
 ``torch.compile(token_core, fullgraph=True, dynamic=True)`` traces it without a graph break and
-inductor fuses one reduction per declared sum into a few loops. Eagerly it runs over chunks of whole
-sequences of at most ``settings.FUSED_CHUNK_TOKENS`` positions; chunks' sums add, their extremes take
-the maximum, their |r| samples and lag histograms add up before the quantiles.
+inductor fuses one reduction per declared sum into a few loops. Eagerly it runs by the plan chosen for
+the tensors' device (:func:`.settings.engine_plan`): over chunks of whole sequences (on CPU of at most
+``settings.FUSED_CHUNK_TOKENS`` positions, on an accelerator, where every operation is a kernel launch,
+of ``settings.ACCELERATOR_CHUNK_TOKENS``), each chunk's :class:`ChunkParts` combined: sums add, extremes
+take the maximum, |r| samples and lag histograms add up before the quantiles.
 
 Two paths compute a chunk's sums (:class:`.plans.TokenPlan` says what they read):
 
-- the *stacked* path (eagerly on CPU, chunks of at most ``settings.STACK_MAX_TOKENS`` positions, where
+- the *stacked* path (the CPU plan, chunks of at most ``settings.STACK_MAX_TOKENS`` positions, where
   dispatch is what a step costs): the sums of one kind stacked into one [k, B, T] group reduced at once;
 - the *direct* path (every other chunk, and compiled code): one term at a time, each of its sums one
-  reduction (memory traffic is what a large step costs); its ``by`` sums one ``bincount`` eagerly on CPU,
+  reduction (memory traffic is what a large step costs); its ``by`` sums one ``bincount`` by the CPU plan,
   one 0/1 row per label elsewhere (no float atomics: the same values on every device).
 
 Shapes: ``mask`` [B, T] float32 0/1; log-probs [B, T] any float dtype; ``version`` [B, T], [B]
@@ -27,26 +29,21 @@ does not recompile.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator
+from typing import Any, NamedTuple
 
 import torch
 
 from . import quantities as q
-from . import settings
 from .lag import LAG_BUCKET_OF_BIN, LAG_SIZE, lag_finish, lag_part
 from .plans import TokenPlan, token_plan
-from .reduce import ABS_FIRST, ABS_NBINS, cached, interpolate, ranks, scalar
-from .settings import SAFETY_BOUND
+from .reduce import ABS_FIRST, ABS_NBINS, cached, interpolate, ranks, scalar, total
+from .settings import SAFETY_BOUND, EnginePlan, engine_plan, intra_op_threads
 from .valid import abs_sample, band_index, extremes, valid_terms
 
 
 # Float32 sums of 0/1 rows are exact up to 2**24 positions; a larger eager chunk sums in float64.
 _EXACT_F32_COUNT = 1 << 24
-# Eager CPU steps of this many positions or more run on one intra-op thread: their reductions would
-# otherwise wake other threads for microseconds of work (and stall for milliseconds on a busy host).
-_ONE_THREAD = 4096
 
 def _threshold_slice(names: list[str]) -> slice:
     """Positions of consecutive named thresholds in the thresholds input (the band edges, any number, last)."""
@@ -61,12 +58,50 @@ def _signs(signs: tuple[float, ...], dtype: torch.dtype, device: torch.device, d
         signs, dtype=dtype, device=device).view((len(signs),) + (1,) * (dims - 1)))
 
 
-def _chunks(B: int, T: int) -> list[tuple[int, int]]:
-    """Ranges of whole sequences of at most FUSED_CHUNK_TOKENS positions (one range compiled)."""
-    if torch.compiler.is_compiling() or B * T <= settings.FUSED_CHUNK_TOKENS:
+def _chunks(B: int, T: int, plan: EnginePlan) -> list[tuple[int, int]]:
+    """Ranges of whole sequences of at most ``plan.chunk_tokens`` positions (one range compiled)."""
+    if not plan.chunk_tokens or B * T <= plan.chunk_tokens:
         return [(0, B)]
-    rows = max(1, settings.FUSED_CHUNK_TOKENS // max(T, 1))
+    rows = max(1, plan.chunk_tokens // max(T, 1))
     return [(i, min(i + rows, B)) for i in range(0, B, rows)]
+
+
+class ChunkParts(NamedTuple):
+    """What one chunk of sequences adds to a step (see :meth:`combine`); None where the step has no
+    versions (the ``lag_`` parts) or not both log-probs (the rest after ``lag_max``).
+
+    tokens: [1] float64, the masked positions. lag_hist: [LAG_BINS] int64 tokens by lag; lag_seq_sums:
+    [3] float64 (sequences with a token, their largest lags, those spanning versions); lag_max: [1] the
+    largest lag. sums: [K] the token sums (:func:`~.quantities.token_sums` order); extremes: [3] max r,
+    -min r, max |r|; seq_sums: [K'] float64 :data:`~.quantities.SEQ_SUMS`; seq_max: [1] the largest
+    |s_b|; abs_sample: the |r| sample (exact: |r| on the valid set, +inf off it; else the int64 counts
+    of its bit patterns)."""
+
+    tokens: torch.Tensor
+    lag_hist: torch.Tensor | None = None
+    lag_seq_sums: torch.Tensor | None = None
+    lag_max: torch.Tensor | None = None
+    sums: torch.Tensor | None = None
+    extremes: torch.Tensor | None = None
+    seq_sums: torch.Tensor | None = None
+    seq_max: torch.Tensor | None = None
+    abs_sample: torch.Tensor | None = None
+
+    def combine(self, other: "ChunkParts", exact: bool) -> "ChunkParts":
+        """These parts and the next chunk's: the largest values by maximum, the exact |r| samples
+        (``exact``) concatenated, every other part summed (float64 or int64: exact counts)."""
+        def one(name: str, a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            if a is None or b is None:
+                return None
+            if name in _LARGEST:
+                return torch.maximum(a, b)
+            if name == "abs_sample" and exact:
+                return torch.cat([a, b])
+            return a + b if a.dtype == b.dtype == torch.int64 else a.double() + b
+        return ChunkParts(*(one(name, a, b) for name, a, b in zip(ChunkParts._fields, self, other)))
+
+
+_LARGEST = frozenset(("lag_max", "extremes", "seq_max"))
 
 
 def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_logp: torch.Tensor | None,
@@ -81,25 +116,22 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     ``exact_quantiles`` picks a sort for |r| quantiles (small steps) instead of the bit-pattern
     histogram; ``over_from`` (0-d float64) is the smallest lag above the staleness bound.
     """
-    mismatch = trainer_logp is not None and sampler_logp is not None
+    plan = engine_plan(mask.device)
     B, T = mask.shape
-    chunks = _chunks(B, T)
     inputs = (mask, version, trainer_logp, sampler_logp)
-    args = (trainer_version, thresholds, exact_quantiles)
-    if len(chunks) == 1 and (torch.compiler.is_compiling() or mask.device.type != "cpu" or mask.numel() < _ONE_THREAD):
-        whole = _chunk_parts(*inputs, *args)
-    else:
-        with one_intra_op_thread(mask.device.type == "cpu"):
-            whole = []
-            for lo, hi in chunks:
-                part = _chunk_parts(*(x[lo:hi] if x is not None else None for x in inputs), *args)
-                whole = _combine(whole, part, version is not None, mismatch and exact_quantiles) if whole else part
-    out = [whole[0]]
-    if mismatch:
-        out += _mismatch_finish(*whole[4 if version is not None else 1:], mask.numel(), abs_mids, qs,
-                                exact_quantiles)
-    if version is not None:
-        out += lag_finish(*whole[1:4], bucket_index, qs, over_from)
+    args = (trainer_version, thresholds, exact_quantiles, plan)
+    with intra_op_threads(plan.threads):
+        whole: ChunkParts | None = None
+        for lo, hi in _chunks(B, T, plan):
+            chunk = inputs if (lo, hi) == (0, B) else tuple(x[lo:hi] if x is not None else None for x in inputs)
+            part = _chunk_parts(*chunk, *args)
+            whole = part if whole is None else whole.combine(part, exact_quantiles)
+    assert whole is not None
+    out = [whole.tokens]
+    if whole.sums is not None:
+        out += _mismatch_finish(whole, mask.numel(), abs_mids, qs, exact_quantiles)
+    if whole.lag_hist is not None:
+        out += lag_finish(whole.lag_hist, whole.lag_seq_sums, whole.lag_max, bucket_index, qs, over_from)
     # 1 when this ran as compiled code, 0 eagerly. Float64, so that torch.cat promotes every part to
     # float64 (exactly: float32 sums and int64 counts fit).
     device = mask.device
@@ -110,50 +142,29 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
 
 def _chunk_parts(mask: torch.Tensor, version: torch.Tensor | None, trainer_logp: torch.Tensor | None,
                  sampler_logp: torch.Tensor | None, trainer_version: torch.Tensor, thresholds: torch.Tensor,
-                 exact_quantiles: bool) -> list[torch.Tensor]:
-    """One chunk's parts: tokens [1], the lag parts (with versions), the mismatch parts (with both
-    log-probs); see :func:`_combine`."""
+                 exact_quantiles: bool, plan: EnginePlan) -> ChunkParts:
+    """One chunk's :class:`ChunkParts`: the lag parts with versions, the mismatch parts with both log-probs."""
     per_seq = mask.sum(-1)                                                    # [B] float32
-    parts: list[torch.Tensor] = [per_seq.sum(0, keepdim=True, dtype=torch.float64)]   # exact: whole numbers
+    tokens = per_seq.sum(0, keepdim=True, dtype=torch.float64)                # exact: whole numbers
+    lag = (None, None, None)
     lag_bins = None
     if version is not None:
         lag, lag_bins = lag_part(version, trainer_version, mask, per_seq)
-        parts += lag
-    if trainer_logp is not None and sampler_logp is not None:
-        parts += _mismatch_part(mask, trainer_logp, sampler_logp, thresholds, lag_bins, exact_quantiles)
-    return parts
-
-
-@contextlib.contextmanager
-def one_intra_op_thread(wanted: bool) -> Iterator[None]:
-    """One intra-op thread for the block when ``wanted``, the caller's setting restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1 if wanted else threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _combine(whole: list[torch.Tensor], part: list[torch.Tensor], lag: bool, exact: bool) -> list[torch.Tensor]:
-    """The parts so far and the next chunk's (tokens, [lag histogram, sequence sums, largest lag], [token
-    sums, extremes, sequence sums, largest |s_b|, |r| sample]) combined: by maximum for the largest
-    values, the exact |r| samples concatenated, every other part summed (float64 or int64: exact counts)."""
-    m = 4 if lag else 1                                                   # the first mismatch part
-    largest = ({3} if lag else set()) | {m + 1, m + 3}
-    return [torch.maximum(a, b) if i in largest else torch.cat([a, b]) if exact and i == m + 4 else a + b
-            if a.dtype == b.dtype == torch.int64 else a.double() + b for i, (a, b) in enumerate(zip(whole, part))]
+    if trainer_logp is None or sampler_logp is None:
+        return ChunkParts(tokens, *lag)
+    return ChunkParts(tokens, *lag, *_mismatch_part(mask, trainer_logp, sampler_logp, thresholds, lag_bins,
+                                                    exact_quantiles, plan))
 
 
 def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thresholds: torch.Tensor,
-                   lag_bins: torch.Tensor | None, exact_quantiles: bool) -> list[torch.Tensor]:
+                   lag_bins: torch.Tensor | None, exact_quantiles: bool, plan: EnginePlan) -> list[torch.Tensor]:
     """A chunk's token sums [K] (:func:`~.quantities.token_sums` order), extremes [3], sequence sums,
     largest |s_b| [1], and its |r| sample (exact: |r| on the valid set, +inf off it; else its
-    bit-pattern histogram). ``lag_bins``: each token's lag bin ([B, T] or [B, 1]) or None."""
+    bit-pattern histogram): the mismatch fields of :class:`ChunkParts`. ``lag_bins``: each token's lag
+    bin ([B, T] or [B, 1]) or None."""
     work = torch.float64 if trainer_logp.dtype == torch.float64 else torch.float32
     thr = thresholds if work == torch.float64 else cached(("to", work), lambda: thresholds.to(work), on=thresholds)
-    stacked = (mask.device.type == "cpu" and not torch.compiler.is_compiling()
-               and mask.numel() <= settings.STACK_MAX_TOKENS)
+    stacked = plan.stack_max_tokens > 0 and mask.numel() <= plan.stack_max_tokens
     t = valid_terms(mask, trainer_logp, sampler_logp, thr, stacked)
     edges = cached(("edges",), lambda: thr[_threshold_slice(["edges"])].view(-1, 1, 1), on=thr)
     index = {"band": band_index(t["s"], edges, stacked), "lag": lag_bins}
@@ -162,7 +173,7 @@ def _mismatch_part(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp:
     if stacked:
         sums, per_seq = _stacked_sums(token, {name: make(t) for name, make in token.terms}, thr, index)
     else:
-        sums, per_seq = _direct_sums(token, t, thr, index)
+        sums, per_seq = _direct_sums(token, t, thr, index, plan.bincount)
     return [sums, extremes(t, stacked), *_sequence_sums(token, per_seq, thresholds), abs_sample(t, exact_quantiles)]
 
 
@@ -215,14 +226,14 @@ def _stacked_by_sums(plan: TokenPlan, terms: dict[str, torch.Tensor],
 
 
 def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
-                 index: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+                 index: dict[str, torch.Tensor | None], bincount: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The direct path: one term at a time, each of its sums one reduction, in the sums' order [K]; and
     the per-sequence sums of the first two (valid tokens, r) [2, B]. Compiled, inductor fuses the
     reductions over the same positions into a few loops (a stack feeding one reduction would be
     materialised, [B, T, K] float64: several times the inputs; tests/test_engine.py forbids it), in
-    float64 for exact counts; eagerly in the work dtype (float64 above 2**24 positions)."""
+    float64 for exact counts; eagerly in the work dtype (float64 above 2**24 positions). ``bincount``:
+    the ``by`` sums by one bincount per term (the CPU plan)."""
     compiling = torch.compiler.is_compiling()
-    bincount = t["r"].device.type == "cpu" and not compiling
     dtype = torch.float64 if compiling or t["r"].numel() > _EXACT_F32_COUNT else t["r"].dtype
     flat: list[torch.Tensor] = [None] * plan.flat                    # type: ignore[list-item]
     by: list[list[torch.Tensor]] = [[]] * len(plan.by)               # each: its sums [width] or its 0-d ones
@@ -236,7 +247,7 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
     for term in plan.per_term:
         x = term.make(t)
         for at in term.sums:
-            flat[at] = x.sum(dtype=dtype)
+            flat[at] = total(x, dtype)
         for at in term.squares:
             flat[at] = _sum_of_squares(x, dtype)
         for count in term.counts:
@@ -245,7 +256,7 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
             split = _by_sums(x, labels, plan.by_kinds) if bincount else None
             for j in term.by:
                 kind = plan.by[j].by
-                by[j] = [split[kind]] if split is not None else _by_rows(x, labels[kind], len(q.BY_LABELS[kind]), dtype)
+                by[j] = [split[kind]] if split is not None else _by_rows(x, labels, kind, dtype)
     per_seq = torch.stack([t["keep"].sum(-1), t["r"].sum(-1)])
     if bincount and by:
         return torch.cat([torch.stack(flat).double(), *(sums for [sums] in by)]), per_seq
@@ -256,7 +267,7 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
 def _sum_of_squares(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """sum(x^2) in ``dtype``: compiled a fused reduction, eagerly one dot product (no [B, T] temporary)."""
     if torch.compiler.is_compiling():
-        return (x * x).sum(dtype=dtype)
+        return total(x * x, dtype)
     flat = x.reshape(-1) if x.dtype == dtype else x.reshape(-1).to(dtype)
     return torch.dot(flat, flat)
 
@@ -266,12 +277,12 @@ def _count(x: torch.Tensor, threshold: torch.Tensor, above: bool, dtype: torch.d
     """The tokens where ``x`` > ``threshold`` (``above``) or < it, as a sum in ``dtype``. Eagerly the
     comparison is written as 0/1 into ``row`` (x's shape and dtype): a boolean sum is ~4x slower on CPU."""
     if row is None:
-        return (x > threshold if above else x < threshold).sum(dtype=dtype)
+        return total(x > threshold if above else x < threshold, dtype)
     return (torch.gt if above else torch.lt)(x, threshold, out=row).sum(dtype=dtype)
 
 
 def _by_labels(plan: TokenPlan, index: dict[str, torch.Tensor | None], bincount: bool) -> dict[str, torch.Tensor]:
-    """What the direct path's ``by`` sums split by. With ``bincount`` (eagerly on CPU): ``joint``, one
+    """What the direct path's ``by`` sums split by. With ``bincount`` (the CPU plan): ``joint``, one
     flat index of each token's (band, lag bin) pair, int32 [B * T]; else each token's label per kind."""
     if not plan.by:
         return {}
@@ -304,9 +315,15 @@ def _by_sums(x: torch.Tensor, labels: dict[str, torch.Tensor], kinds: tuple[str,
     return out
 
 
-def _by_rows(x: torch.Tensor, label: torch.Tensor, width: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """A ``by`` sum as one 0/1 row per label, each reduced to a 0-d sum (compiled, and eagerly off CPU)."""
-    return [torch.where(label == k, x, 0.0).sum(dtype=dtype) for k in range(width)]
+def _by_rows(x: torch.Tensor, labels: dict[str, Any], kind: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A ``by`` sum as one 0/1 row per label, each reduced to a 0-d sum (compiled, and by the accelerator
+    plan). Each label's row is made once per step and kept in ``labels`` for the kind's other terms (eagerly
+    one operation less per term and label)."""
+    label = labels[kind]
+    rows = labels.get(f"{kind}_rows")
+    if rows is None:
+        rows = labels[f"{kind}_rows"] = [label == k for k in range(len(q.BY_LABELS[kind]))]
+    return [total(torch.where(row, x, 0.0), dtype) for row in rows]
 
 
 def _sequence_sums(plan: TokenPlan, per_seq: torch.Tensor, thresholds: torch.Tensor) -> list[torch.Tensor]:
@@ -328,11 +345,12 @@ def _sequence_sums(plan: TokenPlan, per_seq: torch.Tensor, thresholds: torch.Ten
     return [rows.sum(-1), seq_abs.amax(0, keepdim=True) if seq_abs.numel() else seq_abs.new_zeros(1)]
 
 
-def _mismatch_finish(sums: torch.Tensor, extremes: torch.Tensor, seq_sums: torch.Tensor, seq_max: torch.Tensor,
-                     sample: torch.Tensor, n_all: int, abs_mids: torch.Tensor, qs: torch.Tensor,
+def _mismatch_finish(parts: ChunkParts, n_all: int, abs_mids: torch.Tensor, qs: torch.Tensor,
                      exact: bool) -> list[torch.Tensor]:
-    """The mismatch block: the sums, extremes, sequence sums, largest |s_b| and |r| quantiles [Q]
-    (meaningless when no token is valid)."""
+    """The mismatch block from the step's parts: the sums, extremes, sequence sums, largest |s_b| and |r|
+    quantiles [Q] (meaningless when no token is valid)."""
+    sums, extremes, seq_sums, seq_max, sample = (parts.sums, parts.extremes, parts.seq_sums, parts.seq_max,
+                                                 parts.abs_sample)
     n = sums[:1]
     lohi, frac = ranks(n, qs)               # (n - 1 exact in the sums' dtype, then float64 with qs)
     if exact:

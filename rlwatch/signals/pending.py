@@ -15,7 +15,7 @@ class Pending:
     """Device tensors waiting for the step's single host transfer, and the host formulas that finish
     them.
 
-    ``put(name, value, labels)`` stores a scalar; ``derive(name, fn, *parts)`` a reduction whose final
+    ``derive(name, fn, *parts)`` a reduction whose final
     formula (a ratio, a variance) runs on the host in float64 after the transfer; ``host(fn, *parts)``
     a formula returning several families at once (the fused vector's). Each 0-d part reaches ``fn``
     as a float, each 1-d part (:meth:`vector`) as a list, anything else unchanged. On small batches a
@@ -46,11 +46,6 @@ class Pending:
     def host(self, fn: Callable[..., "Values"], *parts: Any) -> None:
         """``fn(*parts)`` on the host returns several ``{name: {labels: value}}`` families at once."""
         self._entries.append(("", None, fn, tuple(self._part(p) for p in parts)))
-
-    def put(self, name: str, value: torch.Tensor | float, labels: tuple[str, ...] = ()) -> None:
-        if isinstance(value, torch.Tensor) and value.dim():
-            value = value.reshape(())
-        self._entries.append((name, labels, None, (self._part(value),)))
 
     def derive(self, name: str, fn: Callable[..., float | None], *parts: Any, labels: tuple[str, ...] = ()) -> None:
         self._entries.append((name, labels, fn, tuple(self._part(p) for p in parts)))
@@ -97,7 +92,7 @@ class Pending:
                             rows[row] = None
                     out[family_name] = out[family_name] | rows if family_name in out else rows
                 continue
-            out.setdefault(name, {})[labels] = _finite(_apply(fn, args) if fn else args[0])
+            out.setdefault(name, {})[labels] = _finite(_apply(fn, args))
         return out
 
 

@@ -8,6 +8,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .settings import engine_plan
+
 # On steps of more than EXACT_QUANTILE_MAX_TOKENS positions, |r| quantiles come from a histogram over
 # the float32 bit pattern of |r| (a sort costs n log n): for non-negative floats the
 # bits are monotone in the value, and bits >> 15 gives 256 equal-width bins per power of two. A bin's
@@ -70,21 +72,32 @@ def abs_bin_values(device: torch.device) -> torch.Tensor:
 
 
 def count_into(size: int, index: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Occurrences (or integer ``weights``) of ``index`` values in [0, size): [size], exact. Eagerly on
-    CPU one ``bincount`` (int64 without weights, float64 with them); elsewhere, and in compiled code,
+    """Occurrences (or integer ``weights``) of ``index`` values in [0, size): [size], exact. By the CPU
+    plan one ``bincount`` (int64 without weights, float64 with them); elsewhere, and in compiled code,
     an int64 scatter-add into zeros: ``bincount`` sizes its output from the data (compiled code cannot
     have that shape, and it synchronises on accelerators), and integer atomics are exact and fast
     where float64 ones are slow."""
     index = index if index.dim() == 1 else index.reshape(-1)          # a reshape is an operation too
     if weights is not None and weights.dim() != 1:
         weights = weights.reshape(-1)
-    if index.device.type == "cpu" and not torch.compiler.is_compiling():         # one operation, no atomics
+    if engine_plan(index.device).bincount:                          # the CPU plan: one operation, no atomics
         if weights is not None and weights.dtype in (torch.float16, torch.bfloat16, torch.float32):
             weights = weights.double()                # float64 sums: exact for whole numbers below 2^53
         return torch.bincount(index, weights, size)
     index = index.long()
     src = torch.ones_like(index) if weights is None else weights.long()
     return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add(0, index, src)
+
+
+def total(x: torch.Tensor, dtype: torch.dtype | None = None, kind: str = "sum") -> torch.Tensor:
+    """The 0-d sum (``kind`` "sum", in ``dtype``), maximum ("amax") or minimum ("amin") of ``x`` [B, T].
+    Compiled, by sequence first ([B, T] -> [B] -> 0-d): every reduction over the positions runs as B
+    independent rows, which inductor fuses into one kernel of B programs whatever its split heuristics
+    (otherwise a reduction over a step of symbolic size may run as one block over every position)."""
+    if torch.compiler.is_compiling() and x.dim() == 2:
+        rows = x.sum(-1, dtype=dtype) if kind == "sum" else getattr(x, kind)(-1)
+        return getattr(rows, kind)()
+    return x.sum(dtype=dtype) if kind == "sum" else getattr(x, kind)()
 
 
 def ranks(n: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

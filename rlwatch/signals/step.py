@@ -103,8 +103,8 @@ def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: 
     mismatch = record.trainer_logp is not None and record.sampler_logp is not None
     lag = record.version is not None and record.trainer_version is not None
     args, exact = engine_inputs(record, config)
-    vector, _ = engine.run(args, exact, ws.compile if ws is not None else "never",
-                           episodes=episodes.tensors if episodes is not None else None)
+    vector = engine.run(args, exact, ws.compile if ws is not None else "never",
+                        episodes=episodes.tensors if episodes is not None else None)
     layout = plans.layout(mismatch, lag)
 
     def finish(v: list[float]) -> "Values":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .quantities import threshold_names
-from .reduce import ABS_SHIFT, cached, count_into, scalar
+from .reduce import ABS_SHIFT, cached, count_into, scalar, total
 
 
 def valid_terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thr: torch.Tensor,
@@ -64,8 +64,8 @@ def extremes(t: dict[str, torch.Tensor], stacked: bool) -> torch.Tensor:
     # arithmetic rather than torch.where, in one fresh buffer.
     big = torch.finfo(r.dtype).max / 4
     moved = (valid - 1.0).mul_(big).add_(r)                                 # r - big (1 - valid)
-    high = moved.amax()
-    low = moved.sub_(r, alpha=2.0).neg_().amin()                            # -(r - big (1 - valid) - 2 r)
+    high = total(moved, kind="amax")
+    low = total(moved.sub_(r, alpha=2.0).neg_(), kind="amin")              # -(r - big (1 - valid) - 2 r)
     return torch.stack([high, -low, torch.maximum(high, -low)])
 
 
