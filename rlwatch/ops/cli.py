@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -150,19 +151,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _read_report(path: str) -> list[dict]:
+    """The run report's events, one JSON object a line (an unreadable line or a missing file: skipped)."""
     import json
 
-    events = []
-    try:
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    pass
-    except FileNotFoundError:
-        pass
-    return events
+    def parsed(line: str) -> dict | None:
+        with contextlib.suppress(ValueError):
+            return json.loads(line)
+        return None
+
+    with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as handle:
+        return [event for event in map(parsed, handle) if event is not None]
+    return []
 
 
 def _run_summary(events: list[dict], frameworks: str) -> str:
@@ -226,16 +225,11 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_whatif(args: argparse.Namespace) -> int:
-    from ..whatif.command import run_command
+def _delegated(module: str) -> Callable[[argparse.Namespace], int]:
+    """A command whose code is ``run_command`` in ``rlwatch.<module>``, imported when the command runs."""
+    import importlib
 
-    return run_command(args)
-
-
-def _cmd_replay(args: argparse.Namespace) -> int:
-    from ..replay.command import run_command
-
-    return run_command(args)
+    return lambda args: importlib.import_module(f"rlwatch.{module}").run_command(args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -432,8 +426,8 @@ def _add_postmortem(sub: Any) -> None:
 
 def _add_whatif(sub: Any) -> None:
     """``rlwatch whatif`` and its options."""
-    p = _command(sub, "whatif", _cmd_whatif, "simulate synchronous and asynchronous pipelines on a run's "
-                 "measured episode durations, training and sync times",
+    p = _command(sub, "whatif", _delegated("whatif.command"),
+                 "simulate synchronous and asynchronous pipelines on a run's measured episode durations, training and sync times",
                  "Feed the run's episode durations, training and weight-sync seconds to a discrete-event "
                  "pipeline simulation of synchronous, one-step-ahead and asynchronous designs (staleness bound "
                  "eta = 1, 2, 4, 8, partial rollouts or draining): throughput, slot utilisation, staleness and "
@@ -446,8 +440,8 @@ def _add_whatif(sub: Any) -> None:
 
 def _add_replay(sub: Any) -> None:
     """``rlwatch replay`` and its options."""
-    p = _command(sub, "replay", _cmd_replay, "would rlwatch have caught it? the alerts and the post-mortem over a "
-                 "run's logged metrics, no trainer needed",
+    p = _command(sub, "replay", _delegated("replay.command"),
+                 "would rlwatch have caught it? the alerts and the post-mortem over a run's logged metrics, no trainer needed",
                  "Feed each logged step of a run (TRL trainer_state.json, verl console or JSONL log, OpenRLHF log, "
                  "W&B or TensorBoard CSV) to the alert evaluator at the shipped thresholds: what would have fired "
                  "and when, against the run's reward curve, then the post-mortem. docs/replay.md")
