@@ -427,7 +427,8 @@ def _add_postmortem(sub: Any) -> None:
 def _add_whatif(sub: Any) -> None:
     """``rlwatch whatif`` and its options."""
     p = _command(sub, "whatif", _delegated("whatif.command"),
-                 "simulate synchronous and asynchronous pipelines on a run's measured episode durations, training and sync times",
+                 "simulate synchronous and asynchronous pipelines on a run's measured episode durations, "
+                 "training and sync times",
                  "Feed the run's episode durations, training and weight-sync seconds to a discrete-event "
                  "pipeline simulation of synchronous, one-step-ahead and asynchronous designs (staleness bound "
                  "eta = 1, 2, 4, 8, partial rollouts or draining): throughput, slot utilisation, staleness and "
@@ -441,7 +442,8 @@ def _add_whatif(sub: Any) -> None:
 def _add_replay(sub: Any) -> None:
     """``rlwatch replay`` and its options."""
     p = _command(sub, "replay", _delegated("replay.command"),
-                 "would rlwatch have caught it? the alerts and the post-mortem over a run's logged metrics, no trainer needed",
+                 "would rlwatch have caught it? the alerts and the post-mortem over a run's logged metrics, "
+                 "no trainer needed",
                  "Feed each logged step of a run (TRL trainer_state.json, verl console or JSONL log, OpenRLHF log, "
                  "W&B or TensorBoard CSV) to the alert evaluator at the shipped thresholds: what would have fired "
                  "and when, against the run's reward curve, then the post-mortem. docs/replay.md")
