@@ -49,6 +49,10 @@ PARAMS: dict[str, Param] = {
     "clipped_ratio_rise": Param(0.1, "The truncated (clipped-response) ratio's 5-step median this far above its "
                                 "trailing baseline (absolute fraction) is a surge (RLWatchLengthRunaway).",
                                 above=0.0, high=1.0),
+    "clipped_ratio_factor": Param(3.0, "The truncated ratio's mean over the last 10 logged values this many times its "
+                                  "trailing baseline's mean, with responses cut at the limit on at least 2 of those "
+                                  "values, is a surge too (RLWatchLengthRunaway): responses that seldom or never "
+                                  "reached the length limit start reaching it again and again.", above=1.0),
     "reward_slide_fraction": Param(0.3, "The reward's 10-step median below its running peak of 20-step medians "
                                    "by this fraction of the run's gain (the peak minus its first 20-step median) is a "
                                    "slide (RLWatchRewardSlide).", above=0.0, high=1.0),
@@ -167,8 +171,21 @@ def _length_runaway(h: History) -> Verdicts:
     base, now = _baseline(h, "truncated_ratio"), _median(h, "truncated_ratio")
     if h.latest("truncated_ratio") is not None and base is not None and now is not None:
         rise = h.p("clipped_ratio_rise")
-        out[("truncated_ratio",)] = (now, now > base + rise, now > base + h.p("hold_fraction") * rise)
+        repeated = _truncation_repeats(h)
+        out[("truncated_ratio",)] = (now, now > base + rise or repeated, now > base + h.p("hold_fraction") * rise
+                                     or repeated)
     return _remember(h, "length", out)
+
+
+def _truncation_repeats(h: History) -> bool:
+    """Responses cut at the length limit on at least 2 of the last :data:`SLIDE_NOW` logged values, their mean
+    ``clipped_ratio_factor`` x the trailing baseline's mean (the same 30 values the median baseline reads)."""
+    values = _series(h, "truncated_ratio")
+    recent = values[-SLIDE_NOW:]
+    earlier = values[max(0, len(values) - BASELINE_GAP - BASELINE_STEPS):max(0, len(values) - BASELINE_GAP)]
+    if not earlier or sum(v > 0 for v in recent) < 2:
+        return False
+    return statistics.fmean(recent) > h.p("clipped_ratio_factor") * statistics.fmean(earlier)
 
 
 def _reward_signal(h: History) -> str:
