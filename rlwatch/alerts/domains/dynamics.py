@@ -31,6 +31,8 @@ KEPT = 60
 #: The reward slide: steps of the median whose running maximum is the peak, and of the median compared with it
 #: (a peak of 5-step medians over a long flat run is noise's maximum, not a level the run reached).
 SLIDE_PEAK, SLIDE_NOW = 20, 10
+#: The share of a baseline's logged values with truncated responses at or under which truncation is rare.
+RARE_TRUNCATION = 0.1
 
 PARAMS: dict[str, Param] = {
     "entropy_surge_factor": Param(1.5, "Entropy's 5-step median this many times its trailing baseline is a "
@@ -49,10 +51,10 @@ PARAMS: dict[str, Param] = {
     "clipped_ratio_rise": Param(0.1, "The truncated (clipped-response) ratio's 5-step median this far above its "
                                 "trailing baseline (absolute fraction) is a surge (RLWatchLengthRunaway).",
                                 above=0.0, high=1.0),
-    "clipped_ratio_factor": Param(3.0, "The truncated ratio's mean over the last 10 logged values this many times its "
-                                  "trailing baseline's mean, with responses cut at the limit on at least 2 of those "
-                                  "values, is a surge too (RLWatchLengthRunaway): responses that seldom or never "
-                                  "reached the length limit start reaching it again and again.", above=1.0),
+    "clipped_ratio_factor": Param(3.0, "Where truncation was rare (on at most 1 in 10 of the trailing baseline's "
+                                  "logged values), responses cut at the length limit on at least 2 of the last 10 "
+                                  "logged values and on this many times the baseline's share of them is a surge too "
+                                  "(RLWatchLengthRunaway).", above=1.0),
     "reward_slide_fraction": Param(0.3, "The reward's 10-step median below its running peak of 20-step medians "
                                    "by this fraction of the run's gain (the peak minus its first 20-step median) is a "
                                    "slide (RLWatchRewardSlide).", above=0.0, high=1.0),
@@ -178,14 +180,19 @@ def _length_runaway(h: History) -> Verdicts:
 
 
 def _truncation_repeats(h: History) -> bool:
-    """Responses cut at the length limit on at least 2 of the last :data:`SLIDE_NOW` logged values, their mean
-    ``clipped_ratio_factor`` x the trailing baseline's mean (the same 30 values the median baseline reads)."""
+    """Responses cut at the length limit on at least 2 of the last :data:`SLIDE_NOW` logged values, in a run whose
+    trailing baseline (the same 30 values the median baseline reads) had them on at most
+    :data:`RARE_TRUNCATION` of its values, and on ``clipped_ratio_factor`` x that share: responses that seldom
+    reached the limit start reaching it again and again. (Where truncation is common, the 5-step median's
+    rise, ``clipped_ratio_rise``, judges it.)"""
     values = _series(h, "truncated_ratio")
     recent = values[-SLIDE_NOW:]
     earlier = values[max(0, len(values) - BASELINE_GAP - BASELINE_STEPS):max(0, len(values) - BASELINE_GAP)]
-    if not earlier or sum(v > 0 for v in recent) < 2:
+    if not earlier:
         return False
-    return statistics.fmean(recent) > h.p("clipped_ratio_factor") * statistics.fmean(earlier)
+    share_now, share_before = sum(v > 0 for v in recent) / len(recent), sum(v > 0 for v in earlier) / len(earlier)
+    return (sum(v > 0 for v in recent) >= 2 and share_before <= RARE_TRUNCATION
+            and share_now > h.p("clipped_ratio_factor") * share_before)
 
 
 def _reward_signal(h: History) -> str:
