@@ -298,3 +298,9 @@ def test_truncation_common_in_the_baseline_is_judged_by_its_level_only():
     rng = random.Random(5)
     common = [rng.choice([0.0, 1 / 64, 1 / 64, 2 / 64]) * rng.choice([0, 1]) for _ in range(600)]
     assert judge({"truncated_ratio": common}) == {}
+
+
+def test_a_run_of_twenty_logged_rows_is_judged():
+    kl = [0.02, 0.025] * 6 + [0.25] * 8                     # 20 rows: a departure from the 13th
+    assert judge({"policy_kl": kl}) == {"RLWatchPolicyKLDeparture": 16}
+    assert judge({"policy_kl": [0.02, 0.025] * 10}) == {}

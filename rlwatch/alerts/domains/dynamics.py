@@ -5,7 +5,8 @@ from its running peak. Each is a warning on its own; several moving together wit
 (RLWatchCollapsePrecursors). Entropy falling is RLWatchEntropyCollapse (the distribution domain).
 
 Every baseline is the run's own: the median of a signal over the 30 logged values ending 10 before the
-latest (at least ``baseline_steps`` of them), so a slow change such as a learning-rate warm-up moves the
+latest (at least ``dynamics_baseline_rows`` of them; in a short run ending as few as 5 before, so a run of
+20 logged rows is judged from its 15th), so a slow change such as a learning-rate warm-up moves the
 baseline with it while a climb over a few tens of values stands out; the compared level is the median of
 the last 5 values, so one noisy value does not raise. No condition raises without its baseline. The
 conditions count logged values, not steps (:func:`rows`): a trainer that logs every k steps (TRL's
@@ -60,6 +61,9 @@ PARAMS: dict[str, Param] = {
                                    "slide (RLWatchRewardSlide).", above=0.0, high=1.0),
     "reward_slide_z": Param(3.0, "RLWatchRewardSlide needs the drop to exceed this many standard deviations of the "
                             "reward's step-to-step noise too.", above=0.0),
+    "dynamics_baseline_rows": Param(10.0, "Logged values a precursor's trailing baseline needs (RLWatchEntropySurge, "
+                                    "RLWatchPolicyKLDeparture, RLWatchGradNormSpike, RLWatchLengthRunaway): a run "
+                                    "logging 20 rows is judged from its 15th on.", low=3.0),
     "precursor_steps": Param(10.0, "Steps within which two different precursors raising page "
                              "(RLWatchCollapsePrecursors).", low=1.0),
 }
@@ -83,12 +87,20 @@ def _median(h: History, name: str, last: int = SMOOTH, skip: int = 0) -> float |
     return statistics.median(chosen) if chosen else None
 
 
-def _baseline(h: History, name: str) -> float | None:
-    """The trailing baseline (the median of the 30 logged values ending 10 before the latest); None before
-    ``baseline_steps`` of them."""
+def _baseline_values(h: History, name: str) -> list[float]:
+    """The values the trailing baseline reads: the 30 logged values ending 10 before the latest; in a run
+    with fewer values, ending fewer before (at least :data:`SMOOTH`, so the compared median never
+    overlaps them) once ``dynamics_baseline_rows`` of them are there."""
     values = _series(h, name)
-    values = values[max(0, len(values) - BASELINE_GAP - BASELINE_STEPS):max(0, len(values) - BASELINE_GAP)]
-    if len(values) < min(BASELINE_STEPS, h.p("baseline_steps")):
+    gap = min(BASELINE_GAP, max(SMOOTH, len(values) - int(h.p("dynamics_baseline_rows"))))
+    return values[max(0, len(values) - gap - BASELINE_STEPS):max(0, len(values) - gap)]
+
+
+def _baseline(h: History, name: str) -> float | None:
+    """The trailing baseline (the median of :func:`_baseline_values`); None before ``dynamics_baseline_rows``
+    of them."""
+    values = _baseline_values(h, name)
+    if len(values) < h.p("dynamics_baseline_rows"):
         return None
     base = statistics.median(values)
     h.stats[("baseline", name)] = base
@@ -181,14 +193,14 @@ def _length_runaway(h: History) -> Verdicts:
 
 def _truncation_repeats(h: History) -> bool:
     """Responses cut at the length limit on at least 2 of the last :data:`SLIDE_NOW` logged values, in a run whose
-    trailing baseline (the same 30 values the median baseline reads) had them on at most
-    :data:`RARE_TRUNCATION` of its values, and on ``clipped_ratio_factor`` x that share: responses that seldom
-    reached the limit start reaching it again and again. (Where truncation is common, the 5-step median's
-    rise, ``clipped_ratio_rise``, judges it.)"""
+    previous values (up to 30, ending :data:`SLIDE_NOW` before the latest, at least ``dynamics_baseline_rows``)
+    had them on at most :data:`RARE_TRUNCATION` of its values, and on ``clipped_ratio_factor`` x that share:
+    responses that seldom reached the limit start reaching it again and again. (Where truncation is common, the
+    5-step median's rise, ``clipped_ratio_rise``, judges it.)"""
     values = _series(h, "truncated_ratio")
     recent = values[-SLIDE_NOW:]
-    earlier = values[max(0, len(values) - BASELINE_GAP - BASELINE_STEPS):max(0, len(values) - BASELINE_GAP)]
-    if not earlier:
+    earlier = values[max(0, len(values) - SLIDE_NOW - BASELINE_STEPS):max(0, len(values) - SLIDE_NOW)]
+    if len(earlier) < h.p("dynamics_baseline_rows"):
         return False
     share_now, share_before = sum(v > 0 for v in recent) / len(recent), sum(v > 0 for v in earlier) / len(earlier)
     return (sum(v > 0 for v in recent) >= 2 and share_before <= RARE_TRUNCATION
@@ -250,11 +262,11 @@ RESUME = ("If the reward has started to fall: stop, and resume from the last che
 ENTROPY_SURGE = Alert(
     name="RLWatchEntropySurge", severity="warning", for_steps=1,
     value_format="entropy {:.3g}x its baseline",
-    params=("entropy_surge_factor", "baseline_steps", "hold_fraction", "clear_steps"),
+    params=("entropy_surge_factor", "dynamics_baseline_rows", "hold_fraction", "clear_steps"),
     summary="Policy entropy surged above this run's baseline.",
     description="Run {{ $labels.run }}: mean token entropy is {{ $value | printf \"%.2g\" }}x its trailing baseline.",
-    windows="Entropy's 5-step median over its trailing baseline (the median of the 30 steps ending 10 steps "
-            "before, at least `baseline_steps` of them) above `entropy_surge_factor`, 3 logged values running.",
+    windows="Entropy's 5-step median over its trailing baseline (the median of the 30 logged values ending 10 "
+            "before, at least `dynamics_baseline_rows` of them) above `entropy_surge_factor`, 3 logged values running.",
     condition=_entropy_surge,
     runbook=_runbook(
         "The policy is becoming more random: updates are destroying what it learned rather than sharpening it. "
@@ -273,7 +285,7 @@ ENTROPY_SURGE = Alert(
 POLICY_KL = Alert(
     name="RLWatchPolicyKLDeparture", severity="warning", for_steps=1,
     value_format="policy KL {:.3g}x its baseline",
-    params=("policy_kl_factor", "policy_kl_floor", "baseline_steps", "hold_fraction", "clear_steps"),
+    params=("policy_kl_factor", "policy_kl_floor", "dynamics_baseline_rows", "hold_fraction", "clear_steps"),
     summary="The KL between consecutive policies left this run's baseline.",
     description="Run {{ $labels.run }}: the policy KL per update is {{ $value | printf \"%.2g\" }}x its trailing "
                 "baseline.",
@@ -297,7 +309,7 @@ POLICY_KL = Alert(
 GRAD_SPIKE = Alert(
     name="RLWatchGradNormSpike", severity="warning", for_steps=1,
     value_format="gradient norm {:.3g}x its baseline",
-    params=("grad_spike_factor", "baseline_steps", "hold_fraction", "clear_steps"),
+    params=("grad_spike_factor", "dynamics_baseline_rows", "hold_fraction", "clear_steps"),
     summary="The gradient norm is spiking.",
     description="Run {{ $labels.run }}: the gradient norm is {{ $value | printf \"%.2g\" }}x its trailing baseline.",
     windows="The gradient norm above `grad_spike_factor` x its trailing baseline median on 2 of the last 4 "
@@ -341,17 +353,21 @@ GRAD_DEAD = Alert(
 LENGTH_RUNAWAY = Alert(
     name="RLWatchLengthRunaway", severity="warning", for_steps=1, labels=("run", "signal"),
     value_format="length {:.3g} (response length: times its baseline; clipped ratio: fraction of responses)",
-    params=("length_runaway_factor", "clipped_ratio_rise", "baseline_steps", "hold_fraction", "clear_steps"),
+    params=("length_runaway_factor", "clipped_ratio_rise", "clipped_ratio_factor", "dynamics_baseline_rows",
+            "hold_fraction", "clear_steps"),
     summary="Responses are running away in length, or the clipped ratio surged.",
     description="Run {{ $labels.run }}: {{ $labels.signal }} is {{ $value | printf \"%.3g\" }} (its trailing "
                 "baseline: rlwatch_window_baseline).",
     windows="The mean response length's 5-step median above `length_runaway_factor` x its trailing baseline, or "
-            "the truncated ratio's 5-step median `clipped_ratio_rise` above its trailing baseline, 3 logged values "
-            "running.",
+            "the truncated ratio's 5-step median `clipped_ratio_rise` above its trailing baseline, or, where responses "
+            "seldom reached the length limit (on at most 1 in 10 of the 30 logged values before the last 10), "
+            "responses cut at the limit on at least 2 of the last 10 logged values and on `clipped_ratio_factor` x "
+            "the earlier share of them; 3 logged values running.",
     condition=_length_runaway,
     runbook=_runbook(
         "Responses grow until the length limit cuts them: the clipped responses carry no final answer, the reward "
-        "falls, and the policy learns from truncated text.",
+        "falls, and the policy learns from truncated text. Responses that seldom reached the limit reaching it "
+        "again and again, even one in a thousand, have come a few steps before a run locked in at the limit.",
         ["A reward that favours length (a hack), or repetition loops after an entropy change.",
          "An overlong penalty missing or switched off."],
         ["rlwatch_response_length_mean, rlwatch_truncated_ratio and rlwatch_env_reward_length_corr.",
