@@ -32,8 +32,6 @@ KEPT = 60
 #: The reward slide: steps of the median whose running maximum is the peak, and of the median compared with it
 #: (a peak of 5-step medians over a long flat run is noise's maximum, not a level the run reached).
 SLIDE_PEAK, SLIDE_NOW = 20, 10
-#: The share of a baseline's logged values with truncated responses at or under which truncation is rare.
-RARE_TRUNCATION = 0.1
 
 PARAMS: dict[str, Param] = {
     "entropy_surge_factor": Param(1.5, "Entropy's 5-step median this many times its trailing baseline is a "
@@ -52,10 +50,6 @@ PARAMS: dict[str, Param] = {
     "clipped_ratio_rise": Param(0.1, "The truncated (clipped-response) ratio's 5-step median this far above its "
                                 "trailing baseline (absolute fraction) is a surge (RLWatchLengthRunaway).",
                                 above=0.0, high=1.0),
-    "clipped_ratio_factor": Param(3.0, "Where truncation was rare (on at most 1 in 10 of the trailing baseline's "
-                                  "logged values), responses cut at the length limit on at least 2 of the last 10 "
-                                  "logged values and on this many times the baseline's share of them is a surge too "
-                                  "(RLWatchLengthRunaway).", above=1.0),
     "reward_slide_fraction": Param(0.3, "The reward's 10-step median below its running peak of 20-step medians "
                                    "by this fraction of the run's gain (the peak minus its first 20-step median) is a "
                                    "slide (RLWatchRewardSlide).", above=0.0, high=1.0),
@@ -185,26 +179,8 @@ def _length_runaway(h: History) -> Verdicts:
     base, now = _baseline(h, "truncated_ratio"), _median(h, "truncated_ratio")
     if h.latest("truncated_ratio") is not None and base is not None and now is not None:
         rise = h.p("clipped_ratio_rise")
-        repeated = _truncation_repeats(h)
-        out[("truncated_ratio",)] = (now, now > base + rise or repeated, now > base + h.p("hold_fraction") * rise
-                                     or repeated)
+        out[("truncated_ratio",)] = (now, now > base + rise, now > base + h.p("hold_fraction") * rise)
     return _remember(h, "length", out)
-
-
-def _truncation_repeats(h: History) -> bool:
-    """Responses cut at the length limit on at least 2 of the last :data:`SLIDE_NOW` logged values, in a run whose
-    previous values (up to 30, ending :data:`SLIDE_NOW` before the latest, at least ``dynamics_baseline_rows``)
-    had them on at most :data:`RARE_TRUNCATION` of its values, and on ``clipped_ratio_factor`` x that share:
-    responses that seldom reached the limit start reaching it again and again. (Where truncation is common, the
-    5-step median's rise, ``clipped_ratio_rise``, judges it.)"""
-    values = _series(h, "truncated_ratio")
-    recent = values[-SLIDE_NOW:]
-    earlier = values[max(0, len(values) - SLIDE_NOW - BASELINE_STEPS):max(0, len(values) - SLIDE_NOW)]
-    if len(earlier) < h.p("dynamics_baseline_rows"):
-        return False
-    share_now, share_before = sum(v > 0 for v in recent) / len(recent), sum(v > 0 for v in earlier) / len(earlier)
-    return (sum(v > 0 for v in recent) >= 2 and share_before <= RARE_TRUNCATION
-            and share_now > h.p("clipped_ratio_factor") * share_before)
 
 
 def _reward_signal(h: History) -> str:
@@ -353,21 +329,18 @@ GRAD_DEAD = Alert(
 LENGTH_RUNAWAY = Alert(
     name="RLWatchLengthRunaway", severity="warning", for_steps=1, labels=("run", "signal"),
     value_format="length {:.3g} (response length: times its baseline; clipped ratio: fraction of responses)",
-    params=("length_runaway_factor", "clipped_ratio_rise", "clipped_ratio_factor", "dynamics_baseline_rows",
-            "hold_fraction", "clear_steps"),
+    params=("length_runaway_factor", "clipped_ratio_rise", "dynamics_baseline_rows", "hold_fraction",
+            "clear_steps"),
     summary="Responses are running away in length, or the clipped ratio surged.",
     description="Run {{ $labels.run }}: {{ $labels.signal }} is {{ $value | printf \"%.3g\" }} (its trailing "
                 "baseline: rlwatch_window_baseline).",
     windows="The mean response length's 5-step median above `length_runaway_factor` x its trailing baseline, or "
-            "the truncated ratio's 5-step median `clipped_ratio_rise` above its trailing baseline, or, where responses "
-            "seldom reached the length limit (on at most 1 in 10 of the 30 logged values before the last 10), "
-            "responses cut at the limit on at least 2 of the last 10 logged values and on `clipped_ratio_factor` x "
-            "the earlier share of them; 3 logged values running.",
+            "the truncated ratio's 5-step median `clipped_ratio_rise` above its trailing baseline, 3 logged values "
+            "running.",
     condition=_length_runaway,
     runbook=_runbook(
         "Responses grow until the length limit cuts them: the clipped responses carry no final answer, the reward "
-        "falls, and the policy learns from truncated text. Responses that seldom reached the limit reaching it "
-        "again and again, even one in a thousand, have come a few steps before a run locked in at the limit.",
+        "falls, and the policy learns from truncated text.",
         ["A reward that favours length (a hack), or repetition loops after an entropy change.",
          "An overlong penalty missing or switched off."],
         ["rlwatch_response_length_mean, rlwatch_truncated_ratio and rlwatch_env_reward_length_corr.",
