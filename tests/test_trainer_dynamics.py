@@ -280,3 +280,9 @@ def test_a_trainer_logging_every_ten_steps_is_judged_row_by_row():
     sparse = [v if step % 10 == 0 else None for step in range(500) for v in [rows[step // 10]]]
     assert judge({"policy_kl": sparse}, alerts=dynamics.ALERTS) == {"RLWatchPolicyKLDeparture": 440}
     assert judge({"policy_kl": [v if s % 10 == 0 else None for s, v in enumerate([0.02] * 500)]}) == {}
+
+
+def test_a_run_of_twenty_logged_rows_is_judged():
+    kl = [0.02, 0.025] * 6 + [0.25] * 8                     # 20 rows: a departure from the 13th
+    assert judge({"policy_kl": kl}) == {"RLWatchPolicyKLDeparture": 16}
+    assert judge({"policy_kl": [0.02, 0.025] * 10}) == {}

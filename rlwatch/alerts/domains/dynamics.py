@@ -5,7 +5,8 @@ from its running peak. Each is a warning on its own; several moving together wit
 (RLWatchCollapsePrecursors). Entropy falling is RLWatchEntropyCollapse (the distribution domain).
 
 Every baseline is the run's own: the median of a signal over the 30 logged values ending 10 before the
-latest (at least ``baseline_steps`` of them), so a slow change such as a learning-rate warm-up moves the
+latest (at least ``dynamics_baseline_rows`` of them; in a short run ending as few as 5 before, so a run of
+20 logged rows is judged from its 15th), so a slow change such as a learning-rate warm-up moves the
 baseline with it while a climb over a few tens of values stands out; the compared level is the median of
 the last 5 values, so one noisy value does not raise. No condition raises without its baseline. The
 conditions count logged values, not steps (:func:`rows`): a trainer that logs every k steps (TRL's
@@ -54,6 +55,9 @@ PARAMS: dict[str, Param] = {
                                    "slide (RLWatchRewardSlide).", above=0.0, high=1.0),
     "reward_slide_z": Param(3.0, "RLWatchRewardSlide needs the drop to exceed this many standard deviations of the "
                             "reward's step-to-step noise too.", above=0.0),
+    "dynamics_baseline_rows": Param(10.0, "Logged values a precursor's trailing baseline needs (RLWatchEntropySurge, "
+                                    "RLWatchPolicyKLDeparture, RLWatchGradNormSpike, RLWatchLengthRunaway): a run "
+                                    "logging 20 rows is judged from its 15th on.", low=3.0),
     "precursor_steps": Param(10.0, "Steps within which two different precursors raising page "
                              "(RLWatchCollapsePrecursors).", low=1.0),
 }
@@ -77,12 +81,20 @@ def _median(h: History, name: str, last: int = SMOOTH, skip: int = 0) -> float |
     return statistics.median(chosen) if chosen else None
 
 
-def _baseline(h: History, name: str) -> float | None:
-    """The trailing baseline (the median of the 30 logged values ending 10 before the latest); None before
-    ``baseline_steps`` of them."""
+def _baseline_values(h: History, name: str) -> list[float]:
+    """The values the trailing baseline reads: the 30 logged values ending 10 before the latest; in a run
+    with fewer values, ending fewer before (at least :data:`SMOOTH`, so the compared median never
+    overlaps them) once ``dynamics_baseline_rows`` of them are there."""
     values = _series(h, name)
-    values = values[max(0, len(values) - BASELINE_GAP - BASELINE_STEPS):max(0, len(values) - BASELINE_GAP)]
-    if len(values) < min(BASELINE_STEPS, h.p("baseline_steps")):
+    gap = min(BASELINE_GAP, max(SMOOTH, len(values) - int(h.p("dynamics_baseline_rows"))))
+    return values[max(0, len(values) - gap - BASELINE_STEPS):max(0, len(values) - gap)]
+
+
+def _baseline(h: History, name: str) -> float | None:
+    """The trailing baseline (the median of :func:`_baseline_values`); None before ``dynamics_baseline_rows``
+    of them."""
+    values = _baseline_values(h, name)
+    if len(values) < h.p("dynamics_baseline_rows"):
         return None
     base = statistics.median(values)
     h.stats[("baseline", name)] = base
@@ -226,11 +238,11 @@ RESUME = ("If the reward has started to fall: stop, and resume from the last che
 ENTROPY_SURGE = Alert(
     name="RLWatchEntropySurge", severity="warning", for_steps=1,
     value_format="entropy {:.3g}x its baseline",
-    params=("entropy_surge_factor", "baseline_steps", "hold_fraction", "clear_steps"),
+    params=("entropy_surge_factor", "dynamics_baseline_rows", "hold_fraction", "clear_steps"),
     summary="Policy entropy surged above this run's baseline.",
     description="Run {{ $labels.run }}: mean token entropy is {{ $value | printf \"%.2g\" }}x its trailing baseline.",
-    windows="Entropy's 5-step median over its trailing baseline (the median of the 30 steps ending 10 steps "
-            "before, at least `baseline_steps` of them) above `entropy_surge_factor`, 3 logged values running.",
+    windows="Entropy's 5-step median over its trailing baseline (the median of the 30 logged values ending 10 "
+            "before, at least `dynamics_baseline_rows` of them) above `entropy_surge_factor`, 3 logged values running.",
     condition=_entropy_surge,
     runbook=_runbook(
         "The policy is becoming more random: updates are destroying what it learned rather than sharpening it. "
@@ -249,7 +261,7 @@ ENTROPY_SURGE = Alert(
 POLICY_KL = Alert(
     name="RLWatchPolicyKLDeparture", severity="warning", for_steps=1,
     value_format="policy KL {:.3g}x its baseline",
-    params=("policy_kl_factor", "policy_kl_floor", "baseline_steps", "hold_fraction", "clear_steps"),
+    params=("policy_kl_factor", "policy_kl_floor", "dynamics_baseline_rows", "hold_fraction", "clear_steps"),
     summary="The KL between consecutive policies left this run's baseline.",
     description="Run {{ $labels.run }}: the policy KL per update is {{ $value | printf \"%.2g\" }}x its trailing "
                 "baseline.",
@@ -273,7 +285,7 @@ POLICY_KL = Alert(
 GRAD_SPIKE = Alert(
     name="RLWatchGradNormSpike", severity="warning", for_steps=1,
     value_format="gradient norm {:.3g}x its baseline",
-    params=("grad_spike_factor", "baseline_steps", "hold_fraction", "clear_steps"),
+    params=("grad_spike_factor", "dynamics_baseline_rows", "hold_fraction", "clear_steps"),
     summary="The gradient norm is spiking.",
     description="Run {{ $labels.run }}: the gradient norm is {{ $value | printf \"%.2g\" }}x its trailing baseline.",
     windows="The gradient norm above `grad_spike_factor` x its trailing baseline median on 2 of the last 4 "
@@ -317,7 +329,8 @@ GRAD_DEAD = Alert(
 LENGTH_RUNAWAY = Alert(
     name="RLWatchLengthRunaway", severity="warning", for_steps=1, labels=("run", "signal"),
     value_format="length {:.3g} (response length: times its baseline; clipped ratio: fraction of responses)",
-    params=("length_runaway_factor", "clipped_ratio_rise", "baseline_steps", "hold_fraction", "clear_steps"),
+    params=("length_runaway_factor", "clipped_ratio_rise", "dynamics_baseline_rows", "hold_fraction",
+            "clear_steps"),
     summary="Responses are running away in length, or the clipped ratio surged.",
     description="Run {{ $labels.run }}: {{ $labels.signal }} is {{ $value | printf \"%.3g\" }} (its trailing "
                 "baseline: rlwatch_window_baseline).",
