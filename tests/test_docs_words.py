@@ -22,6 +22,8 @@ HISTORY = re.compile(r"\bissues? #?\d+|\bsessions?\b|tuning split|before this ch
 COMMIT = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
 #: Where a commit may appear: a figure's provenance in docs/results.md.
 PROVENANCE = re.compile(r"measured 20\d\d-\d\d-\d\d at ([0-9a-f]{7,40})\b")
+#: Where a commit may appear too: another project's source cited as `path` @ `commit`.
+SOURCE = re.compile(r"` @ `([0-9a-f]{7,40})`")
 TUTORIAL = "Rollout Systems and Off-Policy Correction"
 
 
@@ -30,6 +32,7 @@ def test_user_text_carries_no_development_history(path):
     text = path.read_text()
     found = [m.group(0) for m in HISTORY.finditer(text)]
     allowed = {m.group(1) for m in PROVENANCE.finditer(text)} if path.name == "results.md" else set()
+    allowed |= {m.group(1) for m in SOURCE.finditer(text)}
     found += [m.group(0) for m in COMMIT.finditer(text) if m.group(0) not in allowed]
     assert not found, f"{path.relative_to(ROOT)}: {found}"
 
