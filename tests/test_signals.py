@@ -308,6 +308,7 @@ def test_lengths_and_truncation():
     assert scalar(v, "response_length_mean") == pytest.approx(8 / 3)
     assert scalar(v, "response_length_max") == 4
     assert scalar(v, "response_length_p99") == pytest.approx(float(torch.quantile(lengths, 0.99)))
+    assert scalar(v, "response_length_p95") == pytest.approx(float(torch.quantile(lengths, 0.95)))
     assert scalar(v, "truncated_ratio") == pytest.approx(1 / 3)
 
 
