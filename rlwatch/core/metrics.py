@@ -169,8 +169,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("framework_metric", "A scalar the training framework logged itself (grad norm, loss, ...), by name.",
        "framework", ("name",)),
     # --- the trainer's dynamics (what it logs: rlwatch.core.trainer_keys) ----------------------
-    _g("policy_kl", "KL between consecutive policies over the update's tokens (what trainers log as ppo_kl or "
-       "approx_kl; nats).", "dynamics"),
+    _g("policy_kl", "KL between consecutive policies over the update's tokens (nats): k3 of observe's updated_logp "
+       "against trainer_logp, else what the trainer logs as ppo_kl or approx_kl.", "dynamics"),
     _g("ref_kl", "KL between the policy and the reference policy the trainer logs (its KL penalty term; nats).",
        "dynamics"),
     _g("grad_norm", "Gradient norm the trainer logged at the latest step (before clipping; finite values only).",

@@ -2,8 +2,8 @@
 
 The token and episode signals run as one function (:func:`.fused.step_core`, compiled by
 :mod:`.engine` when ready, else eagerly in chunks of sequences), finished on the host by
-:func:`.quantities.finish_tokens` and :func:`.quantities.finish_episodes`; then the entropy and the
-values the record states on the host, and :meth:`Pending.resolve`.
+:func:`.quantities.finish_tokens` and :func:`.quantities.finish_episodes`; then the entropy, the
+policy KL (from ``updated_logp``) and the values the record states on the host, and :meth:`Pending.resolve`.
 """
 
 from __future__ import annotations
@@ -124,6 +124,18 @@ def entropy_signal(out: Pending, entropy: torch.Tensor, mask: torch.Tensor) -> N
     out.ratio("entropy_mean", (e.nan_to_num(0.0, 0.0, 0.0) * good).sum(), good.sum())
 
 
+def policy_kl_signal(out: Pending, updated_logp: torch.Tensor, trainer_logp: torch.Tensor,
+                     mask: torch.Tensor) -> None:
+    """``policy_kl``: the k3 estimate of KL(pi_old || pi_new) over the masked tokens where both
+    log-probs are finite, mean exp(d) - d - 1 with d = updated_logp - trainer_logp (nats; d clamped to
+    +-20 nats). updated_logp, trainer_logp, mask: [B, T]."""
+    work = torch.float64 if torch.float64 in (updated_logp.dtype, trainer_logp.dtype) else torch.float32
+    d = updated_logp.to(work) - trainer_logp.to(work)
+    good = mask * torch.isfinite(d)
+    d = d.nan_to_num(0.0, 0.0, 0.0).clamp(-20.0, 20.0)
+    out.ratio("policy_kl", ((torch.expm1(d) - d) * good).sum(), good.sum())
+
+
 def duration_signals(out: Pending, record: "StepRecord") -> None:
     """The episode-duration signals (:mod:`.durations`) when the record has durations or dropped
     episodes: one vector into the step's transfer."""
@@ -161,6 +173,8 @@ def _compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | No
     token_signals(out, record, config, ws, EpisodeInputs(record, config))
     if record.entropy is not None:
         entropy_signal(out, record.entropy, record.mask)
+    if record.updated_logp is not None and record.trainer_logp is not None:
+        policy_kl_signal(out, record.updated_logp, record.trainer_logp, record.mask)
     duration_signals(out, record)
     values = out.resolve()
     _put_record_values(values, record)
