@@ -47,6 +47,7 @@ class MicroBatch:
     entropy: torch.Tensor | None
     version: torch.Tensor                 # [b] int64
     trainer_version: int
+    policy_logp: torch.Tensor | None = None  # the current policy's, where the batch is trained again
 
 
 @dataclass
@@ -228,7 +229,8 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
             trainer_logp=(old if old is not None else per_token_logps).detach(),
             sampler_logp=inputs.get("sampling_per_token_logps"),
             entropy=entropies.detach() if entropies is not None else None,
-            version=inputs[VERSION_KEY], trainer_version=int(self.trainer.state.global_step)))
+            version=inputs[VERSION_KEY], trainer_version=int(self.trainer.state.global_step),
+            policy_logp=per_token_logps.detach() if old is not None else None))
 
     # -- one step --
 
@@ -247,6 +249,8 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
             fields.entropy = pad_cat([m.entropy for m in micro], width)
         else:
             self.listener.unavailable[("entropy", "not_computed")] = 1.0
+        if all(m.policy_logp is not None for m in micro):      # the policy KL against the generating policy
+            fields.updated_logp = pad_cat([m.policy_logp for m in micro], width)
         return fields
 
     def flush(self, step: int) -> None:
