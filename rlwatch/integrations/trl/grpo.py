@@ -37,6 +37,13 @@ GATHER_ONLY = (PATCHES[0], Patch(None, "_generate_and_score_completions",
                                  Hook("trl_gather", before="_forget_rewards", after="_gather_only")))
 
 
+def _padded(micro: list["MicroBatch"], name: str, width: int) -> torch.Tensor | None:
+    """The micro-batches' ``name`` tensors ([b, T] each) padded to ``width`` and concatenated; None
+    unless every micro-batch has one."""
+    parts = [getattr(m, name) for m in micro]
+    return pad_cat(parts, width) if all(p is not None for p in parts) else None
+
+
 @dataclass
 class MicroBatch:
     """What one ``_compute_loss`` call trained on (device tensors, [b, T])."""
@@ -241,16 +248,12 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
                             trainer_logp=pad_cat([m.trainer_logp for m in micro], width),
                             seq_version=torch.cat([m.version.reshape(-1) for m in micro]),
                             trainer_version=micro[-1].trainer_version, **sampling_fields(self.trainer))
-        if all(m.sampler_logp is not None for m in micro):
-            fields.sampler_logp = pad_cat([m.sampler_logp for m in micro], width)
-        else:
-            self.listener.unavailable[("mismatch", "no_sampler_logprobs")] = 1.0
-        if all(m.entropy is not None for m in micro):
-            fields.entropy = pad_cat([m.entropy for m in micro], width)
-        else:
-            self.listener.unavailable[("entropy", "not_computed")] = 1.0
-        if all(m.policy_logp is not None for m in micro):      # the policy KL against the generating policy
-            fields.updated_logp = pad_cat([m.policy_logp for m in micro], width)
+        for name, reason in (("sampler_logp", ("mismatch", "no_sampler_logprobs")),
+                             ("entropy", ("entropy", "not_computed"))):
+            setattr(fields, name, _padded(micro, name, width))
+            if getattr(fields, name) is None:
+                self.listener.unavailable[reason] = 1.0
+        fields.updated_logp = _padded(micro, "policy_logp", width)     # the policy KL against the generating policy
         return fields
 
     def flush(self, step: int) -> None:
