@@ -9,6 +9,7 @@ import random
 import re
 
 from rlwatch.alerts.catalogue import ALERTS
+from rlwatch.alerts.domains.dynamics import POLICY_KL
 from rlwatch.alerts.domains.mismatch import KL_SPIKE
 from rlwatch.alerts.evaluator import AlertEvaluator
 from rlwatch.alerts.history import History
@@ -75,3 +76,48 @@ def test_the_evaluators_spike_line_says_k3_in_nats_without_a_forecast(caplog):
     spike = [line for line in lines if "FIRING RLWatchKLSpike" in line]
     assert spike and all(" nats" in line and "at this rate" not in line for line in spike), lines
     assert all("value=" not in line for line in lines), lines
+
+
+def _policy_kl_lines(caplog, series: list[float], overrides: dict) -> list[str]:
+    evaluator = AlertEvaluator("r1", watchdog_interval=0, overrides=overrides)
+    with caplog.at_level(logging.WARNING, logger="rlwatch"):
+        for step, value in enumerate(series):
+            evaluator.on_step(step, {"policy_kl": {(): value}, "step": {(): float(step)}})
+    evaluator.close()
+    return [r.getMessage() for r in caplog.records if "FIRING RLWatchPolicyKLDeparture" in r.getMessage()]
+
+
+def test_the_policy_kl_departure_forecasts_the_steps_to_policy_kl_max():
+    text = render(POLICY_KL.description, {"run": "r"}, 5.0, {"policy_kl_forecast_steps": 12.0})
+    assert text.endswith("5x its trailing baseline; at this rate policy_kl_max in ~12 steps."), text
+    assert "at this rate" not in render(POLICY_KL.description, {"run": "r"}, 5.0, {})
+
+
+def test_the_policy_kl_line_forecasts_only_a_bound_not_yet_passed(caplog):
+    """The policy KL climbing 6% a step from 0.001 (log-linear from the start, so the 40-step fit sees the
+    climb alone): with policy_kl_max 1 nat (above where it departs) the firing line says the steps left
+    at its trend, and these agree with the climb; no forecast once the KL is at or above the bound."""
+    rng = random.Random(7)
+    kl = [0.001 * math.exp(0.06 * t) * rng.lognormvariate(0, 0.05) for t in range(140)]
+    lines = _policy_kl_lines(caplog, kl, {"policy_kl_floor": 0.02, "policy_kl_max": 1.0})
+    assert lines, "no departure"
+    first = re.search(r"step=(\d+).*at this rate policy_kl_max in ~(\d+) steps", lines[0])
+    assert first, lines[0]
+    step, left = int(first.group(1)), int(first.group(2))
+    assert kl[step] < 1.0
+    reached = next(t for t in range(step, len(kl)) if kl[t] >= 1.0)
+    assert abs(step + left - reached) <= 5, (step, left, reached)      # the trend's own arithmetic
+    for line in lines:
+        at = int(re.search(r"step=(\d+)", line).group(1))
+        assert "policy_kl_max in ~" not in line or kl[at] < 1.0, line
+
+
+def test_at_the_shipped_defaults_a_departure_past_policy_kl_max_forecasts_nothing(caplog):
+    rng = random.Random(8)
+    kl = [0.02 * rng.lognormvariate(0, 0.05) for _ in range(60)]
+    kl += [0.02 * math.exp(0.12 * t) * rng.lognormvariate(0, 0.05) for t in range(1, 40)]
+    lines = _policy_kl_lines(caplog, kl, {})
+    bound = thresholds()["policy_kl_max"]
+    for line in lines:
+        at = int(re.search(r"step=(\d+)", line).group(1))
+        assert "policy_kl_max in ~" not in line or sorted(kl[at - 4:at + 1])[2] < bound, line

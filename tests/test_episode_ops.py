@@ -117,14 +117,15 @@ def _reference(step: dict) -> dict:
     out: dict = {}
     if B:
         ordered = sorted(lengths)
-        rank = quantities.LENGTH_QUANTILE * (B - 1)
-        lo = math.floor(rank)
-        hi = min(lo + 1, B - 1)
-        p99 = ordered[lo] + (rank - lo) * (ordered[hi] - ordered[lo])
-        out.update(response_length_mean=sum(lengths) / B, response_length_max=max(lengths),
-                   response_length_p99=p99)
+        for quantile in quantities.LENGTH_QUANTILES:
+            rank = quantile * (B - 1)
+            lo = math.floor(rank)
+            hi = min(lo + 1, B - 1)
+            out[f"response_length_p{round(100 * quantile)}"] = ordered[lo] + (rank - lo) * (ordered[hi] - ordered[lo])
+        out.update(response_length_mean=sum(lengths) / B, response_length_max=max(lengths))
     else:
-        out.update(response_length_mean=None, response_length_max=None, response_length_p99=None)
+        out.update(response_length_mean=None, response_length_max=None, response_length_p95=None,
+                   response_length_p99=None)
     if step["truncated"] is not None:
         out["truncated_ratio"] = _ratio(sum(step["truncated"]), B)
     usable = [False] * B

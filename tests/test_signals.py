@@ -308,6 +308,7 @@ def test_lengths_and_truncation():
     assert scalar(v, "response_length_mean") == pytest.approx(8 / 3)
     assert scalar(v, "response_length_max") == 4
     assert scalar(v, "response_length_p99") == pytest.approx(float(torch.quantile(lengths, 0.99)))
+    assert scalar(v, "response_length_p95") == pytest.approx(float(torch.quantile(lengths, 0.95)))
     assert scalar(v, "truncated_ratio") == pytest.approx(1 / 3)
 
 
@@ -434,3 +435,22 @@ def test_catalogue_levels_are_the_levels_the_engine_computes():
     episode_level = {s.name for s in CATALOGUE if s.level == "episode"}
     assert episode_level - everything == {"generation", "generation_policy_version"}
     assert {n for n in everything if BY_NAME[n].level == "episode"} == episode_level & everything
+
+
+def test_entropy_per_environment_is_the_mean_over_its_own_tokens():
+    """env_entropy_mean against a token-by-token reference: masked and non-finite entropies left out,
+    an environment with no usable token has no value."""
+    gen = torch.Generator().manual_seed(4)
+    entropy = torch.rand(6, 5, generator=gen, dtype=torch.float64) * 3
+    entropy[1, 0] = float("nan")
+    mask = torch.rand(6, 5, generator=gen) > 0.3
+    mask[5] = False                                         # environment "c": no response token
+    env = ["a", "b", "a", "b", "b", "c"]
+    v = compute(mask=mask, entropy=entropy, env=env)
+    for name in ("a", "b"):
+        terms = [float(entropy[i, t]) for i in range(6) for t in range(5)
+                 if env[i] == name and mask[i, t] and math.isfinite(float(entropy[i, t]))]
+        assert v["env_entropy_mean"][(name,)] == pytest.approx(sum(terms) / len(terms), rel=1e-6)
+    assert v["env_entropy_mean"].get(("c",)) is None
+    alone = compute(mask=mask, entropy=entropy)                # no env: one label, the whole batch's mean
+    assert list(alone["env_entropy_mean"].values()) == pytest.approx([alone["entropy_mean"][()]], rel=1e-6)

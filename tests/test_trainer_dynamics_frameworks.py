@@ -89,3 +89,26 @@ def test_verl_metrics_through_tracking_log_become_the_steps_dynamics(config, ins
     for entry in (e for e in TRAINER_KEYS if e.framework == "verl" and e.key):
         short = entry.key.split("/", 1)[1]
         assert f'"{entry.key}"' in source or f'"{short}"' in source or entry.key in metrics, entry
+
+
+def test_trl_trained_twice_on_a_batch_gives_rlwatchs_own_policy_kl(model_path, tmp_path):
+    """GRPOTrainer with num_iterations=2: each batch is trained on twice, TRL keeps the generating
+    policy's log-probs (old_per_token_logps), and rlwatch computes the policy KL of the current policy
+    against them: 0 on a batch's first pass (no update yet), above 0 on its second (one update since)."""
+    need_module("trl")
+    from rlwatch.integrations import trl as rltrl
+
+    from ._trl_tiny import make_trainer
+
+    store = str(tmp_path / "run.db")
+    trainer = make_trainer(model_path, tmp_path / "out", max_steps=4, num_iterations=2)
+    watch = rltrl.watch(trainer, run="trl-pkl", port=None, store=store)
+    trainer.train()
+    assert watch.flush()
+    rltrl.unwatch(trainer)
+    watch.close()
+    with StoreReader(store) as reader:
+        kl = {row.step: row.get("policy_kl") for row in reader.steps("trl-pkl")}
+    assert sorted(kl) == [1, 2, 3, 4] and None not in kl.values(), kl
+    assert abs(kl[1]) < 1e-6 and abs(kl[3]) < 1e-6, kl           # first pass: the generating policy itself
+    assert kl[2] > 1e-6 and kl[4] > 1e-6, kl                     # second pass: one update later

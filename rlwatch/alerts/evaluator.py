@@ -22,7 +22,7 @@ from ..core.errors import HookErrors
 from .actions import ActionRunner
 from .catalogue import ALERT_LABELS, ALERTS, BY_NAME, Alert, History, stalled, thresholds
 from .notify import AlertEvent, Dispatcher, log_event
-from .template import K3_FRAGMENTS, render
+from .template import CONTEXT_FRAGMENTS, render
 from .windows import HISTORY_STEPS, AlertWindows, firing_keys
 
 LabelKey = tuple[tuple[str, str], ...]
@@ -32,8 +32,10 @@ EVENTS_KEPT = 1000
 
 
 def k3_context(values: Mapping) -> dict[str, float | None]:
-    """The values of the descriptions' k3 fragments in a step's exported window values."""
-    return {kind: values.get(f"window_{kind}", {}).get(("mismatch_kl_k3",)) for kind in K3_FRAGMENTS}
+    """The values of the descriptions' context fragments (k3's, the policy KL's forecast) in a step's
+    exported window values."""
+    return {name: values.get(f"window_{family}", {}).get((signal,))
+            for name, (_, _, family, signal) in CONTEXT_FRAGMENTS.items()}
 
 
 class AlertEvaluator:

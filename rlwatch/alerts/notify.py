@@ -306,7 +306,7 @@ def _printable(text: Any) -> str:
 _CONTROL_ALL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
-_K3_CONTEXT = re.compile(r", \d+x its baseline|; at this rate kl_k3_max in ~\d+ steps")
+_K3_CONTEXT = re.compile(r", \d+x its baseline|; at this rate (?:kl_k3_max|policy_kl_max) in ~\d+ steps")
 
 
 def log_event(event: AlertEvent) -> None:
@@ -316,7 +316,8 @@ def log_event(event: AlertEvent) -> None:
     level = logging.WARNING
     labels = ", ".join(f"{k}={_printable(v)}" for k, v in sorted(event.labels.items()))
     value = "" if event.value is None else f": {event.value_text}"
-    # The k3 context of a mismatch alert (x its baseline; steps left to kl_k3_max at this trend), when known.
+    # The k3 context of a mismatch alert (x its baseline; steps left to kl_k3_max at this trend), or the steps
+    # left to policy_kl_max of a policy-KL departure, when known.
     trend = "".join(_K3_CONTEXT.findall(event.description))
     logger.log(level, "rlwatch alert %s %s [%s] run=%s step=%s%s%s%s - %s (%s)", event.state.upper(), event.name,
                event.severity, _printable(event.run), event.step, f" {labels}" if labels else "", value, trend,

@@ -113,9 +113,9 @@ def _value_text(pipeline: str, value: float | None) -> str:
     return go_float(value)
 
 
-def _query(family: str) -> str:
-    """A Go template that reads the run's ``rlwatch_<family>{signal="mismatch_kl_k3"}`` by a query."""
-    return ('{{ with query (printf "max(rlwatch_' + family + '{run=\'%s\',signal=\'mismatch_kl_k3\'})" '
+def _query(family: str, signal: str = "mismatch_kl_k3") -> str:
+    """A Go template that reads the run's ``rlwatch_<family>{signal="<signal>"}`` by a query."""
+    return ('{{ with query (printf "max(rlwatch_' + family + '{run=\'%s\',signal=\'' + signal + '\'})" '
             '$labels.run) }}')
 
 
@@ -128,6 +128,17 @@ K3_FRAGMENTS: dict[str, tuple[str, str]] = {
                        'printf "%.0f" }} steps{{ end }}', "; at this rate kl_k3_max in ~{:.0f} steps"),
 }
 K3_CONTEXT = "".join(template for template, _ in K3_FRAGMENTS.values())
+#: Every context fragment of the descriptions: {name: (template, text, window family, signal)}, the
+#: value read from ``rlwatch_window_<family>{signal}`` (the k3 ones above, and the policy KL's forecast).
+CONTEXT_FRAGMENTS: dict[str, tuple[str, str, str, str]] = {
+    **{kind: (template, text, kind, "mismatch_kl_k3") for kind, (template, text) in K3_FRAGMENTS.items()},
+    "policy_kl_forecast_steps": (
+        _query("window_forecast_steps", "policy_kl") + '; at this rate policy_kl_max in ~{{ . | first | value | '
+        'printf "%.0f" }} steps{{ end }}', "; at this rate policy_kl_max in ~{:.0f} steps", "forecast_steps",
+        "policy_kl"),
+}
+#: The steps left to policy_kl_max at the policy KL's trend (absent when rlwatch exports none).
+POLICY_KL_FORECAST = CONTEXT_FRAGMENTS["policy_kl_forecast_steps"][0]
 #: The baseline part only: for an alert that fires above kl_k3_max, where a forecast to it is moot.
 K3_BASELINE = K3_FRAGMENTS["baseline_ratio"][0]
 
@@ -135,8 +146,9 @@ K3_BASELINE = K3_FRAGMENTS["baseline_ratio"][0]
 def render(template: str, labels: Mapping[str, str], value: float | None,
            context: Mapping[str, float | None] | None = None) -> str:
     """Fill an annotation template ({{ $labels.x }}, {{ $value | ... }}) as Prometheus does;
-    ``context`` gives the values of :data:`K3_FRAGMENTS`' queries (a missing one renders nothing)."""
-    for kind, (fragment, text) in K3_FRAGMENTS.items():
+    ``context`` gives the values of :data:`CONTEXT_FRAGMENTS`' queries by name (a missing one renders
+    nothing)."""
+    for kind, (fragment, text, _, _) in CONTEXT_FRAGMENTS.items():
         found = (context or {}).get(kind)
         template = template.replace(fragment, "" if found is None else text.format(found))
     out = _LABEL.sub(lambda m: str(labels.get(m.group(1), "")), template)

@@ -34,6 +34,7 @@ class StepFields(Mapping):
     hacked: Any = None
     failed: Any = None
     entropy: Any = None
+    updated_logp: Any = None
     temperature: Any = None
     top_p: Any = None
     top_k: Any = None

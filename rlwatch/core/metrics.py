@@ -109,6 +109,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("trainer_version", "Policy version held by the trainer at the latest step (updates).", "step"),
     _g("sequences", "Sequences (episodes) in the latest step.", "step"),
     _g("entropy_mean", "Mean per-token policy entropy over response tokens (nats).", "step"),
+    _g("env_entropy_mean", "Mean per-token policy entropy over response tokens per environment in the latest step "
+       "(nats).", "env", ("env",)),
     _g("step_interval_seconds", "Wall time between the two latest observed steps.", "step", unit="seconds"),
     _g("last_step_timestamp_seconds", "Unix time at which the latest step was observed.", "step", unit="seconds"),
     _g("hook_compute_seconds", "rlwatch's own compute time for the latest step (signals and host sync).",
@@ -169,8 +171,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("framework_metric", "A scalar the training framework logged itself (grad norm, loss, ...), by name.",
        "framework", ("name",)),
     # --- the trainer's dynamics (what it logs: rlwatch.core.trainer_keys) ----------------------
-    _g("policy_kl", "KL between consecutive policies over the update's tokens (what trainers log as ppo_kl or "
-       "approx_kl; nats).", "dynamics"),
+    _g("policy_kl", "KL between consecutive policies over the update's tokens (nats): k3 of observe's updated_logp "
+       "against trainer_logp, else what the trainer logs as ppo_kl or approx_kl.", "dynamics"),
     _g("ref_kl", "KL between the policy and the reference policy the trainer logs (its KL penalty term; nats).",
        "dynamics"),
     _g("grad_norm", "Gradient norm the trainer logged at the latest step (before clipping; finite values only).",
@@ -261,7 +263,7 @@ HISTOGRAM_BUCKETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 _LEVELS = {
     **dict.fromkeys(("phase_seconds", "phase_seconds_total", "weight_sync_seconds", "weight_sync_seconds_total"),
                     "step"),
-    **dict.fromkeys(("tokens", "tokens_total", "entropy_mean"), "token"),
+    **dict.fromkeys(("tokens", "tokens_total", "entropy_mean", "env_entropy_mean"), "token"),
     **dict.fromkeys(("reward_mean", "reward_std", "nonfinite_rewards", "nonfinite_rewards_total"), "episode"),
     **dict.fromkeys(("mismatch_seq_log_ratio_abs_mean", "mismatch_seq_log_ratio_abs_max", "mismatch_chi2_sequence",
                      "is_seq_tis_high_ratio", "is_seq_tis_low_ratio", "is_seq_mis_masked_ratio",

@@ -29,7 +29,7 @@ class BufferPool(Protocol):
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
 
 #: Per-token fields, [B, T] like the mask.
-TOKEN_FIELDS = ("sampler_logp", "trainer_logp", "entropy")
+TOKEN_FIELDS = ("sampler_logp", "trainer_logp", "entropy", "updated_logp")
 
 MAX_LABEL_LENGTH = 120
 DEFAULT_LABEL = "default"

@@ -57,8 +57,8 @@ def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor 
     """Every per-episode sum of one step, packed as :func:`~.quantities.episode_layout` says (float64):
     the rows of :func:`~.quantities.episode_rows`, each from its declared term.
 
-    per_seq: [B] response lengths (tokens); the length quantile is
-    :data:`~.quantities.LENGTH_QUANTILE`, interpolated on the host.
+    per_seq: [B] response lengths (tokens); the length quantiles are
+    :data:`~.quantities.LENGTH_QUANTILES`, interpolated on the host.
     """
     envs = env_index is not None and env_slots is not None
     groups = rewards is not None and group_ids is not None
@@ -116,19 +116,21 @@ def _reduce(main: list[torch.Tensor], hacked: torch.Tensor | None, group_rows: l
 
 
 def _length_order_statistics(sorted_lengths: torch.Tensor) -> torch.Tensor:
-    """[2]: the order statistics lo and min(lo + 1, B - 1) of the sorted [B] lengths, lo =
-    floor(q.LENGTH_QUANTILE * (B - 1)); NaN for an empty batch (which compiled code never sees)."""
-    B = sorted_lengths.shape[0]
+    """[2 Q]: for each of the Q quantiles q of :data:`~.quantities.LENGTH_QUANTILES`, the order
+    statistics lo and min(lo + 1, B - 1) of the sorted [B] lengths, lo = floor(q * (B - 1)); NaN for
+    an empty batch (which compiled code never sees)."""
+    B, Q = sorted_lengths.shape[0], len(q.LENGTH_QUANTILES)
     if torch.compiler.is_compiling():          # B is symbolic: the positions as a tensor
         device = sorted_lengths.device
-        rank = torch.full((2,), q.LENGTH_QUANTILE, dtype=torch.float64, device=device) * (B - 1)
-        return sorted_lengths[(rank.floor().long() + torch.arange(2, device=device)).clamp_max(B - 1)]
+        rank = torch.tensor(q.LENGTH_QUANTILES, dtype=torch.float64, device=device).repeat_interleave(2) * (B - 1)
+        step = torch.arange(2, device=device).repeat(Q)
+        return sorted_lengths[(rank.floor().long() + step).clamp_max(B - 1)]
     if B == 0:
-        return torch.full((2,), torch.nan, dtype=torch.float64, device=sorted_lengths.device)
+        return torch.full((2 * Q,), torch.nan, dtype=torch.float64, device=sorted_lengths.device)
     if B == 1:
-        return sorted_lengths.expand(2)
-    lo = math.floor(q.LENGTH_QUANTILE * (B - 1))
-    return sorted_lengths[lo:lo + 2]
+        return sorted_lengths.expand(2 * Q)
+    los = [math.floor(quantile * (B - 1)) for quantile in q.LENGTH_QUANTILES]      # <= B - 2 (each q < 1)
+    return torch.cat([sorted_lengths[lo:lo + 2] for lo in los])
 
 
 def _groups(r: torch.Tensor, ok_r: torch.Tensor, index: torch.Tensor, bounds: torch.Tensor,

@@ -51,6 +51,7 @@ class StepRecord:
     hacked: dict[str, torch.Tensor] = field(default_factory=dict)   # detector -> [B] bool
     failed: list[str | None] | None = None
     entropy: torch.Tensor | None = None
+    updated_logp: torch.Tensor | None = None       # [B, T] the tokens' log-probs after the update
     sampling: dict[str, Any] = field(default_factory=dict)
     rollout: RolloutInputs = field(default_factory=RolloutInputs)   # durations, phases, dropped episodes
 

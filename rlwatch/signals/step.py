@@ -2,8 +2,8 @@
 
 The token and episode signals run as one function (:func:`.fused.step_core`, compiled by
 :mod:`.engine` when ready, else eagerly in chunks of sequences), finished on the host by
-:func:`.quantities.finish_tokens` and :func:`.quantities.finish_episodes`; then the entropy and the
-values the record states on the host, and :meth:`Pending.resolve`.
+:func:`.quantities.finish_tokens` and :func:`.quantities.finish_episodes`; then the entropy, the
+policy KL (from ``updated_logp``) and the values the record states on the host, and :meth:`Pending.resolve`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from . import engine, plans, settings
 from .buckets import LAG_BUCKETS, PROB_BIN_EDGES
 from .durations import duration_core, finish_durations, rollout_values
 from .episodes import bound_values
-from .pending import Pending, Values
+from .pending import Pending, Values, _div
 from .quantities import device_constants, episode_layout, finish_episodes, finish_tokens, threshold_names
 from .reduce import abs_bin_values, constant, plan
 from .settings import SignalConfig, Workspace
@@ -117,11 +117,35 @@ def token_signals(out: Pending, record: "StepRecord", config: SignalConfig, ws: 
     out.host(finish, out.vector(vector))
 
 
-def entropy_signal(out: Pending, entropy: torch.Tensor, mask: torch.Tensor) -> None:
-    """Mean per-token entropy over masked tokens with a finite entropy. entropy, mask: [B, T]."""
+def entropy_signal(out: Pending, entropy: torch.Tensor, mask: torch.Tensor, env_index: torch.Tensor | None = None,
+                   env_names: list[str] | None = None) -> None:
+    """Mean per-token entropy over masked tokens with a finite entropy (``entropy_mean``) and, with
+    environments, the same per environment (``env_entropy_mean``). entropy, mask: [B, T]; env_index: [B]
+    into ``env_names``."""
     e = entropy.to(torch.float32)
     good = mask * torch.isfinite(e)
-    out.ratio("entropy_mean", (e.nan_to_num(0.0, 0.0, 0.0) * good).sum(), good.sum())
+    weighted = e.nan_to_num(0.0, 0.0, 0.0) * good
+    out.ratio("entropy_mean", weighted.sum(), good.sum())
+    if env_index is None or not env_names:
+        return
+    E = len(env_names)
+    sums = torch.zeros(2, E, dtype=torch.float64, device=e.device)        # [entropy sums; token counts]
+    sums[0].index_add_(0, env_index, weighted.sum(1, dtype=torch.float64))
+    sums[1].index_add_(0, env_index, good.sum(1, dtype=torch.float64))
+    out.host(lambda v: {"env_entropy_mean": {(name,): _div(v[k], v[E + k]) for k, name in enumerate(env_names)}},
+             out.vector(sums))
+
+
+def policy_kl_signal(out: Pending, updated_logp: torch.Tensor, trainer_logp: torch.Tensor,
+                     mask: torch.Tensor) -> None:
+    """``policy_kl``: the k3 estimate of KL(pi_old || pi_new) over the masked tokens where both
+    log-probs are finite, mean exp(d) - d - 1 with d = updated_logp - trainer_logp (nats; d clamped to
+    +-20 nats). updated_logp, trainer_logp, mask: [B, T]."""
+    work = torch.float64 if torch.float64 in (updated_logp.dtype, trainer_logp.dtype) else torch.float32
+    d = updated_logp.to(work) - trainer_logp.to(work)
+    good = mask * torch.isfinite(d)
+    d = d.nan_to_num(0.0, 0.0, 0.0).clamp(-20.0, 20.0)
+    out.ratio("policy_kl", ((torch.expm1(d) - d) * good).sum(), good.sum())
 
 
 def duration_signals(out: Pending, record: "StepRecord") -> None:
@@ -160,7 +184,9 @@ def _compute_step(record: "StepRecord", config: SignalConfig, ws: Workspace | No
     out = Pending()
     token_signals(out, record, config, ws, EpisodeInputs(record, config))
     if record.entropy is not None:
-        entropy_signal(out, record.entropy, record.mask)
+        entropy_signal(out, record.entropy, record.mask, record.env_index, record.env_names)
+    if record.updated_logp is not None and record.trainer_logp is not None:
+        policy_kl_signal(out, record.updated_logp, record.trainer_logp, record.mask)
     duration_signals(out, record)
     values = out.resolve()
     _put_record_values(values, record)

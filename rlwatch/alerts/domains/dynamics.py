@@ -22,6 +22,7 @@ from ..conditions import one
 from ..history import History, Verdicts
 from ..model import Alert, Param, Runbook, StepExample, const, with_step
 from ..trend import forecast_steps
+from ..template import POLICY_KL_FORECAST
 
 #: Steps of the trailing baseline, and the steps before the latest at which it ends.
 BASELINE_STEPS, BASELINE_GAP = 30, 10
@@ -264,7 +265,7 @@ POLICY_KL = Alert(
     params=("policy_kl_factor", "policy_kl_floor", "dynamics_baseline_rows", "hold_fraction", "clear_steps"),
     summary="The KL between consecutive policies left this run's baseline.",
     description="Run {{ $labels.run }}: the policy KL per update is {{ $value | printf \"%.2g\" }}x its trailing "
-                "baseline.",
+                "baseline" + POLICY_KL_FORECAST + ".",
     windows="The policy KL's 5-step median above the larger of `policy_kl_factor` x its trailing baseline and "
             "`policy_kl_floor`, 3 logged values running; rlwatch_window_forecast_steps{signal=\"policy_kl\"} "
             "counts the steps to `policy_kl_max` at its log-linear trend.",

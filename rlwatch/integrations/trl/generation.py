@@ -43,8 +43,8 @@ GENERATION_FAMILIES = frozenset(spec.name for spec in CATALOGUE
                                 if spec.level == "episode" and "detector" not in spec.labels
                                 and spec.group != "rollout")
 #: What the token-level step record says about its own episodes; replaced by the generation's values.
-STEP_EPISODE_FAMILIES = frozenset({"response_length_mean", "response_length_p99", "response_length_max",
-                                   "env_episodes", "episodes_total"})
+STEP_EPISODE_FAMILIES = frozenset({"response_length_mean", "response_length_p95", "response_length_p99",
+                                   "response_length_max", "env_episodes", "episodes_total"})
 
 
 def eos_and_pad(trainer: Any) -> set[int]:

@@ -37,6 +37,13 @@ GATHER_ONLY = (PATCHES[0], Patch(None, "_generate_and_score_completions",
                                  Hook("trl_gather", before="_forget_rewards", after="_gather_only")))
 
 
+def _padded(micro: list["MicroBatch"], name: str, width: int) -> torch.Tensor | None:
+    """The micro-batches' ``name`` tensors ([b, T] each) padded to ``width`` and concatenated; None
+    unless every micro-batch has one."""
+    parts = [getattr(m, name) for m in micro]
+    return pad_cat(parts, width) if all(p is not None for p in parts) else None
+
+
 @dataclass
 class MicroBatch:
     """What one ``_compute_loss`` call trained on (device tensors, [b, T])."""
@@ -47,6 +54,7 @@ class MicroBatch:
     entropy: torch.Tensor | None
     version: torch.Tensor                 # [b] int64
     trainer_version: int
+    policy_logp: torch.Tensor | None = None  # the current policy's, where the batch is trained again
 
 
 @dataclass
@@ -228,7 +236,8 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
             trainer_logp=(old if old is not None else per_token_logps).detach(),
             sampler_logp=inputs.get("sampling_per_token_logps"),
             entropy=entropies.detach() if entropies is not None else None,
-            version=inputs[VERSION_KEY], trainer_version=int(self.trainer.state.global_step)))
+            version=inputs[VERSION_KEY], trainer_version=int(self.trainer.state.global_step),
+            policy_logp=per_token_logps.detach() if old is not None else None))
 
     # -- one step --
 
@@ -239,14 +248,12 @@ class GRPOInstrumentor(GenerationPath, Instrumentor):
                             trainer_logp=pad_cat([m.trainer_logp for m in micro], width),
                             seq_version=torch.cat([m.version.reshape(-1) for m in micro]),
                             trainer_version=micro[-1].trainer_version, **sampling_fields(self.trainer))
-        if all(m.sampler_logp is not None for m in micro):
-            fields.sampler_logp = pad_cat([m.sampler_logp for m in micro], width)
-        else:
-            self.listener.unavailable[("mismatch", "no_sampler_logprobs")] = 1.0
-        if all(m.entropy is not None for m in micro):
-            fields.entropy = pad_cat([m.entropy for m in micro], width)
-        else:
-            self.listener.unavailable[("entropy", "not_computed")] = 1.0
+        for name, reason in (("sampler_logp", ("mismatch", "no_sampler_logprobs")),
+                             ("entropy", ("entropy", "not_computed"))):
+            setattr(fields, name, _padded(micro, name, width))
+            if getattr(fields, name) is None:
+                self.listener.unavailable[reason] = 1.0
+        fields.updated_logp = _padded(micro, "policy_logp", width)     # the policy KL against the generating policy
         return fields
 
     def flush(self, step: int) -> None:

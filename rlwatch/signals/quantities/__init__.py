@@ -30,13 +30,14 @@ from .declare import BY_LABEL_NAMES, BY_LABELS, EpisodeRow, GroupRow, Metric, Se
 from .tokens import (LAG_FIELDS, METRICS, MISMATCH_TAIL, SIGNAL_THRESHOLDS, TERMS, TOKEN_SUMS, ess_ratio,
                      slope)
 from .sequences import SEQ_SUMS
-from .episodes import EPISODE_METRICS, EPISODE_ROWS, LENGTH_QUANTILE
+from .episodes import EPISODE_METRICS, EPISODE_ROWS, LENGTH_QUANTILE, LENGTH_QUANTILES
 from .groups import GROUP_ROWS, GROUP_THRESHOLDS
 from .readers import (_apply, _metrics, device_constants, episode_layout, episode_rows, fields, finish_episodes,
                     finish_tokens, group_block, threshold_names, threshold_values, token_fields, token_sums)
 
 __all__ = ["BY_LABELS", "BY_LABEL_NAMES", "EPISODE_METRICS", "EPISODE_ROWS", "EpisodeRow", "GROUP_ROWS",
-           "GROUP_THRESHOLDS", "GroupRow", "LAG_FIELDS", "LENGTH_QUANTILE", "METRICS", "MISMATCH_TAIL", "Metric",
+           "GROUP_THRESHOLDS", "GroupRow", "LAG_FIELDS", "LENGTH_QUANTILE", "LENGTH_QUANTILES",
+           "METRICS", "MISMATCH_TAIL", "Metric",
            "SEQ_SUMS", "SIGNAL_THRESHOLDS", "SeqSum", "TERMS", "TOKEN_SUMS", "Threshold", "TokenSum",
            "device_constants", "episode_layout", "episode_rows", "ess_ratio", "fields", "finish_episodes",
            "finish_tokens", "group_block", "slope", "threshold_names", "threshold_values", "token_fields",

@@ -12,8 +12,11 @@ import torch
 from ..pending import _div
 from .declare import EpisodeRow, Metric
 
-#: The response-length quantile (linear interpolation between order statistics, as torch.quantile).
-LENGTH_QUANTILE = 0.99
+#: The response-length quantiles, each a metric ``response_length_p<100 q>`` (linear interpolation
+#: between order statistics, as torch.quantile).
+LENGTH_QUANTILES = (0.95, 0.99)
+#: The first one's quantile (kept for readers of one quantile).
+LENGTH_QUANTILE = LENGTH_QUANTILES[-1]
 
 EPISODE_ROWS: tuple[EpisodeRow, ...] = (
     EpisodeRow("episodes", lambda e: torch.ones_like(e["length"]), per_env=True),
@@ -37,13 +40,18 @@ def _std(n: float, s: float, sq: float) -> float | None:
     return math.sqrt(max(sq / n - (s / n) ** 2, 0.0)) if n else None
 
 
-def _length_quantile(f: SimpleNamespace) -> float | None:
-    """The LENGTH_QUANTILE quantile from its two order statistics (the formula of torch.quantile)."""
-    if not f.episodes:
-        return None
-    rank = LENGTH_QUANTILE * (f.episodes - 1)
-    lo_value, hi_value = f.p99
-    return lo_value + (rank - math.floor(rank)) * (hi_value - lo_value)
+def _length_quantile(quantile: float):
+    """The host formula of one of :data:`LENGTH_QUANTILES`: the quantile from its two order statistics
+    in ``f.quantiles`` (two per quantile, in that order), the formula of torch.quantile."""
+    at = 2 * LENGTH_QUANTILES.index(quantile)
+
+    def formula(f: SimpleNamespace) -> float | None:
+        if not f.episodes:
+            return None
+        rank = quantile * (f.episodes - 1)
+        lo_value, hi_value = f.quantiles[at:at + 2]
+        return lo_value + (rank - math.floor(rank)) * (hi_value - lo_value)
+    return formula
 
 
 def _constant_kinds(f: SimpleNamespace) -> tuple[float, float, float]:
@@ -93,7 +101,9 @@ EPISODE_METRICS: tuple[Metric, ...] = (
            help="Mean response length (tokens).", section="length"),
     Metric("response_length_max", lambda f: f.max_length, "episodes",
            help="Maximum response length (tokens).", section="length"),
-    Metric("response_length_p99", _length_quantile, "episodes",
+    Metric("response_length_p95", _length_quantile(0.95), "episodes",
+           help="95th percentile of response length (tokens).", section="length"),
+    Metric("response_length_p99", _length_quantile(0.99), "episodes",
            help="99th percentile of response length (tokens).", section="length"),
     Metric("truncated_ratio", lambda f: _div(f.truncated, f.episodes), "truncated",
            help="Fraction of responses cut by the length limit or a timeout.", section="length"),

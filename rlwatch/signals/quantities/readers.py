@@ -164,7 +164,8 @@ class EpisodeLayout(NamedTuple):
     """Positions in :func:`.episodes.episode_core`'s output: ``rows`` (the row names: ``hacked/<detector>``,
     then :func:`episode_rows`), ``max_rows`` (their maxima's names), ``have`` (the inputs), ``width`` (rows
     summed per environment), then slices of the output: ``sums`` [K], ``maxes`` [K], ``range`` (highest
-    reward, -lowest; None without groups), ``p99`` (the order statistics around the length quantile),
+    reward, -lowest; None without groups), ``quantiles`` (the two order statistics around each length
+    quantile),
     ``env`` ([E', width] row-major); ``size`` (the block's length)."""
 
     rows: list[str]
@@ -174,7 +175,7 @@ class EpisodeLayout(NamedTuple):
     sums: slice
     maxes: slice
     range: slice | None
-    p99: slice
+    quantiles: slice
     env: slice
     size: int
 
@@ -195,10 +196,10 @@ def _episode_layout(rewards: bool, groups: bool, envs: int, truncated: bool,
     at, value_range = 2 * K, None
     if "groups" in have:
         value_range, at = slice(at, at + 2), at + 2
-    p99, at = slice(at, at + 2), at + 2
+    quantiles, at = slice(at, at + 2 * len(q.LENGTH_QUANTILES)), at + 2 * len(q.LENGTH_QUANTILES)
     env, at = slice(at, at + envs * width), at + envs * width
     return EpisodeLayout(rows, ["max_" + row for row in rows], have, width, slice(0, K), slice(K, 2 * K),
-                         value_range, p99, env, at)
+                         value_range, quantiles, env, at)
 
 
 def _episode_fields(names: list[str], sums: list[float], detectors: list[str], **more: Any) -> SimpleNamespace:
@@ -213,7 +214,8 @@ def finish_episodes(v: list[float], pos: EpisodeLayout, envs: list[str], detecto
     inferred per batch)."""
     names, width, env = pos.rows, pos.width, v[pos.env]
     f = _episode_fields(names, v[pos.sums], detectors, **dict(zip(pos.max_rows, v[pos.maxes])),
-                        range=v[pos.range] if pos.range is not None else None, p99=v[pos.p99], bounds=reward_bounds)
+                        range=v[pos.range] if pos.range is not None else None, quantiles=v[pos.quantiles],
+                        bounds=reward_bounds)
     per_env = [(name, _episode_fields(names[:width], env[e * width:(e + 1) * width], detectors))
                for e, name in enumerate(envs)]
     out = _apply("episodes", pos.have, f, per_env, detectors)
