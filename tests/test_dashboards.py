@@ -95,9 +95,10 @@ def substitute(expr: str, run: str) -> str:
             .replace("$__rate_interval", "10s").replace("$__interval", "1s"))
 
 
-def drive_full_run(watch: Watch, steps: int = 34) -> None:
+def drive_full_run(watch: Watch, steps: int = 34, before_spike=None) -> None:
     """A run touching every signal family: mismatch, lag (partial rollouts), groups, envs, hacks,
-    failures, entropy, sampler settings, framework scalars, a bad field, then a KL spike."""
+    failures, entropy, sampler settings, framework scalars, a bad field, then a KL spike
+    (``before_spike()`` is called just before it: k3's forecast exists only while k3 is below its bound)."""
     for step in range(steps):
         record = make_step(B=32, T=24, seed=step, lag_max=3, noise=0.05 + 0.002 * step,
                            envs=("math", "code"), group=4)
@@ -113,6 +114,8 @@ def drive_full_run(watch: Watch, steps: int = 34) -> None:
                       logprobs_mode="processed_logprobs",
                       hacked={"verifier": torch.arange(B) % 8 == 0}, failed=[None] * (B - 1) + ["timeout"])
         record["sampler_logp"][0, 0] = float("-inf")                        # one non-finite token
+        if step == steps - 4 and before_spike is not None:
+            before_spike()
         if step >= steps - 4:                                                 # a KL spike fires an alert
             record["trainer_logp"] = record["sampler_logp"].nan_to_num(neginf=-5.0) + 0.8
         if step == steps // 2:
@@ -140,12 +143,14 @@ def scraped_run(tmp_path_factory):
     start = time.time()
     try:
         with Watch(run="dash-run", port=exporter_port, store=str(tmp / "run.db"), alerts=False) as watch:
-            drive_full_run(watch)
+            rising = []                                     # the exposition while k3 climbs (its forecast)
+            drive_full_run(watch, before_spike=lambda: rising.append(
+                urllib.request.urlopen(watch.url, timeout=5).read().decode()))
             time.sleep(3)                                   # a few more scrapes and rule evaluations
             exposition = urllib.request.urlopen(watch.url, timeout=5).read().decode()
             time.sleep(2.5)                                 # longer than a scrape may take (timeout 1 s)
             end = last_good_scrape(prom.url, time.time())
-        yield dict(url=prom.url, start=start, end=end, exposition=exposition, run="dash-run")
+        yield dict(url=prom.url, start=start, end=end, exposition=exposition, rising=rising[0], run="dash-run")
     finally:
         prom.stop()
 
@@ -174,8 +179,8 @@ def prom_get(url: str, path: str, **params) -> dict:
 
 
 def test_every_metric_name_is_exported_by_a_live_run(scraped_run):
-    live = {line.split("{")[0].split(" ")[0] for line in scraped_run["exposition"].splitlines()
-            if line and not line.startswith("#")}
+    live = {line.split("{")[0].split(" ")[0] for text in (scraped_run["exposition"], scraped_run["rising"])
+            for line in text.splitlines() if line and not line.startswith("#")}
     recorded = {name for name, _ in render.RECORDING_RULES}
     assert live <= metrics.exported_names()
     exprs = [t["expr"] for p in DASHBOARDS for _, t in all_targets(load(p))]
