@@ -173,7 +173,7 @@ class WatchConfig(_Options):
 
     def signal_config(self) -> Any:
         """The :class:`~rlwatch.signals.SignalConfig` of these options."""
-        from ..signals.settings import SignalConfig
+        from ..signals.signal_config import SignalConfig
 
         return SignalConfig(**self.thresholds(), reward_bounds=self.reward_bounds, group_size=self.group_size)
 

@@ -6,7 +6,8 @@ before the step's single transfer (:meth:`Pending.resolve`). Nothing materialise
 
 One module per concern, in the order a step runs through them:
 
-- :mod:`.settings`: :class:`SignalConfig`, the size limits, the :class:`Workspace`.
+- :mod:`.settings`: the size limits, the engine's plan for a device, the :class:`Workspace`;
+  :mod:`.signal_config`: :class:`SignalConfig`, the user's thresholds.
 - :mod:`.quantities`: every token-, sequence- and episode-level quantity declared once, with its host
   formula.
 - :mod:`.step`: :func:`compute_step`; it runs :func:`.fused.step_core` (built from
@@ -27,7 +28,7 @@ __all__ = ["Pending", "SignalConfig", "Values", "Workspace", "compute_step"]
 
 # Loaded on first use: the catalogue imports the buckets and labels (.buckets) in processes that must not
 # import torch (a Ray worker's setup hook).
-_LAZY = {"Pending": ".pending", "Values": ".pending", "SignalConfig": ".settings", "Workspace": ".settings",
+_LAZY = {"Pending": ".pending", "Values": ".pending", "SignalConfig": ".signal_config", "Workspace": ".settings",
          "compute_step": ".step"}
 
 

@@ -21,7 +21,8 @@ from .episodes import bound_values
 from .pending import Pending, Values, _div
 from .quantities import device_constants, episode_layout, finish_episodes, finish_tokens, threshold_names
 from .reduce import abs_bin_values, constant, plan
-from .settings import SignalConfig, Workspace
+from .settings import Workspace
+from .signal_config import SignalConfig
 
 if TYPE_CHECKING:
     from .inputs import StepRecord
