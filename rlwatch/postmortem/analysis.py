@@ -256,14 +256,17 @@ class Report:
 
 def quality_series(data: RunData) -> tuple[str | None, list[tuple[int, float]]]:
     """The best available measure of real policy quality: a held-out/eval scalar (or the held-out score a
-    trainer logs under a recognised name, docs/trainer-dynamics.md), else reward."""
+    trainer logs under a recognised name, docs/trainer-dynamics.md, when it was evaluated at least
+    COLLAPSE_HOLD + COLLAPSE_TAIL times: a sparse one cannot date a collapse), else reward."""
     for key in QUALITY_KEYS:
         if data.scalars.get(key):
             return key, sorted(data.scalars[key])
-    for name in ("heldout_score", "reward_mean"):     # the trainer's logged held-out score, else the reward
-        series = data.series(name)
-        if series:
-            return name, series
+    heldout = data.series("heldout_score")
+    if len(heldout) >= COLLAPSE_HOLD + COLLAPSE_TAIL:      # evaluated often enough to date a collapse
+        return "heldout_score", heldout
+    reward = data.series("reward_mean")
+    if reward or heldout:
+        return ("reward_mean", reward) if reward else ("heldout_score", heldout)
     return None, []
 
 
