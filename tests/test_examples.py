@@ -71,6 +71,7 @@ def postmortem(path: Path, *args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow        # about 10-20 s: in `make test`, out of the fast loop (`make check`)
 def test_custom_loop_post_mortem_puts_its_mismatch_on_the_lag_and_names_it_only_if_the_run_suffered(tmp_path):
     """The example's sampler runs 2 updates behind on the same numerics: staleness explains the
     mismatch, never numeric noise; it is the run's cause only if the run degraded or an alert on the

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from rlwatch.runs import resources
 from rlwatch.alerts import render
 from rlwatch.alerts.catalogue import ALERTS
@@ -40,6 +42,7 @@ def test_a_team_hosted_copy_replaces_the_stack_runbook_server(tmp_path, monkeypa
     assert "https://wiki.example/x#rlwatchklspike" in (tmp_path / "mine" / render.RULES_FILE).read_text()
 
 
+@pytest.mark.slow        # about 10-20 s: in `make test`, out of the fast loop (`make check`)
 def test_the_runbook_server_cuts_idle_connections_and_bounds_its_threads(tmp_path):
     """200 connections that never send a byte to `rlwatch up`'s runbook server: it holds at most
     MAX_THREADS threads for them, cuts each after its idle timeout, and then serves the runbook."""
