@@ -225,11 +225,6 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delegated(module: str) -> Callable[[argparse.Namespace], int]:
-    """A command whose code is ``run_command`` in ``rlwatch.<module>``, imported when the command runs."""
-    import importlib
-
-    return lambda args: importlib.import_module(f"rlwatch.{module}").run_command(args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -424,32 +419,35 @@ def _add_postmortem(sub: Any) -> None:
                         "checkpoints rlwatch has no loader for (built in: transformers, rlwatch demo)")
 
 
+def _module_command(sub: Any, name: str, module: Any, help: str, description: str) -> None:
+    """A command whose options and code live in ``module`` (``add_arguments``, ``run_command``)."""
+    module.add_arguments(_command(sub, name, module.run_command, help, description))
+
+
 def _add_whatif(sub: Any) -> None:
     """``rlwatch whatif`` and its options."""
-    p = _command(sub, "whatif", _delegated("whatif.command"),
-                 "simulate synchronous and asynchronous pipelines on a run's measured episode durations, "
-                 "training and sync times",
-                 "Feed the run's episode durations, training and weight-sync seconds to a discrete-event "
-                 "pipeline simulation of synchronous, one-step-ahead and asynchronous designs (staleness bound "
-                 "eta = 1, 2, 4, 8, partial rollouts or draining): throughput, slot utilisation, staleness and "
-                 "trained episode duration next to the run's measured values, and a recommendation that reads "
-                 "the run's mismatch by version lag. docs/whatif.md")
-    from ..whatif.command import add_arguments
+    from ..whatif import command
 
-    add_arguments(p)
+    _module_command(sub, "whatif", command,
+                    "simulate synchronous and asynchronous pipelines on a run's measured episode durations, "
+                    "training and sync times",
+                    "Feed the run's episode durations, training and weight-sync seconds to a discrete-event "
+                    "pipeline simulation of synchronous, one-step-ahead and asynchronous designs (staleness bound "
+                    "eta = 1, 2, 4, 8, partial rollouts or draining): throughput, slot utilisation, staleness and "
+                    "trained episode duration next to the run's measured values, and a recommendation that reads "
+                    "the run's mismatch by version lag. docs/whatif.md")
 
 
 def _add_replay(sub: Any) -> None:
     """``rlwatch replay`` and its options."""
-    p = _command(sub, "replay", _delegated("replay.command"),
-                 "would rlwatch have caught it? the alerts and the post-mortem over a run's logged metrics, "
-                 "no trainer needed",
-                 "Feed each logged step of a run (TRL trainer_state.json, verl console or JSONL log, OpenRLHF log, "
-                 "W&B or TensorBoard CSV) to the alert evaluator at the shipped thresholds: what would have fired "
-                 "and when, against the run's reward curve, then the post-mortem. docs/replay.md")
-    from ..replay.command import add_arguments
+    from ..replay import command
 
-    add_arguments(p)
+    _module_command(sub, "replay", command,
+                    "would rlwatch have caught it? the alerts and the post-mortem over a run's logged metrics, "
+                    "no trainer needed",
+                    "Feed each logged step of a run (TRL trainer_state.json, verl console or JSONL log, OpenRLHF log, "
+                    "W&B or TensorBoard CSV) to the alert evaluator at the shipped thresholds: what would have fired "
+                    "and when, against the run's reward curve, then the post-mortem. docs/replay.md")
 
 
 def _add_files(sub: Any) -> None:
