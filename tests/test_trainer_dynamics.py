@@ -286,3 +286,39 @@ def test_a_run_of_twenty_logged_rows_is_judged():
     kl = [0.02, 0.025] * 6 + [0.25] * 8                     # 20 rows: a departure from the 13th
     assert judge({"policy_kl": kl}) == {"RLWatchPolicyKLDeparture": 16}
     assert judge({"policy_kl": [0.02, 0.025] * 10}) == {}
+
+
+# --- runs of a few prompts a step: noise the baseline already holds, steps without a learning signal ----------
+
+def one_prompt_a_step(steps: int = 120, seed: int = 7) -> dict[str, list[float]]:
+    """A run of one prompt a step: on most steps the group's rewards are all equal (the zero-std ratio at 1,
+    the gradient ~0, the entropy of a settled prompt); on the others the gradient and entropy jump."""
+    rng = random.Random(seed)
+    live = [rng.random() < 0.35 for _ in range(steps)]
+    return {"zero_std_ratio": [0.0 if on else 1.0 for on in live],
+            "grad_norm": [10.0 if on else 1e-8 for on in live],
+            "entropy_mean": [0.3 * (1 + rng.random()) if on else 0.002 for on in live]}
+
+
+def test_a_signal_that_already_swung_that_high_in_its_baseline_is_not_rising():
+    series = one_prompt_a_step()
+    grad = series["grad_norm"]
+    assert judge({"grad_norm": grad}) == {}            # no zero-std ratio logged: the baseline's noise guards
+    opened = judge({"grad_norm": grad[:100] + [200.0, 1e-8, 200.0, 1e-8] + grad[104:]})
+    assert opened.get("RLWatchGradNormSpike") == 102    # a spike far above what the baseline held still raises
+    for p in ("dynamics_noise_quantile",):
+        assert p in dynamics.GRAD_SPIKE.params and p in dynamics.ENTROPY_SURGE.params
+
+
+def test_steps_without_a_learning_signal_are_left_out_of_the_precursors():
+    series = one_prompt_a_step(seed=11)
+    # three live steps in a row lift the 5-step median of the entropy far above its mostly-settled baseline
+    entropy = series["entropy_mean"][:80] + [0.002, 0.5, 0.55, 0.6] + series["entropy_mean"][84:]
+    zero_std = series["zero_std_ratio"][:80] + [1.0, 0.0, 0.0, 0.0] + series["zero_std_ratio"][84:]
+    assert "RLWatchEntropySurge" in judge({"entropy_mean": entropy})
+    assert judge({"entropy_mean": entropy, "zero_std_ratio": zero_std}) == {}
+    # a zero gradient on a step whose groups all had equal rewards is the data's, not a dead trainer
+    dead = {"grad_norm_zero": [0.0] * 20 + [1.0] * 5, "zero_std_ratio": [0.2] * 20 + [1.0] * 5}
+    assert judge(dead) == {}
+    assert judge({**dead, "zero_std_ratio": [0.2] * 25}) == {"RLWatchGradNormDead": 22}
+    assert recognise({"frac_reward_zero_std": 1.0}) == {"zero_std_ratio": 1.0}     # TRL's name

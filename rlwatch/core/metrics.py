@@ -185,6 +185,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("loss_nonfinite", "1 when the trainer's latest logged loss was NaN or infinite, else 0.", "dynamics"),
     _g("clip_fraction", "Fraction of tokens the PPO ratio clip cut at the latest step (the trainer's "
        "pg_clipfrac / clip_ratio).", "dynamics"),
+    _g("zero_std_ratio", "Share of the trained batch in groups whose rewards were all equal (zero advantage), as "
+       "the trainer logged it (TRL: frac_reward_zero_std); at 1 the step had no learning signal, and the collapse "
+       "precursors leave its entropy, gradient norm, policy KL and length out of their series.", "dynamics"),
     _g("learning_rate", "Learning rate the trainer logged at the latest step (RLWatchKLDeparture reads a warm-up "
        "from it).", "dynamics"),
     _g("heldout_score", "Held-out (validation) score the trainer logged, mean over its data sources.", "dynamics"),

@@ -125,6 +125,9 @@ TRAINER_KEYS: tuple[TrainerKey, ...] = (
     _T("heldout_score", "prime-rl", pattern=r"eval/[^/]+/all/[^/]+/avg@\d+", note="mean over environments"),
     _T("heldout_score", "slime", pattern=r"eval/(?!step$)(?!loss$)(?!scores$)(?![^/]*-pass@)(?![^/]*-truncated_ratio$)"
        r"[^/]+", note="eval/{data set}: mean over data sets"),
+    # --- groups without a learning signal ---
+    _T("zero_std_ratio", "TRL", "frac_reward_zero_std", note="share of completions in groups whose rewards are all "
+       "equal (zero advantage)"),
     # --- the optimiser's learning rate (a warm-up moves the mismatch with it) ---
     _T("learning_rate", "TRL", "learning_rate", note="transformers Trainer"),
     _T("learning_rate", "verl", "actor/lr", note="the actor worker's lr, renamed under actor/"),

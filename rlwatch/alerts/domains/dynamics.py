@@ -8,9 +8,12 @@ Every baseline is the run's own: the median of a signal over the 30 logged value
 latest (at least ``dynamics_baseline_rows`` of them; in a short run ending as few as 5 before, so a run of
 20 logged rows is judged from its 15th), so a slow change such as a learning-rate warm-up moves the
 baseline with it while a climb over a few tens of values stands out; the compared level is the median of
-the last 5 values, so one noisy value does not raise. No condition raises without its baseline. The
-conditions count logged values, not steps (:func:`rows`): a trainer that logs every k steps (TRL's
-``logging_steps``) is judged on its rows, each verdict standing until the next row.
+the last 5 values, so one noisy value does not raise, and it must also pass a high quantile of the
+baseline's own values (``dynamics_noise_quantile``), so a signal that already swung that high is not
+rising. No condition raises without its baseline. The conditions count logged values, not steps
+(:func:`rows`): a trainer that logs every k steps (TRL's ``logging_steps``) is judged on its rows, each
+verdict standing until the next row. A row whose every group had equal rewards (the trainer's logged
+zero-std ratio at 1: no learning signal) is left out of the entropy, gradient, policy KL and length series.
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ PARAMS: dict[str, Param] = {
                                    "slide (RLWatchRewardSlide).", above=0.0, high=1.0),
     "reward_slide_z": Param(3.0, "RLWatchRewardSlide needs the drop to exceed this many standard deviations of the "
                             "reward's step-to-step noise too.", above=0.0),
+    "dynamics_noise_quantile": Param(0.9, "A precursor's level must also pass this quantile of its own trailing "
+                                     "baseline values: a signal that already swung that high in the baseline (a run "
+                                     "whose steps alternate between groups with and without reward variance) is "
+                                     "not rising (RLWatchEntropySurge, RLWatchPolicyKLDeparture, RLWatchGradNormSpike, "
+                                     "RLWatchLengthRunaway).", above=0.0, high=1.0),
     "dynamics_baseline_rows": Param(10.0, "Logged values a precursor's trailing baseline needs (RLWatchEntropySurge, "
                                     "RLWatchPolicyKLDeparture, RLWatchGradNormSpike, RLWatchLengthRunaway): a run "
                                     "logging 20 rows is judged from its 15th on.", low=3.0),
@@ -64,14 +72,21 @@ PARAMS: dict[str, Param] = {
 }
 
 
+#: The signals of the trained batch and its update, left out of the precursors' series on a row where every group's
+#: rewards were equal (the trainer's logged zero-std ratio at 1): that step had no learning signal, and its values
+#: are those of prompts the policy has settled (a run of one prompt a step swings between such rows and live ones).
+BATCH_SIGNALS = ("entropy_mean", "grad_norm", "policy_kl", "response_length_mean")
+
+
 def _series(h: History, name: str) -> list[float]:
-    """The signal's logged values, oldest first (the last :data:`KEPT`), one per step that carries it: a
-    trainer that logs every k steps (TRL: ``logging_steps``) is judged row by row."""
+    """The signal's logged values, oldest first (the last :data:`KEPT`), one per step that carries it (but for
+    :data:`BATCH_SIGNALS` on a step without a learning signal): a trainer that logs every k steps (TRL:
+    ``logging_steps``) is judged row by row."""
     memory = h.memory.setdefault(("series", name), {"step": None, "values": []})
     if memory["step"] != h.step:
         memory["step"] = h.step
         value = h.latest(name)
-        if value is not None:
+        if value is not None and not (name in BATCH_SIGNALS and h.latest("zero_std_ratio") == 1.0):
             memory["values"] = (memory["values"] + [value])[-KEPT:]
     return memory["values"]
 
@@ -102,6 +117,13 @@ def _baseline(h: History, name: str) -> float | None:
     return base
 
 
+def _noise_top(h: History, name: str) -> float:
+    """The ``dynamics_noise_quantile`` of the trailing baseline's values (nearest rank): how high the signal
+    already went while the run was at its baseline."""
+    values = sorted(_baseline_values(h, name))
+    return values[max(0, min(len(values) - 1, math.ceil(h.p("dynamics_noise_quantile") * len(values)) - 1))]
+
+
 def rows(key: str, signals: tuple[str, ...], hits: int = 3, of: int = 3):
     """Judge a condition once per logged row of ``signals``: it raises when its raw raise held on ``hits`` of
     the last ``of`` rows; on a step that logs none of them the last row's verdict stands (a trainer that
@@ -129,7 +151,7 @@ def _ratio_rise(h: History, name: str, factor: float, floor: float = 0.0) -> Ver
     base, now = _baseline(h, name), _median(h, name)
     if base is None or now is None or base <= 0:
         return {}
-    bound = max(factor * base, floor)
+    bound = max(factor * base, floor, _noise_top(h, name))
     return one(now / base, now > bound, now > base + h.p("hold_fraction") * (bound - base))
 
 
@@ -159,7 +181,7 @@ def _grad_spike(h: History) -> Verdicts:
     base = _baseline(h, "grad_norm")
     if g is None or base is None or base <= 0:
         return {}
-    bound = h.p("grad_spike_factor") * base
+    bound = max(h.p("grad_spike_factor") * base, _noise_top(h, name="grad_norm"))
     return _remember(h, "grad_norm", one(g / base, g > bound, g > base + h.p("hold_fraction") * (bound - base)))
 
 
@@ -168,6 +190,8 @@ def _grad_dead(h: History) -> Verdicts:
     flags = [h.latest(name) for name in ("grad_norm_zero", "grad_norm_nonfinite", "loss_nonfinite")]
     if all(flag is None for flag in flags):
         return {}
+    if h.latest("zero_std_ratio") == 1.0:       # a zero gradient of equal rewards is the data's, not a dead trainer
+        flags[0] = 0.0
     dead = any(flags)
     return _remember(h, "grad_dead", one(1.0 if dead else 0.0, dead, dead))
 
@@ -239,11 +263,13 @@ RESUME = ("If the reward has started to fall: stop, and resume from the last che
 ENTROPY_SURGE = Alert(
     name="RLWatchEntropySurge", severity="warning", for_steps=1,
     value_format="entropy {:.3g}x its baseline",
-    params=("entropy_surge_factor", "dynamics_baseline_rows", "hold_fraction", "clear_steps"),
+    params=("entropy_surge_factor", "dynamics_baseline_rows", "dynamics_noise_quantile", "hold_fraction",
+            "clear_steps"),
     summary="Policy entropy surged above this run's baseline.",
     description="Run {{ $labels.run }}: mean token entropy is {{ $value | printf \"%.2g\" }}x its trailing baseline.",
     windows="Entropy's 5-step median over its trailing baseline (the median of the 30 logged values ending 10 "
-            "before, at least `dynamics_baseline_rows` of them) above `entropy_surge_factor`, 3 logged values running.",
+            "before, at least `dynamics_baseline_rows` of them) above `entropy_surge_factor`, and above the "
+            "`dynamics_noise_quantile` of those baseline values, 3 logged values running.",
     condition=_entropy_surge,
     runbook=_runbook(
         "The policy is becoming more random: updates are destroying what it learned rather than sharpening it. "
@@ -262,12 +288,14 @@ ENTROPY_SURGE = Alert(
 POLICY_KL = Alert(
     name="RLWatchPolicyKLDeparture", severity="warning", for_steps=1,
     value_format="policy KL {:.3g}x its baseline",
-    params=("policy_kl_factor", "policy_kl_floor", "dynamics_baseline_rows", "hold_fraction", "clear_steps"),
+    params=("policy_kl_factor", "policy_kl_floor", "dynamics_baseline_rows", "dynamics_noise_quantile",
+            "hold_fraction", "clear_steps"),
     summary="The KL between consecutive policies left this run's baseline.",
     description="Run {{ $labels.run }}: the policy KL per update is {{ $value | printf \"%.2g\" }}x its trailing "
                 "baseline" + POLICY_KL_FORECAST + ".",
-    windows="The policy KL's 5-step median above the larger of `policy_kl_factor` x its trailing baseline and "
-            "`policy_kl_floor`, 3 logged values running; rlwatch_window_forecast_steps{signal=\"policy_kl\"} "
+    windows="The policy KL's 5-step median above the largest of `policy_kl_factor` x its trailing baseline, "
+            "`policy_kl_floor` and the `dynamics_noise_quantile` of the baseline values, 3 logged values running; "
+            "rlwatch_window_forecast_steps{signal=\"policy_kl\"} "
             "counts the steps to `policy_kl_max` at its log-linear trend.",
     condition=_policy_kl,
     runbook=_runbook(
@@ -286,11 +314,12 @@ POLICY_KL = Alert(
 GRAD_SPIKE = Alert(
     name="RLWatchGradNormSpike", severity="warning", for_steps=1,
     value_format="gradient norm {:.3g}x its baseline",
-    params=("grad_spike_factor", "dynamics_baseline_rows", "hold_fraction", "clear_steps"),
+    params=("grad_spike_factor", "dynamics_baseline_rows", "dynamics_noise_quantile", "hold_fraction",
+            "clear_steps"),
     summary="The gradient norm is spiking.",
     description="Run {{ $labels.run }}: the gradient norm is {{ $value | printf \"%.2g\" }}x its trailing baseline.",
-    windows="The gradient norm above `grad_spike_factor` x its trailing baseline median on 2 of the last 4 "
-            "logged values.",
+    windows="The gradient norm above `grad_spike_factor` x its trailing baseline median, and above the "
+            "`dynamics_noise_quantile` of the baseline values, on 2 of the last 4 logged values.",
     condition=_grad_spike,
     runbook=_runbook(
         "Repeated gradient spikes precede divergence: a few sequences or tokens dominate the update.",
@@ -311,7 +340,8 @@ GRAD_DEAD = Alert(
     description="Run {{ $labels.run }}: the gradient norm has been 0 or non-finite (or the loss non-finite) for "
                 "several steps.",
     windows="rlwatch_grad_norm_zero, rlwatch_grad_norm_nonfinite or rlwatch_loss_nonfinite at 1, 3 logged values "
-            "running.",
+            "running; a zero gradient on a row whose rlwatch_zero_std_ratio is 1 (every group's rewards equal: no "
+            "learning signal, the data's condition) does not count.",
     condition=_grad_dead,
     runbook=_runbook(
         "The trainer is not learning: a zero gradient means no learning signal (every group has zero reward "
@@ -330,12 +360,13 @@ GRAD_DEAD = Alert(
 LENGTH_RUNAWAY = Alert(
     name="RLWatchLengthRunaway", severity="warning", for_steps=1, labels=("run", "signal"),
     value_format="length {:.3g} (response length: times its baseline; clipped ratio: fraction of responses)",
-    params=("length_runaway_factor", "clipped_ratio_rise", "dynamics_baseline_rows", "hold_fraction",
-            "clear_steps"),
+    params=("length_runaway_factor", "clipped_ratio_rise", "dynamics_baseline_rows", "dynamics_noise_quantile",
+            "hold_fraction", "clear_steps"),
     summary="Responses are running away in length, or the clipped ratio surged.",
     description="Run {{ $labels.run }}: {{ $labels.signal }} is {{ $value | printf \"%.3g\" }} (its trailing "
                 "baseline: rlwatch_window_baseline).",
-    windows="The mean response length's 5-step median above `length_runaway_factor` x its trailing baseline, or "
+    windows="The mean response length's 5-step median above `length_runaway_factor` x its trailing baseline (and "
+            "the `dynamics_noise_quantile` of the baseline values), or "
             "the truncated ratio's 5-step median `clipped_ratio_rise` above its trailing baseline, 3 logged values "
             "running.",
     condition=_length_runaway,
