@@ -30,6 +30,7 @@ GENERATORS: tuple[tuple[str, list[str], list[str], list[str]], ...] = (
      [], ["--check"]),
     ("demo block (README.md, docs/results.md)", ["scripts/demo_block.py"], ["--write"], ["--check"]),
     ("replay example (docs/replay.md)", ["scripts/replay_example.py"], ["--write"], ["--check"]),
+    ("real-run figures (docs/real-runs.md)", ["-m", "evaluation.realruns"], ["--write-doc"], ["--check-doc"]),
 )
 
 

@@ -96,3 +96,20 @@ def test_the_command_writes_its_figures(tmp_path, capsys):
     report = json.loads((tmp_path / "out" / "realruns.json").read_text())
     assert report["tuning"]["figures"]["collapses"] == 1
     assert [r["id"] for r in report["tuning"]["runs"]] == [SMALL]
+
+
+def test_the_doc_block_is_written_between_its_markers(tmp_path):
+    from evaluation.realruns import report
+
+    entry = next(e for e in runs() if e.id == SMALL)
+    score = score_run(entry, tmp_path / "stores")
+    text = report.block([summarise("tuning", [score])], [score])
+    assert text.startswith(report.BEGIN) and text.endswith(report.END)
+    assert f"| `{SMALL}` | tuning | collapsed at 29 |" in text
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n\n{report.BEGIN}\nold figures\n{report.END}\n\nafter\n", encoding="utf-8")
+    assert not report.write(text, check=True, path=page)            # stale: said, not rewritten
+    assert "old figures" in page.read_text(encoding="utf-8")
+    assert report.write(text, check=False, path=page)
+    assert report.write(text, check=True, path=page)
+    assert page.read_text(encoding="utf-8") == f"intro\n\n{text}\n\nafter\n"

@@ -1,7 +1,8 @@
 """``python -m evaluation.realruns [--split tuning|test|all] [--out DIR]``: replay every corpus run of
 the split at the shipped alert defaults and print, per split, the collapses paged and warned before
 the authors' collapse step (with the lead), the healthy runs paged, flapping and each alert's
-precision; ``--out DIR`` also writes ``realruns.json`` there (figures and per-run detail)."""
+precision; ``--out DIR`` also writes ``realruns.json`` there (figures and per-run detail); ``--write-doc``
+rewrites the figures block of docs/real-runs.md (``--check-doc``: exit 1 when it is stale)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from . import report as doc
 from .corpus import MANIFEST, SPLITS, runs
 from .score import RunScore, Summary, score_run, summarise
 
@@ -53,17 +55,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", choices=(*SPLITS, "all"), default="all")
     parser.add_argument("--out", help="directory for realruns.json and the replay stores")
     parser.add_argument("--manifest", default=str(MANIFEST), help=argparse.SUPPRESS)
+    parser.add_argument("--write-doc", action="store_true", help="rewrite the figures block of docs/real-runs.md")
+    parser.add_argument("--check-doc", action="store_true", help="exit 1 when docs/real-runs.md's figures are stale")
     args = parser.parse_args(argv)
-    splits = SPLITS if args.split == "all" else (args.split,)
+    splits = SPLITS if args.split == "all" or args.write_doc or args.check_doc else (args.split,)
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="rlwatch-realruns-"))
     stores = work / "stores"
     report: dict[str, dict] = {}
+    summaries, every = [], []
     for split in splits:
         scores = [score_run(entry, stores) for entry in runs(split, Path(args.manifest))]
         summary = summarise(split, scores)
-        print("\n".join(_figures(summary)))
-        print("\n".join(_run_line(s) for s in scores))
+        summaries.append(summary)
+        every += scores
+        if not args.check_doc:
+            print("\n".join(_figures(summary)))
+            print("\n".join(_run_line(s) for s in scores))
         report[split] = {"figures": asdict(summary), "runs": [s.as_dict() for s in scores]}
+    if args.write_doc or args.check_doc:
+        if not doc.write(doc.block(summaries, every), check=args.check_doc):
+            print(f"{doc.DOC} is stale: python -m evaluation.realruns --write-doc", file=sys.stderr)
+            return 1
     if args.out:
         work.mkdir(parents=True, exist_ok=True)
         (work / "realruns.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
