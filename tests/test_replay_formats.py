@@ -176,3 +176,22 @@ def test_mismatch_aggregates_map_where_the_definition_is_rlwatchs(tmp_path):
     assert run.kept_mismatch_aggregates() == ["training/rollout_probs_diff_mean"]
     result = replay(run, store_dir=tmp_path)
     assert result.as_json()["replay"]["kept_mismatch_aggregates"] == ["training/rollout_probs_diff_mean"]
+
+
+def test_wandb_chart_exports_of_one_run_are_one_run(tmp_path):
+    """W&B's ``Download CSV`` on one panel at a time (the run's reward chart, its entropy chart, its loss
+    chart): the files given together are one run; another run's charts, or a second export of keys already
+    read (a run of the same name elsewhere), stay runs of their own."""
+    rows = collapsed_rows()
+    charts = [write_wandb_csv(tmp_path / f"chart_{key}.csv", [(s, {key: v[key]}) for s, v in rows])
+              for key in ("reward", "entropy", "loss")]
+    other = write_wandb_csv(tmp_path / "other.csv", [(s, {"reward": v["reward"]}) for s, v in rows], run="ppo-7b")
+    again = write_wandb_csv(tmp_path / "again.csv", [(s, {"reward": v["reward"]}) for s, v in rows])
+    runs = load_all([str(p) for p in (*charts, other, again)])
+    assert len(runs) == 3
+    merged = runs[0]
+    assert merged.fmt == "csv" and set(merged.keys) == {"reward", "entropy", "loss"}
+    assert "3 W&B chart exports of grpo-qwen-0.5b" in merged.source
+    assert set(runs[1].keys) == {"reward"} and set(runs[2].keys) == {"reward"}
+    assert replay(merged, store_dir=tmp_path / "s").collapse_step == DROP
+    assert len(load_all([str(charts[0])])) == 1 and load_all([str(charts[0])])[0].source == str(charts[0])

@@ -13,6 +13,7 @@ under the framework's own key names (docs/replay.md lists them with an example l
   :data:`STEP_COLUMNS` present; W&B's ``<key>__MIN`` / ``<key>__MAX`` and ``_runtime``-like columns
   are ignored, a ``<run name> - `` prefix shared by every column is removed, and the ``train/`` prefix
   TRL's and OpenRLHF's W&B / TensorBoard loggers put on every training key is removed (``eval/`` kept).
+  W&B chart exports (one panel's ``Download CSV``) of the same run, given together, are one run.
 - ``tensorboard-csv``: TensorBoard's own per-tag export (``Wall time,Step,Value``), the key from the
   file name (``run-<run>-tag-<tag>.csv``); several such files are one run.
 """
@@ -164,6 +165,15 @@ def _csv_names(header: list[str]) -> dict[int, str]:
     names = set(kept.values())
     return {i: h[len("train/"):] if h.startswith("train/") and h[len("train/"):] not in names else h
             for i, h in kept.items()}
+
+
+def chart_run(text: str) -> str | None:
+    """The run of a W&B chart export (``Download CSV`` on one panel: ``Step``, then ``<run> - <key>`` and its
+    ``__MIN`` / ``__MAX`` bounds, every column under the same run), else None."""
+    header = next(csv.reader(io.StringIO(text.split("\n", 1)[0])), [])
+    columns = [h.strip() for h in header if h.strip() and h.strip() not in STEP_COLUMNS]
+    runs = {h.split(" - ", 1)[0] for h in columns if " - " in h}
+    return runs.pop() if len(runs) == 1 and columns and all(" - " in h for h in columns) else None
 
 
 def parse_csv(text: str, name: str) -> Rows:

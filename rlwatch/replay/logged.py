@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .formats import FORMATS, PARSERS, ReplayInputError, Rows, detect, read_text, resolve, tensorboard_key
+from .formats import FORMATS, PARSERS, ReplayInputError, Rows, chart_run, detect, read_text, resolve, tensorboard_key
 
 #: Sampler-learner mismatch aggregates trainers log (verl's ``rollout_corr/*`` and
 #: ``training/rollout_probs_diff_*``, OpenRLHF's ``vllm_kl``, ``token_mult_prob_error``, slime's
@@ -129,47 +129,71 @@ def from_rows(rows: Rows, source: str, fmt: str, reward_key: str | None = None) 
                      reward_key=_reward_key(keys, reward_key, source), nonfinite=nonfinite)
 
 
-def _parse(path: Path, fmt: str | None) -> tuple[str, str, Rows]:
+def _parse(path: Path, fmt: str | None) -> tuple[str, str, Rows, str | None]:
+    """(source, format, rows, the run of a W&B chart export or None)."""
     if fmt is not None and fmt not in FORMATS:
         raise ReplayInputError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
     path = resolve(path)
     text = read_text(path)
     fmt = fmt or detect(text, str(path))
-    return str(path), fmt, PARSERS[fmt](text, str(path))
+    return str(path), fmt, PARSERS[fmt](text, str(path)), chart_run(text) if fmt == "csv" else None
 
 
 def load(path: str | Path, *, reward_key: str | None = None, fmt: str | None = None) -> LoggedRun:
     """Read one logged run from ``path`` (format detected from the content unless ``fmt`` names one
     of :data:`~rlwatch.replay.formats.FORMATS`). Raises :class:`ReplayInputError` (one line) on a
     missing, empty, malformed or unknown file."""
-    source, fmt, rows = _parse(Path(path), fmt)
+    source, fmt, rows, _ = _parse(Path(path), fmt)
     return from_rows(rows, source, fmt, reward_key)
 
 
 def load_all(paths: list[str], *, reward_key: str | None = None, fmt: str | None = None
              ) -> list[LoggedRun | ReplayInputError]:
-    """Each file its own run, except TensorBoard per-tag exports (``Wall time,Step,Value``), which are
-    the tags of one run and merged into one (their keys from the file names); a file that cannot be
-    read is its :class:`ReplayInputError` in the list, in the files' order."""
-    out: list[LoggedRun | ReplayInputError] = []
-    tags: Rows = {}
-    tag_files: list[str] = []
+    """Each file its own run, except the parts of one run given file by file, merged into one (in the place
+    of the first): TensorBoard per-tag exports (``Wall time,Step,Value``, their keys from the file names)
+    and W&B chart exports of the same run (one panel's ``Download CSV`` each; an export whose keys the run
+    already has is a run of its own, another run of that name). A file that cannot be read
+    is its :class:`ReplayInputError` in the list, in the files' order."""
+    out: list[LoggedRun | ReplayInputError | tuple[str, str]] = []
+    parts: dict[tuple[str, str], tuple[Rows, list[str]]] = {}
     for path in paths:
         try:
-            source, kind, rows = _parse(Path(path), fmt)
-            if kind == "tensorboard-csv":
-                for step, row in rows.items():
-                    tags.setdefault(step, {}).update(row)
-                tag_files.append(path)
-                continue
-            out.append(from_rows(rows, source, kind, reward_key))
+            source, kind, rows, run = _parse(Path(path), fmt)
         except ReplayInputError as exc:
             out.append(exc)
-    if tag_files:
-        try:
-            source = tag_files[0] if len(tag_files) == 1 else f"{len(tag_files)} TensorBoard tag files " + \
-                f"({', '.join(tensorboard_key(Path(p)) for p in tag_files[:4])}{', ...' if len(tag_files) > 4 else ''})"
-            out.append(from_rows(tags, source, "tensorboard-csv", reward_key))
-        except ReplayInputError as exc:
-            out.append(exc)
-    return out
+            continue
+        key = (kind, run or "")
+        if kind == "tensorboard-csv" or (run is not None and not _overlaps(parts.get(key), rows)):
+            if key not in parts:
+                parts[key] = ({}, [])
+                out.append(key)
+            merged, files = parts[key]
+            for step, row in rows.items():
+                merged.setdefault(step, {}).update(row)
+            files.append(source)
+            continue
+        out.append(from_rows(rows, source, kind, reward_key))
+    return [_merged(item, *parts[item], reward_key) if isinstance(item, tuple) else item for item in out]
+
+
+def _overlaps(part: tuple[Rows, list[str]] | None, rows: Rows) -> bool:
+    """Whether ``rows`` log a key the part already has (two exports of runs that share a name: kept apart)."""
+    if part is None:
+        return False
+    have = {k for row in part[0].values() for k in row}
+    return any(k in have for row in rows.values() for k in row)
+
+
+def _merged(key: tuple[str, str], rows: Rows, files: list[str], reward_key: str | None
+            ) -> LoggedRun | ReplayInputError:
+    kind, run = key
+    if len(files) == 1:
+        source = files[0]
+    else:
+        names = [tensorboard_key(Path(p)) if kind == "tensorboard-csv" else Path(p).name for p in files]
+        what = "TensorBoard tag files" if kind == "tensorboard-csv" else f"W&B chart exports of {run}"
+        source = f"{len(files)} {what} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+    try:
+        return from_rows(rows, source, kind, reward_key)
+    except ReplayInputError as exc:
+        return exc
