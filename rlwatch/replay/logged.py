@@ -172,7 +172,10 @@ def load_all(paths: list[str], *, reward_key: str | None = None, fmt: str | None
                 merged.setdefault(step, {}).update(row)
             files.append(source)
             continue
-        out.append(from_rows(rows, source, kind, reward_key))
+        try:
+            out.append(from_rows(rows, source, kind, reward_key))
+        except ReplayInputError as exc:
+            out.append(exc)
     return [_merged(item, *parts[item], reward_key) if isinstance(item, tuple) else item for item in out]
 
 
