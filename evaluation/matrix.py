@@ -141,6 +141,11 @@ def collect(spec: RunSpec, cache: str | None = None) -> dict:
 
     def on_step(info) -> None:
         values = watch.observe(info.step, **info.fields, episodes=info.episodes)
+        if watch.hacks is not None:
+            # A toy step takes milliseconds, a real one minutes: wait for this step's reward-hack verdicts (the
+            # detectors run in their own process) so that they reach the next step, as in a real run, and are
+            # not counted many steps late in one lump, whatever the machine's load (as the demo does).
+            watch.hacks.flush(timeout=30.0)
         if values is not None:
             steps.append((info.step, {k: dict(v) for k, v in values.items() if not derived(k)}))
 
