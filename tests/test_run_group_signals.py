@@ -33,6 +33,13 @@ time.sleep(60)
 """
 
 
+def _default_dispositions() -> None:
+    """The signals this test sends at their default action in `rlwatch run` and its command, whatever the test
+    runner inherited: under `nohup` SIGHUP is ignored, and a command that ignores it never ends by it."""
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _entries(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.glob("*.json"))
 
@@ -49,7 +56,7 @@ def test_a_run_stopped_by_a_signal_removes_its_file_sd_entry(tmp_path, signum):
     bystander = subprocess.Popen([sys.executable, "-c", EXPORTING, str(tmp_path / "bystander")], cwd=ROOT, env=env)
     proc = subprocess.Popen([sys.executable, "-m", "rlwatch", "run", "--store", "none", "--", sys.executable,
                              str(script), str(tmp_path / "ready")], cwd=ROOT, env=env,
-                            stderr=subprocess.PIPE, start_new_session=True)
+                            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_default_dispositions)
     trainer = 0
     try:
         _wait_file(tmp_path / "bystander", bystander)
