@@ -159,21 +159,25 @@ def _csv_names(header: list[str]) -> dict[int, str]:
     """Column index -> key: W&B's bound columns dropped, a shared ``<run> - `` prefix and ``train/`` removed."""
     kept = {i: h.strip() for i, h in enumerate(header)
             if h.strip() and not h.strip().endswith(("__MIN", "__MAX")) and not h.strip().startswith("_")}
-    prefixes = {h.split(" - ", 1)[0] for h in kept.values() if " - " in h}
-    if len(prefixes) == 1 and all(" - " in h or h in STEP_COLUMNS for h in kept.values()):
+    if _shared_run(kept.values()) is not None:
         kept = {i: h.split(" - ", 1)[1] if " - " in h else h for i, h in kept.items()}
     names = set(kept.values())
     return {i: h[len("train/"):] if h.startswith("train/") and h[len("train/"):] not in names else h
             for i, h in kept.items()}
 
 
+def _shared_run(columns: Iterable[str]) -> str | None:
+    """The ``<run>`` of W&B's ``<run> - <key>`` when every column but the step carries the same one, else None."""
+    named = [h for h in columns if h not in STEP_COLUMNS]
+    runs = {h.split(" - ", 1)[0] for h in named if " - " in h}
+    return runs.pop() if len(runs) == 1 and all(" - " in h for h in named) else None
+
+
 def chart_run(text: str) -> str | None:
     """The run of a W&B chart export (``Download CSV`` on one panel: ``Step``, then ``<run> - <key>`` and its
     ``__MIN`` / ``__MAX`` bounds, every column under the same run), else None."""
     header = next(csv.reader(io.StringIO(text.split("\n", 1)[0])), [])
-    columns = [h.strip() for h in header if h.strip() and h.strip() not in STEP_COLUMNS]
-    runs = {h.split(" - ", 1)[0] for h in columns if " - " in h}
-    return runs.pop() if len(runs) == 1 and columns and all(" - " in h for h in columns) else None
+    return _shared_run(h.strip() for h in header if h.strip())
 
 
 def parse_csv(text: str, name: str) -> Rows:
