@@ -322,3 +322,46 @@ def test_steps_without_a_learning_signal_are_left_out_of_the_precursors():
     assert judge(dead) == {}
     assert judge({**dead, "zero_std_ratio": [0.2] * 25}) == {"RLWatchGradNormDead": 22}
     assert recognise({"frac_reward_zero_std": 1.0}) == {"zero_std_ratio": 1.0}     # TRL's name
+
+
+def judge_labelled(series: dict[str, dict[tuple[str, ...], list[float | None]]]) -> dict[str, int]:
+    """{alert: first step it opened} over per-step values of labelled series (None: not logged that step)."""
+    windows, opened = AlertWindows(alerts=dynamics.ALERTS), {}
+    steps = max(len(v) for family in series.values() for v in family.values())
+    for step in range(steps):
+        values = {name: {labels: v[step] for labels, v in family.items() if v[step] is not None}
+                  for name, family in series.items()}
+        for labels in windows.on_step(step, {k: v for k, v in values.items() if v})["alert_incident"]:
+            opened.setdefault(labels[0], step)
+    return opened
+
+
+def test_steps_whose_groups_all_passed_or_failed_in_observe_have_no_learning_signal():
+    # the same condition as a logged zero-std ratio at 1, from rlwatch's own count of observe's groups
+    series = one_prompt_a_step(seed=11)
+    entropy = series["entropy_mean"][:80] + [0.002, 0.5, 0.55, 0.6] + series["entropy_mean"][84:]
+    settled = [1.0 - live for live in series["zero_std_ratio"][:80] + [1.0, 0.0, 0.0, 0.0] +
+               series["zero_std_ratio"][84:]]
+    all_pass = [0.5 * (1.0 - s) for s in settled]                 # the settled steps: half all pass, half all fail
+    groups = {("all_pass",): all_pass, ("all_fail",): [1.0 - s - p for s, p in zip(settled, all_pass)]}
+    assert "RLWatchEntropySurge" in judge_labelled({"entropy_mean": {(): entropy}})
+    assert judge_labelled({"entropy_mean": {(): entropy}, "zero_variance_groups_ratio": groups}) == {}
+    dead = [0.0] * 20 + [1.0] * 5
+    constant = {("all_pass",): [0.1] * 20 + [0.7] * 5, ("all_fail",): [0.1] * 20 + [0.3] * 5}
+    assert judge_labelled({"grad_norm_zero": {(): dead}, "zero_variance_groups_ratio": constant}) == {}
+    live = {("all_pass",): [0.1] * 25, ("all_fail",): [0.1] * 25}
+    assert judge_labelled({"grad_norm_zero": {(): dead}, "zero_variance_groups_ratio": live}) == \
+        {"RLWatchGradNormDead": 22}
+
+
+def test_a_zero_gradient_on_a_row_of_several_steps_some_without_a_learning_signal_is_not_dead():
+    # TRL logs every 10 steps: the zero-std ratio is the mean over the 10, the gradient norm the last step's
+    every_ten = [s % 10 == 0 for s in range(300)]
+    dead = [(1.0 if s >= 200 else 0.0) if on else None for s, on in enumerate(every_ten)]
+    for share, opens in ((0.6, None), (0.0, 220)):
+        zero_std = [share if on else None for on in every_ten]
+        assert judge_labelled({"grad_norm_zero": {(): dead}, "zero_std_ratio": {(): zero_std}}).get(
+            "RLWatchGradNormDead") == opens
+    # logged every step, a zero gradient while some groups had rewards to learn from is a dead trainer
+    assert judge_labelled({"grad_norm_zero": {(): [0.0] * 20 + [1.0] * 5},
+                           "zero_std_ratio": {(): [0.6] * 25}}) == {"RLWatchGradNormDead": 22}

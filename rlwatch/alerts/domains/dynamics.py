@@ -13,7 +13,8 @@ baseline's own values (``dynamics_noise_quantile``), so a signal that already sw
 rising. No condition raises without its baseline. The conditions count logged values, not steps
 (:func:`rows`): a trainer that logs every k steps (TRL's ``logging_steps``) is judged on its rows, each
 verdict standing until the next row. A row whose every group had equal rewards (the trainer's logged
-zero-std ratio at 1: no learning signal) is left out of the entropy, gradient, policy KL and length series.
+zero-std ratio at 1, or every group ``observe`` saw all pass or all fail: no learning signal) is left out of
+the entropy, gradient, policy KL and length series.
 """
 
 from __future__ import annotations
@@ -73,9 +74,25 @@ PARAMS: dict[str, Param] = {
 
 
 #: The signals of the trained batch and its update, left out of the precursors' series on a row where every group's
-#: rewards were equal (the trainer's logged zero-std ratio at 1): that step had no learning signal, and its values
+#: rewards were equal (zero-std share at 1): that step had no learning signal, and its values
 #: are those of prompts the policy has settled (a run of one prompt a step swings between such rows and live ones).
 BATCH_SIGNALS = ("entropy_mean", "grad_norm", "policy_kl", "response_length_mean")
+
+
+def _zero_std_share(h: History) -> float | None:
+    """The step's share of groups whose rewards were all equal: the trainer's logged zero-std ratio (TRL's
+    ``frac_reward_zero_std``), else rlwatch's own count from ``observe``'s groups (all pass + all fail)."""
+    logged = h.latest("zero_std_ratio")
+    if logged is not None:
+        return logged
+    kinds = h.family("zero_variance_groups_ratio")
+    return sum(kinds.values()) if kinds else None
+
+
+def _no_learning_signal(h: History) -> bool:
+    """Every group of the step had equal rewards: zero advantage everywhere, nothing to learn from."""
+    share = _zero_std_share(h)
+    return share is not None and share >= 1.0 - 1e-9
 
 
 def _series(h: History, name: str) -> list[float]:
@@ -86,7 +103,7 @@ def _series(h: History, name: str) -> list[float]:
     if memory["step"] != h.step:
         memory["step"] = h.step
         value = h.latest(name)
-        if value is not None and not (name in BATCH_SIGNALS and h.latest("zero_std_ratio") == 1.0):
+        if value is not None and not (name in BATCH_SIGNALS and _no_learning_signal(h)):
             memory["values"] = (memory["values"] + [value])[-KEPT:]
     return memory["values"]
 
@@ -190,7 +207,15 @@ def _grad_dead(h: History) -> Verdicts:
     flags = [h.latest(name) for name in ("grad_norm_zero", "grad_norm_nonfinite", "loss_nonfinite")]
     if all(flag is None for flag in flags):
         return {}
-    if h.latest("zero_std_ratio") == 1.0:       # a zero gradient of equal rewards is the data's, not a dead trainer
+    memory = h.memory.setdefault("grad_dead_rows", {"step": None, "previous": None})
+    if memory["step"] != h.step:
+        memory["previous"], memory["step"] = memory["step"], h.step
+    # A zero gradient of equal rewards is the data's, not a dead trainer: on a step with no learning signal, or on
+    # a row standing for several steps (a trainer that logs every k) of which some had none: the row carries the
+    # zero-std ratio's mean over its steps but the last step's gradient norm (transformers' Trainer).
+    share = _zero_std_share(h)
+    spans_steps = memory["previous"] is not None and h.step - memory["previous"] > 1
+    if _no_learning_signal(h) or (spans_steps and share is not None and share > 0.0):
         flags[0] = 0.0
     dead = any(flags)
     return _remember(h, "grad_dead", one(1.0 if dead else 0.0, dead, dead))
@@ -340,8 +365,10 @@ GRAD_DEAD = Alert(
     description="Run {{ $labels.run }}: the gradient norm has been 0 or non-finite (or the loss non-finite) for "
                 "several steps.",
     windows="rlwatch_grad_norm_zero, rlwatch_grad_norm_nonfinite or rlwatch_loss_nonfinite at 1, 3 logged values "
-            "running; a zero gradient on a row whose rlwatch_zero_std_ratio is 1 (every group's rewards equal: no "
-            "learning signal, the data's condition) does not count.",
+            "running; a zero gradient does not count on a row whose groups all had equal rewards "
+            "(rlwatch_zero_std_ratio at 1, or rlwatch_zero_variance_groups_ratio summing to 1: no learning signal, "
+            "the data's condition), nor on a row standing for several steps some of which had none (the zero-std "
+            "ratio above 0: the row carries its mean over the steps, but the last step's gradient norm).",
     condition=_grad_dead,
     runbook=_runbook(
         "The trainer is not learning: a zero gradient means no learning signal (every group has zero reward "
