@@ -42,6 +42,8 @@ class CorpusRun:
     key_map: dict[str, str] = field(default_factory=dict)
     citation: dict[str, Any] = field(default_factory=dict)
     step_column: str | None = None
+    #: SwanLab chart exports hold one metric for several runs, one column ``<run>-<key>_step`` each: the run's name
+    column_prefix: str | None = None
 
     def paths(self) -> list[Path]:
         """The run's data files on disk."""
@@ -69,7 +71,8 @@ def runs(split: str = "all", path: Path = MANIFEST) -> list[CorpusRun]:
         out.append(CorpusRun(id=entry["id"], files=tuple(entry["files"]), format=entry["format"],
                              split=entry["split"], source=entry["source"], outcome=entry["outcome"],
                              collapse_step=entry.get("collapse_step"), reward_key=entry.get("reward_key"),
-                             key_map=dict(key_map), citation=citation, step_column=entry.get("step_column")))
+                             key_map=dict(key_map), citation=citation, step_column=entry.get("step_column"),
+                             column_prefix=entry.get("column_prefix")))
     return out
 
 
@@ -97,8 +100,29 @@ def _csv_by_column(path: Path, step_column: str) -> LoggedRun:
     return from_rows(rows, str(path), "csv")
 
 
+def _swanlab_run(paths: list[Path], run: str) -> Rows:
+    """One run's values from SwanLab chart exports (a ``step`` column, then ``<run>-<key>_step`` for each run
+    shown on the chart): every file's columns of ``run``, under ``<key>``; the values are the files'."""
+    rows: Rows = {}
+    start, end = f"{run}-", "_step"
+    for path in paths:
+        reader = csv.reader(io.StringIO(path.read_text(encoding="utf-8")))
+        header = next(reader)
+        at = header.index("step")
+        mine = {i: h[len(start):-len(end)] for i, h in enumerate(header) if h.startswith(start) and h.endswith(end)}
+        for record in reader:
+            _add(rows, record[at], {key: record[i] for i, key in mine.items() if i < len(record) and record[i] != ""})
+    return rows
+
+
 def load_run(entry: CorpusRun) -> LoggedRun:
-    """The logged run of ``entry`` under the frameworks' key names (one file per run)."""
+    """The logged run of ``entry`` under the frameworks' key names (one file per run, but for SwanLab's
+    exports: one file per metric, the run's columns picked by :attr:`CorpusRun.column_prefix`)."""
+    if entry.format == "swanlab_csv":
+        if not entry.column_prefix:
+            raise ValueError(f"{entry.id}: a SwanLab export needs the run's column_prefix")
+        rows = _swanlab_run(entry.paths(), entry.column_prefix)
+        return from_rows(rows, entry.id, "csv", entry.reward_key)
     if len(entry.files) != 1:
         raise ValueError(f"{entry.id}: one file per run expected, got {len(entry.files)}")
     if entry.step_column:
