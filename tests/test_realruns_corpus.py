@@ -113,3 +113,20 @@ def test_the_doc_block_is_written_between_its_markers(tmp_path):
     assert report.write(text, check=False, path=page)
     assert report.write(text, check=True, path=page)
     assert page.read_text(encoding="utf-8") == f"intro\n\n{text}\n\nafter\n"
+
+
+def test_a_swanlab_run_reads_its_own_columns_of_every_export():
+    entry = next(e for e in runs() if e.format == "swanlab_csv" and e.id == "asycn-verl-sync-ent0.01-lr1e-5")
+    run = corpus.load_run(entry)
+    by_step = dict(zip(run.steps, run.rows))
+    for path in entry.paths():
+        header, *records = [line.split(",") for line in path.read_text(encoding="utf-8").splitlines()]
+        for i, column in enumerate(header):
+            if column.startswith(entry.column_prefix + "-") and column.endswith("_step"):
+                key = column[len(entry.column_prefix) + 1:-len("_step")]
+                cells = {int(r[0]): float(r[i]) for r in records if i < len(r) and r[i] != ""}
+                assert {s: by_step[s][key] for s in cells} == cells, key
+    assert by_step[15]["actor/entropy"] == pytest.approx(4.9663, abs=1e-4)    # "By step 15: entropy reached 4.97"
+    others = {c for p in entry.paths() for c in p.read_text(encoding="utf-8").split("\n", 1)[0].split(",")}
+    assert any(c.startswith("deepseek1.5b_sync_lr1e-5-") for c in others)          # another run's columns, not read
+    assert all(not k.startswith("deepseek") for row in run.rows for k in row)
