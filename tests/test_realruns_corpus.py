@@ -130,3 +130,20 @@ def test_a_swanlab_run_reads_its_own_columns_of_every_export():
     others = {c for p in entry.paths() for c in p.read_text(encoding="utf-8").split("\n", 1)[0].split(",")}
     assert any(c.startswith("deepseek1.5b_sync_lr1e-5-") for c in others)          # another run's columns, not read
     assert all(not k.startswith("deepseek") for row in run.rows for k in row)
+
+
+def test_the_observe_feed_carries_the_logged_aggregates_and_pages_as_the_replay(tmp_path):
+    from evaluation.realruns import observe
+
+    keys = {"entropy_mean": "e", "reward_mean": "r", "truncated_ratio": "t", "zero_std_ratio": "z"}
+    fields = observe.step_fields({"e": 0.42, "r": 0.3, "t": 0.25, "z": 0.5}, keys)
+    assert float(fields["entropy"].mean()) == pytest.approx(0.42)
+    assert float(fields["rewards"].mean()) == pytest.approx(0.3)
+    groups = fields["rewards"].reshape(observe.GROUPS, observe.GROUP_SIZE)
+    assert float((groups.std(dim=1) == 0).float().mean()) == 0.5
+    assert float(fields["truncated"].float().mean()) == 0.25
+    entry = next(e for e in runs() if e.id == SMALL)
+    replayed = score_run(entry, tmp_path / "replay")
+    observed = score_run(entry, tmp_path / "observe", feed="observe")
+    assert (observed.first_page_step, observed.first_warning_step) == \
+        (replayed.first_page_step, replayed.first_warning_step) == (31, 25)

@@ -1,5 +1,6 @@
-"""``python -m evaluation.realruns [--split tuning|test|all] [--out DIR]``: replay every corpus run of
-the split at the shipped alert defaults and print, per split, the collapses paged and warned before
+"""``python -m evaluation.realruns [--split tuning|test|all] [--feed replay|observe] [--out DIR]``: replay
+every corpus run of the split at the shipped alert defaults (``--feed observe``: feed it as a custom loop
+would, :mod:`evaluation.realruns.observe`) and print, per split, the collapses paged and warned before
 the authors' collapse step (with the lead), the healthy runs paged, flapping and each alert's
 precision; ``--out DIR`` also writes ``realruns.json`` there (figures and per-run detail); ``--write-doc``
 rewrites the figures block of docs/real-runs.md (``--check-doc``: exit 1 when it is stale)."""
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from . import report as doc
 from .corpus import MANIFEST, SPLITS, runs
-from .score import RunScore, Summary, score_run, summarise
+from .score import FEEDS, RunScore, Summary, score_run, summarise
 
 
 def _fmt_lead(lead: tuple[int, float] | None) -> str:
@@ -53,18 +54,22 @@ def _figures(m: Summary) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evaluation.realruns", description=__doc__.splitlines()[0])
     parser.add_argument("--split", choices=(*SPLITS, "all"), default="all")
+    parser.add_argument("--feed", choices=FEEDS, default="replay",
+                        help="replay each log (default), or feed it through observe as a custom loop would")
     parser.add_argument("--out", help="directory for realruns.json and the replay stores")
     parser.add_argument("--manifest", default=str(MANIFEST), help=argparse.SUPPRESS)
     parser.add_argument("--write-doc", action="store_true", help="rewrite the figures block of docs/real-runs.md")
     parser.add_argument("--check-doc", action="store_true", help="exit 1 when docs/real-runs.md's figures are stale")
     args = parser.parse_args(argv)
+    if args.feed != "replay" and (args.write_doc or args.check_doc):
+        parser.error("the figures block of docs/real-runs.md is the replay's (no --feed)")
     splits = SPLITS if args.split == "all" or args.write_doc or args.check_doc else (args.split,)
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="rlwatch-realruns-"))
     stores = work / "stores"
     report: dict[str, dict] = {}
     summaries, every = [], []
     for split in splits:
-        scores = [score_run(entry, stores) for entry in runs(split, Path(args.manifest))]
+        scores = [score_run(entry, stores, feed=args.feed) for entry in runs(split, Path(args.manifest))]
         summary = summarise(split, scores)
         summaries.append(summary)
         every += scores

@@ -20,6 +20,7 @@ from typing import Any
 
 from rlwatch.replay import replay
 
+from . import observe
 from .corpus import CorpusRun, load_run
 
 #: An alert that fires again within this many logged rows of resolving flaps.
@@ -89,17 +90,34 @@ def _flaps(events: list[tuple[int | None, str, str, str]], log_every: int) -> in
     return count
 
 
-def score_run(entry: CorpusRun, store_dir: str | Path, overrides: dict[str, float] | None = None) -> RunScore:
-    """Replay ``entry`` at the shipped defaults (``overrides`` none) into ``store_dir`` and score it."""
+#: How a run reaches rlwatch: its log replayed (``log_scalars`` only), or fed as a custom loop would
+#: (:mod:`evaluation.realruns.observe`: ``observe`` fields with the logged aggregates, the rest logged).
+FEEDS = ("replay", "observe")
+
+
+def _first(events: list[tuple[int | None, str, str, str]], severity: str) -> int | None:
+    steps = [s for s, _, sev, state in events if sev == severity and state == "fired" and s is not None]
+    return min(steps) if steps else None
+
+
+def score_run(entry: CorpusRun, store_dir: str | Path, overrides: dict[str, float] | None = None,
+              feed: str = "replay") -> RunScore:
+    """Replay ``entry`` (or feed it through ``observe``, ``feed="observe"``) at the shipped defaults
+    (``overrides`` none) into ``store_dir`` and score it."""
     run = load_run(entry)
-    result = replay(run, store_dir=store_dir, overrides=overrides, run_name=f"realrun-{entry.id}")
-    events = [(a.step, a.name, a.severity, a.state) for a in result.alerts]
+    collapse = None
+    if feed == "observe":
+        events = observe.feed(run, store_dir, f"realrun-observe-{entry.id}", overrides)
+    else:
+        result = replay(run, store_dir=store_dir, overrides=overrides, run_name=f"realrun-{entry.id}")
+        events = [(a.step, a.name, a.severity, a.state) for a in result.alerts]
+        collapse = result.collapse_step
     return RunScore(id=entry.id, split=entry.split, source=entry.source, outcome=entry.outcome,
                     collapse_step=entry.collapse_step, first_step=run.steps[0], last_step=run.steps[-1],
-                    rows=len(run.steps), log_every=run.log_every, first_page_step=result.first_page_step,
-                    first_warning_step=result.first_warning_step,
+                    rows=len(run.steps), log_every=run.log_every, first_page_step=_first(events, "critical"),
+                    first_warning_step=_first(events, "warning"),
                     fired=[(s, n, sev) for s, n, sev, st in events if st == "fired"],
-                    flaps=_flaps(events, run.log_every), postmortem_collapse_step=result.collapse_step)
+                    flaps=_flaps(events, run.log_every), postmortem_collapse_step=collapse)
 
 
 @dataclass
