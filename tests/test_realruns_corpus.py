@@ -58,7 +58,7 @@ def test_splits_are_disjoint_by_source():
 def test_key_maps_name_keys_rlwatch_recognises():
     for name, key_map in DOC["key_maps"].items():
         judged = recognise({key: 1.0 for key in key_map.values()})
-        assert "entropy_mean" in judged and len(judged) >= 2, name
+        assert len(set(judged) - {"learning_rate"}) >= 2, name          # dynamics the alerts read, not only a rate
         users = [e for e in ENTRIES if e.get("key_map") == name]
         assert "reward_mean" in judged or all(e.get("reward_key") for e in users), f"{name}: no reward"
 
