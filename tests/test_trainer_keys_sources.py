@@ -1,5 +1,5 @@
 """The recognised names of the frameworks rlwatch does not install (SkyRL, slime, open-instruct,
-prime-rl), tested against the keys as their own source writes them to the tracker. Each row below is
+prime-rl, ms-swift), tested against the keys as their own source writes them to the tracker. Each row below is
 quoted from the file and commit named with it (read with ``git show COMMIT:PATH``); a key is written
 here as the tracker receives it (slime's and prime-rl's ``train/`` prefix included)."""
 
@@ -64,6 +64,26 @@ SOURCES: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
         ("train/agg/all/math-agent/reward/mean", "reward_mean", "src/prime_rl/orchestrator/metrics.py"),
         ("train/agg/all/math-agent/is_truncated/mean", "truncated_ratio", "src/prime_rl/orchestrator/metrics.py"),
         ("eval/gsm8k/all/math-agent/avg@4", "heldout_score", "src/prime_rl/orchestrator/orchestrator.py"),
+    ]),
+    # ms-swift's own names and the TRL names it logs too (its GRPOTrainer subclasses TRL's and averages its
+    # _metrics in log(); an evaluation's keys get "eval_"), as they reach logging.jsonl and the trackers
+    "ms-swift": ("modelscope/ms-swift", "ff5128777dd3dc5538f1a95fbcc29442c327d7d2", [     # v4.5.2
+        ("reward", "reward_mean", "swift/rlhf_trainers/grpo_trainer.py"),
+        ("frac_reward_zero_std", "zero_std_ratio", "swift/rlhf_trainers/grpo_trainer.py"),
+        ("kl", "ref_kl", "swift/rlhf_trainers/grpo_trainer.py"),                   # beta > 0: k3 to the reference
+        ("completions/mean_length", "response_length_mean", "swift/rlhf_trainers/grpo_trainer.py"),
+        ("completions/max_length", "response_length_max", "swift/rlhf_trainers/grpo_trainer.py"),
+        ("completions/clipped_ratio", "truncated_ratio", "swift/rlhf_trainers/grpo_trainer.py"),
+        ("clip_ratio/region_mean", "clip_fraction", "swift/rlhf_trainers/grpo_trainer.py"),
+        ("clip_ratio", "clip_fraction", "swift/rlhf_trainers/grpo_trainer.py"),    # use_liger_kernel
+        ("entropy/mean", "entropy_mean", "swift/rlhf_trainers/grpo_trainer.py"),   # log_entropy
+        ("rollout_correction/k3_kl", "mismatch_kl_k3", "swift/rlhf_trainers/grpo_trainer.py"),
+        ("rollout_correction/kl", "mismatch_kl_k1", "swift/rlhf_trainers/grpo_trainer.py"),
+        ("eval_reward", "heldout_score", "swift/rlhf_trainers/grpo_trainer.py"),
+        # SwiftMixin._maybe_log_save_evaluate: {'loss': ...} (loss first), 'grad_norm', 'learning_rate'
+        ("loss", "loss", "swift/trainers/mixin.py"),
+        ("grad_norm", "grad_norm", "swift/trainers/mixin.py"),
+        ("learning_rate", "learning_rate", "swift/trainers/mixin.py"),
     ]),
 }
 

@@ -10,9 +10,10 @@ framework's own name before a generic one); a pattern's matches are averaged (ve
 score per data source). The table is documented in docs/trainer-dynamics.md.
 
 Only logged aggregates whose definition is the same as rlwatch's signal are mapped onto it (verl's
-``rollout_corr/k3_kl`` is rlwatch's k3 over the same tokens); the other mismatch aggregates verl logs
-(``training/rollout_probs_diff_mean``, ``rollout_corr/log_ppl_abs_diff``, ...) are differently defined
-and stay framework scalars under their own name.
+``rollout_corr/k3_kl`` is rlwatch's k3 over the same tokens, and so is ms-swift's
+``rollout_correction/k3_kl``, computed by a port of verl's code); the other mismatch aggregates verl and
+ms-swift log (``training/rollout_probs_diff_mean``, ``rollout_corr/log_ppl_abs_diff``,
+``rollout_correction/chi2_token``, ...) are differently defined and stay framework scalars under their own name.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ TRAINER_KEYS: tuple[TrainerKey, ...] = (
     _T("clip_fraction", "open-instruct", "policy/clipfrac_avg"),
     _T("clip_fraction", "generic", "clip_fraction"),
     _T("clip_fraction", "generic", "clipfrac"),
+    _T("clip_fraction", "ms-swift", "clip_ratio", note="use_liger_kernel: tokens clipped on either side (Liger's "
+       "GRPO loss)"),
     # --- entropy ---
     _T("entropy_mean", "TRL", "entropy", note="mean token entropy of the completions"),
     _T("entropy_mean", "verl", "actor/entropy"),
@@ -89,6 +92,8 @@ TRAINER_KEYS: tuple[TrainerKey, ...] = (
     _T("entropy_mean", "slime", "entropy_loss", note="logged as train/entropy_loss: the mean token entropy"),
     _T("entropy_mean", "open-instruct", "policy/entropy_avg"),
     _T("entropy_mean", "prime-rl", "entropy/all/mean"),
+    _T("entropy_mean", "ms-swift", "entropy/mean", note="log_entropy: mean over completions of each completion's "
+       "mean token entropy"),
     # --- response length and the clipped (truncated) ratio ---
     _T("response_length_mean", "TRL", "completions/mean_length"),
     _T("response_length_mean", "verl", "response_length/mean"),
@@ -140,6 +145,9 @@ TRAINER_KEYS: tuple[TrainerKey, ...] = (
     _T("mismatch_kl_k3", "verl", "rollout_corr/k3_kl", note="mean exp(r) - r - 1, r = log pi_old - log mu"),
     _T("mismatch_kl_k1", "verl", "rollout_corr/kl", note="mean (log mu - log pi_old)"),
     _T("mismatch_kl_k3", "prime-rl", "mismatch_kl/all/mean", note="mean exp(r) - r - 1, r = log pi - log mu"),
+    _T("mismatch_kl_k3", "ms-swift", "rollout_correction/k3_kl", note="verl's formula, r = log pi_old - log mu, "
+       "each token's term capped at 10"),
+    _T("mismatch_kl_k1", "ms-swift", "rollout_correction/kl", note="mean (log mu - log pi_old)"),
 )
 
 #: The signals :func:`recognise` may return besides the table's (counts of non-finite and zero values).
