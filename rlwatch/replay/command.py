@@ -14,8 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="logged metrics: trainer_state.json, a verl console or JSONL log, an OpenRLHF log, "
-                        "a W&B or TensorBoard CSV export; each file its own run (TensorBoard per-tag CSVs, and W&B "
-                        "chart exports of one run: one run)")
+                        "ms-swift's logging.jsonl, a W&B or TensorBoard CSV export; each file its own run "
+                        "(TensorBoard per-tag CSVs, and W&B chart exports of one run: one run)")
     p.add_argument("--reward", metavar="KEY", help="the reward key, when the log's is not a recognised name")
     p.add_argument("--format", choices=FORMATS, help="the files' format (default: detected from the content)")
     p.add_argument("--override", action="append", metavar="NAME=VALUE",

@@ -9,6 +9,10 @@ under the framework's own key names (docs/replay.md lists them with an example l
 - ``verl-jsonl``: verl's ``file`` logger, one ``{"step": N, "data": {...}}`` per line; a flat
   ``{"step": N, key: value, ...}`` line (``_step`` too) reads the same.
 - ``openrlhf``: OpenRLHF's console log, ``✨ Global step N: {'key': value, ...}`` (``ppo_trainer.py``).
+- ``ms-swift``: ms-swift's ``logging.jsonl`` in the output directory, one JSON object per logged row, the step
+  in ``global_step/max_steps`` (``"12/5715"``, ``swift/trainers/patcher.py``); an evaluation's row
+  (``eval_*`` keys) is merged into its step's, the training's totals (``train_runtime``) and the closing
+  summary (``log_history``, ``last_model_checkpoint``: no step field) are left out.
 - ``csv``: a W&B or TensorBoard export with one column per key: the step column is the first of
   :data:`STEP_COLUMNS` present; W&B's ``<key>__MIN`` / ``<key>__MAX`` and ``_runtime``-like columns
   are ignored, a ``<run name> - `` prefix shared by every column is removed, and the ``train/`` prefix
@@ -27,22 +31,29 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 Rows = dict[int, dict[str, float]]
 
-FORMATS = ("trl", "verl-console", "verl-jsonl", "openrlhf", "csv", "tensorboard-csv")
+FORMATS = ("trl", "verl-console", "verl-jsonl", "openrlhf", "ms-swift", "csv", "tensorboard-csv")
 STEP_COLUMNS = ("train/global_step", "global_step", "step", "Step", "_step", "trainer/global_step")
 #: The key of TRL's final ``log_history`` entry (the run's totals, at the last step), not a step's metrics.
 TRL_SUMMARY_KEY = "train_runtime"
 MAX_BYTES = 512 << 20
+#: ms-swift's log file in its output directory, and the step field of each of its rows (``"<step>/<max_steps>"``).
+MSSWIFT_LOG = "logging.jsonl"
+MSSWIFT_STEP = "global_step/max_steps"
 
 _VERL_STEP = re.compile(r"(?:^|\s|\))step:(\d+) - (.*)$", re.M)
 _OPENRLHF = re.compile(r"Global step (\d+): (\{.*\})[ \t\r]*$", re.M)
 _OPENRLHF_EVAL = re.compile(r"Evaluation completed in .*?, global_step (\d+), eval_metrics: (\{.*\})[ \t\r]*$", re.M)
 _REPR_PAIR = re.compile(r"'([^']+)':\s*(?:(?:np|numpy)\.\w+\(|tensor\()?(-?(?:[0-9.]+(?:[eE][-+]?\d+)?|nan|inf))")
 _NUMPY_SCALAR = re.compile(r"\b(?:np|numpy)\.(?:float|int|uint)\d*\(([^()]*)\)")
+#: A 0-d torch tensor's repr, as ms-swift's ``check_json_format`` writes a tensor it logs: ``tensor(0.5000)``,
+#: ``tensor(0.5000, device='cuda:0')``.
+_TENSOR_SCALAR = re.compile(r"tensor\(\s*([^,()]+?)\s*(?:,[^()]*)?\)")
 _TB_TAG = re.compile(r"^run[-_].*?[-_]tag[-_](.+)$")
+_MSSWIFT_STEP_VALUE = re.compile(r"\s*(\d+)\s*/\s*\d+\s*")
 
 
 class ReplayInputError(ValueError):
@@ -57,7 +68,7 @@ def number(value: Any) -> float | None:
         return float(value)
     if isinstance(value, str):
         text = value.strip()
-        match = _NUMPY_SCALAR.fullmatch(text)
+        match = _NUMPY_SCALAR.fullmatch(text) or _TENSOR_SCALAR.fullmatch(text)
         text = match.group(1) if match else text
         try:
             return float(text)
@@ -109,24 +120,48 @@ def parse_verl_console(text: str, name: str) -> Rows:
     return rows
 
 
-def parse_jsonl(text: str, name: str) -> Rows:
-    """verl's file logger (``{"step": N, "data": {...}}``) or flat JSON lines with a step key."""
-    rows: Rows = {}
+def _json_lines(text: str, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for each non-empty line; a line that is not a JSON object raises
+    :class:`ReplayInputError` naming it."""
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise ReplayInputError(f"{name}: line {lineno} is not JSON") from None
         if not isinstance(entry, dict):
             raise ReplayInputError(f"{name}: line {lineno} is not a JSON object")
+        yield lineno, entry
+
+
+def parse_jsonl(text: str, name: str) -> Rows:
+    """verl's file logger (``{"step": N, "data": {...}}``) or flat JSON lines with a step key."""
+    rows: Rows = {}
+    for _, entry in _json_lines(text, name):
         if isinstance(entry.get("data"), dict):       # orjson writes NaN and infinities as null
             _add(rows, entry.get("step"), {k: math.nan if v is None else v for k, v in entry["data"].items()})
         else:
             step_key = next((k for k in STEP_COLUMNS if k in entry), None)
             if step_key is not None:
                 _add(rows, entry[step_key], entry, skip=(step_key,))
+    return rows
+
+
+def parse_msswift(text: str, name: str) -> Rows:
+    """ms-swift's ``logging.jsonl``: each row's step from ``global_step/max_steps`` (``"12/5715"``); its
+    strings (``elapsed_time``, ``remaining_time``) are skipped; a line without that field (the summary
+    ms-swift appends when training ends, crashed or not) and the training's totals are left out. A step
+    logged again (a resumed run appending to the same file) keeps its last values, key by key."""
+    rows: Rows = {}
+    for lineno, entry in _json_lines(text, name):
+        if MSSWIFT_STEP not in entry or TRL_SUMMARY_KEY in entry:
+            continue
+        value = entry[MSSWIFT_STEP]
+        match = _MSSWIFT_STEP_VALUE.fullmatch(value) if isinstance(value, str) else None
+        if match is None:
+            raise ReplayInputError(f"{name}: line {lineno}: {MSSWIFT_STEP} is {str(value)[:40]!r}, not STEP/MAX_STEPS")
+        _add(rows, match.group(1), entry, skip=(MSSWIFT_STEP,))
     return rows
 
 
@@ -216,16 +251,18 @@ def parse_tensorboard_csv(text: str, name: str) -> Rows:
 
 PARSERS: dict[str, Callable[[str, str], Rows]] = {
     "trl": parse_trl, "verl-console": parse_verl_console, "verl-jsonl": parse_jsonl, "openrlhf": parse_openrlhf,
-    "csv": parse_csv, "tensorboard-csv": parse_tensorboard_csv,
+    "ms-swift": parse_msswift, "csv": parse_csv, "tensorboard-csv": parse_tensorboard_csv,
 }
 
 
 def detect(text: str, name: str) -> str:
     """The format of ``text`` (from its content, not its name)."""
     head = text.lstrip()[:4096]
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if first.startswith("{") and first.endswith("}") and f'"{MSSWIFT_STEP}"' in text:
+        return "ms-swift"           # before TRL's: ms-swift's closing summary carries a log_history
     if head.startswith("{") and '"log_history"' in text:
         return "trl"
-    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
     if first.startswith("{") and first.endswith("}"):
         return "verl-jsonl"
     if _VERL_STEP.search(text):
@@ -238,15 +275,19 @@ def detect(text: str, name: str) -> str:
     if len(header) > 1 and any(h in STEP_COLUMNS for h in header):
         return "csv"
     raise ReplayInputError(f"{name}: not a format replay reads (TRL trainer_state.json, verl console or JSONL log, "
-                           "OpenRLHF log, W&B or TensorBoard CSV); --format names one")
+                           "OpenRLHF log, ms-swift logging.jsonl, W&B or TensorBoard CSV); --format names one")
 
 
 def resolve(path: Path) -> Path:
-    """``path``, or for a TRL output directory its ``trainer_state.json`` (the last checkpoint's)."""
+    """``path``, or for an output directory its ``trainer_state.json``, else ms-swift's ``logging.jsonl``
+    (written at every logged step, where a checkpoint's state stops at the checkpoint), else the last
+    checkpoint's ``trainer_state.json``."""
     if not path.is_dir():
         return path
     if (path / "trainer_state.json").is_file():
         return path / "trainer_state.json"
+    if (path / MSSWIFT_LOG).is_file():
+        return path / MSSWIFT_LOG
     checkpoints = [(int(p.name.split("-")[-1]), p) for p in path.glob("checkpoint-*")
                    if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()]
     return max(checkpoints)[1] / "trainer_state.json" if checkpoints else path
@@ -257,7 +298,8 @@ def read_text(path: Path) -> str:
     try:
         size = path.stat().st_size
         if path.is_dir():
-            raise ReplayInputError(f"{path}: a directory with no trainer_state.json (give the log file)")
+            raise ReplayInputError(f"{path}: a directory with no trainer_state.json or {MSSWIFT_LOG} (give the log "
+                                   "file)")
         if size > MAX_BYTES:
             raise ReplayInputError(f"{path}: {size >> 20} MiB, over the {MAX_BYTES >> 20} MiB replay reads")
         data = path.read_bytes()

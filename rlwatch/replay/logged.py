@@ -12,10 +12,11 @@ from pathlib import Path
 from .formats import FORMATS, PARSERS, ReplayInputError, Rows, chart_run, detect, read_text, resolve, tensorboard_key
 
 #: Sampler-learner mismatch aggregates trainers log (verl's ``rollout_corr/*`` and
-#: ``training/rollout_probs_diff_*``, OpenRLHF's ``vllm_kl``, ``token_mult_prob_error``, slime's
-#: ``*_logprob*_abs_diff*``): the ones :mod:`rlwatch.core.trainer_keys` does not map onto an rlwatch
-#: signal have another definition and are kept under their own names; replay lists them.
-MISMATCH_AGGREGATE = re.compile(r"(?:^|/)(?:rollout_corr/|rollout_probs_diff|vllm_kl|token_mult_prob_error)"
+#: ``training/rollout_probs_diff_*``, ms-swift's ``rollout_correction/*``, OpenRLHF's ``vllm_kl``,
+#: ``token_mult_prob_error``, slime's ``*_logprob*_abs_diff*``): the ones :mod:`rlwatch.core.trainer_keys`
+#: does not map onto an rlwatch signal have another definition and are kept under their own names; replay
+#: lists them.
+MISMATCH_AGGREGATE = re.compile(r"(?:^|/)(?:rollout_corr(?:ection)?/|rollout_probs_diff|vllm_kl|token_mult_prob_error)"
                                 r"|logprobs?.*abs_diff")
 
 
