@@ -1,7 +1,7 @@
-"""``rlwatch replay`` on ms-swift's ``logging.jsonl``, written by ms-swift's own logging path.
+"""``rlwatch replay`` on ms-swift's ``logging.jsonl``, in the form ms-swift's logging path writes it.
 
-ms-swift is not installed with rlwatch; :class:`SwiftLog` runs its path from ``GRPOTrainer.log`` to the
-file, quoted from ``modelscope/ms-swift`` at ``ff5128777dd3dc5538f1a95fbcc29442c327d7d2`` (v4.5.2), around
+ms-swift is not installed with rlwatch; :class:`SwiftLog` writes what its path from ``GRPOTrainer.log`` to
+the file writes, as read in ``modelscope/ms-swift`` at ``ff5128777dd3dc5538f1a95fbcc29442c327d7d2`` (v4.5.2), around
 the real transformers ``Trainer.log`` and ``CallbackHandler`` it goes through:
 
 1. ``swift/rlhf_trainers/grpo_trainer.py`` ``GRPOTrainer.log``: each ``self._metrics[mode]`` list averaged,
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,26 +39,10 @@ from .conftest import need_module
 MEMORY_GIB = 61.37        # what get_max_reserved_memory() reports on a GPU (0 on this CPU: left out then)
 
 
-def check_json_format(obj):
-    """swift/utils/utils.py ``check_json_format`` (``token_safe`` branch aside)."""
-    if obj is None or isinstance(obj, (int, float, str, complex)):
-        return obj
-    if isinstance(obj, Sequence):
-        return [check_json_format(x) for x in obj]
-    if isinstance(obj, Mapping):
-        return {k: check_json_format(v) for k, v in obj.items()}
-    return repr(obj)
-
-
-def format_time(seconds):
-    """swift/utils/utils.py ``format_time``."""
-    days, hours = int(seconds // (24 * 3600)), int((seconds % (24 * 3600)) // 3600)
-    minutes, seconds = int((seconds % 3600) // 60), round(seconds % 60)
-    if days > 0:
-        return f'{days}d {hours}h {minutes}m {seconds}s'
-    if hours > 0:
-        return f'{hours}h {minutes}m {seconds}s'
-    return f'{minutes}m {seconds}s' if minutes > 0 else f'{seconds}s'
+def to_jsonl_line(obj) -> str:
+    """One line as ms-swift's ``JsonlWriter`` writes it: JSON, non-ASCII kept, a value JSON cannot hold
+    (a numpy scalar, a tensor) written as its ``repr``."""
+    return json.dumps(obj, ensure_ascii=False, default=repr) + '\n'
 
 
 class SwiftLog:
@@ -88,26 +71,24 @@ class SwiftLog:
         self.path = output_dir / 'logging.jsonl'
 
     def add_train_message(self, logs, state) -> None:
-        """swift/trainers/patcher.py ``add_train_message``."""
-        logs['global_step/max_steps'] = f'{state.global_step}/{state.max_steps}'
+        """The fields ms-swift's printer callback adds (``swift/trainers/patcher.py``): the step as
+        ``"<global_step>/<max_steps>"``, elapsed and remaining time as text, floats rounded to 8 places,
+        the peak memory and the speed."""
         elapsed = time.time() - self.start_time
-        logs['elapsed_time'] = format_time(elapsed)
-        n_steps = state.global_step - self.start_step
-        train_speed = elapsed / n_steps if n_steps > 0 else 0.0
-        logs['remaining_time'] = format_time((state.max_steps - state.global_step) * train_speed)
-        for k, v in logs.items():
-            if isinstance(v, float):
-                logs[k] = round(logs[k], 8)
-        state.max_memory = max(getattr(state, 'max_memory', 0), MEMORY_GIB)
-        if state.max_memory:
-            logs['memory(GiB)'] = round(state.max_memory, 2)
-        logs['train_speed(s/it)'] = round(train_speed, 6)
+        done = state.global_step - self.start_step
+        speed = elapsed / done if done > 0 else 0.0
+        logs['global_step/max_steps'] = f'{state.global_step}/{state.max_steps}'
+        logs['elapsed_time'] = f'{round(elapsed)}s'
+        logs['remaining_time'] = f'{round((state.max_steps - state.global_step) * speed)}s'
+        logs.update({k: round(v, 8) for k, v in logs.items() if isinstance(v, float)})
+        logs['memory(GiB)'] = MEMORY_GIB
+        logs['train_speed(s/it)'] = round(speed, 6)
 
     @staticmethod
     def append_to_jsonl(path: Path, obj) -> None:
-        """swift/utils/io_utils.py ``JsonlWriter._append`` for one object on the master rank."""
+        """``JsonlWriter`` on the master rank: one line appended to ``logging.jsonl``."""
         with open(path, 'a', encoding='utf-8') as f:
-            f.write(json.dumps(check_json_format(obj), ensure_ascii=False) + '\n')
+            f.write(to_jsonl_line(obj))
 
     def _log(self, logs: dict, metrics: dict[str, list], mode: str) -> None:
         """GRPOTrainer.log: the metrics averaged (``eval_`` in evaluation), then transformers' Trainer.log."""
