@@ -14,13 +14,13 @@ so the length the log carries is not judged on this path (its clipped ratio is).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlwatch.replay import LoggedRun
+from rlwatch.replay import AlertEntry, LoggedRun
+from rlwatch.replay.run import alert_entries, fresh_store, quiet_alert_log
 
 GROUPS, GROUP_SIZE, TOKENS = 8, 8, 16
 #: The logged signals carried by observe's fields (the others go through log_scalars).
@@ -52,31 +52,22 @@ def step_fields(row: dict[str, float], keys: dict[str, str]) -> dict[str, Any]:
 
 
 def feed(run: LoggedRun, store_dir: str | Path, name: str,
-         overrides: dict[str, float] | None = None) -> list[tuple[int | None, str, str, str]]:
-    """Feed ``run`` through ``observe`` + ``log_scalars`` into a fresh store; its alert events
-    ``(step, alert, severity, "fired" | "resolved")`` in order."""
+         overrides: dict[str, float] | None = None) -> list[AlertEntry]:
+    """Feed ``run`` through ``observe`` + ``log_scalars`` into a fresh store ``<store_dir>/<name>.db``
+    (as :func:`rlwatch.replay.replay` does, but for the feed); its alert events in order."""
     from rlwatch.hook.watch import Watch
     from rlwatch.postmortem import load
 
-    directory = Path(store_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    store = directory / f"{name}.db"
-    for stale in (store, Path(f"{store}-wal"), Path(f"{store}-shm")):
-        stale.unlink(missing_ok=True)
+    store = fresh_store(store_dir, name)
     keys = {signal: key for key, signal in run.recognised().items() if signal in CARRIED}
     carried = set(keys.values()) | {"reward"}         # replay's alias of a reward key is carried too
-    quiet = logging.getLogger("rlwatch")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    watch = Watch(run=name, port=None, store=str(store), alerts=True, sd_dir="", hack_detectors=False,
-                  background=False, alert_overrides=dict(overrides or {}), framework="custom")
-    try:
-        for step, row in zip(run.steps, run.fed_rows()):
-            watch.observe(step, **step_fields(row, keys))
-            watch.log_scalars(step, {k: v for k, v in row.items() if k not in carried})
-    finally:
-        watch.close()
-        quiet.setLevel(level)
-    alerts = load(str(store), run=name).alerts
-    return [(a.get("step"), str(a["name"]), str(a.get("severity") or ""),
-             "fired" if a.get("state", "firing") == "firing" else "resolved") for a in alerts]
+    with quiet_alert_log():
+        watch = Watch(run=name, port=None, store=str(store), alerts=True, sd_dir="", hack_detectors=False,
+                      background=False, alert_overrides=dict(overrides or {}), framework="custom")
+        try:
+            for step, row in zip(run.steps, run.fed_rows()):
+                watch.observe(step, **step_fields(row, keys))
+                watch.log_scalars(step, {k: v for k, v in row.items() if k not in carried})
+        finally:
+            watch.close()
+    return alert_entries(load(str(store), run=name).alerts)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlwatch.replay import replay
+from rlwatch.replay.run import first_fired
 
 from . import observe
 from .corpus import CorpusRun, load_run
@@ -95,11 +96,6 @@ def _flaps(events: list[tuple[int | None, str, str, str]], log_every: int) -> in
 FEEDS = ("replay", "observe")
 
 
-def _first(events: list[tuple[int | None, str, str, str]], severity: str) -> int | None:
-    steps = [s for s, _, sev, state in events if sev == severity and state == "fired" and s is not None]
-    return min(steps) if steps else None
-
-
 def score_run(entry: CorpusRun, store_dir: str | Path, overrides: dict[str, float] | None = None,
               feed: str = "replay") -> RunScore:
     """Replay ``entry`` (or feed it through ``observe``, ``feed="observe"``) at the shipped defaults
@@ -107,15 +103,15 @@ def score_run(entry: CorpusRun, store_dir: str | Path, overrides: dict[str, floa
     run = load_run(entry)
     collapse = None
     if feed == "observe":
-        events = observe.feed(run, store_dir, f"realrun-observe-{entry.id}", overrides)
+        alerts = observe.feed(run, store_dir, f"realrun-observe-{entry.id}", overrides)
     else:
         result = replay(run, store_dir=store_dir, overrides=overrides, run_name=f"realrun-{entry.id}")
-        events = [(a.step, a.name, a.severity, a.state) for a in result.alerts]
-        collapse = result.collapse_step
+        alerts, collapse = result.alerts, result.collapse_step
+    events = [(a.step, a.name, a.severity, a.state) for a in alerts]
     return RunScore(id=entry.id, split=entry.split, source=entry.source, outcome=entry.outcome,
                     collapse_step=entry.collapse_step, first_step=run.steps[0], last_step=run.steps[-1],
-                    rows=len(run.steps), log_every=run.log_every, first_page_step=_first(events, "critical"),
-                    first_warning_step=_first(events, "warning"),
+                    rows=len(run.steps), log_every=run.log_every, first_page_step=first_fired(alerts, "critical"),
+                    first_warning_step=first_fired(alerts, "warning"),
                     fired=[(s, n, sev) for s, n, sev, st in events if st == "fired"],
                     flaps=_flaps(events, run.log_every), postmortem_collapse_step=collapse)
 

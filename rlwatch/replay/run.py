@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple
 
 from .logged import LoggedRun
 
@@ -63,7 +64,19 @@ def run_name_for(source: str) -> str:
     return "replay-" + re.sub(r"[^A-Za-z0-9_.-]", "_", stem)[:80]
 
 
-def _fresh_store(store_dir: str | Path, name: str) -> Path:
+def alert_entries(alerts: list[dict[str, Any]]) -> list[AlertEntry]:
+    """A run store's alert events (``RunData.alerts``) as :class:`AlertEntry` s, in order."""
+    return [AlertEntry(a.get("step"), str(a["name"]), str(a.get("severity") or ""),
+                       "fired" if a.get("state", "firing") == "firing" else "resolved") for a in alerts]
+
+
+def first_fired(alerts: list[AlertEntry], severity: str) -> int | None:
+    """The first logged step at which an alert of ``severity`` fired (None: none did)."""
+    steps = [a.step for a in alerts if a.severity == severity and a.state == "fired" and a.step is not None]
+    return min(steps) if steps else None
+
+
+def fresh_store(store_dir: str | Path, name: str) -> Path:
     directory = Path(store_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.db"
@@ -79,13 +92,20 @@ class _NoAlertLog(logging.Filter):
         return not str(record.msg).startswith("rlwatch alert ")
 
 
-def _feed(run: LoggedRun, name: str, store: Path, overrides: Mapping[str, float] | None) -> None:
+@contextmanager
+def quiet_alert_log() -> Iterator[None]:
+    """Without the evaluator's per-event log lines (the caller reports the alerts itself)."""
     quiet = _NoAlertLog()
     logging.getLogger("rlwatch").addFilter(quiet)
     try:
-        _feed_watch(run, name, store, overrides)
+        yield
     finally:
         logging.getLogger("rlwatch").removeFilter(quiet)
+
+
+def _feed(run: LoggedRun, name: str, store: Path, overrides: Mapping[str, float] | None) -> None:
+    with quiet_alert_log():
+        _feed_watch(run, name, store, overrides)
 
 
 def _feed_watch(run: LoggedRun, name: str, store: Path, overrides: Mapping[str, float] | None) -> None:
@@ -113,7 +133,7 @@ def replay(run: LoggedRun, *, store_dir: str | Path, overrides: Mapping[str, flo
     from ..postmortem.analysis import quality_series
 
     name = run_name or run_name_for(run.source)
-    store = _fresh_store(store_dir, name)
+    store = fresh_store(store_dir, name)
     _feed(run, name, store, overrides)
     data = load_store(str(store), run=name)
     data.source = f"replay of {run.source}"
@@ -124,13 +144,8 @@ def replay(run: LoggedRun, *, store_dir: str | Path, overrides: Mapping[str, flo
         report.quality_signal = run.reward_key          # the reward, by the name the run logged it under
     if report.steps is None:
         report.steps = (run.steps[0], run.steps[-1])
-    alerts = [AlertEntry(a.get("step"), str(a["name"]), str(a.get("severity") or ""),
-                         "fired" if a.get("state", "firing") == "firing" else "resolved") for a in data.alerts]
-
-    def first(severity: str) -> int | None:
-        steps = [a.step for a in alerts if a.severity == severity and a.state == "fired" and a.step is not None]
-        return min(steps) if steps else None
-
-    return ReplayResult(run=run, alerts=alerts, first_page_step=first("critical"), first_warning_step=first("warning"),
+    alerts = alert_entries(data.alerts)
+    return ReplayResult(run=run, alerts=alerts, first_page_step=first_fired(alerts, "critical"),
+                        first_warning_step=first_fired(alerts, "warning"),
                         collapse_step=report.collapse_step, postmortem=report.as_json(), store_path=str(store),
                         report=report)

@@ -207,14 +207,12 @@ def _grad_dead(h: History) -> Verdicts:
     flags = [h.latest(name) for name in ("grad_norm_zero", "grad_norm_nonfinite", "loss_nonfinite")]
     if all(flag is None for flag in flags):
         return {}
-    memory = h.memory.setdefault("grad_dead_rows", {"step": None, "previous": None})
-    if memory["step"] != h.step:
-        memory["previous"], memory["step"] = memory["step"], h.step
+    previous = h.memory.get(("rows", "grad_dead"), {}).get("step")      # the row before, as rows() judged it
     # A zero gradient of equal rewards is the data's, not a dead trainer: on a step with no learning signal, or on
     # a row standing for several steps (a trainer that logs every k) of which some had none: the row carries the
     # zero-std ratio's mean over its steps but the last step's gradient norm (transformers' Trainer).
     share = _zero_std_share(h)
-    spans_steps = memory["previous"] is not None and h.step - memory["previous"] > 1
+    spans_steps = previous is not None and h.step - previous > 1
     if _no_learning_signal(h) or (spans_steps and share is not None and share > 0.0):
         flags[0] = 0.0
     dead = any(flags)
