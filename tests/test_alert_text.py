@@ -13,7 +13,7 @@ from rlwatch.alerts.domains.dynamics import POLICY_KL
 from rlwatch.alerts.domains.mismatch import KL_SPIKE
 from rlwatch.alerts.evaluator import AlertEvaluator
 from rlwatch.alerts.history import History
-from rlwatch.alerts.notify import AlertEvent, SlackNotifier, log_event
+from rlwatch.alerts.notify import AlertEvent, SlackNotifier, log_event, quiet_alert_log
 from rlwatch.alerts.params import thresholds
 from rlwatch.alerts.template import render
 from rlwatch.alerts.trend import forecast_steps
@@ -43,6 +43,19 @@ def test_the_console_log_and_chat_lines_carry_the_named_value(caplog):
     assert "signal=mismatch_kl_k3: drift score 40 robust standard deviations (CUSUM)" in line
     assert "value=" not in line
     assert "drift score 40 robust standard deviations (CUSUM), step 22" in SlackNotifier.text([event])
+
+
+def test_a_quiet_alert_log_holds_back_the_alert_lines_only(caplog):
+    """The demo's live view and a replay print each transition themselves: the alert lines are held back
+    while they run, rlwatch's other lines pass, and the alert lines come back afterwards."""
+    with caplog.at_level(logging.WARNING, logger="rlwatch"):
+        with quiet_alert_log():
+            log_event(_event("RLWatchKLSpike", 0.2304))
+            logging.getLogger("rlwatch").warning("rlwatch: the store is full")
+        log_event(_event("RLWatchKLSpike", 0.2304))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "rlwatch: the store is full" and len(lines) == 2
+    assert lines[1].startswith("rlwatch alert FIRING RLWatchKLSpike")
 
 
 def _history(k3: list[float]) -> History:

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from rlwatch.replay import AlertEntry, LoggedRun
-from rlwatch.replay.run import alert_entries, fresh_store, quiet_alert_log
+from rlwatch.alerts.notify import quiet_alert_log
+from rlwatch.replay.run import alert_entries, fresh_store
 
 GROUPS, GROUP_SIZE, TOKENS = 8, 8, 16
 #: The logged signals carried by observe's fields (the others go through log_scalars).

@@ -3,7 +3,8 @@
 Notifications leave the training thread through a bounded queue to one sender thread, with a
 timeout per request, de-duplication (the same alert in the same state is not re-sent within
 ``repeat_seconds``) and a rate limit per notifier. URLs and tokens never appear in logs, errors
-or the run store: only the scheme and host are ever shown.
+or the run store: only the scheme and host are ever shown. The console side of an event is one log
+line (:func:`log_event`); :func:`quiet_alert_log` holds those lines back for a caller that prints them itself.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import socket
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 from urllib.parse import urlsplit
 
 from ..core.queues import stop_consumer, wait_drained
@@ -309,6 +311,27 @@ _CONTROL_ALL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _K3_CONTEXT = re.compile(r", \d+x its baseline|; at this rate (?:kl_k3_max|policy_kl_max) in ~\d+ steps")
 
 
+#: How every alert line of the console log starts.
+ALERT_LINE = "rlwatch alert "
+
+
+class _NoAlertLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(ALERT_LINE)
+
+
+@contextmanager
+def quiet_alert_log() -> Iterator[None]:
+    """Without the alert lines :func:`log_event` writes, for a caller that reports each transition itself
+    (the demo's live view, a replay's table); rlwatch's other log lines pass."""
+    quiet = _NoAlertLines()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def log_event(event: AlertEvent) -> None:
     """The console side of an event: one log line, a resolution at the level of a firing (WARNING), so
     that wherever a firing is printed (Python's default handler shows WARNING and above) its
@@ -319,6 +342,6 @@ def log_event(event: AlertEvent) -> None:
     # The k3 context of a mismatch alert (x its baseline; steps left to kl_k3_max at this trend), or the steps
     # left to policy_kl_max of a policy-KL departure, when known.
     trend = "".join(_K3_CONTEXT.findall(event.description))
-    logger.log(level, "rlwatch alert %s %s [%s] run=%s step=%s%s%s%s - %s (%s)", event.state.upper(), event.name,
+    logger.log(level, ALERT_LINE + "%s %s [%s] run=%s step=%s%s%s%s - %s (%s)", event.state.upper(), event.name,
                event.severity, _printable(event.run), event.step, f" {labels}" if labels else "", value, trend,
                _printable(event.summary), _printable(event.runbook_url))

@@ -11,7 +11,6 @@ the run with rlwatch's rules, and shows what they fired and every notification A
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import sys
@@ -138,13 +137,6 @@ class LiveView:
             self._live.stop()
 
 
-class _NoAlertLog:
-    """Drops the evaluator's alert log lines while the view prints each transition itself."""
-
-    def filter(self, record: Any) -> bool:
-        return not str(record.msg).startswith("rlwatch alert ")
-
-
 class WebhookReceiver:
     """Alertmanager's webhook receiver on 127.0.0.1: ``notifications`` holds one (receiver, alert name,
     run, status, the alert's labels as JSON) per alert of every notification, in arrival order."""
@@ -269,6 +261,7 @@ def _unresolved(receiver: WebhookReceiver, run: str) -> bool:
 def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0, port: int | None = 9400,
              out: str = "rlwatch-demo", with_prometheus: bool = False, live: bool = True) -> dict:
     """Run one scenario with rlwatch attached; returns the post-mortem document."""
+    from ..alerts.notify import quiet_alert_log
     from ..hook.watch import Watch
     from ..postmortem import run_postmortem
     from ..postmortem.probe import ROLLOUTS_FILE
@@ -295,18 +288,16 @@ def run_demo(scenario: str = "collapse", steps: int | None = None, seed: int = 0
                   metadata={"scenario": scenario, "correction": config.correction, "scenario_config": config.__dict__},
                   sd_dir=str(stack[0].sd_dir) if stack is not None else None, **demo_watch_config(WATCH_CONFIG))
     view = None
-    quiet = _NoAlertLog()
-    logging.getLogger("rlwatch").addFilter(quiet)
     try:
-        if stack is not None and not _wait_scraped(urls["prometheus"], f"127.0.0.1:{watch.port}"):
-            print("warning: Prometheus has not scraped the demo yet; its first steps may be missed", flush=True)
-        view = LiveView(scenario, config.steps, watch.url, enabled=live)
-        watch.on_alert(view.alert)
-        result = _train(watch, view, config, scenario, directory, paced=stack is not None)
-        if stack is not None:
-            prometheus_alerts, delivered = _what_the_stack_did(stack, urls["prometheus"], watch, run)
+        with quiet_alert_log():       # the live view prints each transition itself
+            if stack is not None and not _wait_scraped(urls["prometheus"], f"127.0.0.1:{watch.port}"):
+                print("warning: Prometheus has not scraped the demo yet; its first steps may be missed", flush=True)
+            view = LiveView(scenario, config.steps, watch.url, enabled=live)
+            watch.on_alert(view.alert)
+            result = _train(watch, view, config, scenario, directory, paced=stack is not None)
+            if stack is not None:
+                prometheus_alerts, delivered = _what_the_stack_did(stack, urls["prometheus"], watch, run)
     finally:
-        logging.getLogger("rlwatch").removeFilter(quiet)
         if view is not None:
             view.close()
         watch.close()

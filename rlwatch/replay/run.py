@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
+from ..alerts.notify import quiet_alert_log
 from .logged import LoggedRun
 
 def treatment(log_every: int) -> str:
@@ -83,24 +82,6 @@ def fresh_store(store_dir: str | Path, name: str) -> Path:
     for stale in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
         stale.unlink(missing_ok=True)          # a replay's own store from an earlier replay of the same name
     return path
-
-
-class _NoAlertLog(logging.Filter):
-    """Drops the evaluator's per-event log lines: the replay prints the alerts against the reward curve."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("rlwatch alert ")
-
-
-@contextmanager
-def quiet_alert_log() -> Iterator[None]:
-    """Without the evaluator's per-event log lines (the caller reports the alerts itself)."""
-    quiet = _NoAlertLog()
-    logging.getLogger("rlwatch").addFilter(quiet)
-    try:
-        yield
-    finally:
-        logging.getLogger("rlwatch").removeFilter(quiet)
 
 
 def _feed(run: LoggedRun, name: str, store: Path, overrides: Mapping[str, float] | None) -> None:
