@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(_run_line(s) for s in scores))
         report[split] = {"figures": asdict(summary), "runs": [s.as_dict() for s in scores]}
     if args.write_doc or args.check_doc:
-        if not doc.write(doc.block(summaries, every), check=args.check_doc):
+        from .headroom import doc_rows
+
+        if not doc.write(doc.block(summaries, every, doc_rows()), check=args.check_doc):
             print(f"{doc.DOC} is stale: python -m evaluation.realruns --write-doc", file=sys.stderr)
             return 1
     if args.out:

@@ -49,8 +49,9 @@ def _run_row(s: RunScore) -> str:
             f"{_lead(s.lead(s.first_page_step))} | {fired} |")
 
 
-def block(summaries: list[Summary], scores: list[RunScore]) -> str:
-    """The markdown between the markers: the split figures, each alert's precision, each run's first alerts."""
+def block(summaries: list[Summary], scores: list[RunScore], headroom: list[str] | None = None) -> str:
+    """The markdown between the markers: the split figures, each alert's precision, each run's first alerts,
+    and (``headroom``) the lead any threshold on the logged signals could have had."""
     lines = [BEGIN, "", "| split | collapses paged before the authors' step | warned before | median lead (page) | "
              "healthy runs paged | healthy runs warned | unresolved | flapping |", "|---|---|---|---|---|---|---|---|"]
     lines += [_summary_row(m) for m in summaries] + [""]
@@ -59,7 +60,11 @@ def block(summaries: list[Summary], scores: list[RunScore]) -> str:
     lines += ["Each run: the first page and the first warning (logged steps), the page's lead, and the first step "
               "each alert fired.", "", "| run | split | outcome | first page | first warning | page lead | "
               "alerts (first step) |", "|---|---|---|---|---|---|---|"]
-    lines += [_run_row(s) for s in scores] + ["", END]
+    lines += [_run_row(s) for s in scores] + [""]
+    if headroom:
+        lines += ["How far the logs let any threshold lead (`python -m evaluation.realruns.headroom`, run-relative "
+                  "statistics; see below):", "", *headroom, ""]
+    lines.append(END)
     return "\n".join(lines)
 
 
