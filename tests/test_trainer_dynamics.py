@@ -109,6 +109,20 @@ def test_the_postmortem_dates_the_collapse_on_the_logged_heldout_score(tmp_path)
     assert report.first_critical is not None and report.first_critical["step"] < report.collapse_step
 
 
+def test_a_heldout_score_too_sparse_to_date_a_collapse_is_said_so(tmp_path):
+    from rlwatch.postmortem import analyse, load
+
+    rows = collapsing_rows()
+    for step, row in enumerate(rows):          # a held-out score every 20 steps: 5 evaluations
+        if step % 20 == 0:
+            row["val-core/math/acc/mean@4"] = row["critic/score/mean"] - 0.05
+    replay(rows, str(tmp_path / "run.db")).close()
+    report = analyse(load(str(tmp_path / "run.db")))
+    assert report.quality_signal == "reward_mean"
+    assert any("held-out score was logged 5 times, fewer than the 11" in n for n in report.coverage.notes), \
+        report.coverage.notes
+
+
 def test_a_healthy_logged_run_raises_nothing(tmp_path):
     watch = replay(healthy_rows(), str(tmp_path / "run.db"), run="healthy")
     watch.close()

@@ -125,6 +125,10 @@ def coverage(data: RunData, quality_key: str | None) -> Coverage:
     if quality_key is None:
         out.missing.append({"family": "run quality", "why": "no held-out/eval score and no reward: no collapse "
                                                             "can be dated"})
+    elif quality_key == "reward_mean" and (heldout := len(data.series("heldout_score"))):
+        out.notes.append(f"quality is the training reward: the held-out score was logged {heldout} times, fewer "
+                         f"than the {COLLAPSE_HOLD + COLLAPSE_TAIL} evaluations that date a collapse (evaluate more "
+                         "often to date collapses a hacked reward hides)")
     elif quality_key == "reward_mean":
         out.notes.append("quality is the training reward (no held-out or eval score was logged: "
                          f"log one of {', '.join(QUALITY_KEYS[:3])} to date collapses a hacked reward hides)")
