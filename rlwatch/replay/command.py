@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an alert threshold for the replay (rlwatch.alerts.catalogue.PARAMS), repeatable")
     p.add_argument("--out", metavar="DIR", help="keep the replay's run stores here (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print the post-mortem's JSON with the replay's alerts "
-                   "(one document per file; a list for several)")
+                   "(one document per run; a list for several)")
 
 
 def _overrides(pairs: list[str]) -> dict[str, float]:
@@ -66,7 +66,8 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     status, documents = 0, []
     with tempfile.TemporaryDirectory(prefix="rlwatch-replay-") as scratch:
-        for index, run in enumerate(load_all(args.files, reward_key=args.reward, fmt=args.format, run=args.run)):
+        runs = load_all(args.files, reward_key=args.reward, fmt=args.format, run=args.run)
+        for index, run in enumerate(runs):
             if isinstance(run, ReplayInputError):
                 print(f"rlwatch replay: {safe(run)}", file=sys.stderr)
                 status = 2
@@ -75,5 +76,5 @@ def run_command(args: argparse.Namespace) -> int:
                 print("\n" + "=" * 100 + "\n")
             documents.append(_one(run, args.out or scratch, overrides, args.json))
     if args.json and documents:
-        print(json.dumps(documents[0] if len(args.files) == 1 else documents, indent=2, default=str))
+        print(json.dumps(documents[0] if len(runs) == 1 else documents, indent=2, default=str))
     return status
