@@ -12,11 +12,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rlwatch.replay import LoggedRun, load
+from rlwatch.replay import LoggedRun, ReplayInputError, load, load_all
 from rlwatch.replay.formats import Rows, _add
 from rlwatch.replay.logged import from_rows
 
@@ -100,29 +100,17 @@ def _csv_by_column(path: Path, step_column: str) -> LoggedRun:
     return from_rows(rows, str(path), "csv")
 
 
-def _swanlab_run(paths: list[Path], run: str) -> Rows:
-    """One run's values from SwanLab chart exports (a ``step`` column, then ``<run>-<key>_step`` for each run
-    shown on the chart): every file's columns of ``run``, under ``<key>``; the values are the files'."""
-    rows: Rows = {}
-    start, end = f"{run}-", "_step"
-    for path in paths:
-        reader = csv.reader(io.StringIO(path.read_text(encoding="utf-8")))
-        header = next(reader)
-        at = header.index("step")
-        mine = {i: h[len(start):-len(end)] for i, h in enumerate(header) if h.startswith(start) and h.endswith(end)}
-        for record in reader:
-            _add(rows, record[at], {key: record[i] for i, key in mine.items() if i < len(record) and record[i] != ""})
-    return rows
-
-
 def load_run(entry: CorpusRun) -> LoggedRun:
     """The logged run of ``entry`` under the frameworks' key names (one file per run, but for SwanLab's
     exports: one file per metric, the run's columns picked by :attr:`CorpusRun.column_prefix`)."""
     if entry.format == "swanlab_csv":
         if not entry.column_prefix:
             raise ValueError(f"{entry.id}: a SwanLab export needs the run's column_prefix")
-        rows = _swanlab_run(entry.paths(), entry.column_prefix)
-        return from_rows(rows, entry.id, "csv", entry.reward_key)
+        [run] = load_all([str(p) for p in entry.paths()], fmt="swanlab", run=entry.column_prefix,
+                         reward_key=entry.reward_key)
+        if isinstance(run, ReplayInputError):
+            raise run
+        return replace(run, source=entry.id)
     if len(entry.files) != 1:
         raise ValueError(f"{entry.id}: one file per run expected, got {len(entry.files)}")
     if entry.step_column:

@@ -446,8 +446,9 @@ def _add_replay(sub: Any) -> None:
                     "would rlwatch have caught it? the alerts and the post-mortem over a run's logged metrics, "
                     "no trainer needed",
                     "Feed each logged step of a run (TRL trainer_state.json, verl console or JSONL log, OpenRLHF log, "
-                    "W&B or TensorBoard CSV) to the alert evaluator at the shipped thresholds: what would have fired "
-                    "and when, against the run's reward curve, then the post-mortem. docs/replay.md")
+                    "ms-swift logging.jsonl, W&B, TensorBoard or SwanLab CSV) to the alert evaluator at the shipped "
+                    "thresholds: what would have fired and when, against the run's reward curve, then the "
+                    "post-mortem. docs/replay.md")
 
 
 def _add_files(sub: Any) -> None:

@@ -14,15 +14,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="logged metrics: trainer_state.json, a verl console or JSONL log, an OpenRLHF log, "
-                        "ms-swift's logging.jsonl, a W&B or TensorBoard CSV export; each file its own run "
-                        "(TensorBoard per-tag CSVs, and W&B chart exports of one run: one run)")
+                        "ms-swift's logging.jsonl, a W&B, TensorBoard or SwanLab CSV export; each file its own run "
+                        "(TensorBoard per-tag CSVs, W&B chart exports of one run, SwanLab chart exports: one run)")
+    p.add_argument("--run", metavar="NAME", help="the run to read from SwanLab chart exports, which hold one metric "
+                   "for several runs (columns <run>-<key>_step); needed when they hold more than one")
     p.add_argument("--reward", metavar="KEY", help="the reward key, when the log's is not a recognised name")
     p.add_argument("--format", choices=FORMATS, help="the files' format (default: detected from the content)")
     p.add_argument("--override", action="append", metavar="NAME=VALUE",
                    help="an alert threshold for the replay (rlwatch.alerts.catalogue.PARAMS), repeatable")
     p.add_argument("--out", metavar="DIR", help="keep the replay's run stores here (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print the post-mortem's JSON with the replay's alerts "
-                   "(one document per file; a list for several)")
+                   "(one document per run; a list for several)")
 
 
 def _overrides(pairs: list[str]) -> dict[str, float]:
@@ -64,7 +66,8 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     status, documents = 0, []
     with tempfile.TemporaryDirectory(prefix="rlwatch-replay-") as scratch:
-        for index, run in enumerate(load_all(args.files, reward_key=args.reward, fmt=args.format)):
+        runs = load_all(args.files, reward_key=args.reward, fmt=args.format, run=args.run)
+        for index, run in enumerate(runs):
             if isinstance(run, ReplayInputError):
                 print(f"rlwatch replay: {safe(run)}", file=sys.stderr)
                 status = 2
@@ -73,5 +76,5 @@ def run_command(args: argparse.Namespace) -> int:
                 print("\n" + "=" * 100 + "\n")
             documents.append(_one(run, args.out or scratch, overrides, args.json))
     if args.json and documents:
-        print(json.dumps(documents[0] if len(args.files) == 1 else documents, indent=2, default=str))
+        print(json.dumps(documents[0] if len(runs) == 1 else documents, indent=2, default=str))
     return status

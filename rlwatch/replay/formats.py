@@ -20,6 +20,9 @@ under the framework's own key names (docs/replay.md lists them with an example l
   W&B chart exports (one panel's ``Download CSV``) of the same run, given together, are one run.
 - ``tensorboard-csv``: TensorBoard's own per-tag export (``Wall time,Step,Value``), the key from the
   file name (``run-<run>-tag-<tag>.csv``); several such files are one run.
+- ``swanlab``: SwanLab's chart export, one metric for several runs (``step``, then ``<run>-<key>_step`` per
+  run); every column read under ``<run>-<key>``, one run's columns of several exports picked by
+  :func:`swanlab_run` (the runs named by :func:`swanlab_runs`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 Rows = dict[int, dict[str, float]]
 
-FORMATS = ("trl", "verl-console", "verl-jsonl", "openrlhf", "ms-swift", "csv", "tensorboard-csv")
+FORMATS = ("trl", "verl-console", "verl-jsonl", "openrlhf", "ms-swift", "csv", "tensorboard-csv", "swanlab")
 STEP_COLUMNS = ("train/global_step", "global_step", "step", "Step", "_step", "trainer/global_step")
 #: The key of TRL's final ``log_history`` entry (the run's totals, at the last step), not a step's metrics.
 TRL_SUMMARY_KEY = "train_runtime"
@@ -43,6 +46,8 @@ MAX_BYTES = 512 << 20
 #: ms-swift's log file in its output directory, and the step field of each of its rows (``"<step>/<max_steps>"``).
 MSSWIFT_LOG = "logging.jsonl"
 MSSWIFT_STEP = "global_step/max_steps"
+#: A SwanLab chart export's step column, and the end of each of its ``<run>-<key>_step`` columns.
+SWANLAB_STEP, SWANLAB_END = "step", "_step"
 
 _VERL_STEP = re.compile(r"(?:^|\s|\))step:(\d+) - (.*)$", re.M)
 _OPENRLHF = re.compile(r"Global step (\d+): (\{.*\})[ \t\r]*$", re.M)
@@ -249,9 +254,77 @@ def parse_tensorboard_csv(text: str, name: str) -> Rows:
     return rows
 
 
+def is_swanlab(header: list[str]) -> bool:
+    """Whether a CSV header is a SwanLab chart export's: ``step``, then only ``<run>-<key>_step`` columns."""
+    named = header[1:]
+    return header[:1] == [SWANLAB_STEP] and bool(named) and all(
+        h.endswith(SWANLAB_END) and "-" in h[:-len(SWANLAB_END)].strip("-") for h in named)
+
+
+def parse_swanlab(text: str, name: str) -> Rows:
+    """A SwanLab chart export: each ``<run>-<key>_step`` column under ``<run>-<key>`` (all the runs'; one
+    run is picked by :func:`swanlab_run`), the step from the ``step`` column."""
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, None) or []
+    if SWANLAB_STEP not in header:
+        raise ReplayInputError(f"{name}: no {SWANLAB_STEP} column (not a SwanLab chart export)")
+    at = header.index(SWANLAB_STEP)
+    columns = {i: h[:-len(SWANLAB_END)] for i, h in enumerate(header) if i != at and h.endswith(SWANLAB_END)}
+    rows: Rows = {}
+    for record in reader:
+        if len(record) > at:
+            _add(rows, record[at], {columns[i]: record[i] for i in columns if i < len(record) and record[i] != ""})
+    return rows
+
+
+def _swanlab_key(columns: list[str]) -> str | None:
+    """The key shared by one export's ``<run>-<key>`` columns: the longest suffix of every column that follows
+    a ``-`` and starts with a letter (a run's name may end in ``lr1e-5``, a key be ``val-core/...``)."""
+    first = columns[0]
+    for at, char in enumerate(first):
+        key = first[at + 1:]
+        if char == "-" and key[:1].isalpha() and all(c.endswith("-" + key) and len(c) > len(key) + 1
+                                                      for c in columns):
+            return key
+    return None
+
+
+def swanlab_runs(columns_by_file: list[list[str]]) -> list[str]:
+    """The run names in SwanLab exports, from each file's ``<run>-<key>`` columns: an export of several runs
+    shares one key, the rest of each column is its run; a lone column is a run already found, else it is
+    cut at its last ``-`` before the first ``/`` (``--run NAME`` is exact where names are ambiguous)."""
+    runs: set[str] = set()
+    lone: list[str] = []
+    for columns in columns_by_file:
+        columns = [c for c in columns if "-" in c.strip("-")]
+        key = _swanlab_key(columns) if len(columns) > 1 else None
+        if key is None:
+            lone.extend(columns)
+        else:
+            runs.update(c[:-len(key) - 1] for c in columns)
+    for column in lone:
+        if not any(column.startswith(run + "-") for run in runs):
+            head = column.split("/", 1)[0].rstrip("-")
+            runs.add(column[:head.rfind("-")] if "-" in head.strip("-") else column[:column.rfind("-")])
+    return sorted(runs)
+
+
+def swanlab_run(rows: Rows, run: str, runs: list[str]) -> Rows:
+    """``run``'s columns of ``rows`` (SwanLab exports read by :func:`parse_swanlab`) under their keys, the steps
+    where it logged a value; a longer name of ``runs`` that begins with ``<run>-`` keeps its own columns."""
+    start = run + "-"
+    longer = tuple(r + "-" for r in runs if r.startswith(start))
+    out: Rows = {}
+    for step, row in rows.items():
+        mine = {k[len(start):]: v for k, v in row.items() if k.startswith(start) and not k.startswith(longer)}
+        if mine:
+            out[step] = mine
+    return out
+
+
 PARSERS: dict[str, Callable[[str, str], Rows]] = {
     "trl": parse_trl, "verl-console": parse_verl_console, "verl-jsonl": parse_jsonl, "openrlhf": parse_openrlhf,
-    "ms-swift": parse_msswift, "csv": parse_csv, "tensorboard-csv": parse_tensorboard_csv,
+    "ms-swift": parse_msswift, "csv": parse_csv, "tensorboard-csv": parse_tensorboard_csv, "swanlab": parse_swanlab,
 }
 
 
@@ -272,10 +345,13 @@ def detect(text: str, name: str) -> str:
     header = [h.strip() for h in next(csv.reader([first]), [])]
     if header[:3] == ["Wall time", "Step", "Value"]:
         return "tensorboard-csv"
+    if is_swanlab(header):
+        return "swanlab"
     if len(header) > 1 and any(h in STEP_COLUMNS for h in header):
         return "csv"
     raise ReplayInputError(f"{name}: not a format replay reads (TRL trainer_state.json, verl console or JSONL log, "
-                           "OpenRLHF log, ms-swift logging.jsonl, W&B or TensorBoard CSV); --format names one")
+                           "OpenRLHF log, ms-swift logging.jsonl, W&B, TensorBoard or SwanLab CSV); --format "
+                           "names one")
 
 
 def resolve(path: Path) -> Path:

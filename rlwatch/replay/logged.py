@@ -9,7 +9,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .formats import FORMATS, PARSERS, ReplayInputError, Rows, chart_run, detect, read_text, resolve, tensorboard_key
+from .formats import (FORMATS, PARSERS, ReplayInputError, Rows, chart_run, detect, read_text, resolve, swanlab_run,
+                      swanlab_runs, tensorboard_key)
+
+#: Formats whose files given together are parts of one run (one tag or one metric a file).
+PART_FORMATS = ("tensorboard-csv", "swanlab")
 
 #: Sampler-learner mismatch aggregates trainers log (verl's ``rollout_corr/*`` and
 #: ``training/rollout_probs_diff_*``, ms-swift's ``rollout_correction/*``, OpenRLHF's ``vllm_kl``,
@@ -140,31 +144,39 @@ def _parse(path: Path, fmt: str | None) -> tuple[str, str, Rows, str | None]:
     return str(path), fmt, PARSERS[fmt](text, str(path)), chart_run(text) if fmt == "csv" else None
 
 
-def load(path: str | Path, *, reward_key: str | None = None, fmt: str | None = None) -> LoggedRun:
+def load(path: str | Path, *, reward_key: str | None = None, fmt: str | None = None, run: str | None = None
+         ) -> LoggedRun:
     """Read one logged run from ``path`` (format detected from the content unless ``fmt`` names one
-    of :data:`~rlwatch.replay.formats.FORMATS`). Raises :class:`ReplayInputError` (one line) on a
-    missing, empty, malformed or unknown file."""
+    of :data:`~rlwatch.replay.formats.FORMATS`; ``run``: the run of a SwanLab export of several). Raises
+    :class:`ReplayInputError` (one line) on a missing, empty, malformed or unknown file."""
     source, fmt, rows, _ = _parse(Path(path), fmt)
+    if fmt == "swanlab":
+        logged = _merged((fmt, ""), rows, [source], reward_key, run, [_columns(rows)])
+        if isinstance(logged, ReplayInputError):
+            raise logged
+        return logged
     return from_rows(rows, source, fmt, reward_key)
 
 
-def load_all(paths: list[str], *, reward_key: str | None = None, fmt: str | None = None
+def load_all(paths: list[str], *, reward_key: str | None = None, fmt: str | None = None, run: str | None = None
              ) -> list[LoggedRun | ReplayInputError]:
     """Each file its own run, except the parts of one run given file by file, merged into one (in the place
-    of the first): TensorBoard per-tag exports (``Wall time,Step,Value``, their keys from the file names)
-    and W&B chart exports of the same run (one panel's ``Download CSV`` each; an export whose keys the run
-    already has is a run of its own, another run of that name). A file that cannot be read
-    is its :class:`ReplayInputError` in the list, in the files' order."""
+    of the first): TensorBoard per-tag exports (``Wall time,Step,Value``, their keys from the file names),
+    SwanLab chart exports (one metric for several runs a file: the columns of ``run``, which may be left out
+    when the exports hold one run) and W&B chart exports of the same run (one panel's ``Download CSV`` each;
+    an export whose keys the run already has is a run of its own, another run of that name). A file that
+    cannot be read is its :class:`ReplayInputError` in the list, in the files' order."""
     out: list[LoggedRun | ReplayInputError | tuple[str, str]] = []
     parts: dict[tuple[str, str], tuple[Rows, list[str]]] = {}
+    swanlab_columns: list[list[str]] = []
     for path in paths:
         try:
-            source, kind, rows, run = _parse(Path(path), fmt)
+            source, kind, rows, chart = _parse(Path(path), fmt)
         except ReplayInputError as exc:
             out.append(exc)
             continue
-        key = (kind, run or "")
-        if kind == "tensorboard-csv" or (run is not None and not _overlaps(parts.get(key), rows)):
+        key = (kind, chart or "")
+        if kind in PART_FORMATS or (chart is not None and not _overlaps(parts.get(key), rows)):
             if key not in parts:
                 parts[key] = ({}, [])
                 out.append(key)
@@ -172,12 +184,19 @@ def load_all(paths: list[str], *, reward_key: str | None = None, fmt: str | None
             for step, row in rows.items():
                 merged.setdefault(step, {}).update(row)
             files.append(source)
+            if kind == "swanlab":
+                swanlab_columns.append(_columns(rows))
             continue
         try:
             out.append(from_rows(rows, source, kind, reward_key))
         except ReplayInputError as exc:
             out.append(exc)
-    return [_merged(item, *parts[item], reward_key) if isinstance(item, tuple) else item for item in out]
+    return [_merged(item, *parts[item], reward_key, run, swanlab_columns) if isinstance(item, tuple) else item
+            for item in out]
+
+
+def _columns(rows: Rows) -> list[str]:
+    return sorted({k for row in rows.values() for k in row})
 
 
 def _overlaps(part: tuple[Rows, list[str]] | None, rows: Rows) -> bool:
@@ -188,16 +207,34 @@ def _overlaps(part: tuple[Rows, list[str]] | None, rows: Rows) -> bool:
     return any(k in have for row in rows.values() for k in row)
 
 
-def _merged(key: tuple[str, str], rows: Rows, files: list[str], reward_key: str | None
-            ) -> LoggedRun | ReplayInputError:
-    kind, run = key
-    if len(files) == 1:
-        source = files[0]
-    else:
-        names = [tensorboard_key(Path(p)) if kind == "tensorboard-csv" else Path(p).name for p in files]
-        what = "TensorBoard tag files" if kind == "tensorboard-csv" else f"W&B chart exports of {run}"
-        source = f"{len(files)} {what} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+def _merged(key: tuple[str, str], rows: Rows, files: list[str], reward_key: str | None, run: str | None = None,
+            swanlab_columns: list[list[str]] | None = None) -> LoggedRun | ReplayInputError:
+    kind, chart = key
+    names = [tensorboard_key(Path(p)) if kind == "tensorboard-csv" else Path(p).name for p in files]
+    listed = f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
     try:
+        if kind == "swanlab":
+            run, rows = _swanlab(rows, files, run, swanlab_columns or [])
+            source = f"{len(files)} SwanLab export{'s' if len(files) > 1 else ''} of {run} ({listed})"
+        elif len(files) == 1:
+            source = files[0]
+        else:
+            what = "TensorBoard tag files" if kind == "tensorboard-csv" else f"W&B chart exports of {chart}"
+            source = f"{len(files)} {what} ({listed})"
         return from_rows(rows, source, kind, reward_key)
     except ReplayInputError as exc:
         return exc
+
+
+def _swanlab(rows: Rows, files: list[str], run: str | None, columns: list[list[str]]) -> tuple[str, Rows]:
+    """(the run, its rows) of SwanLab exports; no run named where they hold several, or a run they do not
+    hold, raises :class:`ReplayInputError` listing the runs found."""
+    found = swanlab_runs(columns)
+    where = f"{len(files)} SwanLab export{'s' if len(files) > 1 else ''}"
+    if run is None and len(found) != 1:
+        raise ReplayInputError(f"{where} hold {len(found)} runs, give one with --run NAME: {', '.join(found)}")
+    run = found[0] if run is None else run
+    mine = swanlab_run(rows, run, found)
+    if not mine:
+        raise ReplayInputError(f"{where} hold no run {run!r}; the runs found: {', '.join(found)}")
+    return run, mine

@@ -58,8 +58,10 @@ class ReplayResult:
 
 
 def run_name_for(source: str) -> str:
-    """``replay-<file stem>`` with characters outside ``[A-Za-z0-9_.-]`` as ``_``."""
-    stem = Path(source.split(" (")[0]).stem or "run"
+    """``replay-<file stem>`` with characters outside ``[A-Za-z0-9_.-]`` as ``_`` (a name whose last ``.`` starts
+    no file extension, a run's ``ent0.01_lr1e-5``, kept whole)."""
+    path = Path(source.split(" (")[0])
+    stem = (path.stem if re.fullmatch(r"\.[A-Za-z0-9]{1,10}", path.suffix) else path.name) or "run"
     return "replay-" + re.sub(r"[^A-Za-z0-9_.-]", "_", stem)[:80]
 
 
