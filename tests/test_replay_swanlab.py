@@ -65,7 +65,7 @@ def test_a_collapsed_asycn_verl_run_replays_and_names_what_fired(tmp_path, capsy
     replay = doc["replay"]
     assert replay["format"] == "swanlab" and entry.column_prefix in replay["source"]
     assert replay["reward_key"] == "critic/score/mean"
-    assert replay["store"].endswith(f"_{entry.column_prefix}.db")        # the run's whole name, dots included
+    assert replay["store"].endswith(f"/replay-{entry.column_prefix}.db")  # the run's whole name, dots included
     assert replay["recognised"]["actor/entropy"] == "entropy_mean"
     fired = {a["name"]: a["step"] for a in replay["alerts"] if a["state"] == "fired"}
     assert fired, "nothing fired on a run whose entropy exploded"

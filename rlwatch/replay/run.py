@@ -58,8 +58,12 @@ class ReplayResult:
 
 
 def run_name_for(source: str) -> str:
-    """``replay-<file stem>`` with characters outside ``[A-Za-z0-9_.-]`` as ``_`` (a name whose last ``.`` starts
-    no file extension, a run's ``ent0.01_lr1e-5``, kept whole)."""
+    """``replay-<file stem>`` (several exports of one run: ``replay-<the run's name>``) with characters outside
+    ``[A-Za-z0-9_.-]`` as ``_`` (a name whose last ``.`` starts no file extension, a run's ``ent0.01_lr1e-5``,
+    kept whole)."""
+    named = re.match(r"\d+ (?:SwanLab exports?|W&B chart exports) of (.+?) \(", source)
+    if named:
+        return "replay-" + re.sub(r"[^A-Za-z0-9_.-]", "_", named.group(1))[:80]
     path = Path(source.split(" (")[0])
     stem = (path.stem if re.fullmatch(r"\.[A-Za-z0-9]{1,10}", path.suffix) else path.name) or "run"
     return "replay-" + re.sub(r"[^A-Za-z0-9_.-]", "_", stem)[:80]
