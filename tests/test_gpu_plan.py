@@ -121,9 +121,6 @@ def test_compiled_plan_is_traced_at_the_step_size_and_reduces_by_sequence(monkey
 
 @pytest.mark.slow
 @pytest.mark.perf
-@pytest.mark.xfail(strict=False, reason="known intermittent: in about half the dry runs the profile's compiled "
-                   "step (a fresh Workspace on a signature compiled earlier in the same process) runs eagerly, "
-                   "and bench_signals.rlwatch_runner's 'no compiled step' check stops the script; under study")
 def test_the_device_check_runs_on_a_cpu():
     """bench/gpu_check.py's dry run on the CPU (every part, small sizes, compiling on the CPU): the
     script a lent GPU runs is the one tested here, and it ends with the side-by-side summary."""

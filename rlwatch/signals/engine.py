@@ -3,12 +3,17 @@ signals of a step, as one function) compiled when a compiled version is ready, e
 and compiles it off the caller's thread so that no step ever waits for a compilation.
 
 Compiled functions are shared by the whole process, one per *signature* (device, dtypes, which
-inputs are present, quantile method, number of hack detectors). Shapes are dynamic, so batch,
-sequence and environment counts do not recompile (steps of fewer than 3 sequences run eagerly). The
-step's thread only ever runs code already compiled (``torch._dynamo.run``): a guard
-that fails there runs the eager function instead of compiling. A compilation that fails (no C++
-compiler, an unsupported backend) is remembered and its signature stays eager; the reason is kept
-in :func:`status`.
+inputs are present, quantile method, number of hack detectors, the caller's intra-op thread
+count). Shapes are dynamic, so batch, sequence and environment counts do not recompile (steps of
+fewer than 3 sequences run eagerly). The step's thread only ever runs code already compiled
+(``torch._dynamo.run``): a guard that fails there runs the eager function instead of compiling. A
+compilation that fails (no C++ compiler, an unsupported backend) is remembered and its signature
+stays eager; the reason is kept in :func:`status`.
+
+Dynamo guards every compiled graph on the intra-op thread count of the thread that traced it, so
+the calling thread's count is part of the signature, and the compiling thread takes that count
+before the caller goes on (the caller's eager step changes the process-wide default that a new
+thread starts from, which made the traced count, and so whether steps ran compiled, a race).
 
 The compiling thread is not a daemon: a process that exits while a compilation runs waits for it
 (seconds on a GPU host), because killing a thread inside the compiler aborts the interpreter.
@@ -92,7 +97,8 @@ def signature(args: tuple[Any, ...], exact: bool, episodes: tuple[Any, ...] | No
                 return None
             # The number of detectors is part of the signature (a dimension of 1 is specialised).
             key.append((t.dtype, t.is_inference(), t.shape[0] if name == "hacked" else None))
-    return tuple(key)
+    # Last: the calling thread's intra-op thread count, which dynamo guards (see the module's notes).
+    return (*key, torch.get_num_threads())
 
 
 def _fresh_core() -> Callable[..., torch.Tensor]:
@@ -214,6 +220,31 @@ def _example_spec(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*spec, *args[4:])
 
 
+def _take_thread_count(threads: int) -> None:
+    """Give the calling (compiling) thread ``threads`` intra-op threads, the count its steps' caller
+    runs at (dynamo's global-state guard compares it), leaving the process-wide default that
+    ``torch.set_num_threads`` also sets as it was (a throw-away thread puts it back)."""
+    default = torch.get_num_threads()       # a new thread starts from the process-wide default
+    if default == threads:
+        return
+    torch.set_num_threads(threads)
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="rlwatch-threads")
+    restore.start()
+    restore.join()
+
+
+def _compiling_thread(ready: threading.Event, key: tuple, *args: Any) -> None:
+    """The compiling thread: takes the caller's thread count (``key[-1]``), lets the caller go on,
+    then compiles."""
+    try:
+        _take_thread_count(key[-1])
+    except Exception:   # noqa: BLE001 -- at worst the signature's steps run eagerly, never a failed run
+        log.debug("rlwatch: could not set the compiling thread's intra-op threads", exc_info=True)
+    finally:
+        ready.set()         # the caller may go on (and change the default) from here
+    _compile(key, *args)
+
+
 def _compile(key: tuple, args: tuple[Any, ...], kwargs: dict[str, Any],
              episodes: tuple[Any, ...] | None = None, own: tuple[int, int] | None = None) -> None:
     try:
@@ -257,12 +288,14 @@ def run(args: tuple[Any, ...], exact: bool, compile: str | None = None, *, wait:
             thread = _pending.get(key)
             start = fn is None and thread is None and key not in _failed
             if start:
+                ready = threading.Event()
                 thread = _pending[key] = threading.Thread(
-                    target=_compile, args=(key, _example_spec(args[:-1]), kwargs, _episode_spec(episodes),
-                                           tuple(mask.shape)),
+                    target=_compiling_thread, args=(ready, key, _example_spec(args[:-1]), kwargs,
+                                                    _episode_spec(episodes), tuple(mask.shape)),
                     name="rlwatch-compile")
         if start:
             thread.start()
+            ready.wait()            # briefly: the thread takes its count before this step changes the default
         if fn is None and wait and thread is not None:
             thread.join()
             fn = _compiled.get(key)
