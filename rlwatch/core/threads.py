@@ -4,7 +4,6 @@ rlwatch's background worker (the trainer's setting is left as it was)."""
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Iterator
 
 
@@ -21,20 +20,9 @@ def few_threads_for(mask: Any) -> Iterator[None]:
 
 
 def one_intra_op_thread_here() -> None:
-    """Give the calling (rlwatch) thread the engine's intra-op threads (one), leaving every other thread as it is.
+    """Give the calling (rlwatch) thread the engine's intra-op threads (one), leaving every other thread as it is:
+    a background thread computing small steps would otherwise keep extra spinning OpenMP threads competing
+    with the trainer's."""
+    from ..signals.settings import CPU_THREADS, set_this_threads_intra_op_threads
 
-    With OpenMP, each thread that enters a parallel region gets a team of its own: a background
-    thread computing small steps would otherwise keep extra spinning threads competing with the
-    trainer's. ``torch.set_num_threads`` sets the calling thread's OpenMP setting and a process-wide
-    default that threads created later start from; a throw-away thread puts that default back."""
-    import torch
-
-    from ..signals.settings import CPU_THREADS
-
-    default = torch.get_num_threads()
-    if default == CPU_THREADS:
-        return
-    torch.set_num_threads(CPU_THREADS)
-    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="rlwatch-threads")
-    restore.start()
-    restore.join()
+    set_this_threads_intra_op_threads(CPU_THREADS)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import fused
+from . import fused, settings
 
 log = logging.getLogger("rlwatch.signals")
 
@@ -220,24 +220,12 @@ def _example_spec(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*spec, *args[4:])
 
 
-def _take_thread_count(threads: int) -> None:
-    """Give the calling (compiling) thread ``threads`` intra-op threads, the count its steps' caller
-    runs at (dynamo's global-state guard compares it), leaving the process-wide default that
-    ``torch.set_num_threads`` also sets as it was (a throw-away thread puts it back)."""
-    default = torch.get_num_threads()       # a new thread starts from the process-wide default
-    if default == threads:
-        return
-    torch.set_num_threads(threads)
-    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="rlwatch-threads")
-    restore.start()
-    restore.join()
-
-
 def _compiling_thread(ready: threading.Event, key: tuple, *args: Any) -> None:
     """The compiling thread: takes the caller's thread count (``key[-1]``), lets the caller go on,
     then compiles."""
     try:
-        _take_thread_count(key[-1])
+        # A new thread starts from the process-wide default; dynamo's global-state guard compares the count.
+        settings.set_this_threads_intra_op_threads(key[-1])
     except Exception:   # noqa: BLE001 -- at worst the signature's steps run eagerly, never a failed run
         log.debug("rlwatch: could not set the compiling thread's intra-op threads", exc_info=True)
     finally:

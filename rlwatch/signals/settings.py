@@ -6,6 +6,7 @@ call time as ``settings.NAME``, so a test can change them), and the
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import ContextManager, Iterator, NamedTuple
 
 import torch
@@ -76,6 +77,21 @@ def intra_op_threads(threads: int) -> ContextManager[None]:
     if not threads or threads == torch.get_num_threads():
         return contextlib.nullcontext()
     return _threads(threads)
+
+
+def set_this_threads_intra_op_threads(threads: int) -> None:
+    """Give the calling thread ``threads`` intra-op threads for good, leaving every other thread as it is.
+
+    With OpenMP, each thread that enters a parallel region gets a team of its own. ``torch.set_num_threads``
+    sets the calling thread's OpenMP setting and a process-wide default that threads created later start
+    from; a throw-away thread puts that default back."""
+    default = torch.get_num_threads()
+    if default == threads:
+        return
+    torch.set_num_threads(threads)
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="rlwatch-threads")
+    restore.start()
+    restore.join()
 
 
 @contextlib.contextmanager
