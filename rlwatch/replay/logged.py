@@ -39,7 +39,8 @@ class LoggedRun:
     """One run's logged metrics: ``rows[i]`` holds the finite values logged at ``steps[i]`` (ascending),
     under the framework's own key names; ``log_every`` the usual distance between logged steps (the
     most common one); ``nonfinite`` the steps where a key was logged NaN or infinite (left out of
-    the rows); ``reward_key`` the key the reward curve is read from (None: none recognised)."""
+    the rows); ``reward_key`` the key the reward curve is read from (None: none recognised); ``name`` the
+    run's own name where several files of one run carry it (SwanLab and W&B chart exports)."""
 
     source: str
     fmt: str
@@ -48,6 +49,7 @@ class LoggedRun:
     log_every: int
     reward_key: str | None = None
     nonfinite: dict[str, list[int]] = field(default_factory=dict)
+    name: str | None = None
 
     def series(self, key: str) -> list[tuple[int, float]]:
         """``[(step, value)]`` of ``key`` where it was logged."""
@@ -117,7 +119,8 @@ def _reward_key(keys: set[str], reward_key: str | None, source: str) -> str | No
     return next((k for k in reward_keys() if k in keys), None)
 
 
-def from_rows(rows: Rows, source: str, fmt: str, reward_key: str | None = None) -> LoggedRun:
+def from_rows(rows: Rows, source: str, fmt: str, reward_key: str | None = None, name: str | None = None
+              ) -> LoggedRun:
     """A :class:`LoggedRun` from ``{step: {key: value}}``; no step logged raises :class:`ReplayInputError`."""
     if not rows:
         raise ReplayInputError(f"{source}: no logged step found in this {fmt} file")
@@ -131,7 +134,7 @@ def from_rows(rows: Rows, source: str, fmt: str, reward_key: str | None = None) 
         clean.append({k: v for k, v in rows[step].items() if math.isfinite(v)})
     keys = {k for row in clean for k in row}
     return LoggedRun(source=source, fmt=fmt, steps=steps, rows=clean, log_every=_log_every(steps),
-                     reward_key=_reward_key(keys, reward_key, source), nonfinite=nonfinite)
+                     reward_key=_reward_key(keys, reward_key, source), nonfinite=nonfinite, name=name)
 
 
 def _parse(path: Path, fmt: str | None) -> tuple[str, str, Rows, str | None]:
@@ -212,16 +215,18 @@ def _merged(key: tuple[str, str], rows: Rows, files: list[str], reward_key: str 
     kind, chart = key
     names = [tensorboard_key(Path(p)) if kind == "tensorboard-csv" else Path(p).name for p in files]
     listed = f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
+    name = None
     try:
         if kind == "swanlab":
-            run, rows = _swanlab(rows, files, run, swanlab_columns or [])
-            source = f"{len(files)} SwanLab export{'s' if len(files) > 1 else ''} of {run} ({listed})"
+            name, rows = _swanlab(rows, files, run, swanlab_columns or [])
+            source = f"{len(files)} SwanLab export{'s' if len(files) > 1 else ''} of {name} ({listed})"
         elif len(files) == 1:
             source = files[0]
+        elif kind == "tensorboard-csv":
+            source = f"{len(files)} TensorBoard tag files ({listed})"
         else:
-            what = "TensorBoard tag files" if kind == "tensorboard-csv" else f"W&B chart exports of {chart}"
-            source = f"{len(files)} {what} ({listed})"
-        return from_rows(rows, source, kind, reward_key)
+            name, source = chart, f"{len(files)} W&B chart exports of {chart} ({listed})"
+        return from_rows(rows, source, kind, reward_key, name)
     except ReplayInputError as exc:
         return exc
 

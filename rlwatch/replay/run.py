@@ -57,16 +57,14 @@ class ReplayResult:
             "nonfinite": run.nonfinite, "store": self.store_path}}
 
 
-def run_name_for(source: str) -> str:
-    """``replay-<file stem>`` (several exports of one run: ``replay-<the run's name>``) with characters outside
-    ``[A-Za-z0-9_.-]`` as ``_`` (a name whose last ``.`` starts no file extension, a run's ``ent0.01_lr1e-5``,
-    kept whole)."""
-    named = re.match(r"\d+ (?:SwanLab exports?|W&B chart exports) of (.+?) \(", source)
-    if named:
-        return "replay-" + re.sub(r"[^A-Za-z0-9_.-]", "_", named.group(1))[:80]
-    path = Path(source.split(" (")[0])
-    stem = (path.stem if re.fullmatch(r"\.[A-Za-z0-9]{1,10}", path.suffix) else path.name) or "run"
-    return "replay-" + re.sub(r"[^A-Za-z0-9_.-]", "_", stem)[:80]
+def run_name_for(source: str, name: str | None = None) -> str:
+    """``replay-<the run's name>`` (``name``, where the files carry it), else ``replay-<file stem>``, with
+    characters outside ``[A-Za-z0-9_.-]`` as ``_`` (a name whose last ``.`` starts no file extension, a run's
+    ``ent0.01_lr1e-5``, kept whole)."""
+    if name is None:
+        path = Path(source.split(" (")[0])
+        name = (path.stem if re.fullmatch(r"\.[A-Za-z0-9]{1,10}", path.suffix) else path.name) or "run"
+    return "replay-" + re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80]
 
 
 def alert_entries(alerts: list[dict[str, Any]]) -> list[AlertEntry]:
@@ -119,7 +117,7 @@ def replay(run: LoggedRun, *, store_dir: str | Path, overrides: Mapping[str, flo
     from ..postmortem import analyse, load as load_store
     from ..postmortem.analysis import quality_series
 
-    name = run_name or run_name_for(run.source)
+    name = run_name or run_name_for(run.source, run.name)
     store = fresh_store(store_dir, name)
     _feed(run, name, store, overrides)
     data = load_store(str(store), run=name)
