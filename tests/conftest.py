@@ -32,6 +32,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_consecutive_ports(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports that were all free at once. (free_port's
+    next port is no such thing: the kernel hands bind(0) odd ports and connect() even ones, so the
+    port after a free one is where an outgoing connection most likely sits.)"""
+    for _ in range(200):
+        base = free_port()
+        held = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free loopback ports")
+
+
 def need_binary(name: str) -> str:
     _check_marked("need_binary")
     path = shutil.which(name)

@@ -17,7 +17,7 @@ import pytest
 import rlwatch
 from rlwatch.runs.store import StoreReader
 
-from .conftest import ROOT, free_port, make_step
+from .conftest import ROOT, free_consecutive_ports, make_step
 
 
 def test_store_is_readable_while_the_run_writes(tmp_path):
@@ -144,7 +144,7 @@ RANK_CHILD = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.parametrize("all_ranks", [False, True])
 def test_several_ranks_on_one_node(all_ranks):
-    port = free_port()
+    port = free_consecutive_ports(2)                 # rank N serves on port + N
     results = []
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
@@ -152,10 +152,10 @@ def test_several_ranks_on_one_node(all_ranks):
                                                                       all_ranks=all_ranks)],
                              env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert results[0]["active"] and results[0]["has"]
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]) | {"stderr": out.stderr[-2000:]})
+    assert results[0]["active"] and results[0]["has"], results[0]
     if all_ranks:
-        assert results[1]["active"] and results[1]["has"]
+        assert results[1]["active"] and results[1]["has"], results[1]
         assert results[1]["run"] == "ddp-rank1" and results[1]["url"].endswith(f":{port + 1}/metrics")
     else:
         assert not results[1]["active"] and results[1]["url"] is None
