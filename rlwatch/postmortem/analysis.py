@@ -359,8 +359,11 @@ def first_changes(data: RunData, collapse: int | None = None) -> list[Change]:
 
 
 def resume_point(data: RunData, collapse: int | None, changes: list[Change], cause: str,
-                 quality_key: str | None) -> Resume:
-    """The last checkpoint before the first change the diagnosis links to the collapse."""
+                 quality_key: str | None, peak_step: int | None = None) -> Resume:
+    """The last checkpoint before the first change the diagnosis links to the collapse; with no cause
+    found, before the first concerning change from the quality's peak (``peak_step``) on: the run still
+    improved after an earlier change (a real run's entropy falls in its first steps), so that change is
+    not where its trouble began."""
     latest = data.checkpoints[-1] if data.checkpoints else None
     if collapse is None:
         reason = (f"no collapse of {quality_key} was found, so nothing needs resuming"
@@ -369,17 +372,22 @@ def resume_point(data: RunData, collapse: int | None, changes: list[Change], cau
             reason += f" (latest checkpoint: {latest[1]}, step {latest[0]})"
         return Resume(None, reason)
     before_collapse = [c for c in changes if c.concerning and c.step <= collapse]
+    after_peak = [c for c in before_collapse if peak_step is None or c.step >= peak_step]
+    peak = f"the peak of {quality_key} at step {peak_step}"
     prefixes = CAUSE_SIGNALS.get(cause, ())
     linked = [c for c in before_collapse if c.signal.startswith(prefixes)] if prefixes else []
     if linked:
         first = min(linked, key=lambda c: c.step)
         trouble, why = first.step, f"the first change linked to {cause}: {first.name} from step {first.step}"
-    elif before_collapse:
-        first = min(before_collapse, key=lambda c: c.step)
+    elif after_peak:
+        first = min(after_peak, key=lambda c: c.step)
         trouble = first.step
-        why = f"no cause found; the earliest change before the collapse: {first.name} from step {first.step}"
+        since = f"the first change since {peak}" if peak_step is not None else "the earliest change before the collapse"
+        why = f"no cause found; {since}: {first.name} from step {first.step}"
+    elif before_collapse:
+        trouble, why = collapse, f"the collapse at step {collapse}; no signal changed since {peak}"
     else:
-        trouble, why = collapse, f"no signal changed before the collapse at step {collapse}"
+        trouble, why = collapse, f"the collapse at step {collapse}; no signal changed before it"
     healthy = [c for c in data.checkpoints if c[0] < trouble]
     fallback = [c for c in data.checkpoints if c[0] < collapse]
     if healthy:
@@ -414,7 +422,7 @@ def analyse(data: RunData) -> Report:
         cause = "reward_hacking"
     else:
         cause = NO_CAUSE
-    resume = resume_point(data, collapse, changes, cause, quality_key)
+    resume = resume_point(data, collapse, changes, cause, quality_key, found.peak[0] if found else None)
     return Report(run=data.run, source=data.source, steps=steps, quality_signal=quality_key, collapse_step=collapse,
                   peak=peak, collapse=found, first_signals=changes, alerts=alerts, diagnosis=diagnosis,
                   last_healthy_checkpoint=resume.checkpoint, hacks=hacks, events=data.events, resume=resume,
