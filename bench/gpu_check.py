@@ -305,7 +305,8 @@ def main() -> None:
         ok = correctness(3, ("chunked", "fused"))
         at = (64, 512)
         speeds = speed(2, ((16, 64), at))
-        counts = profile_counts(*at, cpu_kernel_count())   # on CPU: no launches or copies to count, the code runs
+        # on CPU: no launches or copies to count, the code runs
+        counts = profile_counts(*at, cpu_kernels=None if args.no_cpu_kernels else cpu_kernel_count())
     else:
         if not torch.cuda.is_available():
             sys.exit("gpu_check: CUDA is not available (torch " + torch.__version__ + ")")
