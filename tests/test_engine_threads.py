@@ -56,3 +56,47 @@ def test_a_fresh_workspace_runs_compiled_when_the_default_differs_while_compilin
         assert not engine.status()["failed"]
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_eager_step_beside_a_compilation_takes_the_eager_branches(monkeypatch):
+    """torch.compiler.is_compiling() is True on every thread while any thread compiles; the engine's
+    branches read signals.settings.compiling() instead, true on the tracing thread alone. An eager
+    step on the caller's thread while the engine's thread is inside its compilation runs the eager
+    code: not counted as compiled, the eager CPU plan (chunks, its thread count), the same values."""
+    from rlwatch.signals import fused, reduce, settings
+
+    for table in ("_compiled", "_failed", "_traced", "_pending"):
+        monkeypatch.setattr(engine, table, {})
+    inside, release = threading.Event(), threading.Event()
+
+    def held_backend(graph, example_inputs):    # dynamo has traced; the compile session is still open
+        inside.set()
+        assert release.wait(600)
+        return graph.forward
+    monkeypatch.setattr(engine, "BACKEND", held_backend)
+    fields = make_step(B=8, T=16, seed=5)
+    builder = RecordBuilder(HookErrors(strict=True))
+    alone = compute_step(builder.build(0, fields, Workspace()), SignalConfig(), Workspace())
+    plans = []
+    real_plan = settings.engine_plan
+    for module in (fused, reduce):                                 # where the engine reads its plan
+        monkeypatch.setattr(module, "engine_plan", lambda device: plans.append(real_plan(device)) or plans[-1])
+    try:
+        compiling = Workspace(compile="always")
+        compute_step(builder.build(0, fields, compiling), SignalConfig(), compiling)   # starts the compilation
+        assert inside.wait(600), engine.status()
+        assert torch.compiler.is_compiling()                       # the process-wide flag, on this thread
+        assert not settings.compiling()
+        plans.clear()
+        beside = Workspace()
+        values = compute_step(builder.build(0, fields, beside), SignalConfig(), beside)
+        assert beside.compiled_steps == 0
+        assert plans and all(plan == real_plan(torch.device("cpu")) for plan in plans), plans
+        assert values.keys() == alone.keys()
+        for name, series in alone.items():
+            for labels, value in series.items():
+                assert values[name][labels] == value or (value != value and values[name][labels] != values[name][labels]), \
+                    name
+    finally:
+        release.set()
+        engine.wait()

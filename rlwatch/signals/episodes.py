@@ -42,6 +42,7 @@ import torch
 
 from . import quantities as q
 from .reduce import cached, count_into, scalar
+from .settings import compiling
 
 
 def bound_values(reward_bounds: tuple[float, float] | None) -> tuple[float, float, float]:
@@ -66,7 +67,7 @@ def episode_core(per_seq: torch.Tensor, ok: torch.Tensor, rewards: torch.Tensor 
     e: dict[str, torch.Tensor] = {"all_ok": ok, "length": lengths}
     if truncated is not None:
         e["truncated"] = truncated
-    compiled = torch.compiler.is_compiling()
+    compiled = compiling()
     parts: list[torch.Tensor] = []
     group_rows: list[torch.Tensor] = []
     if rewards is not None:
@@ -120,7 +121,7 @@ def _length_order_statistics(sorted_lengths: torch.Tensor) -> torch.Tensor:
     statistics lo and min(lo + 1, B - 1) of the sorted [B] lengths, lo = floor(q * (B - 1)); NaN for
     an empty batch (which compiled code never sees)."""
     B, Q = sorted_lengths.shape[0], len(q.LENGTH_QUANTILES)
-    if torch.compiler.is_compiling():          # B is symbolic: the positions as a tensor
+    if compiling():          # B is symbolic: the positions as a tensor
         device = sorted_lengths.device
         rank = torch.tensor(q.LENGTH_QUANTILES, dtype=torch.float64, device=device).repeat_interleave(2) * (B - 1)
         step = torch.arange(2, device=device).repeat(Q)

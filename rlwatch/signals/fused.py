@@ -38,7 +38,7 @@ from . import quantities as q
 from .lag import LAG_BUCKET_OF_BIN, LAG_SIZE, lag_finish, lag_part
 from .plans import TokenPlan, token_plan
 from .reduce import ABS_FIRST, ABS_NBINS, cached, interpolate, ranks, scalar, total
-from .settings import SAFETY_BOUND, EnginePlan, engine_plan, intra_op_threads
+from .settings import SAFETY_BOUND, EnginePlan, compiling, engine_plan, intra_op_threads
 from .valid import abs_sample, band_index, extremes, valid_terms
 
 
@@ -136,7 +136,7 @@ def token_core(mask: torch.Tensor, trainer_logp: torch.Tensor | None, sampler_lo
     # float64 (exactly: float32 sums and int64 counts fit).
     device = mask.device
     out.append(cached(("compiled", device), lambda: torch.full(
-        (1,), 1.0 if torch.compiler.is_compiling() else 0.0, dtype=torch.float64, device=device)))
+        (1,), 1.0 if compiling() else 0.0, dtype=torch.float64, device=device)))
     return torch.cat(out)
 
 
@@ -233,8 +233,8 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
     materialised, [B, T, K] float64: several times the inputs; tests/test_engine.py forbids it), in
     float64 for exact counts; eagerly in the work dtype (float64 above 2**24 positions). ``bincount``:
     the ``by`` sums by one bincount per term (the CPU plan)."""
-    compiling = torch.compiler.is_compiling()
-    dtype = torch.float64 if compiling or t["r"].numel() > _EXACT_F32_COUNT else t["r"].dtype
+    traced = compiling()
+    dtype = torch.float64 if traced or t["r"].numel() > _EXACT_F32_COUNT else t["r"].dtype
     flat: list[torch.Tensor] = [None] * plan.flat                    # type: ignore[list-item]
     by: list[list[torch.Tensor]] = [[]] * len(plan.by)               # each: its sums [width] or its 0-d ones
     labels = _by_labels(plan, index, bincount)
@@ -242,8 +242,8 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
     # terms into another, term after term (each read before the next is made): a fresh [B, T] buffer per
     # term costs its page faults. Keeps the term buffer: the 1M-token step 1.06x slower without it
     # (`python bench/bench_ab.py f17c287 --B 512 --T 2048 --rounds 8 --steps 2`, this / f17c287 = 0.943).
-    row = None if compiling else torch.empty_like(t["r"])
-    t = t if compiling else {**t, "out": torch.empty_like(t["r"])}
+    row = None if traced else torch.empty_like(t["r"])
+    t = t if traced else {**t, "out": torch.empty_like(t["r"])}
     for term in plan.per_term:
         x = term.make(t)
         for at in term.sums:
@@ -266,7 +266,7 @@ def _direct_sums(plan: TokenPlan, t: dict[str, torch.Tensor], thr: torch.Tensor,
 
 def _sum_of_squares(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """sum(x^2) in ``dtype``: compiled a fused reduction, eagerly one dot product (no [B, T] temporary)."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return total(x * x, dtype)
     flat = x.reshape(-1) if x.dtype == dtype else x.reshape(-1).to(dtype)
     return torch.dot(flat, flat)

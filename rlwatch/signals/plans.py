@@ -11,6 +11,7 @@ import torch
 
 from . import quantities as q
 from .reduce import plan
+from .settings import compiling
 
 
 Term = Callable[[dict[str, torch.Tensor]], torch.Tensor]
@@ -37,7 +38,7 @@ def _declared_term(fn: Term) -> Term:
     result in the work dtype."""
     def term(t: dict[str, torch.Tensor]) -> torch.Tensor:
         given = {k: v for k, v in t.items() if k != "out"}          # terms made for it get fresh buffers
-        if not torch.compiler.is_compiling():
+        if not compiling():
             made = fn(_TermsOnDemand(given))
         else:
             for name in q.TERMS:            # in declaration order: a term reads only those before it

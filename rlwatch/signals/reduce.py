@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .settings import engine_plan
+from .settings import compiling, engine_plan
 
 # On steps of more than EXACT_QUANTILE_MAX_TOKENS positions, |r| quantiles come from a histogram over
 # the float32 bit pattern of |r| (a sort costs n log n): for non-negative floats the
@@ -27,7 +27,7 @@ def cached(key: tuple, make: Callable[[], Any], on: torch.Tensor | None = None, 
     """``make()`` once per process and key when eager (a host-to-device copy or an operation less per
     step), or once per ``on`` (an input it is made from, where it is kept), and again when ``deps``
     differ (see :func:`plan`); compiled code makes it inline (a constant of the graph)."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return make()
     store = _CACHE if on is None else on.__dict__.setdefault("_rlwatch_cached", {})
     hit = store.get(key)
@@ -94,7 +94,7 @@ def total(x: torch.Tensor, dtype: torch.dtype | None = None, kind: str = "sum") 
     Compiled, by sequence first ([B, T] -> [B] -> 0-d): every reduction over the positions runs as B
     independent rows, which inductor fuses into one kernel of B programs whatever its split heuristics
     (otherwise a reduction over a step of symbolic size may run as one block over every position)."""
-    if torch.compiler.is_compiling() and x.dim() == 2:
+    if compiling() and x.dim() == 2:
         rows = x.sum(-1, dtype=dtype) if kind == "sum" else getattr(x, kind)(-1)
         return getattr(rows, kind)()
     return x.sum(dtype=dtype) if kind == "sum" else getattr(x, kind)()

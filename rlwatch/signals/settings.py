@@ -43,6 +43,14 @@ CPU_THREADS = 1
 FORCE_PLAN: str | None = None
 
 
+def compiling() -> bool:
+    """True while ``torch.compile`` traces the calling code, on the tracing thread alone; the branches
+    that differ between compiled and eager code read this. (``torch.compiler.is_compiling()`` is one
+    process-wide flag, True on every thread while any thread compiles: an eager step beside the engine's
+    compiling thread would take the compiled branches, and count itself as compiled.)"""
+    return torch.compiler.is_dynamo_compiling()
+
+
 class EnginePlan(NamedTuple):
     """How the fused function runs a step, chosen for its device (:func:`engine_plan`).
 
@@ -61,7 +69,7 @@ class EnginePlan(NamedTuple):
 def engine_plan(device: torch.device) -> EnginePlan:
     """The plan for a step on ``device`` (read at call time: a test may change the limits above);
     compiled code has one plan, one pass without chunks on every device."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return EnginePlan(0, 0, False, 0)
     kind = FORCE_PLAN or ("cpu" if device.type == "cpu" else "accelerator")
     if kind == "cpu":

@@ -9,6 +9,7 @@ import torch
 
 from .quantities import threshold_names
 from .reduce import ABS_SHIFT, cached, count_into, scalar, total
+from .settings import compiling
 
 
 def valid_terms(mask: torch.Tensor, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, thr: torch.Tensor,
@@ -44,7 +45,7 @@ def band_index(s: torch.Tensor, edges: torch.Tensor, stacked: bool) -> torch.Ten
     (``bucketize`` is slower on CPU)."""
     if stacked:
         return (s >= edges).sum(0)
-    if torch.compiler.is_compiling():
+    if compiling():
         return sum(s >= edges[k] for k in range(edges.shape[0]))
     # Eagerly each comparison is written as 0/1 floats (boolean results are several times slower to write
     # on CPU) and added into the first, converted once.
