@@ -217,7 +217,7 @@ def test_a_collapsed_run_is_replayed_to_its_collapse(tmp_path, transformers_inst
     assert main(["replay", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "logging.jsonl (ms-swift)" in printed and "rollout_correction/k3_kl as mismatch_kl_k3" in printed
-    assert f"COLLAPSE at {DROP}" in printed
+    assert f"COLLAPSE of eval_reward at {DROP}" in printed and "  quality: eval_reward: the peak" in printed
 
 
 def test_a_resumed_run_keeps_the_last_values_of_a_step_logged_twice(tmp_path, transformers_installed):

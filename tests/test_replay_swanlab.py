@@ -139,3 +139,17 @@ def test_an_export_of_one_run_joins_that_run():
     [listing] = load_all([str(p) for p in entry.paths()])
     assert isinstance(listing, ReplayInputError) and "--run NAME" in str(listing)
     assert entry.column_prefix + "," in str(listing) + "," and "actor/entropy_loss" not in str(listing)
+
+
+def test_a_collapse_dated_on_the_held_out_score_is_named_so_beside_the_reward_table(tmp_path, capsys):
+    """The clip-0.1 run: its validation accuracy (every 10 steps) peaks at 0.30 at step 90 while the training
+    reward, the table's column, stays below 0.09 there; the peak and the collapse carry the score's name."""
+    entry = _entry("asycn-verl-sync-clip0.1-lr1e-5")
+    files = _copies(entry, tmp_path / "exports")
+    assert main(["replay", *files, "--run", entry.column_prefix]) == 0
+    text = capsys.readouterr().out
+    score = "val-core/AIME/acc/mean@16"
+    assert f"  quality: {score}: the peak and the collapse are dated on it (the table shows the training reward)" \
+        in text
+    assert f"{score} peak 0.3016 at 90" in text and f"COLLAPSE of {score} at 260" in text
+    assert "reward peak" not in text

@@ -17,6 +17,18 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
+def _quality(result: ReplayResult) -> str | None:
+    """The logged key the post-mortem dated the peak and the collapse on, when it is not the table's
+    reward (a held-out score evaluated often enough); None when it is the reward."""
+    run, quality = result.run, result.postmortem.get("quality_signal")
+    if quality in (None, "reward_mean", run.reward_key):
+        return None
+    if quality == "heldout_score":
+        keys = [k for k, signal in run.recognised().items() if signal == "heldout_score"]
+        return keys[0] if keys else "the held-out score"
+    return quality
+
+
 def _header(result: ReplayResult) -> list[str]:
     run = result.run
     lines = [f"rlwatch replay: {_safe(run.source)} ({run.fmt}): {len(run.steps)} logged rows, steps "
@@ -26,6 +38,10 @@ def _header(result: ReplayResult) -> list[str]:
         lines.append("  reward: no recognised reward key (name it with --reward KEY); the collapse cannot be dated")
     else:
         lines.append(f"  reward: {_safe(run.reward_key)}")
+    quality = _quality(result)
+    if quality is not None:
+        lines.append(f"  quality: {_safe(quality)}: the peak and the collapse are dated on it (the table shows the "
+                     "training reward)")
     recognised = run.recognised()
     shown = ", ".join(f"{_safe(k)} as {signal}" for k, signal in recognised.items())
     lines.append(f"  read as rlwatch signals: {shown or 'none'}; {len(run.keys) - len(recognised)} other keys kept "
@@ -47,6 +63,9 @@ def _range_rows(result: ReplayResult) -> list[str]:
     size = max(1, -(-n // RANGES))
     series = dict(run.series(run.reward_key)) if run.reward_key else {}
     peak = result.postmortem.get("peak") or {}
+    quality = _quality(result)
+    peak_name, collapse_name = ("reward peak", "COLLAPSE") if quality is None else \
+        (f"{quality} peak", f"COLLAPSE of {quality}")
     out = [f"  {'steps':>13}  {'reward mean':>11}  {'min..max':>19}  events"]
     for start in range(0, n, size):
         steps = run.steps[start:start + size]
@@ -54,9 +73,9 @@ def _range_rows(result: ReplayResult) -> list[str]:
         values = [series[s] for s in steps if s in series]
         events = []
         if peak.get("step") is not None and lo <= peak["step"] <= hi:
-            events.append(f"reward peak {_fmt(peak.get('value'))} at {peak['step']}")
+            events.append(f"{peak_name} {_fmt(peak.get('value'))} at {peak['step']}")
         if result.collapse_step is not None and lo <= result.collapse_step <= hi:
-            events.append(f"COLLAPSE at {result.collapse_step}")
+            events.append(f"{collapse_name} at {result.collapse_step}")
         events += [f"{'PAGE' if a.severity == 'critical' else a.severity} {a.name} {a.state} at {a.step}"
                    for a in result.alerts if a.step is not None and lo <= a.step <= hi]
         mean = sum(values) / len(values) if values else None
