@@ -296,6 +296,19 @@ def test_a_trainer_logging_every_ten_steps_is_judged_row_by_row():
     assert judge({"policy_kl": [v if s % 10 == 0 else None for s, v in enumerate([0.02] * 500)]}) == {}
 
 
+def test_two_precursors_on_nearby_rows_of_a_sparse_log_page():
+    """precursor_steps counts logged rows, as the precursors do: the policy KL departs on rows 42-45 and the
+    gradient spikes on rows 47-48 of a log written every 10 steps, two rows apart (20 steps)."""
+    kl = [0.02, 0.025] * 20 + [0.25] * 4 + [0.02, 0.025] * 3
+    grad = [0.5, 0.6] * 23 + [0.5, 5.0, 5.0, 0.5]
+    every_tenth = {name: [v if step % 10 == 0 else None for step in range(500) for v in [rows[step // 10]]]
+                   for name, rows in (("policy_kl", kl), ("grad_norm", grad))}
+    fired = judge(every_tenth)
+    assert fired["RLWatchCollapsePrecursors"] == 470, fired
+    every_step = judge({"policy_kl": kl, "grad_norm": grad})
+    assert every_step["RLWatchCollapsePrecursors"] == 47, every_step
+
+
 def test_a_run_of_twenty_logged_rows_is_judged():
     kl = [0.02, 0.025] * 6 + [0.25] * 8                     # 20 rows: a departure from the 13th
     assert judge({"policy_kl": kl}) == {"RLWatchPolicyKLDeparture": 16}

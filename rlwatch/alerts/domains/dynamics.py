@@ -68,8 +68,8 @@ PARAMS: dict[str, Param] = {
     "dynamics_baseline_rows": Param(10.0, "Logged values a precursor's trailing baseline needs (RLWatchEntropySurge, "
                                     "RLWatchPolicyKLDeparture, RLWatchGradNormSpike, RLWatchLengthRunaway): a run "
                                     "logging 20 rows is judged from its 15th on.", low=3.0),
-    "precursor_steps": Param(10.0, "Steps within which two different precursors raising page "
-                             "(RLWatchCollapsePrecursors).", low=1.0),
+    "precursor_steps": Param(10.0, "Logged rows (steps, where the trainer logs every step) within which two "
+                             "different precursors raising page (RLWatchCollapsePrecursors).", low=1.0),
 }
 
 
@@ -156,7 +156,7 @@ def rows(key: str, signals: tuple[str, ...], hits: int = 3, of: int = 3):
                 out[labels] = (value, sum(recent) >= hits, hold or raise_)
             memory["step"], memory["last"] = h.step, out
             return out
-        judged.raw = condition
+        judged.raw, judged.signals = condition, signals
         return judged
     return wrap
 
@@ -172,10 +172,19 @@ def _ratio_rise(h: History, name: str, factor: float, floor: float = 0.0) -> Ver
     return one(now / base, now > bound, now > base + h.p("hold_fraction") * (bound - base))
 
 
+def _row(h: History) -> int:
+    """The logged rows of the precursors' signals (:data:`PRECURSOR_SIGNALS`) up to this step, a step
+    counted once: precursor_steps counts rows, as the precursors do."""
+    memory = h.memory.setdefault("precursor_rows", {"step": None, "rows": 0})
+    if memory["step"] != h.step and any(h.latest(s) is not None for s in PRECURSOR_SIGNALS):
+        memory["step"], memory["rows"] = h.step, memory["rows"] + 1
+    return memory["rows"]
+
+
 def _remember(h: History, name: str, verdicts: Verdicts) -> Verdicts:
-    """Note the step at which a precursor raised (RLWatchCollapsePrecursors reads it)."""
+    """Note the row at which a precursor raised (RLWatchCollapsePrecursors reads it)."""
     if any(raise_ for _, raise_, _ in verdicts.values()):
-        h.memory.setdefault("precursors", {})[name] = h.step
+        h.memory.setdefault("precursors", {})[name] = _row(h)
     return verdicts
 
 
@@ -266,7 +275,8 @@ def _precursors(h: History) -> Verdicts:
     for condition in PRECURSOR_CONDITIONS:      # each notes its raise once per step, whoever asks first
         condition(h)
     seen = h.memory.get("precursors", {})
-    recent = [name for name, step in seen.items() if h.step is not None and h.step - step < h.p("precursor_steps")]
+    now = _row(h)
+    recent = [name for name, row in seen.items() if now - row < h.p("precursor_steps")]
     if not seen:
         return {}
     count = float(len(recent))
@@ -274,6 +284,8 @@ def _precursors(h: History) -> Verdicts:
 
 
 PRECURSOR_CONDITIONS = (_entropy_surge, _policy_kl, _grad_spike, _grad_dead, _length_runaway, _reward_slide)
+#: The signals the precursors judge: a step that logs one of them is a row of RLWatchCollapsePrecursors.
+PRECURSOR_SIGNALS = tuple(dict.fromkeys(name for condition in PRECURSOR_CONDITIONS for name in condition.signals))
 
 
 def _runbook(meaning: str, causes: list[str], look: list[str], do: list[str]) -> Runbook:
@@ -440,7 +452,7 @@ PRECURSORS = Alert(
                 "length, reward) raised within a few steps.",
     windows="Two different precursor conditions (those of RLWatchEntropySurge, RLWatchPolicyKLDeparture, "
             "RLWatchGradNormSpike, RLWatchGradNormDead, RLWatchLengthRunaway, RLWatchRewardSlide) raised within "
-            "`precursor_steps` steps; holds while one did.",
+            "`precursor_steps` logged rows of their signals; holds while one did.",
     condition=_precursors,
     runbook=_runbook(
         "One precursor alone is often noise; two moving together are how real runs collapse: the policy KL or "
