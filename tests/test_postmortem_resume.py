@@ -59,3 +59,16 @@ def test_a_real_collapse_without_checkpoints_names_the_change_that_led_into_it(t
     assert result.postmortem["collapse_step"] == 56
     assert resume["checkpoint"] is None and resume["trouble_step"] == 42, resume
     assert "the trouble began at step 42" in resume["reason"] and "truncated_ratio from step 42" in resume["reason"]
+
+
+def test_an_entropy_surge_is_a_change_in_a_trouble_direction():
+    """Entropy rising towards random text precedes collapses as its fall does (RLWatchEntropySurge beside
+    RLWatchEntropyCollapse): a rise after the peak is where the trouble began."""
+    data = _run()
+    for step, values in data.steps:
+        values.pop("truncated_ratio")
+        values["entropy_mean"] = {(): (0.24 if step < 37 else 1.5) + 0.005 * (step % 3)}
+    report = analyse(data)
+    [rise] = [c for c in report.first_signals if c.signal == "entropy_mean"]
+    assert rise.direction == "up" and rise.concerning and rise.step == 37
+    assert report.resume.trouble_step == 37 and report.resume.checkpoint == (35, "/c/checkpoint-35")

@@ -63,7 +63,7 @@ LEADING_SIGNALS: dict[str, SignalSpec] = {
     "is_ess_ratio": SignalSpec("down", 0.05),
     "is_tis_high_ratio": SignalSpec("up", 0.05),
     "is_tis_low_ratio": SignalSpec("up", 0.05),
-    "entropy_mean": SignalSpec("down", 0.05, "nats"),
+    "entropy_mean": SignalSpec("either", 0.05, "nats"),  # a fall: RLWatchEntropyCollapse; a rise: ...Surge
     "zero_variance_groups_ratio": SignalSpec("up", 0.05),
     "truncated_ratio": SignalSpec("up", 0.05),
     "env_hack_ratio": SignalSpec("up", 0.05),
