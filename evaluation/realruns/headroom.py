@@ -27,12 +27,15 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rlwatch.alerts.domains.dynamics import BATCH_SIGNALS, SMOOTH
+
 from .corpus import CorpusRun, load_run, runs
 
-SMOOTH = 5
+#: The run's first values whose median a rise is measured against.
 BASELINE = 10
-#: Signals of the trained batch, left out on a row with no learning signal (as rlwatch's dynamics alerts do).
-BATCH = {"entropy_mean", "grad_norm", "policy_kl", "response_length_mean", "response_length_max", "clip_fraction"}
+#: Signals of the trained batch, left out on a row with no learning signal: the dynamics alerts' own, and two
+#: more of the batch that no alert reads.
+BATCH = {*BATCH_SIGNALS, "response_length_max", "clip_fraction"}
 #: A schedule, not a dynamic of the run.
 SKIPPED = {"learning_rate"}
 

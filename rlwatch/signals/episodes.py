@@ -121,7 +121,7 @@ def _length_order_statistics(sorted_lengths: torch.Tensor) -> torch.Tensor:
     statistics lo and min(lo + 1, B - 1) of the sorted [B] lengths, lo = floor(q * (B - 1)); NaN for
     an empty batch (which compiled code never sees)."""
     B, Q = sorted_lengths.shape[0], len(q.LENGTH_QUANTILES)
-    if compiling():          # B is symbolic: the positions as a tensor
+    if compiling():                  # B is symbolic: the positions as a tensor
         device = sorted_lengths.device
         rank = torch.tensor(q.LENGTH_QUANTILES, dtype=torch.float64, device=device).repeat_interleave(2) * (B - 1)
         step = torch.arange(2, device=device).repeat(Q)
